@@ -1,0 +1,14 @@
+"""specdec_kernels: fused, exact verification kernels for speculative decoding.
+
+Without CUDA the Triton kernels run in Triton's interpreter (slow, but exact): we set
+``TRITON_INTERPRET=1`` before any kernel is defined, unless the user already chose.
+"""
+
+from ._interpreter import use_interpreter_without_cuda
+
+use_interpreter_without_cuda()
+
+from .ops import VerifyOutput, verify  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["VerifyOutput", "verify", "__version__"]

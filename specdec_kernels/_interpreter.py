@@ -1,0 +1,66 @@
+"""Running the Triton kernels without a GPU.
+
+Without CUDA the kernels run in Triton's interpreter, which executes each program instance in
+NumPy. Two things must happen before the first ``@triton.jit`` decorator runs:
+
+* ``TRITON_INTERPRET=1`` must be set (we set it only when CUDA is absent and the user has not
+  chosen), and
+* the interpreter's per-call cost must be tamed: it re-patches ``triton.language`` on *every*
+  device-function call (``tl.max``, ``tl.sum`` and ``tl.philox`` are device functions), about a
+  millisecond each, which made our statistical tests (20,000+ samples) take tens of minutes.
+  Once the language is patched for the running kernel, patching again is a no-op, so we skip it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+
+def interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_interpreter_without_cuda() -> bool:
+    """Set TRITON_INTERPRET=1 when CUDA is absent (and the user did not decide); return the mode."""
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    if interpreter_requested():
+        _skip_redundant_language_patching()
+        return True
+    return False
+
+
+_PATCHED = False
+
+
+def _skip_redundant_language_patching() -> None:
+    global _PATCHED
+    if _PATCHED:
+        return
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # no triton: nothing to speed up
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if original is None or scope_type is None:  # interpreter internals changed: stay correct, slow
+        return
+
+    def already_patched(fn) -> bool:
+        langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
+        return bool(langs) and all(
+            not tl.core.is_builtin(getattr(lang, "program_id", None)) for lang in langs
+        )
+
+    def patch_lang_once(fn):
+        if already_patched(fn):
+            return scope_type()  # nothing to restore: the enclosing launch owns the patch
+        return original(fn)
+
+    interpreter._patch_lang = patch_lang_once
+    _PATCHED = True

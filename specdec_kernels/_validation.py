@@ -1,0 +1,176 @@
+"""Argument checking shared by the kernels and the reference, so both raise the same errors.
+
+Shape, dtype and device checks are free (metadata only). Value checks (ids in range,
+temperature >= 0, ...) read tensors and therefore synchronise with the GPU; they run when
+``validate=True`` and never while a CUDA graph is being captured. The kernels are memory-safe
+without them: out-of-range ids are rejected, never dereferenced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INT_DTYPES = (torch.int32, torch.int64)
+
+# Mixing constants for deriving per-request seeds from one integer seed (splitmix64-style).
+_SEED_MUL = 0x5851F42D4C957F2D - (1 << 64)  # as a signed int64
+_SEED_STEP = 0x14057B7EF767814F
+
+
+@dataclass
+class VerifyArgs:
+    """Checked, normalised arguments: per-request parameters are [B] tensors on the device."""
+
+    target_logits: torch.Tensor  # [B, G+1, V], last dim contiguous
+    draft_tokens: torch.Tensor  # [B, G] int32 | int64
+    draft: torch.Tensor | None  # [B, G, V] draft logits or probs, last dim contiguous
+    draft_mode: int  # 0 none (one-hot), 1 logits, 2 probs
+    temperature: torch.Tensor  # [B] fp32
+    top_k: torch.Tensor  # [B] int32
+    top_p: torch.Tensor  # [B] fp32
+    num_draft_tokens: torch.Tensor  # [B] int32
+    seed: torch.Tensor  # [B] int64
+    has_filter: bool  # top-k or top-p may be active for some request
+
+    @property
+    def B(self) -> int:
+        return self.target_logits.shape[0]
+
+    @property
+    def G(self) -> int:
+        return self.target_logits.shape[1] - 1
+
+    @property
+    def V(self) -> int:
+        return self.target_logits.shape[2]
+
+
+def _require(cond: bool, message: str, exc: type[Exception] = ValueError) -> None:
+    if not cond:
+        raise exc(message)
+
+
+def _check_tensor(name: str, t, ndim: int, dtypes, device) -> None:
+    _require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    _require(t.dim() == ndim, f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    _require(
+        t.dtype in dtypes,
+        f"{name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in dtypes)}",
+        TypeError,
+    )
+    _require(t.device == device, f"{name} is on {t.device} but target_logits is on {device}")
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _per_request(name, value, B, device, dtype, default_kind) -> torch.Tensor:
+    """A scalar or [B] tensor -> [B] tensor of `dtype` on `device` (no host sync)."""
+    if isinstance(value, torch.Tensor):
+        _require(value.dim() == 1 and value.shape[0] == B, f"{name} must be a scalar or a [B={B}] tensor, got shape {tuple(value.shape)}")
+        _require(value.device == device, f"{name} is on {value.device} but target_logits is on {device}")
+        _require(value.dtype.is_floating_point or value.dtype in INT_DTYPES, f"{name} has unsupported dtype {value.dtype}", TypeError)
+        if default_kind is int:
+            _require(not value.dtype.is_floating_point, f"{name} must be an integer tensor, got {value.dtype}", TypeError)
+        return value.to(dtype)
+    _require(
+        isinstance(value, (int, float)) and not isinstance(value, bool)
+        and (default_kind is float or isinstance(value, int)),
+        f"{name} must be a {default_kind.__name__} or a [B] tensor, got {value!r}",
+        TypeError,
+    )  # fmt: skip
+    return torch.full((B,), value, dtype=dtype, device=device)
+
+
+def per_request_seeds(seed, B: int, device) -> torch.Tensor:
+    """[B] int64 seeds. None: fresh random seeds; int: derived from (seed, batch index)."""
+    if seed is None:
+        return torch.randint(-(2**62), 2**62, (B,), dtype=torch.int64, device=device)
+    if isinstance(seed, torch.Tensor):
+        _require(seed.dim() == 1 and seed.shape[0] == B, f"seed must be an int or a [B={B}] tensor, got shape {tuple(seed.shape)}")
+        _require(seed.dtype in INT_DTYPES, f"seed must be an integer tensor, got {seed.dtype}", TypeError)
+        _require(seed.device == device, f"seed is on {seed.device} but target_logits is on {device}")
+        return seed.to(torch.int64)
+    _require(isinstance(seed, int) and not isinstance(seed, bool), f"seed must be None, an int or a [B] tensor, got {seed!r}", TypeError)
+    index = torch.arange(B, dtype=torch.int64)
+    mixed = (index + (seed % (1 << 62))) * _SEED_MUL + _SEED_STEP  # wraps modulo 2**64
+    return (mixed ^ (mixed >> 29)).to(device)
+
+
+def check_verify_args(
+    target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p,
+    num_draft_tokens, seed, *, validate: bool = True,
+) -> VerifyArgs:  # fmt: skip
+    _require(isinstance(target_logits, torch.Tensor), "target_logits must be a torch.Tensor", TypeError)
+    device = target_logits.device
+    _check_tensor("target_logits", target_logits, 3, FLOAT_DTYPES, device)
+    B, G1, V = target_logits.shape
+    _require(G1 >= 1, f"target_logits must have G+1 >= 1 rows per request, got shape {tuple(target_logits.shape)}")
+    _require(V >= 1, "target_logits has an empty vocabulary dimension")
+    G = G1 - 1
+    _check_tensor("draft_tokens", draft_tokens, 2, INT_DTYPES, device)
+    _require(
+        tuple(draft_tokens.shape) == (B, G),
+        f"draft_tokens must have shape [B, G] = [{B}, {G}] to match target_logits {tuple(target_logits.shape)}, got {tuple(draft_tokens.shape)}",
+    )
+    _require(draft_logits is None or draft_probs is None, "pass draft_logits or draft_probs, not both")
+    draft, mode = None, 0
+    for name, t, m in (("draft_logits", draft_logits, 1), ("draft_probs", draft_probs, 2)):
+        if t is None:
+            continue
+        _check_tensor(name, t, 3, FLOAT_DTYPES, device)
+        _require(
+            t.shape[2] == V,
+            f"vocabulary size mismatch: {name} has V={t.shape[2]} but target_logits has V={V}",
+        )
+        _require(tuple(t.shape[:2]) == (B, G), f"{name} must have shape [B, G, V] = [{B}, {G}, {V}], got {tuple(t.shape)}")
+        draft, mode = _last_dim_contiguous(t), m
+
+    temperature_t = _per_request("temperature", temperature, B, device, torch.float32, float)
+    top_k_t = _per_request("top_k", top_k, B, device, torch.int32, int)
+    top_p_t = _per_request("top_p", top_p, B, device, torch.float32, float)
+    if num_draft_tokens is None:
+        n_t = torch.full((B,), G, dtype=torch.int32, device=device)
+    else:
+        _check_tensor("num_draft_tokens", num_draft_tokens, 1, INT_DTYPES, device)
+        _require(num_draft_tokens.shape[0] == B, f"num_draft_tokens must have shape [B={B}], got {tuple(num_draft_tokens.shape)}")
+        n_t = num_draft_tokens.to(torch.int32)
+    seed_t = per_request_seeds(seed, B, device)
+    has_filter = isinstance(top_k, torch.Tensor) or top_k > 0 or isinstance(top_p, torch.Tensor) or top_p < 1.0
+
+    # Scalars are always checked; tensor values only when validating (it syncs with the GPU).
+    if not isinstance(temperature, torch.Tensor):
+        _require(temperature >= 0 and temperature == temperature, f"temperature must be >= 0, got {temperature}")
+    if not isinstance(top_k, torch.Tensor):
+        _require(top_k >= 0, f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not isinstance(top_p, torch.Tensor):
+        _require(0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}")
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if validate and not capturing and B > 0:
+        _validate_values(draft_tokens, temperature_t, top_k_t, top_p_t, n_t, G, V)
+    return VerifyArgs(
+        _last_dim_contiguous(target_logits), draft_tokens, draft, mode,
+        temperature_t, top_k_t, top_p_t, n_t, seed_t, has_filter,
+    )  # fmt: skip
+
+
+def _validate_values(draft_tokens, temperature, top_k, top_p, n, G, V) -> None:
+    bad_t = ~(temperature >= 0)  # also catches NaN
+    bad_k = top_k < 0
+    bad_p = ~((top_p > 0) & (top_p <= 1))
+    bad_n = (n < 0) | (n > G)
+    checks = torch.stack([bad_t.any(), bad_k.any(), bad_p.any(), bad_n.any()]).tolist()
+    _require(not checks[0], f"temperature must be >= 0; got {temperature[bad_t][:4].tolist()}")
+    _require(not checks[1], f"top_k must be >= 0 (0 = off); got {top_k[bad_k][:4].tolist()}")
+    _require(not checks[2], f"top_p must be in (0, 1]; got {top_p[bad_p][:4].tolist()}")
+    _require(not checks[3], f"num_draft_tokens must be in [0, G={G}]; got {n[bad_n][:4].tolist()}")
+    if G > 0:
+        used = torch.arange(G, device=draft_tokens.device)[None, :] < n[:, None]
+        out_of_range = used & ((draft_tokens < 0) | (draft_tokens >= V))
+        if bool(out_of_range.any()):
+            bad_ids = draft_tokens[out_of_range][:4].tolist()
+            raise ValueError(f"draft_tokens must be in [0, V={V}); got {bad_ids}")

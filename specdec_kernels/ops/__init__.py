@@ -1,0 +1,5 @@
+"""Fused Triton ops, one file per op."""
+
+from .verify import VerifyOutput, verify
+
+__all__ = ["VerifyOutput", "verify"]

@@ -1,0 +1,146 @@
+"""Device functions shared by the verification kernels.
+
+Conventions (shared with ``specdec_kernels.reference``):
+
+* Random numbers: ``tl.philox`` keyed by the request's 64-bit seed with counter
+  ``(c0, c1, c2, 0)`` = (vocab index or 0, draft row, purpose). A number is therefore a pure
+  function of (seed, row, purpose, index): batch size, batch order and other requests never
+  change it, and the reference replays it bit for bit.
+* Uniforms lie strictly inside (0, 1) (23 bits, exact in fp32): a uniform of 0 would accept a
+  token with target probability 0, a uniform of 1 would give an exponential of 0.
+* Logits are loaded as fp32 and *sanitised*: NaN and +inf become -inf (never sampled, never
+  accepted) and are counted so the request can be flagged.
+"""
+
+import triton
+import triton.language as tl
+
+# Purposes: third Philox counter word. Different purposes never share a random number.
+PURPOSE_ACCEPT = tl.constexpr(0)
+PURPOSE_RECOVER = tl.constexpr(1)
+PURPOSE_BONUS = tl.constexpr(2)
+
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def uniform_open(seed, c0, c1, c2):
+    """Uniform in (0, 1) from Philox(seed; c0, c1, c2, 0); arguments broadcast."""
+    zero = tl.zeros_like(c0).to(tl.int32)
+    c0 = (zero + c0).to(tl.uint32)
+    c1 = (zero + c1).to(tl.uint32)
+    c2 = (zero + c2).to(tl.uint32)
+    bits, _, _, _ = tl.philox(seed, c0, c1, c2, c0 * 0)
+    k = (bits >> 9).to(tl.float32)
+    return (k + 0.5) * 1.1920928955078125e-07  # 2**-23
+
+
+@triton.jit
+def neg_log_exponential(seed, c0, c1, c2):
+    """-log(E) with E = -log(u) ~ Exp(1): adding it to log r(x) and taking the argmax samples
+    norm(r) (exponential race / Gumbel-max), with no normalisation and no inverse CDF."""
+    u = uniform_open(seed, c0, c1, c2)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def load_logits(ptrs, mask):
+    """fp32 logits with NaN / +inf replaced by -inf; also returns the mask of replaced entries."""
+    x = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+    bad = (x != x) | (x == float("inf"))
+    return tl.where(bad, float("-inf"), x), bad
+
+
+@triton.jit
+def order_key(x):
+    """int32 key with the same order as the float32 values (for bisection on thresholds)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def key_to_float(key):
+    k = key.to(tl.int32)
+    bits = tl.where(k < 0, k ^ 0x7FFFFFFF, k)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def safe_max(m):
+    """The max to subtract before exp: -inf rows (no token kept yet) subtract 0, not -inf."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def online_softmax_update(m, z, x, keep, inv_t):
+    """Fold a [R, BLOCK] tile into the running (max, sum of exp((x - max) / T)) of each row."""
+    xk = tl.where(keep, x, float("-inf"))
+    m_new = tl.maximum(m, tl.max(xk, axis=1))
+    m_ref = safe_max(m_new)
+    z = z * tl.exp((m - m_ref) * inv_t) + tl.sum(tl.exp((xk - m_ref[:, None]) * inv_t[:, None]), axis=1)
+    return m_new, z
+
+
+@triton.jit
+def first_argmax_update(best, best_idx, vals, idx):
+    """Running (max, lowest index of the max) per row; earlier tiles win ties."""
+    tile_best = tl.max(vals, axis=1)
+    tile_idx = tl.min(tl.where(vals == tile_best[:, None], idx, 2147483647), axis=1)
+    take = tile_best > best
+    return tl.where(take, tile_best, best), tl.where(take, tile_idx, best_idx)
+
+
+@triton.jit
+def filter_threshold(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.constexpr):
+    """Raw-logit threshold per row implementing top-k then top-p (keep x >= threshold).
+
+    row_ptrs: [R, 1] pointers to the start of each row; row_ok, inv_t, top_k, top_p: [R].
+    Exact, without sorting: bisection on the float order key (32 passes each for top-k and
+    top-p, only for the rows of a tile that ask for them).
+      top-k: the k-th largest value t (largest t with #{x >= t} >= k); ties at t are kept.
+      top-p: after top-k, the largest t with sum_{x >= t} p(x) >= top_p; ties at t are kept.
+    Rows with top_k in {0} or >= V and top_p >= 1 get -inf (no filtering).
+    """
+    offs = tl.arange(0, BLOCK_V)[None, :]
+    use_k = row_ok & (top_k > 0) & (top_k < V)
+    use_p = row_ok & (top_p < 1.0)
+    thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
+    if tl.max(use_k.to(tl.int32), axis=0) > 0:
+        lo = order_key(thr).to(tl.int64)
+        hi = order_key(tl.full(inv_t.shape, float("inf"), tl.float32)).to(tl.int64)
+        for _ in range(32):
+            mid = lo + (hi - lo) // 2
+            count = tl.zeros(inv_t.shape, tl.int32)
+            for start in range(0, V, BLOCK_V):
+                cols = start + offs
+                x, _ = load_logits(row_ptrs + cols, use_k[:, None] & (cols < V))
+                hit = (order_key(x).to(tl.int64) >= mid[:, None]) & (x > float("-inf"))
+                count += tl.sum(hit.to(tl.int32), axis=1)
+            ok = count >= top_k
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        thr = tl.where(use_k, key_to_float(lo), thr)
+    if tl.max(use_p.to(tl.int32), axis=0) > 0:
+        m = tl.full(inv_t.shape, float("-inf"), tl.float32)
+        z = tl.zeros(inv_t.shape, tl.float32)
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            x, _ = load_logits(row_ptrs + cols, use_p[:, None] & (cols < V))
+            m, z = online_softmax_update(m, z, x, x >= thr[:, None], inv_t)
+        goal = top_p * z
+        m_ref = safe_max(m)
+        lo = order_key(thr).to(tl.int64)
+        hi = order_key(m).to(tl.int64) + 1
+        for _ in range(32):
+            mid = lo + (hi - lo) // 2
+            mass = tl.zeros(inv_t.shape, tl.float32)
+            for start in range(0, V, BLOCK_V):
+                cols = start + offs
+                x, _ = load_logits(row_ptrs + cols, use_p[:, None] & (cols < V))
+                hit = (order_key(x).to(tl.int64) >= mid[:, None]) & (x >= thr[:, None])
+                mass += tl.sum(tl.where(hit, tl.exp((x - m_ref[:, None]) * inv_t[:, None]), 0.0), axis=1)
+            ok = mass >= goal
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        thr = tl.where(use_p, key_to_float(lo), thr)
+    return thr

@@ -1,0 +1,572 @@
+"""Fused chain verification for speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
+
+Three launches, no host synchronisation, no Python loop over requests:
+
+1. ``_verify_row_stats_kernel``  grid (row tiles, vocab chunks): one pass over each target row
+   (and draft row) computes the online max / sum-exp of the processed logits, the greedy argmax,
+   and for the bonus row the exponential race that samples the bonus token.
+   With top-k / top-p the thresholds are found first by bisection (no sort, extra passes).
+2. ``_verify_accept_kernel``     grid (request tiles, vocab chunks): combines the chunk statistics,
+   tests every draft ``u * q(x) <= p(x)``, finds the first rejection j and, where a recovered token
+   is needed, runs the exponential race over row j of the residual ``max(p - q, 0)`` — without
+   ever writing p, q or the residual to memory.
+3. ``_verify_finalize_kernel``   grid (request tiles): reduces the chunk races and writes tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._interpreter import interpreter_requested
+from .._validation import VerifyArgs, check_verify_args
+from ._triton_helpers import (
+    PURPOSE_ACCEPT,
+    PURPOSE_BONUS,
+    PURPOSE_RECOVER,
+    filter_threshold,
+    first_argmax_update,
+    load_logits,
+    neg_log_exponential,
+    online_softmax_update,
+    safe_max,
+    uniform_open,
+)
+
+# Draft modes (constexpr): how q is given.
+DRAFT_NONE = 0  # one-hot q on the draft token (n-gram / prompt-lookup / greedy drafters)
+DRAFT_LOGITS = 1  # raw draft logits, processed like the target
+DRAFT_PROBS = 2  # the exact probabilities the draft sampled from
+
+# Row statistics written by kernel 1, one record per (row, chunk).
+STAT_M_T, STAT_Z_T, STAT_M_Q, STAT_Z_Q, STAT_GMAX, STAT_BONUS_KEY, STAT_BAD = range(7)
+NUM_STATS = 8
+IDX_GREEDY, IDX_BONUS = range(2)
+
+
+@dataclass
+class VerifyOutput:
+    """Result of :func:`verify`.
+
+    tokens:       [B, G+1] int64: accepted drafts, then one recovered-or-bonus token, then -1.
+    num_accepted: [B] int32: number of accepted drafts (the emitted token sits at this index).
+    nonfinite:    [B] bool: the request met a NaN/+inf logit (treated as -inf) or a row with no
+                  finite logit in a row it used; its tokens are valid ids but you may want to abort it.
+    """
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    nonfinite: torch.Tensor
+
+
+@triton.jit
+def _verify_row_stats_kernel(
+    # pointers
+    target_ptr,  # [B, G+1, V] fp32/fp16/bf16 raw target logits
+    draft_ptr,  # [B, G, V] raw draft logits (DRAFT_MODE == 1), otherwise unused
+    num_draft_ptr,  # [B] int32: n_b
+    temperature_ptr,  # [B] fp32: 0 = greedy
+    top_k_ptr,  # [B] int32: 0 = off
+    top_p_ptr,  # [B] fp32: 1 = off
+    seed_ptr,  # [B] int64
+    stats_ptr,  # [B*(G+1), C, NUM_STATS] fp32 out
+    idx_ptr,  # [B*(G+1), C, 2] int32 out
+    thr_ptr,  # [B*(G+1), 2] fp32 out: raw-logit thresholds of target and draft (HAS_FILTER)
+    # strides
+    stride_tb,
+    stride_tg,
+    stride_db,
+    stride_dg,
+    # sizes
+    B,
+    G,
+    V,
+    chunk_size,  # vocab entries per chunk, a multiple of BLOCK_V
+    num_chunks,
+    # constexprs
+    DRAFT_MODE: tl.constexpr,
+    HAS_FILTER: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    pid_r = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)  # flattened b * (G+1) + i
+    b = rows // (G + 1)
+    i = (rows % (G + 1)).to(tl.int32)
+    in_batch = rows < B * (G + 1)
+    n_b = tl.load(num_draft_ptr + b, mask=in_batch, other=0)
+    row_ok = in_batch & (i <= n_b)  # rows past the bonus row are never read
+    draft_ok = row_ok & (i < n_b)  # read only when DRAFT_MODE == 1
+    temperature = tl.load(temperature_ptr + b, mask=row_ok, other=1.0)
+    greedy = temperature == 0.0
+    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
+    seed = tl.load(seed_ptr + b, mask=row_ok, other=0)
+    need_bonus = row_ok & (i == n_b) & (temperature > 0.0)
+
+    t_rows = target_ptr + b[:, None] * stride_tb + i[:, None].to(tl.int64) * stride_tg
+    d_rows = draft_ptr + b[:, None] * stride_db + i[:, None].to(tl.int64) * stride_dg
+    thr_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    thr_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    if HAS_FILTER:  # launched with a single chunk: each program owns whole rows
+        top_k = tl.load(top_k_ptr + b, mask=row_ok, other=0)
+        top_p = tl.load(top_p_ptr + b, mask=row_ok, other=1.0)
+        thr_t = filter_threshold(t_rows, row_ok & ~greedy, V, inv_t, top_k, top_p, BLOCK_V)
+        tl.store(thr_ptr + rows * 2, thr_t, mask=row_ok)
+        if DRAFT_MODE == 1:
+            thr_q = filter_threshold(d_rows, draft_ok & ~greedy, V, inv_t, top_k, top_p, BLOCK_V)
+            tl.store(thr_ptr + rows * 2 + 1, thr_q, mask=draft_ok)
+
+    m_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    z_t = tl.zeros([BLOCK_R], tl.float32)
+    m_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    z_q = tl.zeros([BLOCK_R], tl.float32)
+    g_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    g_idx = tl.zeros([BLOCK_R], tl.int32)
+    bonus_key = tl.full([BLOCK_R], float("-inf"), tl.float32)  # relative to the running m_t
+    bonus_idx = tl.zeros([BLOCK_R], tl.int32)
+    bad = tl.zeros([BLOCK_R], tl.int32)
+    any_bonus = tl.max(need_bonus.to(tl.int32), axis=0) > 0
+
+    start_col = chunk * chunk_size
+    end_col = tl.minimum(start_col + chunk_size, V)
+    for start in range(start_col, end_col, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)[None, :]
+        in_chunk = cols < end_col
+        x, x_bad = load_logits(t_rows + cols, row_ok[:, None] & in_chunk)
+        bad += tl.sum(x_bad.to(tl.int32), axis=1)
+        g_max, g_idx = first_argmax_update(g_max, g_idx, x, cols)
+        m_prev = m_t
+        m_t, z_t = online_softmax_update(m_t, z_t, x, x >= thr_t[:, None], inv_t)
+        if any_bonus:
+            # Keep the race key relative to the running max so that it stays precise in fp32.
+            bonus_key -= (safe_max(m_t) - safe_max(m_prev)) * inv_t
+            logits = (x - safe_max(m_t)[:, None]) * inv_t[:, None]
+            noise = neg_log_exponential(seed[:, None], cols, i[:, None], PURPOSE_BONUS)
+            keys = tl.where((x >= thr_t[:, None]) & (x > float("-inf")) & need_bonus[:, None], logits + noise, float("-inf"))
+            bonus_key, bonus_idx = first_argmax_update(bonus_key, bonus_idx, keys, cols)
+        if DRAFT_MODE == 1:
+            xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk)
+            bad += tl.sum(xd_bad.to(tl.int32), axis=1)
+            m_q, z_q = online_softmax_update(m_q, z_q, xd, xd >= thr_q[:, None], inv_t)
+
+    rec = (rows * num_chunks + chunk) * NUM_STATS
+    tl.store(stats_ptr + rec + 0, m_t, mask=row_ok)
+    tl.store(stats_ptr + rec + 1, z_t, mask=row_ok)
+    tl.store(stats_ptr + rec + 2, m_q, mask=row_ok)
+    tl.store(stats_ptr + rec + 3, z_q, mask=row_ok)
+    tl.store(stats_ptr + rec + 4, g_max, mask=row_ok)
+    tl.store(stats_ptr + rec + 5, bonus_key, mask=row_ok)
+    tl.store(stats_ptr + rec + 6, bad.to(tl.float32), mask=row_ok)
+    irec = (rows * num_chunks + chunk) * 2
+    tl.store(idx_ptr + irec + 0, g_idx, mask=row_ok)
+    tl.store(idx_ptr + irec + 1, bonus_idx, mask=row_ok)
+
+
+@triton.jit
+def _combine_softmax(m, z, m_c, z_c, inv_t):
+    """Merge a chunk's (max, sum-exp) into the running pair."""
+    m_new = tl.maximum(m, m_c)
+    ref = safe_max(m_new)
+    z = z * tl.exp((m - ref) * inv_t) + z_c * tl.exp((m_c - ref) * inv_t)
+    return m_new, z
+
+
+@triton.jit
+def _prob_of(x, m, z, thr, inv_t):
+    """p(x) of the processed distribution given its statistics (0 for filtered or -inf logits)."""
+    kept = (x >= thr) & (x > float("-inf")) & (z > 0.0)
+    p = tl.exp((x - safe_max(m)) * inv_t) / tl.where(z > 0.0, z, 1.0)
+    return tl.where(kept, p, 0.0)
+
+
+@triton.jit
+def _select_row(vals, rows_i, j):
+    """vals[b, j[b]] for a [BLOCK_B, ROWS] tile (a gather along the small row axis)."""
+    return tl.sum(tl.where(rows_i == j[:, None], vals, 0), axis=1)
+
+
+@triton.jit
+def _verify_accept_kernel(
+    # pointers
+    target_ptr,  # [B, G+1, V] raw target logits
+    draft_ptr,  # [B, G, V] draft logits (mode 1) or draft probs (mode 2)
+    draft_tokens_ptr,  # [B, G] int32/int64
+    num_draft_ptr,  # [B] int32
+    temperature_ptr,  # [B] fp32
+    seed_ptr,  # [B] int64
+    stats_ptr,  # [B*(G+1), C, NUM_STATS] fp32 (kernel 1)
+    idx_ptr,  # [B*(G+1), C, 2] int32 (kernel 1)
+    thr_ptr,  # [B*(G+1), 2] fp32 (kernel 1, HAS_FILTER)
+    first_reject_ptr,  # [B] int32 out: j = number of accepted drafts
+    token_ptr,  # [B] int32 out: greedy or bonus token (when no recovery race is needed)
+    nonfinite_ptr,  # [B] int8 out
+    race_key_ptr,  # [B, C, 2] fp32 out: best residual key, best fallback (p) key per chunk
+    race_idx_ptr,  # [B, C, 2] int32 out
+    # strides
+    stride_tb,
+    stride_tg,
+    stride_db,
+    stride_dg,
+    stride_xb,
+    # sizes
+    B,
+    G,
+    V,
+    chunk_size,
+    num_chunks,
+    # constexprs
+    DRAFT_MODE: tl.constexpr,
+    HAS_FILTER: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    ROWS: tl.constexpr,  # next power of two >= G + 1
+    BLOCK_V: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    b_ok = b < B
+    n_b = tl.load(num_draft_ptr + b, mask=b_ok, other=0)
+    temperature = tl.load(temperature_ptr + b, mask=b_ok, other=1.0)
+    greedy = temperature == 0.0
+    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
+    seed = tl.load(seed_ptr + b, mask=b_ok, other=0)
+
+    # ---- combine the chunk statistics of every row i <= n_b: [BLOCK_B, ROWS] tiles
+    i = tl.arange(0, ROWS)[None, :]
+    row_ok = b_ok[:, None] & (i <= n_b[:, None])
+    rows = b[:, None] * (G + 1) + i
+    inv_t2 = inv_t[:, None] + tl.zeros([BLOCK_B, ROWS], tl.float32)
+    m_t = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
+    z_t = tl.zeros([BLOCK_B, ROWS], tl.float32)
+    m_q = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
+    z_q = tl.zeros([BLOCK_B, ROWS], tl.float32)
+    g_max = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
+    g_idx = tl.zeros([BLOCK_B, ROWS], tl.int32)
+    bonus_key = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
+    bonus_idx = tl.zeros([BLOCK_B, ROWS], tl.int32)
+    bad = tl.zeros([BLOCK_B, ROWS], tl.float32)
+    for c in range(0, num_chunks):
+        rec = (rows * num_chunks + c) * NUM_STATS
+        irec = (rows * num_chunks + c) * 2
+        cm_t = tl.load(stats_ptr + rec + 0, mask=row_ok, other=float("-inf"))
+        cz_t = tl.load(stats_ptr + rec + 1, mask=row_ok, other=0.0)
+        cm_q = tl.load(stats_ptr + rec + 2, mask=row_ok, other=float("-inf"))
+        cz_q = tl.load(stats_ptr + rec + 3, mask=row_ok, other=0.0)
+        c_gmax = tl.load(stats_ptr + rec + 4, mask=row_ok, other=float("-inf"))
+        c_bkey = tl.load(stats_ptr + rec + 5, mask=row_ok, other=float("-inf"))
+        bad += tl.load(stats_ptr + rec + 6, mask=row_ok, other=0.0)
+        c_gidx = tl.load(idx_ptr + irec + 0, mask=row_ok, other=0)
+        c_bidx = tl.load(idx_ptr + irec + 1, mask=row_ok, other=0)
+        take = c_gmax > g_max  # strict: the earlier chunk keeps ties (lowest index)
+        g_max = tl.where(take, c_gmax, g_max)
+        g_idx = tl.where(take, c_gidx, g_idx)
+        # Bonus race keys are relative to each chunk's max: rebase both sides on the new max.
+        m_new = tl.maximum(m_t, cm_t)
+        bonus_key -= (safe_max(m_new) - safe_max(m_t)) * inv_t2
+        c_bkey -= (safe_max(m_new) - safe_max(cm_t)) * inv_t2
+        take = c_bkey > bonus_key
+        bonus_key = tl.where(take, c_bkey, bonus_key)
+        bonus_idx = tl.where(take, c_bidx, bonus_idx)
+        m_t, z_t = _combine_softmax(m_t, z_t, cm_t, cz_t, inv_t2)
+        m_q, z_q = _combine_softmax(m_q, z_q, cm_q, cz_q, inv_t2)
+    thr_t = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
+    thr_q = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
+    if HAS_FILTER:
+        thr_t = tl.load(thr_ptr + rows * 2, mask=row_ok & ~greedy[:, None], other=float("-inf"))
+        if DRAFT_MODE == 1:
+            thr_q = tl.load(thr_ptr + rows * 2 + 1, mask=row_ok & (i < n_b[:, None]) & ~greedy[:, None], other=float("-inf"))
+
+    # ---- accept test of every draft, first rejection j
+    is_draft = b_ok[:, None] & (i < n_b[:, None])
+    tok = tl.load(draft_tokens_ptr + b[:, None] * stride_xb + i, mask=is_draft, other=0).to(tl.int64)
+    tok_ok = (tok >= 0) & (tok < V)  # out-of-range ids (validate=False) are rejected, never loaded
+    tok_safe = tl.where(tok_ok, tok, 0)
+    t_rows = target_ptr + b[:, None] * stride_tb + i.to(tl.int64) * stride_tg
+    d_rows = draft_ptr + b[:, None] * stride_db + i.to(tl.int64) * stride_dg
+    x_t, _ = load_logits(t_rows + tok_safe, is_draft)
+    p_tok = _prob_of(x_t, m_t, z_t, thr_t, inv_t2)
+    if DRAFT_MODE == 1:
+        x_q, _ = load_logits(d_rows + tok_safe, is_draft)
+        q_tok = _prob_of(x_q, m_q, z_q, thr_q, inv_t2)
+    elif DRAFT_MODE == 2:
+        q_tok = tl.load(d_rows + tok_safe, mask=is_draft, other=0.0).to(tl.float32)
+    else:
+        q_tok = tl.full([BLOCK_B, ROWS], 1.0, tl.float32)
+    u = uniform_open(seed[:, None], i * 0, i, PURPOSE_ACCEPT)
+    accept_sampled = (u * q_tok <= p_tok) & (p_tok > 0.0)  # u > 0: p = 0 is never accepted
+    accept_greedy = tok == g_idx.to(tl.int64)
+    accept = tl.where(greedy[:, None], accept_greedy, accept_sampled) & tok_ok
+    j = tl.min(tl.where(is_draft & ~accept, i, ROWS), axis=1)
+    j = tl.minimum(j, n_b)
+
+    # ---- outputs that need no second pass: greedy token / bonus token; the nonfinite flag
+    used = row_ok & (i <= j[:, None])
+    empty = used & (z_t == 0.0) & ~greedy[:, None]
+    flagged = tl.sum(tl.where(used & (bad > 0.0), 1, 0) + empty.to(tl.int32), axis=1) > 0
+    flagged = flagged | (tl.sum((is_draft & ~tok_ok).to(tl.int32), axis=1) > 0)
+    direct = tl.where(greedy, _select_row(g_idx, i, j), _select_row(bonus_idx, i, j))
+    if chunk == 0:
+        tl.store(first_reject_ptr + b, j, mask=b_ok)
+        tl.store(token_ptr + b, direct, mask=b_ok)
+        tl.store(nonfinite_ptr + b, flagged.to(tl.int8), mask=b_ok)
+
+    # ---- recovered token: exponential race over row j of the residual, this program's chunk
+    need = b_ok & ~greedy & (j < n_b)
+    res_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    res_idx = tl.zeros([BLOCK_B], tl.int32)
+    p_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    p_idx = tl.zeros([BLOCK_B], tl.int32)
+    if tl.max(need.to(tl.int32), axis=0) > 0:
+        mj_t = _select_row(m_t, i, j)
+        zj_t = _select_row(z_t, i, j)
+        thrj_t = _select_row(thr_t, i, j)
+        mj_q = _select_row(m_q, i, j)
+        zj_q = _select_row(z_q, i, j)
+        thrj_q = _select_row(thr_q, i, j)
+        tok_j = _select_row(tok_safe, i, j)
+        log_zj = tl.log(tl.where(zj_t > 0.0, zj_t, 1.0))
+        tj_row = target_ptr + b[:, None] * stride_tb + j[:, None].to(tl.int64) * stride_tg
+        dj_row = draft_ptr + b[:, None] * stride_db + j[:, None].to(tl.int64) * stride_dg
+        start_col = chunk * chunk_size
+        end_col = tl.minimum(start_col + chunk_size, V)
+        for start in range(start_col, end_col, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)[None, :]
+            lane_ok = need[:, None] & (cols < end_col)
+            x, _ = load_logits(tj_row + cols, lane_ok)
+            p = _prob_of(x, mj_t[:, None], zj_t[:, None], thrj_t[:, None], inv_t[:, None])
+            if DRAFT_MODE == 1:
+                xd, _ = load_logits(dj_row + cols, lane_ok)
+                q = _prob_of(xd, mj_q[:, None], zj_q[:, None], thrj_q[:, None], inv_t[:, None])
+                residual = tl.maximum(p - q, 0.0)
+            elif DRAFT_MODE == 2:
+                q = tl.load(dj_row + cols, mask=lane_ok, other=0.0).to(tl.float32)
+                residual = tl.where(q == q, tl.maximum(p - q, 0.0), p)  # NaN q counts as 0
+            else:
+                residual = tl.where(cols == tok_j[:, None], 0.0, p)
+            noise = neg_log_exponential(seed[:, None], cols, j[:, None], PURPOSE_RECOVER)
+            log_p = (x - safe_max(mj_t)[:, None]) * inv_t[:, None] - log_zj[:, None]
+            keys_r = tl.where(lane_ok & (residual > 0.0), tl.log(tl.maximum(residual, 1e-38)) + noise, float("-inf"))
+            keys_p = tl.where(lane_ok & (p > 0.0), log_p + noise, float("-inf"))
+            res_key, res_idx = first_argmax_update(res_key, res_idx, keys_r, cols)
+            p_key, p_idx = first_argmax_update(p_key, p_idx, keys_p, cols)
+    rec = (b * num_chunks + chunk) * 2
+    tl.store(race_key_ptr + rec + 0, res_key, mask=b_ok)
+    tl.store(race_key_ptr + rec + 1, p_key, mask=b_ok)
+    tl.store(race_idx_ptr + rec + 0, res_idx, mask=b_ok)
+    tl.store(race_idx_ptr + rec + 1, p_idx, mask=b_ok)
+
+
+@triton.jit
+def _verify_finalize_kernel(
+    # pointers
+    draft_tokens_ptr,  # [B, G] int32/int64
+    num_draft_ptr,  # [B] int32
+    temperature_ptr,  # [B] fp32
+    first_reject_ptr,  # [B] int32 (kernel 2)
+    token_ptr,  # [B] int32 (kernel 2)
+    race_key_ptr,  # [B, C, 2] fp32 (kernel 2)
+    race_idx_ptr,  # [B, C, 2] int32 (kernel 2)
+    out_tokens_ptr,  # [B, G+1] int64 out
+    out_accepted_ptr,  # [B] int32 out
+    # strides
+    stride_xb,
+    stride_ob,
+    # sizes
+    B,
+    G,
+    V,
+    num_chunks,
+    # constexprs
+    BLOCK_B: tl.constexpr,
+    ROWS: tl.constexpr,  # next power of two >= G + 1
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    b_ok = b < B
+    n_b = tl.load(num_draft_ptr + b, mask=b_ok, other=0)
+    temperature = tl.load(temperature_ptr + b, mask=b_ok, other=1.0)
+    j = tl.load(first_reject_ptr + b, mask=b_ok, other=0)
+    token = tl.load(token_ptr + b, mask=b_ok, other=0)
+    need = b_ok & (temperature > 0.0) & (j < n_b)
+    res_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    res_idx = tl.zeros([BLOCK_B], tl.int32)
+    p_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    p_idx = tl.zeros([BLOCK_B], tl.int32)
+    for c in range(0, num_chunks):
+        rec = (b * num_chunks + c) * 2
+        k_r = tl.load(race_key_ptr + rec + 0, mask=need, other=float("-inf"))
+        k_p = tl.load(race_key_ptr + rec + 1, mask=need, other=float("-inf"))
+        take_r = k_r > res_key
+        take_p = k_p > p_key
+        res_idx = tl.where(take_r, tl.load(race_idx_ptr + rec + 0, mask=need, other=0), res_idx)
+        p_idx = tl.where(take_p, tl.load(race_idx_ptr + rec + 1, mask=need, other=0), p_idx)
+        res_key = tl.where(take_r, k_r, res_key)
+        p_key = tl.where(take_p, k_p, p_key)
+    # An empty residual (p == q to fp32 precision) cannot really be hit; fall back to p.
+    recovered = tl.where(res_key > float("-inf"), res_idx, p_idx)
+    token = tl.where(need, recovered, token)
+    token = tl.minimum(tl.maximum(token, 0), V - 1).to(tl.int64)
+
+    t = tl.arange(0, ROWS)[None, :]
+    drafts = tl.load(draft_tokens_ptr + b[:, None] * stride_xb + t, mask=b_ok[:, None] & (t < j[:, None]), other=-1)
+    out = tl.where(t < j[:, None], drafts.to(tl.int64), tl.where(t == j[:, None], token[:, None], -1))
+    tl.store(out_tokens_ptr + b[:, None] * stride_ob + t, out, mask=b_ok[:, None] & (t <= G))
+    tl.store(out_accepted_ptr + b, j, mask=b_ok)
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class _LaunchPlan:
+    block_v: int
+    block_r: int  # rows per program in kernel 1
+    block_b: int  # requests per program in kernels 2 and 3
+    num_chunks: int
+    chunk_size: int
+    num_warps: int
+
+
+def _plan(args: VerifyArgs, has_filter: bool, num_chunks: int | None) -> _LaunchPlan:
+    B, G, V = args.B, args.G, args.V
+    interpreted = interpreter_requested() or args.target_logits.device.type != "cuda"
+    # The interpreter pays per operation, not per element: give it big tiles.
+    max_block_v, tile = (8192, 1 << 16) if interpreted else (2048, 4096)
+    block_v = min(_next_pow2(V), max_block_v)
+    rows = B * (G + 1)
+    block_r = max(1, min(_next_pow2(rows), tile // block_v))
+    block_b = max(1, min(_next_pow2(B), tile // block_v, 64))
+    blocks = triton.cdiv(V, block_v)
+    if has_filter:
+        num_chunks = 1  # the bisection needs whole rows
+    elif num_chunks is None:
+        if interpreted:
+            num_chunks = 1
+        else:
+            # Split the vocab so that a small batch still fills the GPU (~4 programs per SM).
+            sms = torch.cuda.get_device_properties(args.target_logits.device).multi_processor_count
+            row_tiles = triton.cdiv(rows, block_r)
+            num_chunks = min(blocks, max(1, math.ceil(4 * sms / row_tiles)), 64)
+    num_chunks = max(1, min(int(num_chunks), blocks))
+    chunk_size = triton.cdiv(blocks, num_chunks) * block_v
+    num_chunks = triton.cdiv(V, chunk_size)
+    num_warps = 8 if block_r * block_v >= 2048 else 4
+    return _LaunchPlan(block_v, block_r, block_b, num_chunks, chunk_size, num_warps)
+
+
+def _launch(args: VerifyArgs, num_chunks: int | None = None) -> VerifyOutput:
+    B, G, V = args.B, args.G, args.V
+    dev = args.target_logits.device
+    tokens = torch.empty((B, G + 1), dtype=torch.int64, device=dev)
+    num_accepted = torch.empty((B,), dtype=torch.int32, device=dev)
+    nonfinite = torch.empty((B,), dtype=torch.int8, device=dev)
+    if B == 0:
+        return VerifyOutput(tokens, num_accepted, nonfinite.bool())
+
+    has_filter = args.has_filter
+    plan = _plan(args, has_filter, num_chunks)
+    C = plan.num_chunks
+    rows = B * (G + 1)
+    stats = torch.empty((rows, C, NUM_STATS), dtype=torch.float32, device=dev)
+    idx = torch.empty((rows, C, 2), dtype=torch.int32, device=dev)
+    thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
+    first_reject = torch.empty((B,), dtype=torch.int32, device=dev)
+    direct_token = torch.empty((B,), dtype=torch.int32, device=dev)
+    race_key = torch.empty((B, C, 2), dtype=torch.float32, device=dev)
+    race_idx = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
+
+    target = args.target_logits
+    draft = args.draft if args.draft is not None else target  # never read in mode 0
+    draft_tokens = args.draft_tokens if G > 0 else torch.zeros((B, 1), dtype=torch.int64, device=dev)
+    stride_db, stride_dg = (draft.stride(0), draft.stride(1)) if args.draft is not None else (0, 0)
+    rows_p2 = _next_pow2(G + 1)
+
+    _verify_row_stats_kernel[(triton.cdiv(rows, plan.block_r), C)](
+        target, draft, args.num_draft_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+        stats, idx, thr,
+        target.stride(0), target.stride(1), stride_db, stride_dg,
+        B, G, V, plan.chunk_size, C,
+        DRAFT_MODE=args.draft_mode, HAS_FILTER=has_filter,
+        BLOCK_R=plan.block_r, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+    )  # fmt: skip
+    _verify_accept_kernel[(triton.cdiv(B, plan.block_b), C)](
+        target, draft, draft_tokens, args.num_draft_tokens, args.temperature, args.seed,
+        stats, idx, thr, first_reject, direct_token, nonfinite, race_key, race_idx,
+        target.stride(0), target.stride(1), stride_db, stride_dg, draft_tokens.stride(0),
+        B, G, V, plan.chunk_size, C,
+        DRAFT_MODE=args.draft_mode, HAS_FILTER=has_filter,
+        BLOCK_B=plan.block_b, ROWS=rows_p2, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+    )  # fmt: skip
+    block_b3 = min(_next_pow2(B), 128)
+    _verify_finalize_kernel[(triton.cdiv(B, block_b3),)](
+        draft_tokens, args.num_draft_tokens, args.temperature, first_reject, direct_token,
+        race_key, race_idx, tokens, num_accepted,
+        draft_tokens.stride(0), tokens.stride(0),
+        B, G, V, C,
+        BLOCK_B=block_b3, ROWS=rows_p2,
+    )  # fmt: skip
+    return VerifyOutput(tokens, num_accepted, nonfinite.bool())
+
+
+def verify(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_logits: torch.Tensor | None = None,
+    *,
+    draft_probs: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+    num_draft_tokens: torch.Tensor | None = None,
+    seed: int | torch.Tensor | None = None,
+    validate: bool = True,
+    _num_chunks: int | None = None,
+) -> VerifyOutput:
+    """Verify one draft chain per request; the emitted tokens are exactly target-distributed.
+
+    Shapes and dtypes:
+        target_logits:    [B, G+1, V] fp32 | fp16 | bf16 raw target logits; row i scores the token
+                          after draft i-1 (row 0: after the committed prefix); row n_b is the bonus row.
+        draft_tokens:     [B, G] int32 | int64.
+        draft_logits:     [B, G, V] raw draft logits; q = the same processing as the target's.
+        draft_probs:      [B, G, V] float, instead of draft_logits: the probabilities the draft
+                          sampled from, used as given. Neither: one-hot q (n-gram drafters).
+        temperature:      float or [B] tensor; 0 = greedy for that request.
+        top_k:            int or [B] tensor; 0 = off. top_p: float or [B] tensor in (0, 1]; 1 = off.
+        num_draft_tokens: [B] int; request b verifies drafts [0, n_b) and draws its bonus from row n_b.
+        seed:             int (per-request seeds derived from (seed, b)) or [B] int64 tensor (results
+                          independent of batch composition). Use a new seed for every call.
+        validate:         check tensor values (ids in range, temperature >= 0, ...) on the host. Skipped
+                          automatically during CUDA-graph capture; the kernels stay memory-safe either way.
+
+    Math (p = target, q = draft; processing = temperature, then top-k, then top-p, ties kept):
+        accept x_i iff u_i * q_i(x_i) <= p_i(x_i) with u_i in (0, 1), in order; at the first rejection j
+        emit y ~ norm(max(p_j - q_j, 0)) (one-hot q: p_j without x_j); if all n_b are accepted emit
+        y ~ p_{n_b}. Greedy: accept while x_i == argmax(row i) (lowest index on ties); emit the argmax.
+        Sampling uses the exponential race argmax_x log r(x) - log E_x, E_x ~ Exp(1).
+
+    Non-finite logits: NaN and +inf are treated as -inf (never accepted or sampled) and the
+    request is flagged in ``nonfinite``; a row with no finite logit emits token 0, flagged.
+
+    Returns:
+        VerifyOutput(tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool).
+
+    Example:
+        >>> out = sk.verify(target_logits, draft_tokens, draft_logits, temperature=0.7, seed=seeds)
+        >>> n = out.num_accepted  # commit out.tokens[b, : n[b] + 1]
+    """
+    args = check_verify_args(
+        target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p,
+        num_draft_tokens, seed, validate=validate,
+    )  # fmt: skip
+    return _launch(args, _num_chunks)

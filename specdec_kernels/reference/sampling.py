@@ -1,0 +1,80 @@
+"""Plain-PyTorch definitions of logit processing and of the kernels' random numbers.
+
+These functions are the specification: the Triton kernels must agree with them token for token
+when both use the same seeds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .philox import philox4x32, uniform_open
+
+# Third Philox counter word (must match ops/_triton_helpers.py).
+PURPOSE_ACCEPT = 0
+PURPOSE_RECOVER = 1
+PURPOSE_BONUS = 2
+
+
+def sanitize_logits(row: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """fp32 view of a logit row with NaN/+inf -> -inf; also whether anything was replaced."""
+    x = row.to(torch.float32)
+    bad = torch.isnan(x) | (x == float("inf"))
+    return torch.where(bad, torch.full_like(x, float("-inf")), x), bool(bad.any())
+
+
+def filter_threshold(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> float:
+    """Raw-logit threshold for top-k then top-p on a sanitised fp32 row (keep x >= threshold).
+
+    top-k keeps every token whose logit is >= the k-th largest (ties kept);
+    top-p then keeps the smallest set of highest-probability tokens whose mass is >= top_p
+    (again with ties at the boundary kept). -inf means nothing is filtered.
+    """
+    V = x.numel()
+    thr = float("-inf")
+    finite = x[x > float("-inf")]
+    if 0 < top_k < V and finite.numel() >= top_k:
+        thr = float(torch.sort(finite, descending=True).values[top_k - 1])
+    if top_p < 1.0:
+        kept = torch.sort(x[(x >= thr) & (x > float("-inf"))], descending=True).values
+        if kept.numel() > 0:
+            weights = torch.exp((kept.double() - kept[0].double()) / temperature)
+            mass = torch.cumsum(weights, 0)
+            first = int(torch.searchsorted(mass, top_p * mass[-1]))  # first index with mass >= goal
+            thr = float(kept[min(first, kept.numel() - 1)])
+    return thr
+
+
+def processed_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """float64 probabilities after temperature, top-k and top-p (all zeros if nothing is finite)."""
+    x, _ = sanitize_logits(row)
+    thr = filter_threshold(x, temperature, top_k, top_p)
+    kept = (x >= thr) & (x > float("-inf"))
+    if not bool(kept.any()):
+        return torch.zeros(x.shape, dtype=torch.float64)
+    xd = x.double()
+    m = xd[kept].max()
+    w = torch.where(kept, torch.exp((xd - m) / temperature), torch.zeros_like(xd))
+    return w / w.sum()
+
+
+def uniforms(seed: int, c0, row: int, purpose: int) -> np.ndarray:
+    """float32 uniforms in (0, 1) for counters (c0, row, purpose, 0) under `seed`."""
+    bits, _, _, _ = philox4x32(np.int64(seed), np.asarray(c0), row, purpose, 0)
+    return uniform_open(bits)
+
+
+def exponential_race(log_weights: torch.Tensor, seed: int, row: int, purpose: int) -> int:
+    """argmax_x log w(x) - log E_x with E_x = -log u_x: a sample from norm(w); -1 if w == 0."""
+    V = log_weights.numel()
+    u = torch.from_numpy(uniforms(seed, np.arange(V), row, purpose)).double()
+    keys = log_weights.double() - torch.log(-torch.log(u))
+    keys = torch.where(torch.isnan(keys), torch.full_like(keys, float("-inf")), keys)
+    if not bool((keys > float("-inf")).any()):
+        return -1
+    return int(torch.argmax(keys))  # first index among exact ties
+
+
+def safe_log(w: torch.Tensor) -> torch.Tensor:
+    return torch.where(w > 0, torch.log(torch.where(w > 0, w, torch.ones_like(w))), torch.full_like(w, float("-inf")))

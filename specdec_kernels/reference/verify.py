@@ -1,0 +1,109 @@
+"""Reference chain verification: the specification of ``specdec_kernels.verify``.
+
+A loop over requests and rows in float64. It shares the argument checks and the counter-based
+random numbers with the kernels, so for equal seeds both return the same tokens (up to float
+rounding ties, which random inputs essentially never hit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import check_verify_args
+from ..ops.verify import VerifyOutput
+from .sampling import (
+    PURPOSE_ACCEPT,
+    PURPOSE_BONUS,
+    PURPOSE_RECOVER,
+    exponential_race,
+    processed_probs,
+    safe_log,
+    sanitize_logits,
+    uniforms,
+)
+
+
+def verify_reference(
+    target_logits, draft_tokens, draft_logits=None, *, draft_probs=None, temperature=1.0,
+    top_k=0, top_p=1.0, num_draft_tokens=None, seed=None, validate=True,
+) -> VerifyOutput:  # fmt: skip
+    """Same contract as :func:`specdec_kernels.verify`; see its docstring."""
+    args = check_verify_args(
+        target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p,
+        num_draft_tokens, seed, validate=validate,
+    )  # fmt: skip
+    B, G, V = args.B, args.G, args.V
+    cpu = {k: v.cpu() for k, v in vars(args).items() if isinstance(v, torch.Tensor)}
+    tokens = torch.full((B, G + 1), -1, dtype=torch.int64)
+    num_accepted = torch.zeros(B, dtype=torch.int32)
+    nonfinite = torch.zeros(B, dtype=torch.bool)
+    for b in range(B):
+        accepted, token, flagged = _verify_request(
+            target=cpu["target_logits"][b],
+            drafts=cpu["draft_tokens"][b].tolist(),
+            draft=cpu["draft"][b] if args.draft is not None else None,
+            mode=args.draft_mode,
+            temperature=float(cpu["temperature"][b]),
+            top_k=int(cpu["top_k"][b]),
+            top_p=float(cpu["top_p"][b]),
+            n=int(cpu["num_draft_tokens"][b]),
+            seed=int(cpu["seed"][b]),
+            V=V,
+        )
+        tokens[b, :accepted] = torch.tensor(cpu["draft_tokens"][b][:accepted].tolist(), dtype=torch.int64)
+        tokens[b, accepted] = token
+        num_accepted[b] = accepted
+        nonfinite[b] = flagged
+    dev = target_logits.device
+    return VerifyOutput(tokens.to(dev), num_accepted.to(dev), nonfinite.to(dev))
+
+
+def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, seed, V):
+    """(number accepted, emitted token, nonfinite flag) for one request."""
+    greedy = temperature == 0.0
+    flagged = False
+    for i in range(n + 1):
+        x, bad = sanitize_logits(target[i])
+        flagged |= bad
+        if mode == 1 and i < n:
+            flagged |= sanitize_logits(draft[i])[1]
+        if greedy:
+            best = int(torch.argmax(x))  # NaN already -inf; first index on ties
+            if i < n and 0 <= drafts[i] < V and drafts[i] == best:
+                continue
+            flagged |= i < n and not 0 <= drafts[i] < V
+            return i, best, flagged
+        p = processed_probs(target[i], temperature, top_k, top_p)
+        flagged |= not bool((p > 0).any())
+        if i == n:  # all drafts accepted: bonus token from p_n
+            return n, _race_or_zero(safe_log(p), seed, i, PURPOSE_BONUS), flagged
+        tok = drafts[i]
+        if not 0 <= tok < V:
+            q = None
+            flagged = True
+        elif mode == 1:
+            q = processed_probs(draft[i], temperature, top_k, top_p)
+        elif mode == 2:
+            q = draft[i].double()
+            q = torch.where(torch.isnan(q), torch.zeros_like(q), q)
+        else:
+            q = torch.zeros(V, dtype=torch.float64)
+            q[tok] = 1.0
+        if q is not None:
+            u = float(uniforms(seed, 0, i, PURPOSE_ACCEPT))
+            p_tok, q_tok = float(p[tok]), float(q[tok])
+            if p_tok > 0 and u * q_tok <= p_tok:
+                continue
+        residual = torch.clamp(p - q, min=0) if q is not None and mode != 0 else p.clone()
+        if mode == 0 and 0 <= tok < V:
+            residual[tok] = 0.0
+        token = exponential_race(safe_log(residual), seed, i, PURPOSE_RECOVER)
+        if token < 0:  # empty residual (p == q to rounding): fall back to p, as the kernel does
+            token = _race_or_zero(safe_log(p), seed, i, PURPOSE_RECOVER)
+        return i, token, flagged
+    raise AssertionError("unreachable")
+
+
+def _race_or_zero(log_w, seed, row, purpose) -> int:
+    token = exponential_race(log_w, seed, row, purpose)
+    return max(token, 0)
