@@ -16,7 +16,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INT_DTYPES = (torch.int32, torch.int64)
 
 # Mixing constants for deriving per-request seeds from one integer seed (splitmix64-style).
-_SEED_MUL = 0x5851F42D4C957F2D - (1 << 64)  # as a signed int64
+_SEED_MUL = 0x5851F42D4C957F2D  # odd, < 2**63
 _SEED_STEP = 0x14057B7EF767814F
 
 
@@ -96,8 +96,9 @@ def per_request_seeds(seed, B: int, device) -> torch.Tensor:
         _require(seed.device == device, f"seed is on {seed.device} but target_logits is on {device}")
         return seed.to(torch.int64)
     _require(isinstance(seed, int) and not isinstance(seed, bool), f"seed must be None, an int or a [B] tensor, got {seed!r}", TypeError)
-    index = torch.arange(B, dtype=torch.int64)
-    mixed = (index + (seed % (1 << 62))) * _SEED_MUL + _SEED_STEP  # wraps modulo 2**64
+    index = torch.arange(B, dtype=torch.int64) + (seed % (1 << 62))
+    mul = torch.tensor(_SEED_MUL, dtype=torch.int64)
+    mixed = index * mul + _SEED_STEP  # int64 arithmetic wraps modulo 2**64
     return (mixed ^ (mixed >> 29)).to(device)
 
 

@@ -437,12 +437,12 @@ class _LaunchPlan:
     num_warps: int
 
 
-def _plan(args: VerifyArgs, has_filter: bool, num_chunks: int | None) -> _LaunchPlan:
+def _plan(args: VerifyArgs, has_filter: bool, num_chunks: int | None, block_v: int | None) -> _LaunchPlan:
     B, G, V = args.B, args.G, args.V
     interpreted = interpreter_requested() or args.target_logits.device.type != "cuda"
     # The interpreter pays per operation, not per element: give it big tiles.
     max_block_v, tile = (8192, 1 << 16) if interpreted else (2048, 4096)
-    block_v = min(_next_pow2(V), max_block_v)
+    block_v = min(_next_pow2(V), block_v or max_block_v)
     rows = B * (G + 1)
     block_r = max(1, min(_next_pow2(rows), tile // block_v))
     block_b = max(1, min(_next_pow2(B), tile // block_v, 64))
@@ -464,7 +464,7 @@ def _plan(args: VerifyArgs, has_filter: bool, num_chunks: int | None) -> _Launch
     return _LaunchPlan(block_v, block_r, block_b, num_chunks, chunk_size, num_warps)
 
 
-def _launch(args: VerifyArgs, num_chunks: int | None = None) -> VerifyOutput:
+def _launch(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None = None) -> VerifyOutput:
     B, G, V = args.B, args.G, args.V
     dev = args.target_logits.device
     tokens = torch.empty((B, G + 1), dtype=torch.int64, device=dev)
@@ -474,7 +474,7 @@ def _launch(args: VerifyArgs, num_chunks: int | None = None) -> VerifyOutput:
         return VerifyOutput(tokens, num_accepted, nonfinite.bool())
 
     has_filter = args.has_filter
-    plan = _plan(args, has_filter, num_chunks)
+    plan = _plan(args, has_filter, num_chunks, block_v)
     C = plan.num_chunks
     rows = B * (G + 1)
     stats = torch.empty((rows, C, NUM_STATS), dtype=torch.float32, device=dev)
@@ -531,6 +531,7 @@ def verify(
     seed: int | torch.Tensor | None = None,
     validate: bool = True,
     _num_chunks: int | None = None,
+    _block_v: int | None = None,
 ) -> VerifyOutput:
     """Verify one draft chain per request; the emitted tokens are exactly target-distributed.
 
@@ -569,4 +570,4 @@ def verify(
         target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p,
         num_draft_tokens, seed, validate=validate,
     )  # fmt: skip
-    return _launch(args, _num_chunks)
+    return _launch(args, _num_chunks, _block_v)

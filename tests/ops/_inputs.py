@@ -1,0 +1,28 @@
+"""Random verification problems shared by the verify tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_problem(
+    B: int,
+    G: int,
+    V: int,
+    *,
+    dtype=torch.float32,
+    device="cpu",
+    closeness: float = 0.5,
+    scale: float = 2.0,
+    seed: int = 0,
+):
+    """Target logits [B, G+1, V], draft logits [B, G, V] near the target, drafts sampled from q."""
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.randn(B, G + 1, V, generator=gen) * scale
+    draft = target[:, :G] + torch.randn(B, G, V, generator=gen) * scale * closeness
+    if G > 0 and B > 0:
+        q = torch.softmax(draft.reshape(-1, V), dim=-1)
+        tokens = torch.multinomial(q, 1, generator=gen).reshape(B, G)
+    else:
+        tokens = torch.zeros(B, G, dtype=torch.int64)
+    return target.to(dtype).to(device), tokens.to(device), draft.to(dtype).to(device)
