@@ -441,11 +441,11 @@ def _plan(args: VerifyArgs, has_filter: bool, num_chunks: int | None, block_v: i
     B, G, V = args.B, args.G, args.V
     interpreted = interpreter_requested() or args.target_logits.device.type != "cuda"
     # The interpreter pays per operation, not per element: give it big tiles.
-    max_block_v, tile = (8192, 1 << 16) if interpreted else (2048, 4096)
+    max_block_v, tile, max_block_b = (8192, 1 << 16, 4096) if interpreted else (2048, 4096, 64)
     block_v = min(_next_pow2(V), block_v or max_block_v)
     rows = B * (G + 1)
     block_r = max(1, min(_next_pow2(rows), tile // block_v))
-    block_b = max(1, min(_next_pow2(B), tile // block_v, 64))
+    block_b = max(1, min(_next_pow2(B), tile // block_v, max_block_b))
     blocks = triton.cdiv(V, block_v)
     if has_filter:
         num_chunks = 1  # the bisection needs whole rows

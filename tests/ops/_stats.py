@@ -1,0 +1,107 @@
+"""Statistical exactness machinery: goodness-of-fit tests and a simulator of (wrong) variants.
+
+Thresholds: every test statistic is compared at ALPHA = 1e-6. A verification test file runs
+fewer than 30 statistics, so a correct kernel fails a run with probability < 3e-5 (< 1 in
+10,000 runs as required). Power is shown, not assumed: each test also runs the same statistic
+on a deliberately wrong variant and asserts that it is rejected.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from scipy import stats
+
+ALPHA = 1e-6
+
+
+def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of integer samples to `probs`; cells with expected count < 5 are pooled.
+
+    A sample on a zero-probability token gives p-value 0 (an impossible outcome).
+    """
+    samples = samples.cpu().long()
+    probs = probs.cpu().double()
+    n = samples.numel()
+    assert n > 0
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep].numpy(), exp[keep].numpy()
+    if obs.size < 2:
+        return 1.0
+    exp = exp * (obs.sum() / exp.sum())  # remove float dust so scipy accepts the sums
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def binomial_pvalue(successes: int, trials: int, prob: float) -> float:
+    return float(stats.binomtest(int(successes), int(trials), prob).pvalue)
+
+
+def min_detectable_tv(n: int, probs: torch.Tensor, power: float = 0.99) -> float:
+    """A rough statement of power: the smallest TV bias the chi-square test detects with `power`.
+
+    Uses the noncentral chi-square approximation with a bias spread over the two largest cells.
+    """
+    df = int((probs * n >= 5).sum())
+    crit = stats.chi2.ppf(1 - ALPHA, df)
+    for tv in np.linspace(0.001, 0.5, 500):
+        p_sorted = probs.sort(descending=True).values.double()
+        lam = n * (tv**2 / float(p_sorted[0]) + tv**2 / float(p_sorted[1]))
+        if stats.ncx2.sf(crit, df, lam) >= power:
+            return float(tv)
+    return math.inf
+
+
+def sample_rows(probs: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
+    """n samples from each of the distributions in probs [R, V] -> [n, R]."""
+    return torch.multinomial(probs.double(), n, replacement=True, generator=gen).T.contiguous()
+
+
+def simulate_chain(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, gen: torch.Generator, *, variant: str):
+    """Vectorised chain verification with a pluggable (possibly wrong) rule, for power checks.
+
+    p: [G+1, V], q: [G, V] or None for one-hot drafts, drafts [N, G]
+    -> tokens [N, G+1] (-1 padded), num_accepted [N].
+    Variants: "correct", "resample_from_p" (rejection resamples p instead of the residual; for
+    one-hot drafts: without removing the rejected token), "residual_abs" (|p - q| instead of
+    max(p - q, 0)), "inverted_ratio" (accept w.p. min(1, q/p)).
+    """
+    N, G = drafts.shape
+    p = p.double()
+    rows = torch.arange(G)
+    p_tok = p[rows, drafts]  # [N, G]
+    q_tok = q.double()[rows, drafts] if q is not None else torch.ones_like(p_tok)
+    u = torch.rand(N, G, generator=gen, dtype=torch.float64)
+    if variant == "inverted_ratio":
+        accept = u * p_tok <= q_tok
+    else:
+        accept = u * q_tok <= p_tok
+    rejected = ~accept
+    first = torch.where(rejected.any(1), rejected.int().argmax(1), torch.full((N,), G))
+    cols = torch.arange(G + 1)[None, :]
+    padded = torch.cat([drafts, torch.zeros(N, 1, dtype=drafts.dtype)], 1)
+    tokens = torch.where(cols < first[:, None], padded, torch.full_like(padded, -1))
+    final = torch.empty(N, dtype=torch.int64)
+    for j in range(G + 1):
+        sel = first == j
+        if not bool(sel.any()):
+            continue
+        if j == G or variant == "resample_from_p":
+            w = p[j].expand(int(sel.sum()), -1)
+        elif q is None:  # one-hot: p without the rejected draft
+            w = p[j].expand(int(sel.sum()), -1).scatter(1, drafts[sel, j : j + 1], 0.0)
+        elif variant == "residual_abs":
+            w = (p[j] - q[j]).abs().expand(int(sel.sum()), -1)
+        else:
+            w = (p[j] - q[j]).clamp(min=0).expand(int(sel.sum()), -1)
+        final[sel] = torch.multinomial(w, 1, generator=gen)[:, 0]
+    tokens[torch.arange(N), first] = final
+    return tokens, first.int()
