@@ -101,9 +101,9 @@ def _verify_row_stats_kernel(
     in_batch = rows < B * (G + 1)
     n_b = tl.load(num_draft_ptr + b, mask=in_batch, other=0)
     row_ok = in_batch & (i <= n_b)  # rows past the bonus row are never read
-    draft_ok = row_ok & (i < n_b)  # read only when DRAFT_MODE == 1
     temperature = tl.load(temperature_ptr + b, mask=row_ok, other=1.0)
     greedy = temperature == 0.0
+    draft_ok = row_ok & (i < n_b) & ~greedy  # draft rows are read only in DRAFT_MODE 1, never for greedy
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
     seed = tl.load(seed_ptr + b, mask=row_ok, other=0)
     need_bonus = row_ok & (i == n_b) & (temperature > 0.0)

@@ -1,0 +1,330 @@
+"""Helpers shared by the microbenchmarks in ``bench/``.
+
+Every benchmark script here follows the same recipe:
+
+1. ``prepare_environment(device)`` first: puts the repo root on ``sys.path`` (so the working-tree
+   ``specdec_kernels`` is benchmarked without installing it) and, when CUDA is absent, sets
+   ``TRITON_INTERPRET=1`` *before* anything imports Triton kernels.
+2. ``measure_copy_bandwidth(device)`` once per run: the practical memory-bandwidth ceiling that
+   the rows' ``floor_us`` is computed against.
+3. ``time_fn(fn, warmup, rep)`` per (provider, shape): median and p20/p80 in microseconds.
+4. ``print_table`` for people, ``append_rows_csv`` (and optionally ``write_json``) for history;
+   ``environment_metadata()`` goes into every row so that rows from different runs, commits and
+   machines can share one CSV.
+
+Units: times in microseconds, bandwidth in GB/s with GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Buffer sizes for the copy-bandwidth probe. 1 GiB on a GPU is far larger than any L2 cache, so the
+# copy streams from and to DRAM; on CPU a smaller buffer keeps the probe quick (it is only indicative
+# there anyway: CPU runs go through the Triton interpreter and are not about bandwidth).
+GPU_COPY_BYTES = 1 << 30
+CPU_COPY_BYTES = 64 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------------
+
+
+def add_repo_root_to_path() -> None:
+    """Let ``import specdec_kernels`` find the working tree when a script runs as ``python bench/x.py``."""
+    root = str(REPO_ROOT)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def use_triton_interpreter_without_cuda(device: str | None = None) -> bool:
+    """Set ``TRITON_INTERPRET=1`` when CUDA is absent or ``device`` is the CPU (unless the user chose).
+
+    Returns whether the interpreter is on. Must run before ``specdec_kernels`` is imported: Triton
+    reads the variable when the kernels are decorated, so setting it later has no effect.
+    """
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        # Compiled Triton kernels need CUDA tensors; CPU tensors only work through the interpreter.
+        if not torch.cuda.is_available() or str(device or "").startswith("cpu"):
+            os.environ["TRITON_INTERPRET"] = "1"
+    return triton_interpreter_enabled()
+
+
+def triton_interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def prepare_environment(device: str | None = None) -> None:
+    """Call first in a benchmark's main(), before anything imports ``specdec_kernels``."""
+    add_repo_root_to_path()
+    use_triton_interpreter_without_cuda(device)
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def git_commit() -> str:
+    """Short commit hash of the repo, or "unknown" (no git, no commits yet, not a checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and commit else "unknown"
+
+
+def _cpu_model_name() -> str:
+    # platform.processor() is empty on many Linux systems; /proc/cpuinfo has the marketing name.
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def device_name(device: str | None = None) -> str:
+    import torch
+
+    device = device or default_device()
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{_cpu_model_name()} cpu"
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return getattr(triton, "__version__", "unknown")
+
+
+def utc_now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def environment_metadata(device: str | None = None) -> dict:
+    """What a benchmark row needs to be comparable later: when, which code, which machine and stack."""
+    import torch
+
+    device = device or default_device()
+    return {
+        "date": utc_now_iso(),
+        "commit": git_commit(),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "cuda": torch.version.cuda or "none",
+        "python": platform.python_version(),
+        # CPU rows time the Triton *interpreter*; keep that visible next to every number.
+        "triton_interpret": int(triton_interpreter_enabled()),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile of an already sorted, non-empty sequence."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize_us(samples_us: Sequence[float]) -> dict:
+    s = sorted(samples_us)
+    return {
+        "median_us": _quantile(s, 0.5),
+        "p20_us": _quantile(s, 0.2),
+        "p80_us": _quantile(s, 0.8),
+    }
+
+
+def _time_cuda_us(fn: Callable[[], object], rep: int) -> list[float]:
+    import torch
+
+    # One event pair per call, read after a single synchronisation, so the host keeps launching
+    # ahead exactly as it would in a serving loop. If launching is slower than the GPU work, the
+    # idle gap between the events is counted too, which is what a caller would experience.
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) * 1e3 for start, end in zip(starts, ends)]
+
+
+def _time_cpu_us(fn: Callable[[], object], rep: int) -> list[float]:
+    samples = []
+    for _ in range(rep):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return samples
+
+
+def time_fn(fn: Callable[[], object], warmup: int, rep: int, device: str | None = None) -> dict:
+    """Time ``fn()`` ``rep`` times after ``warmup`` untimed calls.
+
+    CUDA: CUDA events around each call. CPU: ``time.perf_counter``. (Not ``triton.testing.do_bench``:
+    it needs a GPU and fails under the Triton interpreter.) Caches are not flushed between calls.
+
+    Returns ``{"median_us", "p20_us", "p80_us"}``.
+    """
+    import torch
+
+    if rep < 1:
+        raise ValueError(f"rep must be >= 1, got {rep}")
+    on_cuda = str(device or default_device()).startswith("cuda")
+    for _ in range(max(0, warmup)):
+        fn()
+    if on_cuda:
+        torch.cuda.synchronize()
+        samples = _time_cuda_us(fn, rep)
+    else:
+        samples = _time_cpu_us(fn, rep)
+    return summarize_us(samples)
+
+
+def measure_copy_bandwidth(device: str | None = None, nbytes: int | None = None,
+                           warmup: int = 3, rep: int = 10) -> float:
+    """Device-to-device copy bandwidth in GB/s: (bytes read + bytes written) / median copy time.
+
+    This is the practical ceiling for a kernel that streams its input once, so ``bytes / this``
+    is the time such a kernel cannot beat on this machine.
+    """
+    import torch
+
+    device = str(device or default_device())
+    if nbytes is None:
+        nbytes = GPU_COPY_BYTES if device.startswith("cuda") else CPU_COPY_BYTES
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src.fill_(1)  # touch the pages so that the first timed copy does not pay for page faults
+    dst = torch.empty_like(src)
+    stats = time_fn(lambda: dst.copy_(src), warmup=warmup, rep=rep, device=device)
+    del src, dst
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return 2 * nbytes / (stats["median_us"] * 1e-6) / 1e9
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[dict]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def append_rows_csv(path: str | os.PathLike, rows: Iterable[Mapping], columns: Sequence[str] | None = None) -> None:
+    """Append ``rows`` to the CSV at ``path``; create it (and its folder) with a header if missing.
+
+    ``columns`` defaults to the keys of the first row. If the file already exists with other
+    columns (an older version of the script), it is rewritten once with the union of the columns so
+    that history is kept and no column silently disappears.
+    """
+    rows = [dict(r) for r in rows]
+    if not rows:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = list(columns or rows[0].keys())
+    if path.exists() and path.stat().st_size > 0:
+        old_columns, old_rows = _read_csv(path)
+        if old_columns == columns:
+            _write_csv(path, columns, rows, mode="a", header=False)
+            return
+        merged = old_columns + [c for c in columns if c not in old_columns]
+        _write_csv(path, merged, old_rows + rows, mode="w", header=True)
+        return
+    _write_csv(path, columns, rows, mode="w", header=True)
+
+
+def _write_csv(path: Path, columns: Sequence[str], rows: Sequence[Mapping], mode: str, header: bool) -> None:
+    with open(path, mode, newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore", restval="")
+        if header:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _csv_value(v) for k, v in row.items()})
+
+
+def _csv_value(v):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+def write_json(path: str | os.PathLike, rows: Sequence[Mapping], metadata: Mapping | None = None) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"metadata": dict(metadata or {}), "rows": [dict(r) for r in rows]}, f, indent=2)
+        f.write("\n")
+
+
+def format_cell(v) -> str:
+    if v is None or v == "":
+        return "-"
+    if isinstance(v, float):
+        if v != v:  # NaN
+            return "nan"
+        if abs(v) >= 100:
+            return f"{v:.0f}"
+        if abs(v) >= 10:
+            return f"{v:.1f}"
+        return f"{v:.3g}" if abs(v) < 0.01 else f"{v:.2f}"
+    return str(v)
+
+
+def print_table(rows: Sequence[Mapping], columns: Sequence[str], file=None) -> None:
+    """Print ``rows`` as a fixed-width text table: text columns left-aligned, numbers right-aligned."""
+    file = file or sys.stdout
+    cells = [[format_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) in (None, "") for r in rows) for c in columns]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric))
+
+    print(line(list(columns)), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for row in cells:
+        print(line(row), file=file)
+    file.flush()
