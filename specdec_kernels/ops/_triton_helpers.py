@@ -108,12 +108,12 @@ def filter_threshold(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.const
     if tl.max(use_k.to(tl.int32), axis=0) > 0:
         lo = order_key(thr).to(tl.int64)
         hi = order_key(tl.full(inv_t.shape, float("inf"), tl.float32)).to(tl.int64)
-        for _ in range(32):
+        for _step in range(32):
             mid = lo + (hi - lo) // 2
             count = tl.zeros(inv_t.shape, tl.int32)
             for start in range(0, V, BLOCK_V):
                 cols = start + offs
-                x, _ = load_logits(row_ptrs + cols, use_k[:, None] & (cols < V))
+                x, _bad = load_logits(row_ptrs + cols, use_k[:, None] & (cols < V))
                 hit = (order_key(x).to(tl.int64) >= mid[:, None]) & (x > float("-inf"))
                 count += tl.sum(hit.to(tl.int32), axis=1)
             ok = count >= top_k
@@ -125,18 +125,18 @@ def filter_threshold(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.const
         z = tl.zeros(inv_t.shape, tl.float32)
         for start in range(0, V, BLOCK_V):
             cols = start + offs
-            x, _ = load_logits(row_ptrs + cols, use_p[:, None] & (cols < V))
+            x, _bad = load_logits(row_ptrs + cols, use_p[:, None] & (cols < V))
             m, z = online_softmax_update(m, z, x, x >= thr[:, None], inv_t)
         goal = top_p * z
         m_ref = safe_max(m)
         lo = order_key(thr).to(tl.int64)
         hi = order_key(m).to(tl.int64) + 1
-        for _ in range(32):
+        for _step in range(32):
             mid = lo + (hi - lo) // 2
             mass = tl.zeros(inv_t.shape, tl.float32)
             for start in range(0, V, BLOCK_V):
                 cols = start + offs
-                x, _ = load_logits(row_ptrs + cols, use_p[:, None] & (cols < V))
+                x, _bad = load_logits(row_ptrs + cols, use_p[:, None] & (cols < V))
                 hit = (order_key(x).to(tl.int64) >= mid[:, None]) & (x >= thr[:, None])
                 mass += tl.sum(tl.where(hit, tl.exp((x - m_ref[:, None]) * inv_t[:, None]), 0.0), axis=1)
             ok = mass >= goal

@@ -44,7 +44,8 @@ DRAFT_PROBS = 2  # the exact probabilities the draft sampled from
 
 # Row statistics written by kernel 1, one record per (row, chunk).
 STAT_M_T, STAT_Z_T, STAT_M_Q, STAT_Z_Q, STAT_GMAX, STAT_BONUS_KEY, STAT_BAD = range(7)
-NUM_STATS = 8
+NUM_STATS_HOST = 8
+NUM_STATS = tl.constexpr(NUM_STATS_HOST)
 IDX_GREEDY, IDX_BONUS = range(2)
 
 
@@ -288,10 +289,10 @@ def _verify_accept_kernel(
     tok_safe = tl.where(tok_ok, tok, 0)
     t_rows = target_ptr + b[:, None] * stride_tb + i.to(tl.int64) * stride_tg
     d_rows = draft_ptr + b[:, None] * stride_db + i.to(tl.int64) * stride_dg
-    x_t, _ = load_logits(t_rows + tok_safe, is_draft)
+    x_t, _bad_t = load_logits(t_rows + tok_safe, is_draft)
     p_tok = _prob_of(x_t, m_t, z_t, thr_t, inv_t2)
     if DRAFT_MODE == 1:
-        x_q, _ = load_logits(d_rows + tok_safe, is_draft)
+        x_q, _bad_q = load_logits(d_rows + tok_safe, is_draft)
         q_tok = _prob_of(x_q, m_q, z_q, thr_q, inv_t2)
     elif DRAFT_MODE == 2:
         q_tok = tl.load(d_rows + tok_safe, mask=is_draft, other=0.0).to(tl.float32)
@@ -337,10 +338,10 @@ def _verify_accept_kernel(
         for start in range(start_col, end_col, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)[None, :]
             lane_ok = need[:, None] & (cols < end_col)
-            x, _ = load_logits(tj_row + cols, lane_ok)
+            x, _bad_x = load_logits(tj_row + cols, lane_ok)
             p = _prob_of(x, mj_t[:, None], zj_t[:, None], thrj_t[:, None], inv_t[:, None])
             if DRAFT_MODE == 1:
-                xd, _ = load_logits(dj_row + cols, lane_ok)
+                xd, _bad_d = load_logits(dj_row + cols, lane_ok)
                 q = _prob_of(xd, mj_q[:, None], zj_q[:, None], thrj_q[:, None], inv_t[:, None])
                 residual = tl.maximum(p - q, 0.0)
             elif DRAFT_MODE == 2:
@@ -477,7 +478,7 @@ def _launch(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None
     plan = _plan(args, has_filter, num_chunks, block_v)
     C = plan.num_chunks
     rows = B * (G + 1)
-    stats = torch.empty((rows, C, NUM_STATS), dtype=torch.float32, device=dev)
+    stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, 2), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
     first_reject = torch.empty((B,), dtype=torch.int32, device=dev)

@@ -1,0 +1,80 @@
+"""Compile every Triton kernel for real GPU targets, without a GPU (run in a subprocess).
+
+The CPU test suite runs the kernels in Triton's interpreter, which accepts programs the compiler
+rejects (loop-carried type changes, unsupported ops). Compiling to PTX for sm_80 and sm_90 here
+catches those breaks in CI. Usage: python -m tests.ops._compile_kernels
+"""
+
+import importlib
+import itertools
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile as triton_compile  # noqa: E402
+
+TARGETS = [GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)]
+
+
+def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int = 4) -> None:
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in types:
+            signature[name] = types[name]
+        elif name.endswith("_ptr"):
+            signature[name] = "*fp32"
+        else:
+            signature[name] = "i32"
+    const = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    for target in TARGETS:
+        triton_compile(ASTSource(fn, signature, const), target=target, options={"num_warps": num_warps})
+
+
+def verify_kernels():
+    v = importlib.import_module("specdec_kernels.ops.verify")
+    ints = {"num_draft_ptr": "*i32", "top_k_ptr": "*i32", "seed_ptr": "*i64", "idx_ptr": "*i32"}
+    variants = itertools.product(["*bf16"], [0, 1, 2], [False, True], [(1, 2048), (64, 16)])
+    others = [("*fp16", 1, False, (1, 2048)), ("*fp32", 2, True, (64, 16))]
+    for dtype, mode, has_filter, (block, bv) in itertools.chain(variants, others):
+        types = dict(ints, target_ptr=dtype, draft_ptr=dtype if mode == 1 else "*fp32")
+        yield v._verify_row_stats_kernel, types, dict(DRAFT_MODE=mode, HAS_FILTER=has_filter, BLOCK_R=block, BLOCK_V=bv)
+        types2 = dict(
+            types,
+            draft_tokens_ptr="*i64",
+            first_reject_ptr="*i32",
+            token_ptr="*i32",
+            nonfinite_ptr="*i8",
+            race_idx_ptr="*i32",
+        )
+        yield v._verify_accept_kernel, types2, dict(DRAFT_MODE=mode, HAS_FILTER=has_filter, BLOCK_B=block, ROWS=8, BLOCK_V=bv)
+    types3 = {
+        "draft_tokens_ptr": "*i64",
+        "num_draft_ptr": "*i32",
+        "first_reject_ptr": "*i32",
+        "token_ptr": "*i32",
+        "race_idx_ptr": "*i32",
+        "out_tokens_ptr": "*i64",
+        "out_accepted_ptr": "*i32",
+    }
+    yield v._verify_finalize_kernel, types3, dict(BLOCK_B=128, ROWS=8)
+
+
+def main() -> int:
+    count = 0
+    for fn, types, constexprs in verify_kernels():
+        try:
+            compile_kernel(fn, types, constexprs)
+        except Exception as exc:  # report which variant broke, then fail
+            print(f"FAILED {fn.__name__} {constexprs} {types}: {exc}", file=sys.stderr)
+            return 1
+        count += 1
+    print(f"compiled {count} kernel variants for sm_80 and sm_90")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
