@@ -22,18 +22,18 @@ _SEED_STEP = 0x14057B7EF767814F
 
 @dataclass
 class VerifyArgs:
-    """Checked, normalised arguments: per-request parameters are [B] tensors on the device."""
+    """Checked arguments. Per-request parameters stay scalars when given as scalars (the kernels
+    take them as arguments, launching nothing) and [B] tensors on the device otherwise."""
 
     target_logits: torch.Tensor  # [B, G+1, V], last dim contiguous
     draft_tokens: torch.Tensor  # [B, G] int32 | int64
     draft: torch.Tensor | None  # [B, G, V] draft logits or probs, last dim contiguous
     draft_mode: int  # 0 none (one-hot), 1 logits, 2 probs
-    temperature: torch.Tensor  # [B] fp32
-    top_k: torch.Tensor  # [B] int32
-    top_p: torch.Tensor  # [B] fp32
-    num_draft_tokens: torch.Tensor  # [B] int32
-    seed: torch.Tensor  # [B] int64
-    has_filter: bool  # top-k or top-p may be active for some request
+    temperature: torch.Tensor | float  # [B] float tensor or scalar
+    top_k: torch.Tensor | int  # [B] int tensor or scalar
+    top_p: torch.Tensor | float  # [B] float tensor or scalar
+    num_draft_tokens: torch.Tensor | None  # [B] int tensor, None = G for every request
+    seed: torch.Tensor | int  # [B] int tensor, or an int from which per-request seeds are mixed
 
     @property
     def B(self) -> int:
@@ -46,6 +46,28 @@ class VerifyArgs:
     @property
     def V(self) -> int:
         return self.target_logits.shape[2]
+
+    @property
+    def has_filter(self) -> bool:
+        """Top-k or top-p may be active for some request (decided without reading tensors)."""
+        k, p = self.top_k, self.top_p
+        return isinstance(k, torch.Tensor) or 0 < k < self.V or isinstance(p, torch.Tensor) or p < 1.0
+
+    def per_request_cpu(self) -> dict[str, torch.Tensor]:
+        """Every per-request parameter as a [B] CPU tensor (for the reference)."""
+        B = self.B
+
+        def full(v, dtype):
+            return v.cpu().to(dtype) if isinstance(v, torch.Tensor) else torch.full((B,), v, dtype=dtype)
+
+        n = self.num_draft_tokens if self.num_draft_tokens is not None else self.G
+        return {
+            "temperature": full(self.temperature, torch.float32),
+            "top_k": full(self.top_k, torch.int64),
+            "top_p": full(self.top_p, torch.float32),
+            "num_draft_tokens": full(n, torch.int64),
+            "seed": per_request_seeds(self.seed, B, "cpu"),
+        }
 
 
 def _require(cond: bool, message: str, exc: type[Exception] = ValueError) -> None:
@@ -68,38 +90,47 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _per_request(name, value, B, device, dtype, default_kind) -> torch.Tensor:
-    """A scalar or [B] tensor -> [B] tensor of `dtype` on `device` (no host sync)."""
+def _per_request(name, value, B, device, kind):
+    """Check a scalar-or-[B]-tensor parameter; return it unchanged (no copy, no launch)."""
     if isinstance(value, torch.Tensor):
         _require(value.dim() == 1 and value.shape[0] == B, f"{name} must be a scalar or a [B={B}] tensor, got shape {tuple(value.shape)}")
         _require(value.device == device, f"{name} is on {value.device} but target_logits is on {device}")
-        _require(value.dtype.is_floating_point or value.dtype in INT_DTYPES, f"{name} has unsupported dtype {value.dtype}", TypeError)
-        if default_kind is int:
-            _require(not value.dtype.is_floating_point, f"{name} must be an integer tensor, got {value.dtype}", TypeError)
-        return value.to(dtype)
-    _require(
-        isinstance(value, (int, float)) and not isinstance(value, bool)
-        and (default_kind is float or isinstance(value, int)),
-        f"{name} must be a {default_kind.__name__} or a [B] tensor, got {value!r}",
-        TypeError,
-    )  # fmt: skip
-    return torch.full((B,), value, dtype=dtype, device=device)
+        if kind is int:
+            _require(value.dtype in INT_DTYPES, f"{name} must be an integer tensor (int32/int64), got {value.dtype}", TypeError)
+        else:
+            _require(value.dtype in FLOAT_DTYPES + INT_DTYPES, f"{name} has unsupported dtype {value.dtype}", TypeError)
+        return value
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int))
+    _require(ok, f"{name} must be a {kind.__name__} or a [B] tensor, got {value!r}", TypeError)
+    return kind(value)
+
+
+def mix_seed(seed: int) -> int:
+    """The scalar seed as the kernels take it (in [0, 2**62))."""
+    return seed % (1 << 62)
 
 
 def per_request_seeds(seed, B: int, device) -> torch.Tensor:
-    """[B] int64 seeds. None: fresh random seeds; int: derived from (seed, batch index)."""
+    """[B] int64 Philox keys: a [B] tensor as given, or mixed from (int seed, batch index) exactly
+    as the kernels' ``request_seed`` does (int64 arithmetic wraps modulo 2**64)."""
+    if isinstance(seed, torch.Tensor):
+        return seed.to(device=device, dtype=torch.int64)
+    index = torch.arange(B, dtype=torch.int64) + mix_seed(seed)
+    mixed = index * torch.tensor(_SEED_MUL, dtype=torch.int64) + _SEED_STEP
+    return (mixed ^ (mixed >> 29)).to(device)
+
+
+def _check_seed(seed, B: int, device):
+    """None -> a fresh random int (drawn on the host: no device work); int or [B] int tensor."""
     if seed is None:
-        return torch.randint(-(2**62), 2**62, (B,), dtype=torch.int64, device=device)
+        return int(torch.randint(0, 1 << 62, (1,)))
     if isinstance(seed, torch.Tensor):
         _require(seed.dim() == 1 and seed.shape[0] == B, f"seed must be an int or a [B={B}] tensor, got shape {tuple(seed.shape)}")
         _require(seed.dtype in INT_DTYPES, f"seed must be an integer tensor, got {seed.dtype}", TypeError)
         _require(seed.device == device, f"seed is on {seed.device} but target_logits is on {device}")
-        return seed.to(torch.int64)
+        return seed
     _require(isinstance(seed, int) and not isinstance(seed, bool), f"seed must be None, an int or a [B] tensor, got {seed!r}", TypeError)
-    index = torch.arange(B, dtype=torch.int64) + (seed % (1 << 62))
-    mul = torch.tensor(_SEED_MUL, dtype=torch.int64)
-    mixed = index * mul + _SEED_STEP  # int64 arithmetic wraps modulo 2**64
-    return (mixed ^ (mixed >> 29)).to(device)
+    return seed
 
 
 def check_verify_args(
@@ -131,17 +162,13 @@ def check_verify_args(
         _require(tuple(t.shape[:2]) == (B, G), f"{name} must have shape [B, G, V] = [{B}, {G}, {V}], got {tuple(t.shape)}")
         draft, mode = _last_dim_contiguous(t), m
 
-    temperature_t = _per_request("temperature", temperature, B, device, torch.float32, float)
-    top_k_t = _per_request("top_k", top_k, B, device, torch.int32, int)
-    top_p_t = _per_request("top_p", top_p, B, device, torch.float32, float)
-    if num_draft_tokens is None:
-        n_t = torch.full((B,), G, dtype=torch.int32, device=device)
-    else:
+    temperature = _per_request("temperature", temperature, B, device, float)
+    top_k = _per_request("top_k", top_k, B, device, int)
+    top_p = _per_request("top_p", top_p, B, device, float)
+    if num_draft_tokens is not None:
         _check_tensor("num_draft_tokens", num_draft_tokens, 1, INT_DTYPES, device)
         _require(num_draft_tokens.shape[0] == B, f"num_draft_tokens must have shape [B={B}], got {tuple(num_draft_tokens.shape)}")
-        n_t = num_draft_tokens.to(torch.int32)
-    seed_t = per_request_seeds(seed, B, device)
-    has_filter = isinstance(top_k, torch.Tensor) or top_k > 0 or isinstance(top_p, torch.Tensor) or top_p < 1.0
+    seed = _check_seed(seed, B, device)
 
     # Scalars are always checked; tensor values only when validating (it syncs with the GPU).
     if not isinstance(temperature, torch.Tensor):
@@ -151,15 +178,20 @@ def check_verify_args(
     if not isinstance(top_p, torch.Tensor):
         _require(0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}")
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if validate and not capturing and B > 0:
-        _validate_values(draft_tokens, temperature_t, top_k_t, top_p_t, n_t, G, V)
-    return VerifyArgs(
+    args = VerifyArgs(
         _last_dim_contiguous(target_logits), draft_tokens, draft, mode,
-        temperature_t, top_k_t, top_p_t, n_t, seed_t, has_filter,
+        temperature, top_k, top_p, num_draft_tokens, seed,
     )  # fmt: skip
+    if validate and not capturing and B > 0:
+        _validate_values(args)
+    return args
 
 
-def _validate_values(draft_tokens, temperature, top_k, top_p, n, G, V) -> None:
+def _validate_values(args: VerifyArgs) -> None:
+    """Checks that read tensor values (one host synchronisation)."""
+    params = args.per_request_cpu()
+    temperature, top_k, top_p, n = params["temperature"], params["top_k"], params["top_p"], params["num_draft_tokens"]
+    G, V = args.G, args.V
     bad_t = ~(temperature >= 0)  # also catches NaN
     bad_k = top_k < 0
     bad_p = ~((top_p > 0) & (top_p <= 1))
@@ -170,8 +202,8 @@ def _validate_values(draft_tokens, temperature, top_k, top_p, n, G, V) -> None:
     _require(not checks[2], f"top_p must be in (0, 1]; got {top_p[bad_p][:4].tolist()}")
     _require(not checks[3], f"num_draft_tokens must be in [0, G={G}]; got {n[bad_n][:4].tolist()}")
     if G > 0:
-        used = torch.arange(G, device=draft_tokens.device)[None, :] < n[:, None]
-        out_of_range = used & ((draft_tokens < 0) | (draft_tokens >= V))
+        tokens = args.draft_tokens.cpu()
+        used = torch.arange(G, device=tokens.device)[None, :] < n[:, None]
+        out_of_range = used & ((tokens < 0) | (tokens >= V))
         if bool(out_of_range.any()):
-            bad_ids = draft_tokens[out_of_range][:4].tolist()
-            raise ValueError(f"draft_tokens must be in [0, V={V}); got {bad_ids}")
+            raise ValueError(f"draft_tokens must be in [0, V={V}); got {tokens[out_of_range][:4].tolist()}")

@@ -144,3 +144,30 @@ def filter_threshold(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.const
             hi = tl.where(ok, hi, mid)
         thr = tl.where(use_p, key_to_float(lo), thr)
     return thr
+
+
+@triton.jit
+def per_request(ptr, value, b, mask, PER_REQUEST: tl.constexpr):
+    """A per-request parameter: loaded from a [B] tensor, or the scalar `value` for every request.
+
+    Scalars travel as kernel arguments so that a call with plain Python parameters launches no
+    fill kernels; the caller casts the result to the dtype it needs.
+    """
+    if PER_REQUEST:
+        return tl.load(ptr + b, mask=mask, other=0)
+    else:
+        return value + tl.zeros(b.shape, tl.int32)
+
+
+@triton.jit
+def request_seed(ptr, value, b, mask, PER_REQUEST: tl.constexpr):
+    """int64 Philox key of each request: the given [B] seeds, or mixed from (scalar seed, b).
+
+    The mixing (multiply by an odd constant, xor-shift; int64 arithmetic wraps) is repeated on the
+    host by ``_validation.per_request_seeds`` so the reference sees the same keys.
+    """
+    if PER_REQUEST:
+        return tl.load(ptr + b, mask=mask, other=0).to(tl.int64)
+    else:
+        x = (b.to(tl.int64) + value) * 0x5851F42D4C957F2D + 0x14057B7EF767814F
+        return x ^ (x >> 29)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .._interpreter import interpreter_requested
-from .._validation import VerifyArgs, check_verify_args
+from .._validation import VerifyArgs, check_verify_args, mix_seed
 from ._triton_helpers import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
@@ -33,6 +33,8 @@ from ._triton_helpers import (
     load_logits,
     neg_log_exponential,
     online_softmax_update,
+    per_request,
+    request_seed,
     safe_max,
     uniform_open,
 )
@@ -69,11 +71,11 @@ def _verify_row_stats_kernel(
     # pointers
     target_ptr,  # [B, G+1, V] fp32/fp16/bf16 raw target logits
     draft_ptr,  # [B, G, V] raw draft logits (DRAFT_MODE == 1), otherwise unused
-    num_draft_ptr,  # [B] int32: n_b
-    temperature_ptr,  # [B] fp32: 0 = greedy
-    top_k_ptr,  # [B] int32: 0 = off
-    top_p_ptr,  # [B] fp32: 1 = off
-    seed_ptr,  # [B] int64
+    num_draft_ptr,  # [B] int: n_b (PER_REQ_N), else every request uses G
+    temperature_ptr,  # [B] float: 0 = greedy (PER_REQ_T), else the scalar `temperature`
+    top_k_ptr,  # [B] int: 0 = off (PER_REQ_K), else the scalar `top_k`
+    top_p_ptr,  # [B] float: 1 = off (PER_REQ_P), else the scalar `top_p`
+    seed_ptr,  # [B] int (PER_REQ_SEED), else keys mixed from the scalar `seed`
     stats_ptr,  # [B*(G+1), C, NUM_STATS] fp32 out
     idx_ptr,  # [B*(G+1), C, 2] int32 out
     thr_ptr,  # [B*(G+1), 2] fp32 out: raw-logit thresholds of target and draft (HAS_FILTER)
@@ -88,7 +90,17 @@ def _verify_row_stats_kernel(
     V,
     chunk_size,  # vocab entries per chunk, a multiple of BLOCK_V
     num_chunks,
+    # scalar parameters (used when the per-request tensor is absent)
+    temperature,
+    top_k,
+    top_p,
+    seed,
     # constexprs
+    PER_REQ_N: tl.constexpr,
+    PER_REQ_T: tl.constexpr,
+    PER_REQ_K: tl.constexpr,
+    PER_REQ_P: tl.constexpr,
+    PER_REQ_SEED: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -100,13 +112,13 @@ def _verify_row_stats_kernel(
     b = rows // (G + 1)
     i = (rows % (G + 1)).to(tl.int32)
     in_batch = rows < B * (G + 1)
-    n_b = tl.load(num_draft_ptr + b, mask=in_batch, other=0)
+    n_b = per_request(num_draft_ptr, G, b, in_batch, PER_REQ_N).to(tl.int32)
     row_ok = in_batch & (i <= n_b)  # rows past the bonus row are never read
-    temperature = tl.load(temperature_ptr + b, mask=row_ok, other=1.0)
+    temperature = per_request(temperature_ptr, temperature, b, row_ok, PER_REQ_T).to(tl.float32)
     greedy = temperature == 0.0
     draft_ok = row_ok & (i < n_b) & ~greedy  # draft rows are read only in DRAFT_MODE 1, never for greedy
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
-    seed = tl.load(seed_ptr + b, mask=row_ok, other=0)
+    seed = request_seed(seed_ptr, seed, b, row_ok, PER_REQ_SEED)
     need_bonus = row_ok & (i == n_b) & (temperature > 0.0)
 
     t_rows = target_ptr + b[:, None] * stride_tb + i[:, None].to(tl.int64) * stride_tg
@@ -114,8 +126,8 @@ def _verify_row_stats_kernel(
     thr_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
     thr_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
     if HAS_FILTER:  # launched with a single chunk: each program owns whole rows
-        top_k = tl.load(top_k_ptr + b, mask=row_ok, other=0)
-        top_p = tl.load(top_p_ptr + b, mask=row_ok, other=1.0)
+        top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int32)
+        top_p = per_request(top_p_ptr, top_p, b, row_ok, PER_REQ_P).to(tl.float32)
         thr_t = filter_threshold(t_rows, row_ok & ~greedy, V, inv_t, top_k, top_p, BLOCK_V)
         tl.store(thr_ptr + rows * 2, thr_t, mask=row_ok)
         if DRAFT_MODE == 1:
@@ -197,15 +209,15 @@ def _verify_accept_kernel(
     target_ptr,  # [B, G+1, V] raw target logits
     draft_ptr,  # [B, G, V] draft logits (mode 1) or draft probs (mode 2)
     draft_tokens_ptr,  # [B, G] int32/int64
-    num_draft_ptr,  # [B] int32
-    temperature_ptr,  # [B] fp32
-    seed_ptr,  # [B] int64
+    num_draft_ptr,  # [B] int (PER_REQ_N)
+    temperature_ptr,  # [B] float (PER_REQ_T)
+    seed_ptr,  # [B] int (PER_REQ_SEED)
     stats_ptr,  # [B*(G+1), C, NUM_STATS] fp32 (kernel 1)
     idx_ptr,  # [B*(G+1), C, 2] int32 (kernel 1)
     thr_ptr,  # [B*(G+1), 2] fp32 (kernel 1, HAS_FILTER)
     first_reject_ptr,  # [B] int32 out: j = number of accepted drafts
     token_ptr,  # [B] int32 out: greedy or bonus token (when no recovery race is needed)
-    nonfinite_ptr,  # [B] int8 out
+    nonfinite_ptr,  # [B] bool out
     race_key_ptr,  # [B, C, 2] fp32 out: best residual key, best fallback (p) key per chunk
     race_idx_ptr,  # [B, C, 2] int32 out
     # strides
@@ -220,7 +232,13 @@ def _verify_accept_kernel(
     V,
     chunk_size,
     num_chunks,
+    # scalar parameters (used when the per-request tensor is absent)
+    temperature,
+    seed,
     # constexprs
+    PER_REQ_N: tl.constexpr,
+    PER_REQ_T: tl.constexpr,
+    PER_REQ_SEED: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -231,11 +249,11 @@ def _verify_accept_kernel(
     chunk = tl.program_id(1)
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     b_ok = b < B
-    n_b = tl.load(num_draft_ptr + b, mask=b_ok, other=0)
-    temperature = tl.load(temperature_ptr + b, mask=b_ok, other=1.0)
+    n_b = per_request(num_draft_ptr, G, b, b_ok, PER_REQ_N).to(tl.int32)
+    temperature = per_request(temperature_ptr, temperature, b, b_ok, PER_REQ_T).to(tl.float32)
     greedy = temperature == 0.0
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
-    seed = tl.load(seed_ptr + b, mask=b_ok, other=0)
+    seed = request_seed(seed_ptr, seed, b, b_ok, PER_REQ_SEED)
 
     # ---- combine the chunk statistics of every row i <= n_b: [BLOCK_B, ROWS] tiles
     i = tl.arange(0, ROWS)[None, :]
@@ -314,7 +332,7 @@ def _verify_accept_kernel(
     if chunk == 0:
         tl.store(first_reject_ptr + b, j, mask=b_ok)
         tl.store(token_ptr + b, direct, mask=b_ok)
-        tl.store(nonfinite_ptr + b, flagged.to(tl.int8), mask=b_ok)
+        tl.store(nonfinite_ptr + b, flagged, mask=b_ok)
 
     # ---- recovered token: exponential race over row j of the residual, this program's chunk
     need = b_ok & ~greedy & (j < n_b)
@@ -366,8 +384,8 @@ def _verify_accept_kernel(
 def _verify_finalize_kernel(
     # pointers
     draft_tokens_ptr,  # [B, G] int32/int64
-    num_draft_ptr,  # [B] int32
-    temperature_ptr,  # [B] fp32
+    num_draft_ptr,  # [B] int (PER_REQ_N)
+    temperature_ptr,  # [B] float (PER_REQ_T)
     first_reject_ptr,  # [B] int32 (kernel 2)
     token_ptr,  # [B] int32 (kernel 2)
     race_key_ptr,  # [B, C, 2] fp32 (kernel 2)
@@ -382,15 +400,19 @@ def _verify_finalize_kernel(
     G,
     V,
     num_chunks,
+    # scalar parameters (used when the per-request tensor is absent)
+    temperature,
     # constexprs
+    PER_REQ_N: tl.constexpr,
+    PER_REQ_T: tl.constexpr,
     BLOCK_B: tl.constexpr,
     ROWS: tl.constexpr,  # next power of two >= G + 1
 ):
     pid_b = tl.program_id(0).to(tl.int64)
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     b_ok = b < B
-    n_b = tl.load(num_draft_ptr + b, mask=b_ok, other=0)
-    temperature = tl.load(temperature_ptr + b, mask=b_ok, other=1.0)
+    n_b = per_request(num_draft_ptr, G, b, b_ok, PER_REQ_N).to(tl.int32)
+    temperature = per_request(temperature_ptr, temperature, b, b_ok, PER_REQ_T).to(tl.float32)
     j = tl.load(first_reject_ptr + b, mask=b_ok, other=0)
     token = tl.load(token_ptr + b, mask=b_ok, other=0)
     need = b_ok & (temperature > 0.0) & (j < n_b)
@@ -465,19 +487,27 @@ def _plan(args: VerifyArgs, has_filter: bool, num_chunks: int | None, block_v: i
     return _LaunchPlan(block_v, block_r, block_b, num_chunks, chunk_size, num_warps)
 
 
+def _tensor_or_scalar(value, dummy: torch.Tensor):
+    """(pointer, scalar, per-request flag) for a parameter that is a [B] tensor or a scalar."""
+    if isinstance(value, torch.Tensor):
+        return value, 0, True
+    return dummy, value, False
+
+
 def _launch(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None = None) -> VerifyOutput:
     B, G, V = args.B, args.G, args.V
     dev = args.target_logits.device
     tokens = torch.empty((B, G + 1), dtype=torch.int64, device=dev)
     num_accepted = torch.empty((B,), dtype=torch.int32, device=dev)
-    nonfinite = torch.empty((B,), dtype=torch.int8, device=dev)
+    nonfinite = torch.empty((B,), dtype=torch.bool, device=dev)
     if B == 0:
-        return VerifyOutput(tokens, num_accepted, nonfinite.bool())
+        return VerifyOutput(tokens, num_accepted, nonfinite)
 
     has_filter = args.has_filter
     plan = _plan(args, has_filter, num_chunks, block_v)
     C = plan.num_chunks
     rows = B * (G + 1)
+    # Workspaces: torch.empty launches nothing.
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, 2), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
@@ -488,35 +518,47 @@ def _launch(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None
 
     target = args.target_logits
     draft = args.draft if args.draft is not None else target  # never read in mode 0
-    draft_tokens = args.draft_tokens if G > 0 else torch.zeros((B, 1), dtype=torch.int64, device=dev)
+    draft_tokens = args.draft_tokens if G > 0 else torch.empty((B, 1), dtype=torch.int64, device=dev)
     stride_db, stride_dg = (draft.stride(0), draft.stride(1)) if args.draft is not None else (0, 0)
     rows_p2 = _next_pow2(G + 1)
+    n_ptr, _, per_req_n = _tensor_or_scalar(args.num_draft_tokens, target)
+    t_ptr, t_val, per_req_t = _tensor_or_scalar(args.temperature, target)
+    k_ptr, k_val, per_req_k = _tensor_or_scalar(args.top_k, target)
+    p_ptr, p_val, per_req_p = _tensor_or_scalar(args.top_p, target)
+    s_ptr, s_val, per_req_s = _tensor_or_scalar(args.seed, target)
+    s_val = mix_seed(s_val)
 
     _verify_row_stats_kernel[(triton.cdiv(rows, plan.block_r), C)](
-        target, draft, args.num_draft_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+        target, draft, n_ptr, t_ptr, k_ptr, p_ptr, s_ptr,
         stats, idx, thr,
         target.stride(0), target.stride(1), stride_db, stride_dg,
         B, G, V, plan.chunk_size, C,
-        DRAFT_MODE=args.draft_mode, HAS_FILTER=has_filter,
+        float(t_val), int(k_val), float(p_val), s_val,
+        PER_REQ_N=per_req_n, PER_REQ_T=per_req_t, PER_REQ_K=per_req_k, PER_REQ_P=per_req_p,
+        PER_REQ_SEED=per_req_s, DRAFT_MODE=args.draft_mode, HAS_FILTER=has_filter,
         BLOCK_R=plan.block_r, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
     )  # fmt: skip
     _verify_accept_kernel[(triton.cdiv(B, plan.block_b), C)](
-        target, draft, draft_tokens, args.num_draft_tokens, args.temperature, args.seed,
+        target, draft, draft_tokens, n_ptr, t_ptr, s_ptr,
         stats, idx, thr, first_reject, direct_token, nonfinite, race_key, race_idx,
         target.stride(0), target.stride(1), stride_db, stride_dg, draft_tokens.stride(0),
         B, G, V, plan.chunk_size, C,
+        float(t_val), s_val,
+        PER_REQ_N=per_req_n, PER_REQ_T=per_req_t, PER_REQ_SEED=per_req_s,
         DRAFT_MODE=args.draft_mode, HAS_FILTER=has_filter,
         BLOCK_B=plan.block_b, ROWS=rows_p2, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
     )  # fmt: skip
     block_b3 = min(_next_pow2(B), 128)
     _verify_finalize_kernel[(triton.cdiv(B, block_b3),)](
-        draft_tokens, args.num_draft_tokens, args.temperature, first_reject, direct_token,
+        draft_tokens, n_ptr, t_ptr, first_reject, direct_token,
         race_key, race_idx, tokens, num_accepted,
         draft_tokens.stride(0), tokens.stride(0),
         B, G, V, C,
+        float(t_val),
+        PER_REQ_N=per_req_n, PER_REQ_T=per_req_t,
         BLOCK_B=block_b3, ROWS=rows_p2,
     )  # fmt: skip
-    return VerifyOutput(tokens, num_accepted, nonfinite.bool())
+    return VerifyOutput(tokens, num_accepted, nonfinite)
 
 
 def verify(

@@ -34,6 +34,7 @@ def verify_reference(
     )  # fmt: skip
     B, G, V = args.B, args.G, args.V
     cpu = {k: v.cpu() for k, v in vars(args).items() if isinstance(v, torch.Tensor)}
+    cpu.update(args.per_request_cpu())
     tokens = torch.full((B, G + 1), -1, dtype=torch.int64)
     num_accepted = torch.zeros(B, dtype=torch.int32)
     nonfinite = torch.zeros(B, dtype=torch.bool)

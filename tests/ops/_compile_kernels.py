@@ -41,16 +41,23 @@ def verify_kernels():
     others = [("*fp16", 1, False, (1, 2048)), ("*fp32", 2, True, (64, 16))]
     for dtype, mode, has_filter, (block, bv) in itertools.chain(variants, others):
         types = dict(ints, target_ptr=dtype, draft_ptr=dtype if mode == 1 else "*fp32")
-        yield v._verify_row_stats_kernel, types, dict(DRAFT_MODE=mode, HAS_FILTER=has_filter, BLOCK_R=block, BLOCK_V=bv)
+        per_req = block > 1  # one variant with [B] tensors, one with scalar parameters
+        flags = dict(PER_REQ_N=per_req, PER_REQ_T=per_req, PER_REQ_SEED=per_req)
+        types.update(temperature="fp32", top_k="i32", top_p="fp32", seed="i64")
+        yield v._verify_row_stats_kernel, types, dict(
+            flags, PER_REQ_K=per_req, PER_REQ_P=per_req, DRAFT_MODE=mode, HAS_FILTER=has_filter, BLOCK_R=block, BLOCK_V=bv
+        )
         types2 = dict(
             types,
             draft_tokens_ptr="*i64",
             first_reject_ptr="*i32",
             token_ptr="*i32",
-            nonfinite_ptr="*i8",
+            nonfinite_ptr="*i1",
             race_idx_ptr="*i32",
         )
-        yield v._verify_accept_kernel, types2, dict(DRAFT_MODE=mode, HAS_FILTER=has_filter, BLOCK_B=block, ROWS=8, BLOCK_V=bv)
+        yield v._verify_accept_kernel, types2, dict(
+            flags, DRAFT_MODE=mode, HAS_FILTER=has_filter, BLOCK_B=block, ROWS=8, BLOCK_V=bv
+        )
     types3 = {
         "draft_tokens_ptr": "*i64",
         "num_draft_ptr": "*i32",
@@ -59,8 +66,10 @@ def verify_kernels():
         "race_idx_ptr": "*i32",
         "out_tokens_ptr": "*i64",
         "out_accepted_ptr": "*i32",
+        "temperature": "fp32",
     }
-    yield v._verify_finalize_kernel, types3, dict(BLOCK_B=128, ROWS=8)
+    for per_req in (False, True):
+        yield v._verify_finalize_kernel, types3, dict(PER_REQ_N=per_req, PER_REQ_T=per_req, BLOCK_B=128, ROWS=8)
 
 
 def main() -> int:
