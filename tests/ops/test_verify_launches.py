@@ -1,0 +1,96 @@
+"""The call path of sk.verify: three kernel launches, no other device work, no host sync.
+
+On CPU we count launches by wrapping the interpreter's launcher and record every aten op with a
+dispatch mode: with validate=False only allocations (aten.empty*) may run besides the kernels,
+so nothing can synchronise and the call is CUDA-graph capturable (checked for real on GPU).
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import specdec_kernels as sk
+
+from ._inputs import make_problem
+
+
+class _RecordOps(TorchDispatchMode):
+    """Records aten ops, except inside kernel launches (the interpreter copies tensors there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+        self.in_kernel = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.in_kernel:
+            self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _count_launches(monkeypatch, recorder):
+    from triton.runtime import interpreter
+
+    launches = []
+    original = interpreter.InterpretedFunction.run
+
+    def counting_run(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        recorder.in_kernel = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            recorder.in_kernel = False
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counting_run)
+    return launches
+
+
+@pytest.mark.parametrize("per_request", [False, True])
+@pytest.mark.parametrize("mode", ["logits", "probs", "ngram"])
+def test_three_launches_and_no_other_device_work(monkeypatch, mode, per_request):
+    if torch.cuda.is_available():
+        pytest.skip("launch counting uses the interpreter")
+    B, G, V = 4, 3, 50
+    target, tokens, draft = make_problem(B, G, V)
+    kw = {"logits": {"draft_logits": draft}, "probs": {"draft_probs": torch.softmax(draft, -1)}, "ngram": {}}[mode]
+    if per_request:
+        kw.update(
+            temperature=torch.tensor([0.0, 0.5, 1.0, 2.0]),
+            top_k=torch.tensor([0, 3, 0, 10]),
+            top_p=torch.tensor([1.0, 0.9, 0.5, 1.0]),
+            num_draft_tokens=torch.tensor([3, 0, 2, 1]),
+            seed=torch.arange(B),
+        )
+    else:
+        kw.update(temperature=0.8, top_p=0.9, seed=5)
+    recorder = _RecordOps()
+    launches = _count_launches(monkeypatch, recorder)
+    with recorder:
+        sk.verify(target, tokens, validate=False, **kw)
+    assert launches == ["_verify_row_stats_kernel", "_verify_accept_kernel", "_verify_finalize_kernel"]
+    assert set(recorder.ops) <= {"aten.empty", "aten.empty_strided"}, recorder.ops
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_replays_exactly():
+    B, G, V = 8, 4, 32000
+    target, tokens, draft = make_problem(B, G, V, dtype=torch.bfloat16, device="cuda")
+    seeds = torch.arange(B, device="cuda", dtype=torch.int64)
+    temperature = torch.full((B,), 0.8, device="cuda")
+    eager = sk.verify(target, tokens, draft, temperature=temperature, seed=seeds, validate=False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
+        sk.verify(target, tokens, draft, temperature=temperature, seed=seeds, validate=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sk.verify(target, tokens, draft, temperature=temperature, seed=seeds)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.tokens, eager.tokens)
+    seeds += 1000  # new randomness without re-capturing
+    graph.replay()
+    fresh = sk.verify(target, tokens, draft, temperature=temperature, seed=seeds, validate=False)
+    assert torch.equal(captured.tokens, fresh.tokens)
