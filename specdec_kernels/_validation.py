@@ -149,61 +149,77 @@ def check_verify_args(
         tuple(draft_tokens.shape) == (B, G),
         f"draft_tokens must have shape [B, G] = [{B}, {G}] to match target_logits {tuple(target_logits.shape)}, got {tuple(draft_tokens.shape)}",
     )
-    _require(draft_logits is None or draft_probs is None, "pass draft_logits or draft_probs, not both")
-    draft, mode = None, 0
-    for name, t, m in (("draft_logits", draft_logits, 1), ("draft_probs", draft_probs, 2)):
-        if t is None:
-            continue
-        _check_tensor(name, t, 3, FLOAT_DTYPES, device)
-        _require(
-            t.shape[2] == V,
-            f"vocabulary size mismatch: {name} has V={t.shape[2]} but target_logits has V={V}",
-        )
-        _require(tuple(t.shape[:2]) == (B, G), f"{name} must have shape [B, G, V] = [{B}, {G}, {V}], got {tuple(t.shape)}")
-        draft, mode = _last_dim_contiguous(t), m
-
-    temperature = _per_request("temperature", temperature, B, device, float)
-    top_k = _per_request("top_k", top_k, B, device, int)
-    top_p = _per_request("top_p", top_p, B, device, float)
+    draft, mode = _check_draft(draft_logits, draft_probs, (B, G), V, device)
+    temperature, top_k, top_p, seed = _check_sampling(temperature, top_k, top_p, seed, B, device)
     if num_draft_tokens is not None:
         _check_tensor("num_draft_tokens", num_draft_tokens, 1, INT_DTYPES, device)
         _require(num_draft_tokens.shape[0] == B, f"num_draft_tokens must have shape [B={B}], got {tuple(num_draft_tokens.shape)}")
-    seed = _check_seed(seed, B, device)
+    args = VerifyArgs(
+        _last_dim_contiguous(target_logits), draft_tokens, draft, mode,
+        temperature, top_k, top_p, num_draft_tokens, seed,
+    )  # fmt: skip
+    if validate and not _capturing(device) and B > 0:
+        _validate_values(args)
+    return args
 
-    # Scalars are always checked; tensor values only when validating (it syncs with the GPU).
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _check_draft(draft_logits, draft_probs, lead: tuple, V: int, device):
+    """(draft tensor or None, mode): 0 none (one-hot), 1 logits, 2 probs; shape lead + (V,)."""
+    _require(draft_logits is None or draft_probs is None, "pass draft_logits or draft_probs, not both")
+    for name, t, mode in (("draft_logits", draft_logits, 1), ("draft_probs", draft_probs, 2)):
+        if t is None:
+            continue
+        _check_tensor(name, t, len(lead) + 1, FLOAT_DTYPES, device)
+        _require(t.shape[-1] == V, f"vocabulary size mismatch: {name} has V={t.shape[-1]} but target_logits has V={V}")
+        dims = ", ".join(str(d) for d in lead + (V,))
+        _require(tuple(t.shape[:-1]) == lead, f"{name} must have shape [{dims}], got {tuple(t.shape)}")
+        return _last_dim_contiguous(t), mode
+    return None, 0
+
+
+def _check_sampling(temperature, top_k, top_p, seed, B: int, device):
+    """Per-request sampling parameters; scalars are checked here, tensor values when validating."""
+    temperature = _per_request("temperature", temperature, B, device, float)
+    top_k = _per_request("top_k", top_k, B, device, int)
+    top_p = _per_request("top_p", top_p, B, device, float)
+    seed = _check_seed(seed, B, device)
     if not isinstance(temperature, torch.Tensor):
         _require(temperature >= 0 and temperature == temperature, f"temperature must be >= 0, got {temperature}")
     if not isinstance(top_k, torch.Tensor):
         _require(top_k >= 0, f"top_k must be >= 0 (0 = off), got {top_k}")
     if not isinstance(top_p, torch.Tensor):
         _require(0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}")
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    args = VerifyArgs(
-        _last_dim_contiguous(target_logits), draft_tokens, draft, mode,
-        temperature, top_k, top_p, num_draft_tokens, seed,
-    )  # fmt: skip
-    if validate and not capturing and B > 0:
-        _validate_values(args)
-    return args
+    return temperature, top_k, top_p, seed
+
+
+def _check_sampling_values(params: dict) -> None:
+    temperature, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
+    bad_t = ~(temperature >= 0)  # also catches NaN
+    bad_k = top_k < 0
+    bad_p = ~((top_p > 0) & (top_p <= 1))
+    _require(not bool(bad_t.any()), f"temperature must be >= 0; got {temperature[bad_t][:4].tolist()}")
+    _require(not bool(bad_k.any()), f"top_k must be >= 0 (0 = off); got {top_k[bad_k][:4].tolist()}")
+    _require(not bool(bad_p.any()), f"top_p must be in (0, 1]; got {top_p[bad_p][:4].tolist()}")
 
 
 def _validate_values(args: VerifyArgs) -> None:
     """Checks that read tensor values (one host synchronisation)."""
     params = args.per_request_cpu()
-    temperature, top_k, top_p, n = params["temperature"], params["top_k"], params["top_p"], params["num_draft_tokens"]
-    G, V = args.G, args.V
-    bad_t = ~(temperature >= 0)  # also catches NaN
-    bad_k = top_k < 0
-    bad_p = ~((top_p > 0) & (top_p <= 1))
+    _check_sampling_values(params)
+    n, G, V = params["num_draft_tokens"], args.G, args.V
     bad_n = (n < 0) | (n > G)
-    checks = torch.stack([bad_t.any(), bad_k.any(), bad_p.any(), bad_n.any()]).tolist()
-    _require(not checks[0], f"temperature must be >= 0; got {temperature[bad_t][:4].tolist()}")
-    _require(not checks[1], f"top_k must be >= 0 (0 = off); got {top_k[bad_k][:4].tolist()}")
-    _require(not checks[2], f"top_p must be in (0, 1]; got {top_p[bad_p][:4].tolist()}")
-    _require(not checks[3], f"num_draft_tokens must be in [0, G={G}]; got {n[bad_n][:4].tolist()}")
+    _require(not bool(bad_n.any()), f"num_draft_tokens must be in [0, G={G}]; got {n[bad_n][:4].tolist()}")
     if G > 0:
         tokens = args.draft_tokens.cpu()
-        used = torch.arange(G, device=tokens.device)[None, :] < n[:, None]
-        out_of_range = used & ((tokens < 0) | (tokens >= V))
-        if bool(out_of_range.any()):
-            raise ValueError(f"draft_tokens must be in [0, V={V}); got {tokens[out_of_range][:4].tolist()}")
+        used = torch.arange(G)[None, :] < n[:, None]
+        _check_ids("draft_tokens", tokens, used, V)
+
+
+def _check_ids(name: str, tokens: torch.Tensor, used: torch.Tensor, V: int) -> None:
+    out_of_range = used & ((tokens < 0) | (tokens >= V))
+    if bool(out_of_range.any()):
+        raise ValueError(f"{name} must be in [0, V={V}); got {tokens[out_of_range][:4].tolist()}")

@@ -1,0 +1,260 @@
+"""Reference multi-draft / token-tree verification: the specification of ``sk.verify_tree``
+and ``sk.verify_multi``. Loops over requests, tree positions and children, float64.
+
+Tree walk (all methods). The walk state is the set S of nodes that spell the accepted prefix
+(several when sibling drafts repeat a token: duplicates are kept "with multiplicity"). The
+candidates at S are the children of every node in S, in node-index order; they are samples from
+the draft distribution q at that prefix (taken from the first candidate's draft row). The target
+distribution p is the row of the first node of S (row 0 for the root). A method picks a candidate
+or rejects all; accepting token x moves S to the candidates spelling x. When every candidate is
+rejected one token is drawn from the method's residual; at a leaf (no candidates) a bonus token is
+drawn from p. Random numbers: Philox keyed by the request's seed with counter
+(candidate rank, r, ACCEPT) for the accept tests and (vocab index, r, RECOVER | BONUS) for draws,
+where r = 1 + the first node of S (0 at the root). For a single chain this is exactly ``verify``.
+
+Methods:
+  kseq     SpecTr K-SEQ with k candidates: accept candidate X_i (first in order) w.p.
+           min(1, p(X_i) / (rho q(X_i))); residual ∝ max(p - c min(q, p/rho), 0) with
+           c = (1 - (1 - beta)^k) / beta, beta = sum_x min(q, p/rho). rho comes from
+           ``solve_rho``: the upper end of a bracketing search for the root rho* of
+           1 - (1 - beta)^k = rho beta on [1, k]; any rho >= rho* keeps the output exact (c <= rho).
+  rrs      recursive rejection sampling: test candidates in order with min(1, p_j/q), on rejection
+           p_{j+1} = norm(max(p_j - q, 0)); all rejected: draw from p_{k+1}.
+  rrs_wor  as rrs, and q_{j+1} = q_j without the rejected token, renormalised.
+  one-hot  (no draft probabilities, any method) accept candidate x w.p. p_j(x) where p_j is p with
+           the earlier rejected tokens removed and renormalised; all rejected: draw from p without them.
+  greedy   (temperature 0) follow the first candidate equal to argmax(p); emit argmax at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import check_tree_args
+from .sampling import (
+    PURPOSE_ACCEPT,
+    PURPOSE_BONUS,
+    PURPOSE_RECOVER,
+    exponential_race,
+    processed_probs,
+    safe_log,
+    sanitize_logits,
+    uniforms,
+)
+
+RHO_POINTS = 16  # candidates evaluated per search round (the last one is the current upper end)
+RHO_ROUNDS = 4  # bracket shrinks 16x per round
+
+
+def kseq_beta(p: torch.Tensor, q: torch.Tensor, rho: float) -> float:
+    return float(torch.minimum(q, p / rho).sum())
+
+
+def solve_rho(p: torch.Tensor, q: torch.Tensor, k: int) -> tuple[float, float]:
+    """(rho, beta(rho)) for K-SEQ with k drafts: the upper end of a bracket around rho*.
+
+    f(rho) = 1 - (1 - beta(rho))^k - rho beta(rho) is decreasing with f(k) <= 0. Each round
+    evaluates f at lo + (hi - lo) m / 16 for m = 1..16 and keeps the smallest point with f <= 0 as
+    hi (the largest point below it with f > 0 as lo). k = 1 gives rho = 1 exactly.
+    """
+    if k <= 1:
+        return 1.0, kseq_beta(p, q, 1.0)
+    lo, hi, beta_hi = 1.0, float(k), None
+    for _ in range(RHO_ROUNDS):
+        points = [lo + (hi - lo) * m / RHO_POINTS for m in range(1, RHO_POINTS + 1)]
+        points[-1] = hi
+        new_lo, new_hi, new_beta = lo, None, None
+        for rho in points:
+            beta = kseq_beta(p, q, rho)
+            f = 1.0 - (1.0 - beta) ** k - rho * beta
+            if f <= 0.0:
+                new_hi, new_beta = rho, beta
+                break
+            new_lo = rho
+        lo, hi, beta_hi = new_lo, new_hi, new_beta
+    return hi, beta_hi
+
+
+def kseq_scale(beta: float, k: int) -> float:
+    """c = (1 - (1 - beta)^k) / beta (the limit k when beta = 0); exactly 1 for k = 1."""
+    if k == 1:
+        return 1.0
+    if beta <= 0.0:
+        return float(k)
+    return (1.0 - (1.0 - beta) ** k) / beta
+
+
+def verify_tree_reference(
+    target_logits, tree_tokens, parents, draft_logits=None, *, draft_probs=None, temperature=1.0,
+    top_k=0, top_p=1.0, seed=None, num_nodes=None, method="kseq", max_depth=None, validate=True,
+):  # fmt: skip
+    """Same contract as :func:`specdec_kernels.verify_tree`; see its docstring."""
+    args = check_tree_args(
+        target_logits, tree_tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p,
+        seed, num_nodes, method, max_depth, validate=validate,
+    )  # fmt: skip
+    return _walk_all(args)
+
+
+def verify_multi_reference(
+    target_logits, draft_tokens, draft_logits=None, *, draft_probs=None, temperature=1.0, top_k=0,
+    top_p=1.0, seed=None, method="kseq", validate=True,
+):  # fmt: skip
+    """Same contract as :func:`specdec_kernels.verify_multi`; see its docstring."""
+    args = check_tree_args(
+        target_logits, draft_tokens, None, draft_logits, draft_probs, temperature, top_k, top_p,
+        seed, None, method, None, validate=validate, multi=True,
+    )  # fmt: skip
+    return _walk_all(args)
+
+
+def _walk_all(args):
+    from ..ops.verify_tree import TreeVerifyOutput
+
+    B, D = args.B, args.max_depth
+    params = args.per_request_cpu()
+    target = args.target.cpu()
+    draft = args.draft.cpu() if args.draft is not None else None
+    tokens_all = args.tokens.cpu().reshape(B, -1)
+    parents_all = args.parents_cpu()
+    out_tokens = torch.full((B, D + 1), -1, dtype=torch.int64)
+    out_nodes = torch.full((B, D), -1, dtype=torch.int64)
+    num_accepted = torch.zeros(B, dtype=torch.int32)
+    nonfinite = torch.zeros(B, dtype=torch.bool)
+    for b in range(B):
+        path, token, flagged = _walk(
+            tree=_Tree(target[b], draft[b] if draft is not None else None, tokens_all[b], parents_all[b],
+                       int(params["num_nodes"][b]), args.G),
+            mode=args.draft_mode,
+            method=args.method,
+            temperature=float(params["temperature"][b]),
+            top_k=int(params["top_k"][b]),
+            top_p=float(params["top_p"][b]),
+            seed=int(params["seed"][b]),
+        )  # fmt: skip
+        n = len(path)
+        out_nodes[b, :n] = torch.tensor(path, dtype=torch.int64)
+        out_tokens[b, :n] = tokens_all[b][path] if n else out_tokens[b, :0]
+        out_tokens[b, n] = token
+        num_accepted[b] = n
+        nonfinite[b] = flagged
+    dev = args.target.device
+    return TreeVerifyOutput(out_tokens.to(dev), num_accepted.to(dev), out_nodes.to(dev), nonfinite.to(dev))
+
+
+class _Tree:
+    """One request's tree: node i lives in chain i // G at depth i % G of the [K, G] layout."""
+
+    def __init__(self, target, draft, tokens, parents, num_nodes, G):
+        self.target, self.draft, self.tokens, self.parents = target, draft, tokens, parents
+        self.n, self.G = num_nodes, G
+
+    def target_row(self, node: int) -> torch.Tensor:
+        if node < 0:
+            return self.target[0, 0]
+        return self.target[node // self.G, node % self.G + 1]
+
+    def draft_row(self, node: int) -> torch.Tensor:
+        return self.draft[node // self.G, node % self.G]
+
+    def children_of(self, nodes: list[int] | None) -> list[int]:
+        """Children of the node set (None = the root), in node-index order."""
+        want = {-1} if nodes is None else set(nodes)
+        return [i for i in range(self.n) if int(self.parents[i]) in want]
+
+
+def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed):
+    """(accepted path nodes, emitted token, nonfinite flag) for one request."""
+    greedy = temperature == 0.0
+    current = None  # None = root; else the list of nodes spelling the accepted prefix
+    accepted_node = None
+    path_tokens = 0
+    flagged = False
+    while True:
+        first = -1 if current is None else current[0]
+        r = first + 1
+        row = tree.target_row(first)
+        x_row, bad = sanitize_logits(row)
+        flagged |= bad
+        cands = tree.children_of(current)
+        toks = [int(tree.tokens[c]) for c in cands]
+        if greedy:
+            best = int(torch.argmax(x_row))
+            match = [c for c, t in zip(cands, toks) if t == best]
+            if not match:
+                return _path_to(tree, accepted_node), best, flagged
+            current, accepted_node = match, match[0]
+            path_tokens += 1
+            continue
+        p = processed_probs(row, temperature, top_k, top_p)
+        flagged |= not bool((p > 0).any())
+        if not cands:  # leaf: bonus token
+            return _path_to(tree, accepted_node), max(exponential_race(safe_log(p), seed, r, PURPOSE_BONUS), 0), flagged
+        q = _draft_q(tree, cands[0], mode, temperature, top_k, top_p)
+        if mode == 1:
+            flagged |= sanitize_logits(tree.draft_row(cands[0]))[1]
+        chosen, residual = _choose(p, q, toks, method, seed, r)
+        if chosen is None:
+            token = exponential_race(safe_log(residual), seed, r, PURPOSE_RECOVER)
+            if token < 0:
+                token = max(exponential_race(safe_log(p), seed, r, PURPOSE_RECOVER), 0)
+            return _path_to(tree, accepted_node), token, flagged
+        accepted_node = cands[chosen]
+        current = [c for c, t in zip(cands, toks) if t == toks[chosen]]
+        path_tokens += 1
+
+
+def _path_to(tree: _Tree, node) -> list[int]:
+    path = []
+    while node is not None and node >= 0:
+        path.append(node)
+        node = int(tree.parents[node])
+    return path[::-1]
+
+
+def _draft_q(tree, node, mode, temperature, top_k, top_p):
+    if mode == 1:
+        return processed_probs(tree.draft_row(node), temperature, top_k, top_p)
+    if mode == 2:
+        q = tree.draft_row(node).double()
+        return torch.where(torch.isnan(q), torch.zeros_like(q), q)
+    return None
+
+
+def _choose(p, q, toks, method, seed, r):
+    """(index of the accepted candidate or None, residual weights when all are rejected)."""
+    k = len(toks)
+    u = [float(uniforms(seed, j, r, PURPOSE_ACCEPT)) for j in range(k)]
+    if q is None:  # one-hot drafts
+        removed, mass = set(), 0.0
+        for j, x in enumerate(toks):
+            if x not in removed:
+                pj = float(p[x]) / (1.0 - mass) if mass < 1.0 else 0.0
+                if pj > 0 and u[j] <= pj:
+                    return j, None
+                removed.add(x)
+                mass += float(p[x])
+        residual = p.clone()
+        residual[list(removed)] = 0.0
+        return None, residual
+    if method == "kseq":
+        rho, beta = solve_rho(p, q, k)
+        for j, x in enumerate(toks):
+            if p[x] > 0 and u[j] * rho * float(q[x]) <= float(p[x]):
+                return j, None
+        c = kseq_scale(beta, k)
+        return None, torch.clamp(p - c * torch.minimum(q, p / rho), min=0.0)
+    # rrs / rrs_wor
+    pj, qj = p.clone(), q.clone()
+    for j, x in enumerate(toks):
+        if pj[x] > 0 and u[j] * float(qj[x]) <= float(pj[x]):
+            return j, None
+        r_next = torch.clamp(pj - qj, min=0.0)
+        z = float(r_next.sum())
+        pj = r_next / z if z > 0 else r_next
+        if method == "rrs_wor":
+            keep = 1.0 - float(qj[x])
+            qj = qj.clone()
+            qj[x] = 0.0
+            qj = qj / keep if keep > 0 else qj
+    return None, pj
