@@ -45,7 +45,7 @@ DRAFT_LOGITS = 1  # raw draft logits, processed like the target
 DRAFT_PROBS = 2  # the exact probabilities the draft sampled from
 
 # Row statistics written by kernel 1, one record per (row, chunk).
-STAT_M_T, STAT_Z_T, STAT_M_Q, STAT_Z_Q, STAT_GMAX, STAT_BONUS_KEY, STAT_BAD = range(7)
+STAT_M_T, STAT_Z_T, STAT_M_Q, STAT_Z_Q, STAT_GMAX, STAT_BONUS_KEY, STAT_BAD_T, STAT_BAD_Q = range(8)
 NUM_STATS_HOST = 8
 NUM_STATS = tl.constexpr(NUM_STATS_HOST)
 IDX_GREEDY, IDX_BONUS = range(2)
@@ -69,23 +69,26 @@ class VerifyOutput:
 @triton.jit
 def _verify_row_stats_kernel(
     # pointers
-    target_ptr,  # [B, G+1, V] fp32/fp16/bf16 raw target logits
-    draft_ptr,  # [B, G, V] raw draft logits (DRAFT_MODE == 1), otherwise unused
+    target_ptr,  # [B, (K,) G+1, V] fp32/fp16/bf16 raw target logits
+    draft_ptr,  # [B, (K,) G, V] raw draft logits (DRAFT_MODE == 1), otherwise unused
     num_draft_ptr,  # [B] int: n_b (PER_REQ_N), else every request uses G
     temperature_ptr,  # [B] float: 0 = greedy (PER_REQ_T), else the scalar `temperature`
     top_k_ptr,  # [B] int: 0 = off (PER_REQ_K), else the scalar `top_k`
     top_p_ptr,  # [B] float: 1 = off (PER_REQ_P), else the scalar `top_p`
     seed_ptr,  # [B] int (PER_REQ_SEED), else keys mixed from the scalar `seed`
-    stats_ptr,  # [B*(G+1), C, NUM_STATS] fp32 out
-    idx_ptr,  # [B*(G+1), C, 2] int32 out
-    thr_ptr,  # [B*(G+1), 2] fp32 out: raw-logit thresholds of target and draft (HAS_FILTER)
+    stats_ptr,  # [B*K*(G+1), C, NUM_STATS] fp32 out
+    idx_ptr,  # [B*K*(G+1), C, 2] int32 out
+    thr_ptr,  # [B*K*(G+1), 2] fp32 out: raw-logit thresholds of target and draft (HAS_FILTER)
     # strides
     stride_tb,
+    stride_tk,
     stride_tg,
     stride_db,
+    stride_dk,
     stride_dg,
     # sizes
     B,
+    K,  # chains per request (1 for verify; tree ops view a tree as K chains of G slots)
     G,
     V,
     chunk_size,  # vocab entries per chunk, a multiple of BLOCK_V
@@ -103,15 +106,18 @@ def _verify_row_stats_kernel(
     PER_REQ_SEED: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
+    BONUS_IN_PASS: tl.constexpr,  # sample the bonus token of row n_b in this pass (chains)
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     pid_r = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)  # flattened b * (G+1) + i
-    b = rows // (G + 1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)  # flattened (b * K + k) * (G+1) + i
+    bk = rows // (G + 1)
+    b = bk // K
+    k = bk % K
     i = (rows % (G + 1)).to(tl.int32)
-    in_batch = rows < B * (G + 1)
+    in_batch = rows < B * K * (G + 1)
     n_b = per_request(num_draft_ptr, G, b, in_batch, PER_REQ_N).to(tl.int32)
     row_ok = in_batch & (i <= n_b)  # rows past the bonus row are never read
     temperature = per_request(temperature_ptr, temperature, b, row_ok, PER_REQ_T).to(tl.float32)
@@ -119,10 +125,10 @@ def _verify_row_stats_kernel(
     draft_ok = row_ok & (i < n_b) & ~greedy  # draft rows are read only in DRAFT_MODE 1, never for greedy
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
     seed = request_seed(seed_ptr, seed, b, row_ok, PER_REQ_SEED)
-    need_bonus = row_ok & (i == n_b) & (temperature > 0.0)
+    need_bonus = row_ok & (i == n_b) & (temperature > 0.0) & BONUS_IN_PASS
 
-    t_rows = target_ptr + b[:, None] * stride_tb + i[:, None].to(tl.int64) * stride_tg
-    d_rows = draft_ptr + b[:, None] * stride_db + i[:, None].to(tl.int64) * stride_dg
+    t_rows = target_ptr + b[:, None] * stride_tb + k[:, None] * stride_tk + i[:, None].to(tl.int64) * stride_tg
+    d_rows = draft_ptr + b[:, None] * stride_db + k[:, None] * stride_dk + i[:, None].to(tl.int64) * stride_dg
     thr_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
     thr_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
     if HAS_FILTER:  # launched with a single chunk: each program owns whole rows
@@ -143,6 +149,7 @@ def _verify_row_stats_kernel(
     bonus_key = tl.full([BLOCK_R], float("-inf"), tl.float32)  # relative to the running m_t
     bonus_idx = tl.zeros([BLOCK_R], tl.int32)
     bad = tl.zeros([BLOCK_R], tl.int32)
+    bad_q = tl.zeros([BLOCK_R], tl.int32)
     any_bonus = tl.max(need_bonus.to(tl.int32), axis=0) > 0
 
     start_col = chunk * chunk_size
@@ -164,7 +171,7 @@ def _verify_row_stats_kernel(
             bonus_key, bonus_idx = first_argmax_update(bonus_key, bonus_idx, keys, cols)
         if DRAFT_MODE == 1:
             xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk)
-            bad += tl.sum(xd_bad.to(tl.int32), axis=1)
+            bad_q += tl.sum(xd_bad.to(tl.int32), axis=1)
             m_q, z_q = online_softmax_update(m_q, z_q, xd, xd >= thr_q[:, None], inv_t)
 
     rec = (rows * num_chunks + chunk) * NUM_STATS
@@ -175,6 +182,7 @@ def _verify_row_stats_kernel(
     tl.store(stats_ptr + rec + 4, g_max, mask=row_ok)
     tl.store(stats_ptr + rec + 5, bonus_key, mask=row_ok)
     tl.store(stats_ptr + rec + 6, bad.to(tl.float32), mask=row_ok)
+    tl.store(stats_ptr + rec + 7, bad_q.to(tl.float32), mask=row_ok)
     irec = (rows * num_chunks + chunk) * 2
     tl.store(idx_ptr + irec + 0, g_idx, mask=row_ok)
     tl.store(idx_ptr + irec + 1, bonus_idx, mask=row_ok)
@@ -278,7 +286,7 @@ def _verify_accept_kernel(
         cz_q = tl.load(stats_ptr + rec + 3, mask=row_ok, other=0.0)
         c_gmax = tl.load(stats_ptr + rec + 4, mask=row_ok, other=float("-inf"))
         c_bkey = tl.load(stats_ptr + rec + 5, mask=row_ok, other=float("-inf"))
-        bad += tl.load(stats_ptr + rec + 6, mask=row_ok, other=0.0)
+        bad += tl.load(stats_ptr + rec + 6, mask=row_ok, other=0.0) + tl.load(stats_ptr + rec + 7, mask=row_ok, other=0.0)
         c_gidx = tl.load(idx_ptr + irec + 0, mask=row_ok, other=0)
         c_bidx = tl.load(idx_ptr + irec + 1, mask=row_ok, other=0)
         take = c_gmax > g_max  # strict: the earlier chunk keeps ties (lowest index)
@@ -531,11 +539,11 @@ def _launch(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None
     _verify_row_stats_kernel[(triton.cdiv(rows, plan.block_r), C)](
         target, draft, n_ptr, t_ptr, k_ptr, p_ptr, s_ptr,
         stats, idx, thr,
-        target.stride(0), target.stride(1), stride_db, stride_dg,
-        B, G, V, plan.chunk_size, C,
+        target.stride(0), 0, target.stride(1), stride_db, 0, stride_dg,
+        B, 1, G, V, plan.chunk_size, C,
         float(t_val), int(k_val), float(p_val), s_val,
         PER_REQ_N=per_req_n, PER_REQ_T=per_req_t, PER_REQ_K=per_req_k, PER_REQ_P=per_req_p,
-        PER_REQ_SEED=per_req_s, DRAFT_MODE=args.draft_mode, HAS_FILTER=has_filter,
+        PER_REQ_SEED=per_req_s, DRAFT_MODE=args.draft_mode, HAS_FILTER=has_filter, BONUS_IN_PASS=True,
         BLOCK_R=plan.block_r, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
     )  # fmt: skip
     _verify_accept_kernel[(triton.cdiv(B, plan.block_b), C)](

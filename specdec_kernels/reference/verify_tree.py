@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import check_tree_args
+from .._tree_args import check_tree_args
 from .sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,

@@ -45,7 +45,8 @@ def verify_kernels():
         flags = dict(PER_REQ_N=per_req, PER_REQ_T=per_req, PER_REQ_SEED=per_req)
         types.update(temperature="fp32", top_k="i32", top_p="fp32", seed="i64")
         yield v._verify_row_stats_kernel, types, dict(
-            flags, PER_REQ_K=per_req, PER_REQ_P=per_req, DRAFT_MODE=mode, HAS_FILTER=has_filter, BLOCK_R=block, BLOCK_V=bv
+            flags, PER_REQ_K=per_req, PER_REQ_P=per_req, DRAFT_MODE=mode, HAS_FILTER=has_filter, BONUS_IN_PASS=not per_req,
+            BLOCK_R=block, BLOCK_V=bv
         )
         types2 = dict(
             types,
