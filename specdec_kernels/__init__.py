@@ -8,7 +8,7 @@ from ._interpreter import use_interpreter_without_cuda
 
 use_interpreter_without_cuda()
 
-from .ops import VerifyOutput, verify  # noqa: E402
+from .ops import TreeVerifyOutput, VerifyOutput, verify, verify_multi, verify_tree  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["VerifyOutput", "verify", "__version__"]
+__all__ = ["TreeVerifyOutput", "VerifyOutput", "verify", "verify_multi", "verify_tree", "__version__"]

@@ -132,6 +132,8 @@ def check_tree_args(
         _require(num_nodes.shape[0] == B, f"num_nodes must have shape [B={B}], got {tuple(num_nodes.shape)}")
     if max_depth is not None:
         _require(isinstance(max_depth, int) and 0 <= max_depth <= MAX_DEPTH, f"max_depth must be an int in [0, {MAX_DEPTH}], got {max_depth!r}")
+    tokens = _last_dim_contiguous(tokens)  # the walk indexes slots with stride 1
+    parents = _last_dim_contiguous(parents) if parents is not None else None
     args = TreeArgs(
         _last_dim_contiguous(target), tokens, parents, draft, mode, temperature, top_k, top_p, seed,
         num_nodes, method, max_depth if max_depth is not None else (G if multi else K * G),

@@ -63,15 +63,12 @@ def solve_rho(p: torch.Tensor, q: torch.Tensor, k: int) -> tuple[float, float]:
     for _ in range(RHO_ROUNDS):
         points = [lo + (hi - lo) * m / RHO_POINTS for m in range(1, RHO_POINTS + 1)]
         points[-1] = hi
-        new_lo, new_hi, new_beta = lo, None, None
-        for rho in points:
-            beta = kseq_beta(p, q, rho)
-            f = 1.0 - (1.0 - beta) ** k - rho * beta
-            if f <= 0.0:
-                new_hi, new_beta = rho, beta
-                break
-            new_lo = rho
-        lo, hi, beta_hi = new_lo, new_hi, new_beta
+        betas = [kseq_beta(p, q, rho) for rho in points]
+        f = [1.0 - (1.0 - beta) ** k - rho * beta for rho, beta in zip(points, betas)]
+        # the first point with f <= 0 (the last point, the old hi, if rounding says none)
+        m = next((i for i, v in enumerate(f) if v <= 0.0), RHO_POINTS - 1)
+        lo = points[m - 1] if m > 0 else lo
+        hi, beta_hi = points[m], betas[m]
     return hi, beta_hi
 
 
@@ -245,16 +242,18 @@ def _choose(p, q, toks, method, seed, r):
         c = kseq_scale(beta, k)
         return None, torch.clamp(p - c * torch.minimum(q, p / rho), min=0.0)
     # rrs / rrs_wor
-    pj, qj = p.clone(), q.clone()
+    pj, qj, removed = p.clone(), q.clone(), set()
     for j, x in enumerate(toks):
-        if pj[x] > 0 and u[j] * float(qj[x]) <= float(pj[x]):
+        repeated = method == "rrs_wor" and x in removed  # impossible without replacement: reject
+        if not repeated and pj[x] > 0 and u[j] * float(qj[x]) <= float(pj[x]):
             return j, None
         r_next = torch.clamp(pj - qj, min=0.0)
         z = float(r_next.sum())
         pj = r_next / z if z > 0 else r_next
-        if method == "rrs_wor":
+        if method == "rrs_wor" and not repeated:
             keep = 1.0 - float(qj[x])
             qj = qj.clone()
             qj[x] = 0.0
             qj = qj / keep if keep > 0 else qj
+            removed.add(x)
     return None, pj
