@@ -89,7 +89,7 @@ def node_depths(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
     depth = torch.zeros(B, N, dtype=torch.int64)
     for i in range(N):  # parents[b, i] < i: one sweep in index order
         par = parents[:, i]
-        from_parent = torch.where(par >= 0, depth.gather(1, par.clamp(min=0)[:, None])[:, 0], torch.zeros_like(par))
+        from_parent = torch.where(par >= 0, depth.gather(1, par.clamp(0, N - 1)[:, None])[:, 0], torch.zeros_like(par))
         depth[:, i] = torch.where(i < num_nodes, from_parent + 1, torch.zeros_like(par))
     return depth
 

@@ -362,7 +362,7 @@ def _tree_walk_kernel(
                 if DRAFT_MODE == 0:
                     gone = (cols < 0) & lane
                     for j in range(0, tl.max(k, axis=0)):
-                        x_j = tl.sum(tl.where(cand & (rank == j), tok, -1), axis=1)
+                        x_j = tl.sum(tl.where(cand & (rank == j), tok, 0), axis=1)
                         gone = gone | ((cols == x_j[:, None]) & (j < k)[:, None])
                     w = tl.where(gone, 0.0, pv)
                 else:

@@ -73,9 +73,39 @@ def verify_kernels():
         yield v._verify_finalize_kernel, types3, dict(PER_REQ_N=per_req, PER_REQ_T=per_req, BLOCK_B=128, ROWS=8)
 
 
+def tree_kernels():
+    v = importlib.import_module("specdec_kernels.ops.verify_tree")
+    types = {
+        "target_ptr": "*bf16",
+        "tokens_ptr": "*i64",
+        "parents_ptr": "*i64",
+        "num_nodes_ptr": "*i32",
+        "seed_ptr": "*i64",
+        "idx_ptr": "*i32",
+        "out_tokens_ptr": "*i64",
+        "out_nodes_ptr": "*i64",
+        "out_accepted_ptr": "*i32",
+        "nonfinite_ptr": "*i1",
+        "temperature": "fp32",
+        "seed": "i64",
+    }
+    for mode, method, has_filter, chains in [
+        (0, 0, False, False),
+        (1, 0, True, False),
+        (2, 0, False, True),
+        (1, 1, False, False),
+        (2, 2, True, True),
+    ]:
+        t = dict(types, draft_ptr="*bf16" if mode == 1 else "*fp32")
+        yield v._tree_walk_kernel, t, dict(
+            PER_REQ_N=not chains, PER_REQ_T=True, PER_REQ_SEED=True, CHAINS=chains, DRAFT_MODE=mode,
+            HAS_FILTER=has_filter, METHOD=method, BLOCK_B=1, NP2=64, DP2=32, BLOCK_V=1024, RHO_P=16, RHO_R=4,
+        )
+
+
 def main() -> int:
     count = 0
-    for fn, types, constexprs in verify_kernels():
+    for fn, types, constexprs in itertools.chain(verify_kernels(), tree_kernels()):
         try:
             compile_kernel(fn, types, constexprs)
         except Exception as exc:  # report which variant broke, then fail

@@ -1,0 +1,183 @@
+"""sk.verify_tree / sk.verify_multi against the reference: exact ids and nodes, K = 1 equals
+verify, bad input."""
+
+import pytest
+import torch
+
+import specdec_kernels as sk
+from specdec_kernels.reference import verify_multi_reference, verify_tree_reference
+
+from ._inputs import make_problem
+from ._trees import make_tree_problem
+
+METHODS = ["kseq", "rrs", "rrs_wor"]
+MODES = ["greedy", "logits", "probs", "onehot"]
+
+
+def _mode_kwargs(mode, draft):
+    if mode in ("logits", "greedy"):
+        return {"draft_logits": draft, "temperature": 0.0 if mode == "greedy" else 0.9}
+    if mode == "probs":
+        return {"draft_probs": torch.softmax(draft.float(), dim=-1)}
+    return {}
+
+
+def _assert_same(out, ref):
+    for name in ("tokens", "num_accepted", "accepted_nodes", "nonfinite"):
+        assert torch.equal(getattr(out, name).cpu(), getattr(ref, name).cpu()), name
+
+
+def _check_paths(out, tokens, parents):
+    """accepted_nodes is a root-to-node path whose tokens are the accepted tokens."""
+    for b in range(out.tokens.shape[0]):
+        n = int(out.num_accepted[b])
+        path = out.accepted_nodes[b, :n].tolist()
+        assert (out.accepted_nodes[b, n:] == -1).all()
+        prev = -1
+        for node in path:
+            assert int(parents[b, node]) == prev
+            prev = node
+        assert out.tokens[b, :n].tolist() == [int(tokens[b, i]) for i in path]
+        assert 0 <= int(out.tokens[b, n]) < 10**6
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape, N, V", [("random", 12, 111), ("star", 5, 1000), ("chain", 4, 111), ("random", 1, 50)])
+def test_tree_matches_reference(method, mode, shape, N, V, device):
+    B = 6
+    target, tokens, parents, draft = make_tree_problem(
+        B, N, V, shape=shape, device=device, seed=N + V, without_replacement=method == "rrs_wor"
+    )
+    kw = dict(_mode_kwargs(mode, draft), method=method, seed=torch.arange(B, device=device) * 13 + 1)
+    out = sk.verify_tree(target, tokens, parents, **kw)
+    _check_paths(out, tokens, parents)
+    _assert_same(out, verify_tree_reference(target, tokens, parents, **kw))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_trees_filters_and_small_blocks(method, dtype, device):
+    B, N, V = 5, 10, 200
+    num_nodes = torch.tensor([10, 0, 3, 7, 1])
+    target, tokens, parents, draft = make_tree_problem(
+        B, N, V, dtype=dtype, device=device, seed=4, without_replacement=method == "rrs_wor", num_nodes=num_nodes
+    )
+    kw = dict(
+        draft_logits=draft,
+        method=method,
+        num_nodes=num_nodes.to(device),
+        temperature=torch.tensor([1.0, 0.7, 0.0, 1.3, 0.9], device=device),
+        top_k=torch.tensor([0, 20, 0, 50, 3], device=device),
+        top_p=torch.tensor([0.9, 1.0, 1.0, 0.8, 1.0], device=device),
+        seed=torch.arange(B, device=device) + 100,
+    )
+    ref = verify_tree_reference(target, tokens, parents, **kw)
+    _assert_same(sk.verify_tree(target, tokens, parents, **kw), ref)
+    _assert_same(sk.verify_tree(target, tokens, parents, **kw, _block_v=32), ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", METHODS)
+def test_multi_with_one_chain_is_verify(mode, method, device):
+    B, G, V = 8, 5, 300
+    target, tokens, draft = make_problem(B, G, V, device=device, seed=21)
+    kw = _mode_kwargs(mode, draft)
+    kw.update(seed=torch.arange(B, device=device) * 5 + 3, top_p=0.95)
+    chain = sk.verify(target, tokens, **kw)
+    multi_kw = {k: (v[:, None] if k in ("draft_logits", "draft_probs") else v) for k, v in kw.items()}
+    multi = sk.verify_multi(target[:, None], tokens[:, None], method=method, **multi_kw)
+    assert torch.equal(multi.tokens, chain.tokens)
+    assert torch.equal(multi.num_accepted, chain.num_accepted)
+    n = chain.num_accepted
+    expected_nodes = torch.where(torch.arange(G, device=device)[None, :] < n[:, None], torch.arange(G, device=device)[None, :], -1)
+    assert torch.equal(multi.accepted_nodes, expected_nodes)
+
+
+def _chains(B, K, G, V, device, seed, wor=False):
+    """K chains sampled from shared per-depth draft rows, target rows shared across chains."""
+    gen = torch.Generator().manual_seed(seed)
+    target_rows = torch.randn(B, G + 1, V, generator=gen) * 2
+    draft_rows = target_rows[:, :G] + torch.randn(B, G, V, generator=gen)
+    q = torch.softmax(draft_rows, -1)
+    tokens = torch.stack(
+        [torch.multinomial(q[:, d], K, replacement=not wor, generator=gen) for d in range(G)], dim=2
+    )  # [B, K, G]
+    target = target_rows[:, None].expand(B, K, G + 1, V).contiguous()
+    draft = draft_rows[:, None].expand(B, K, G, V).contiguous()
+    return target.to(device), tokens.to(device), draft.to(device)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("K", [2, 4])
+def test_multi_matches_reference(method, K, device):
+    B, G, V = 6, 3, 6  # a tiny vocabulary makes chains share prefixes (multiplicity)
+    target, tokens, draft = _chains(B, K, G, V, device, seed=K, wor=method == "rrs_wor")
+    kw = dict(draft_logits=draft, method=method, seed=torch.arange(B, device=device))
+    out = sk.verify_multi(target, tokens, **kw)
+    _assert_same(out, verify_multi_reference(target, tokens, **kw))
+    flat = tokens.reshape(B, K * G)
+    chain_parents = torch.where(torch.arange(K * G) % G == 0, -1, torch.arange(K * G) - 1).expand(B, -1)
+    _check_paths(out, flat.cpu(), chain_parents)
+
+
+def test_nan_rows_are_flagged_and_stay_in_vocab(device):
+    B, N, V = 4, 6, 50
+    target, tokens, parents, draft = make_tree_problem(B, N, V, device=device, seed=2)
+    target[1, 0, 3] = float("nan")
+    target[2] = float("nan")
+    kw = dict(draft_logits=draft, seed=torch.arange(B, device=device))
+    out = sk.verify_tree(target, tokens, parents, **kw)
+    _assert_same(out, verify_tree_reference(target, tokens, parents, **kw))
+    assert out.nonfinite[1] and out.nonfinite[2] and not out.nonfinite[0]
+    assert ((out.tokens >= -1) & (out.tokens < V)).all()
+
+
+def _tree_base(device):
+    target, tokens, parents, draft = make_tree_problem(2, 4, 20, shape="chain", device=device)
+    return target, tokens, parents, draft
+
+
+@pytest.mark.parametrize(
+    "edit, error, match",
+    [
+        (lambda t, x, p, d: (t, x, p.clone().fill_(0), d, {}), ValueError, r"parents must be topological.*parents\[0, 0\] = 0"),
+        (lambda t, x, p, d: (t, x, torch.tensor([[1, 0, 1, 2], [-1, 0, 1, 2]]), d, {}), ValueError, "no cycles"),
+        (lambda t, x, p, d: (t, x, p - 5, d, {}), ValueError, "parents must be topological"),
+        (lambda t, x, p, d: (t, x, p, d, {"num_nodes": torch.tensor([5, 1])}), ValueError, r"num_nodes must be in \[0, N=4\]"),
+        (lambda t, x, p, d: (t, x + 20, p, d, {}), ValueError, r"tree_tokens must be in \[0, V=20\)"),
+        (lambda t, x, p, d: (t, x, p[:, :3], d, {}), ValueError, r"parents must have shape \[B, N\]"),
+        (lambda t, x, p, d: (t, x, p, d[..., :7], {}), ValueError, "V=7 but target_logits has V=20"),
+        (lambda t, x, p, d: (t, x, p, d, {"method": "spectr"}), ValueError, "method must be one of"),
+        (lambda t, x, p, d: (t, x, p.float(), d, {}), TypeError, "parents has dtype"),
+        (lambda t, x, p, d: (t, x, p, d, {"temperature": -1.0}), ValueError, "temperature must be >= 0"),
+        (lambda t, x, p, d: (t, x, p, d, {"max_depth": 2}), ValueError, "4 deep but max_depth=2"),
+        (lambda t, x, p, d: (t, x.fill_(3), p.fill_(-1), d, {"method": "rrs_wor"}), ValueError, "distinct tokens"),
+        (
+            lambda t, x, p, d: (torch.randn(2, 66, 20), torch.zeros(2, 65, dtype=torch.int64), torch.full((2, 65), -1), None, {}),
+            ValueError,
+            "at most 64 tree nodes",
+        ),
+    ],
+)
+def test_tree_bad_input(edit, error, match, device):
+    target, tokens, parents, draft, kw = edit(*_tree_base(device))
+    for fn in (sk.verify_tree, verify_tree_reference):
+        with pytest.raises(error, match=match):
+            fn(target, tokens, parents, draft, **kw)
+
+
+def test_ragged_padding_may_hold_anything(device):
+    """Nodes past num_nodes are padding: their tokens and parents are never checked or read."""
+    num_nodes = torch.tensor([2, 4])
+    target, tokens, parents, draft = make_tree_problem(2, 4, 20, device=device, num_nodes=num_nodes)
+    out = sk.verify_tree(target, tokens, parents, draft, num_nodes=num_nodes.to(device), seed=1)
+    assert (out.accepted_nodes[0] < 2).all()
+
+
+def test_multi_bad_input(device):
+    target, tokens, draft = _chains(2, 3, 2, 10, device, seed=0)
+    with pytest.raises(ValueError, match=r"draft_tokens must have shape \[B, K, G\]"):
+        sk.verify_multi(target, tokens[:, :2], draft)
+    with pytest.raises(ValueError, match=r"draft_logits must have shape \[2, 3, 2, 10\]"):
+        sk.verify_multi(target, tokens, draft[:, :2])
