@@ -8,7 +8,24 @@ from ._interpreter import use_interpreter_without_cuda
 
 use_interpreter_without_cuda()
 
-from .ops import TreeVerifyOutput, VerifyOutput, verify, verify_multi, verify_tree  # noqa: E402
+from .ops import (  # noqa: E402
+    TreeMetadata,
+    TreeVerifyOutput,
+    VerifyOutput,
+    tree_metadata,
+    verify,
+    verify_multi,
+    verify_tree,
+)
 
 __version__ = "0.1.0"
-__all__ = ["TreeVerifyOutput", "VerifyOutput", "verify", "verify_multi", "verify_tree", "__version__"]
+__all__ = [
+    "TreeMetadata",
+    "TreeVerifyOutput",
+    "VerifyOutput",
+    "tree_metadata",
+    "verify",
+    "verify_multi",
+    "verify_tree",
+    "__version__",
+]

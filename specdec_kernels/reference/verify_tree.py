@@ -257,3 +257,24 @@ def _choose(p, q, toks, method, seed, r):
             qj = qj / keep if keep > 0 else qj
             removed.add(x)
     return None, pj
+
+
+def tree_metadata_reference(parents: torch.Tensor, num_nodes: torch.Tensor | None = None):
+    """Depths ([B, N] int32) and ancestor-or-self bitmasks ([B, N] int64) by walking up parents."""
+    from ..ops.tree_metadata import TreeMetadata
+
+    B, N = parents.shape
+    par = parents.cpu().tolist()
+    n = num_nodes.cpu().tolist() if num_nodes is not None else [N] * B
+    depth = torch.zeros(B, N, dtype=torch.int32)
+    mask = torch.zeros(B, N, dtype=torch.int64)
+    for b in range(B):
+        for i in range(n[b]):
+            node, d, bits = i, 0, 0
+            while node >= 0:
+                bits |= 1 << node
+                d += 1
+                node = par[b][node]
+            depth[b, i] = d
+            mask[b, i] = bits - (1 << 64) if bits >= 1 << 63 else bits  # as a signed int64
+    return TreeMetadata(depth.to(parents.device), mask.to(parents.device))

@@ -103,9 +103,15 @@ def tree_kernels():
         )
 
 
+def metadata_kernels():
+    v = importlib.import_module("specdec_kernels.ops.tree_metadata")
+    types = {"parents_ptr": "*i64", "num_nodes_ptr": "*i64", "depth_ptr": "*i32", "mask_ptr": "*i64"}
+    yield v._tree_metadata_kernel, types, dict(PER_REQ_N=True, BLOCK_B=16, NP2=64)
+
+
 def main() -> int:
     count = 0
-    for fn, types, constexprs in itertools.chain(verify_kernels(), tree_kernels()):
+    for fn, types, constexprs in itertools.chain(verify_kernels(), tree_kernels(), metadata_kernels()):
         try:
             compile_kernel(fn, types, constexprs)
         except Exception as exc:  # report which variant broke, then fail
