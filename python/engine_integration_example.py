@@ -37,8 +37,7 @@ def sampler_step(step, target_logits, draft_tokens, draft_logits, num_draft_toke
     # Commit out.tokens[b, : n[b] + 1]. The KV cache holds entries for the committed prefix plus
     # the n_b drafted tokens that were fed to the target; keep the accepted ones and drop the
     # rest (the emitted recovered/bonus token has no KV entry yet: it is the next step's input).
-    dropped = num_draft_tokens.long() - n
-    new_kv_lens = kv_lens + num_draft_tokens.long() - dropped
+    new_kv_lens = kv_lens + n  # i.e. truncate the cache by num_draft_tokens - n entries
     committed = [out.tokens[b, : n[b] + 1].tolist() for b in range(B)]
     return committed, new_kv_lens
 
