@@ -36,10 +36,20 @@ def uniform_open(seed, c0, c1, c2):
 
 
 @triton.jit
-def neg_log_exponential(seed, c0, c1, c2):
-    """-log(E) with E = -log(u) ~ Exp(1): adding it to log r(x) and taking the argmax samples
-    norm(r) (exponential race / Gumbel-max), with no normalisation and no inverse CDF."""
-    u = uniform_open(seed, c0, c1, c2)
+def race_noise(seed, start, c1, c2, BLOCK_V: tl.constexpr):
+    """-log(E_x), E_x ~ Exp(1), for the vocabulary entries x in [start, start + BLOCK_V).
+
+    Adding it to log r(x) and taking the argmax samples norm(r) (exponential race / Gumbel-max)
+    with no normalisation and no inverse CDF. One Philox call serves four entries: entry x uses
+    word x % 4 of Philox(seed; x // 4, c1, c2, 0) (start must be a multiple of 4). Philox is the
+    arithmetic-heavy part of a race, so this quarters the work. seed, c1: [R, 1]; result [R, BLOCK_V].
+    """
+    quad = start // 4 + tl.arange(0, BLOCK_V // 4)[None, :]
+    zero = tl.zeros_like(c1 + quad).to(tl.int32)
+    c0 = (zero + quad).to(tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, c0, (zero + c1).to(tl.uint32), (zero + c2).to(tl.uint32), c0 * 0)
+    bits = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))  # word x % 4 at column x
+    u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
     return -tl.log(-tl.log(u))
 
 

@@ -31,9 +31,9 @@ from ._triton_helpers import (
     filter_threshold,
     first_argmax_update,
     load_logits,
-    neg_log_exponential,
     online_softmax_update,
     per_request,
+    race_noise,
     request_seed,
     safe_max,
     uniform_open,
@@ -166,7 +166,7 @@ def _verify_row_stats_kernel(
             # Keep the race key relative to the running max so that it stays precise in fp32.
             bonus_key -= (safe_max(m_t) - safe_max(m_prev)) * inv_t
             logits = (x - safe_max(m_t)[:, None]) * inv_t[:, None]
-            noise = neg_log_exponential(seed[:, None], cols, i[:, None], PURPOSE_BONUS)
+            noise = race_noise(seed[:, None], start, i[:, None], PURPOSE_BONUS, BLOCK_V)
             keys = tl.where((x >= thr_t[:, None]) & (x > float("-inf")) & need_bonus[:, None], logits + noise, float("-inf"))
             bonus_key, bonus_idx = first_argmax_update(bonus_key, bonus_idx, keys, cols)
         if DRAFT_MODE == 1:
@@ -375,7 +375,7 @@ def _verify_accept_kernel(
                 residual = tl.where(q == q, tl.maximum(p - q, 0.0), p)  # NaN q counts as 0
             else:
                 residual = tl.where(cols == tok_j[:, None], 0.0, p)
-            noise = neg_log_exponential(seed[:, None], cols, j[:, None], PURPOSE_RECOVER)
+            noise = race_noise(seed[:, None], start, j[:, None], PURPOSE_RECOVER, BLOCK_V)
             log_p = (x - safe_max(mj_t)[:, None]) * inv_t[:, None] - log_zj[:, None]
             keys_r = tl.where(lane_ok & (residual > 0.0), tl.log(tl.maximum(residual, 1e-38)) + noise, float("-inf"))
             keys_p = tl.where(lane_ok & (p > 0.0), log_p + noise, float("-inf"))
@@ -473,7 +473,7 @@ def _plan(args: VerifyArgs, has_filter: bool, num_chunks: int | None, block_v: i
     interpreted = interpreter_requested() or args.target_logits.device.type != "cuda"
     # The interpreter pays per operation, not per element: give it big tiles.
     max_block_v, tile, max_block_b = (8192, 1 << 16, 4096) if interpreted else (2048, 4096, 64)
-    block_v = min(_next_pow2(V), block_v or max_block_v)
+    block_v = max(4, min(_next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * (G + 1)
     block_r = max(1, min(_next_pow2(rows), tile // block_v))
     block_b = max(1, min(_next_pow2(B), tile // block_v, max_block_b))

@@ -32,8 +32,8 @@ from ._triton_helpers import (
     PURPOSE_RECOVER,
     first_argmax_update,
     load_logits,
-    neg_log_exponential,
     per_request,
+    race_noise,
     request_seed,
     safe_max,
     uniform_open,
@@ -378,7 +378,7 @@ def _tree_walk_kernel(
                     else:
                         w = _rrs_residual(pv, qv, steps, zs, xs, ds, cols.to(tl.int64), nodes, METHOD == 2)
                 w = tl.where(has_cand[:, None], w, pv)
-                noise = neg_log_exponential(seed[:, None], cols, counter[:, None], purpose[:, None])
+                noise = race_noise(seed[:, None], start, counter[:, None], purpose[:, None], BLOCK_V)
                 log_p = (xt - safe_max(m_t)[:, None]) * inv_t[:, None] - log_z[:, None]
                 keys = tl.where(lane & (w > 0.0), tl.log(tl.maximum(w, 1e-38)) + noise, float("-inf"))
                 keys_p = tl.where(lane & (pv > 0.0), log_p + noise, float("-inf"))
@@ -431,7 +431,7 @@ def _launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput
 
     interpreted = interpreter_requested() or dev.type != "cuda"
     max_block_v, tile = (8192, 1 << 16) if interpreted else (1024, 4096)
-    block_v = min(_next_pow2(V), block_v or max_block_v)
+    block_v = max(4, min(_next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * K * (G + 1)
     block_r = max(1, min(_next_pow2(rows), tile // block_v))
     np2 = max(2, _next_pow2(N))

@@ -65,10 +65,17 @@ def uniforms(seed: int, c0, row: int, purpose: int) -> np.ndarray:
     return uniform_open(bits)
 
 
+def race_uniforms(seed: int, V: int, row: int, purpose: int) -> np.ndarray:
+    """The race's uniform for every vocabulary entry x: word x % 4 of Philox(seed; x // 4, row, purpose, 0)."""
+    x = np.arange(V)
+    words = philox4x32(np.int64(seed), x // 4, row, purpose, 0)
+    return uniform_open(np.choose(x % 4, words))
+
+
 def exponential_race(log_weights: torch.Tensor, seed: int, row: int, purpose: int) -> int:
     """argmax_x log w(x) - log E_x with E_x = -log u_x: a sample from norm(w); -1 if w == 0."""
     V = log_weights.numel()
-    u = torch.from_numpy(uniforms(seed, np.arange(V), row, purpose)).double()
+    u = torch.from_numpy(race_uniforms(seed, V, row, purpose)).double()
     keys = log_weights.double() - torch.log(-torch.log(u))
     keys = torch.where(torch.isnan(keys), torch.full_like(keys, float("-inf")), keys)
     if not bool((keys > float("-inf")).any()):

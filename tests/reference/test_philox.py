@@ -5,8 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec_kernels.ops._triton_helpers import uniform_open
+from specdec_kernels.ops._triton_helpers import race_noise, uniform_open
 from specdec_kernels.reference.philox import philox4x32, uniform_open as uniform_open_np
+from specdec_kernels.reference.sampling import race_uniforms
 
 
 @triton.jit
@@ -42,3 +43,23 @@ def test_uniform_is_strictly_inside_unit_interval():
     assert u.dtype == np.float32
     assert (u > 0).all() and (u < 1).all()
     assert u[0] == np.float32(2.0**-24) and u[4] == np.float32(1 - 2.0**-24)
+
+
+@triton.jit
+def _race_noise_probe_kernel(out_ptr, seed_ptr, R: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
+    from_row = tl.arange(0, R)[:, None]
+    seed = tl.load(seed_ptr + tl.arange(0, R))[:, None]
+    for start in range(0, N, BLOCK):
+        noise = race_noise(seed, start, from_row + 3, 1, BLOCK)
+        tl.store(out_ptr + from_row * N + start + tl.arange(0, BLOCK)[None, :], noise)
+
+
+def test_race_noise_matches_reference(device):
+    seeds = torch.tensor([7, -2, 2**50 + 1, 0], dtype=torch.int64, device=device)
+    R, N = 4, 64
+    out = torch.empty((R, N), dtype=torch.float32, device=device)
+    _race_noise_probe_kernel[(1,)](out, seeds, R=R, N=N, BLOCK=16)
+    for r in range(R):
+        u = race_uniforms(int(seeds[r]), N, r + 3, 1)
+        expected = -np.log(-np.log(u.astype(np.float64)))
+        np.testing.assert_allclose(out[r].cpu().numpy(), expected, rtol=1e-5, atol=1e-6)
