@@ -25,7 +25,7 @@ from ._validation import (
     _check_tensor,
     _last_dim_contiguous,
     _require,
-    per_request_seeds,
+    per_request_cpu,
 )
 
 METHODS = {"kseq": 0, "rrs": 1, "rrs_wor": 2}
@@ -60,19 +60,8 @@ class TreeArgs:
         return isinstance(k, torch.Tensor) or 0 < k < self.V or isinstance(p, torch.Tensor) or p < 1.0
 
     def per_request_cpu(self) -> dict[str, torch.Tensor]:
-        B = self.B
-
-        def full(v, dtype):
-            return v.cpu().to(dtype) if isinstance(v, torch.Tensor) else torch.full((B,), v, dtype=dtype)
-
         n = self.num_nodes if self.num_nodes is not None else self.N
-        return {
-            "temperature": full(self.temperature, torch.float32),
-            "top_k": full(self.top_k, torch.int64),
-            "top_p": full(self.top_p, torch.float32),
-            "num_nodes": full(n, torch.int64),
-            "seed": per_request_seeds(self.seed, B, "cpu"),
-        }
+        return per_request_cpu(self.B, self.temperature, self.top_k, self.top_p, self.seed, num_nodes=n)
 
     def parents_cpu(self) -> torch.Tensor:
         """[B, N] parents; chains get i - 1 within a chain and -1 at each chain's first slot."""

@@ -55,19 +55,24 @@ class VerifyArgs:
 
     def per_request_cpu(self) -> dict[str, torch.Tensor]:
         """Every per-request parameter as a [B] CPU tensor (for the reference)."""
-        B = self.B
-
-        def full(v, dtype):
-            return v.cpu().to(dtype) if isinstance(v, torch.Tensor) else torch.full((B,), v, dtype=dtype)
-
         n = self.num_draft_tokens if self.num_draft_tokens is not None else self.G
-        return {
-            "temperature": full(self.temperature, torch.float32),
-            "top_k": full(self.top_k, torch.int64),
-            "top_p": full(self.top_p, torch.float32),
-            "num_draft_tokens": full(n, torch.int64),
-            "seed": per_request_seeds(self.seed, B, "cpu"),
-        }
+        return per_request_cpu(self.B, self.temperature, self.top_k, self.top_p, self.seed, num_draft_tokens=n)
+
+
+def per_request_cpu(B: int, temperature, top_k, top_p, seed, **counts) -> dict[str, torch.Tensor]:
+    """Scalar-or-[B] parameters as [B] CPU tensors, seeds mixed as the kernels mix them."""
+
+    def full(v, dtype):
+        return v.cpu().to(dtype) if isinstance(v, torch.Tensor) else torch.full((B,), v, dtype=dtype)
+
+    params = {
+        "temperature": full(temperature, torch.float32),
+        "top_k": full(top_k, torch.int64),
+        "top_p": full(top_p, torch.float32),
+        "seed": per_request_seeds(seed, B, "cpu"),
+    }
+    params.update({name: full(v, torch.int64) for name, v in counts.items()})
+    return params
 
 
 def _require(cond: bool, message: str, exc: type[Exception] = ValueError) -> None:

@@ -181,3 +181,10 @@ def request_seed(ptr, value, b, mask, PER_REQUEST: tl.constexpr):
     else:
         x = (b.to(tl.int64) + value) * 0x5851F42D4C957F2D + 0x14057B7EF767814F
         return x ^ (x >> 29)
+
+
+@triton.jit
+def inverse_temperature(temperature):
+    """(greedy, 1 / T) per request; greedy rows (T = 0) get 1 so no division by zero happens."""
+    greedy = temperature == 0.0
+    return greedy, tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))

@@ -30,6 +30,7 @@ from ._triton_helpers import (
     PURPOSE_RECOVER,
     filter_threshold,
     first_argmax_update,
+    inverse_temperature,
     load_logits,
     online_softmax_update,
     per_request,
@@ -121,9 +122,8 @@ def _verify_row_stats_kernel(
     n_b = per_request(num_draft_ptr, G, b, in_batch, PER_REQ_N).to(tl.int32)
     row_ok = in_batch & (i <= n_b)  # rows past the bonus row are never read
     temperature = per_request(temperature_ptr, temperature, b, row_ok, PER_REQ_T).to(tl.float32)
-    greedy = temperature == 0.0
+    greedy, inv_t = inverse_temperature(temperature)
     draft_ok = row_ok & (i < n_b) & ~greedy  # draft rows are read only in DRAFT_MODE 1, never for greedy
-    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
     seed = request_seed(seed_ptr, seed, b, row_ok, PER_REQ_SEED)
     need_bonus = row_ok & (i == n_b) & (temperature > 0.0) & BONUS_IN_PASS
 
@@ -259,8 +259,7 @@ def _verify_accept_kernel(
     b_ok = b < B
     n_b = per_request(num_draft_ptr, G, b, b_ok, PER_REQ_N).to(tl.int32)
     temperature = per_request(temperature_ptr, temperature, b, b_ok, PER_REQ_T).to(tl.float32)
-    greedy = temperature == 0.0
-    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
+    greedy, inv_t = inverse_temperature(temperature)
     seed = request_seed(seed_ptr, seed, b, b_ok, PER_REQ_SEED)
 
     # ---- combine the chunk statistics of every row i <= n_b: [BLOCK_B, ROWS] tiles

@@ -31,6 +31,7 @@ from ._triton_helpers import (
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
     first_argmax_update,
+    inverse_temperature,
     load_logits,
     per_request,
     race_noise,
@@ -80,6 +81,23 @@ def _row_ptr(base, b, node, stride_b, stride_k, stride_g, G, TARGET: tl.constexp
 def _pick(vals, cols, j):
     """vals[b, j[b]] of a [BLOCK_B, N] tile."""
     return tl.sum(tl.where(cols == j[:, None], vals, 0), axis=1)
+
+
+@triton.jit
+def _position_tiles(t_row, d_row, cols, lane, lane_q, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE: tl.constexpr):
+    """(target logits, p, q) on a [BB, BLOCK_V] tile of the position's target and draft rows
+    (the draft row is read where lane_q holds)."""
+    xt, _bad_t = load_logits(t_row[:, None] + cols, lane)
+    pv = _prob_of(xt, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None])
+    if DRAFT_MODE == 1:
+        xq, _bad_q = load_logits(d_row[:, None] + cols, lane_q)
+        qv = _prob_of(xq, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None])
+    elif DRAFT_MODE == 2:
+        qv = tl.load(d_row[:, None] + cols, mask=lane_q, other=0.0).to(tl.float32)
+        qv = tl.where(qv == qv, qv, 0.0)
+    else:
+        qv = tl.zeros_like(pv)
+    return xt, pv, qv
 
 
 @triton.jit
@@ -164,8 +182,7 @@ def _tree_walk_kernel(
     b_ok = b < B
     n_nodes = per_request(num_nodes_ptr, N, b, b_ok, PER_REQ_N).to(tl.int32)
     temperature = per_request(temperature_ptr, temperature, b, b_ok, PER_REQ_T).to(tl.float32)
-    greedy = temperature == 0.0
-    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
+    greedy, inv_t = inverse_temperature(temperature)
     seed = request_seed(seed_ptr, seed, b, b_ok, PER_REQ_SEED)
 
     # ---- the tree: tokens and parents of every node, [BLOCK_B, NP2]
@@ -274,14 +291,9 @@ def _tree_walk_kernel(
                     for start in range(0, V, BLOCK_V):
                         cols = start + vcols
                         lane = search[:, None] & (cols < V)
-                        xt, _b1 = load_logits(t_row[:, None] + cols, lane)
-                        pv = _prob_of(xt, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None])
-                        if DRAFT_MODE == 1:
-                            xq, _b2 = load_logits(d_row[:, None] + cols, lane)
-                            qv = _prob_of(xq, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None])
-                        else:
-                            qv = tl.load(d_row[:, None] + cols, mask=lane, other=0.0).to(tl.float32)
-                            qv = tl.where(qv == qv, qv, 0.0)
+                        _x, pv, qv = _position_tiles(
+                            t_row, d_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE
+                        )
                         terms = tl.minimum(qv[:, None, :], pv[:, None, :] / pts[:, :, None])
                         beta += tl.sum(terms, axis=2)
                     f = 1.0 - tl.exp(kf[:, None] * tl.log(tl.maximum(1.0 - beta, 0.0))) - pts * beta
@@ -309,14 +321,9 @@ def _tree_walk_kernel(
                     for start in range(0, V, BLOCK_V):
                         cols = start + vcols
                         lane = live[:, None] & (cols < V)
-                        xt, _b3 = load_logits(t_row[:, None] + cols, lane)
-                        pv = _prob_of(xt, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None])
-                        if DRAFT_MODE == 1:
-                            xq, _b4 = load_logits(d_row[:, None] + cols, lane)
-                            qv = _prob_of(xq, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None])
-                        else:
-                            qv = tl.load(d_row[:, None] + cols, mask=lane, other=0.0).to(tl.float32)
-                            qv = tl.where(qv == qv, qv, 0.0)
+                        _x, pv, qv = _position_tiles(
+                            t_row, d_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE
+                        )
                         r = _rrs_residual(pv, qv, steps, zs, xs, ds, cols.to(tl.int64), nodes, METHOD == 2)
                         z_j += tl.sum(tl.where(lane, r, 0.0), axis=1)
                     zs = tl.where(live[:, None] & (nodes == j), z_j[:, None], zs)
@@ -357,8 +364,9 @@ def _tree_walk_kernel(
             for start in range(0, V, BLOCK_V):
                 cols = start + vcols
                 lane = race[:, None] & (cols < V)
-                xt, _b5 = load_logits(t_row[:, None] + cols, lane)
-                pv = _prob_of(xt, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None])
+                xt, pv, qv = _position_tiles(
+                    t_row, d_row, cols, lane, lane & has_cand[:, None], m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE
+                )
                 if DRAFT_MODE == 0:
                     gone = (cols < 0) & lane
                     for j in range(0, tl.max(k, axis=0)):
@@ -366,13 +374,6 @@ def _tree_walk_kernel(
                         gone = gone | ((cols == x_j[:, None]) & (j < k)[:, None])
                     w = tl.where(gone, 0.0, pv)
                 else:
-                    lane_q = lane & has_cand[:, None]
-                    if DRAFT_MODE == 1:
-                        xq, _b6 = load_logits(d_row[:, None] + cols, lane_q)
-                        qv = _prob_of(xq, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None])
-                    else:
-                        qv = tl.load(d_row[:, None] + cols, mask=lane_q, other=0.0).to(tl.float32)
-                        qv = tl.where(qv == qv, qv, 0.0)
                     if METHOD == 0:
                         w = tl.maximum(pv - scale[:, None] * tl.minimum(qv, pv / rho[:, None]), 0.0)
                     else:
