@@ -2,7 +2,7 @@
 
 The CPU test suite runs the kernels in Triton's interpreter, which accepts programs the compiler
 rejects (loop-carried type changes, unsupported ops). Compiling to PTX for sm_80 and sm_90 here
-catches those breaks in CI. Usage: python -m tests.ops._compile_kernels
+catches those breaks in CI. Usage: python -m tests.ops._compile_kernels [verify tree metadata attention]
 """
 
 import importlib
@@ -109,9 +109,33 @@ def metadata_kernels():
     yield v._tree_metadata_kernel, types, dict(PER_REQ_N=True, BLOCK_B=16, NP2=64)
 
 
-def main() -> int:
+def attention_kernels():
+    import triton.language as tl
+
+    v = importlib.import_module("specdec_kernels.ops.tree_attention")
+    ints = {"key_start_ptr": "*i32", "prefix_end_ptr": "*i32", "tree_start_ptr": "*i32", "anc_ptr": "*i64", "qk_scale": "fp32"}
+    for dtype, dot, D, block_d, block_m, splits in [
+        ("*bf16", tl.bfloat16, 128, 128, 64, 1),
+        ("*fp16", tl.float16, 80, 128, 16, 4),
+        ("*bf16", tl.bfloat16, 256, 256, 16, 8),
+        ("*fp32", tl.float32, 64, 64, 32, 1),
+    ]:
+        types = dict(ints, q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, out_ptr=dtype)
+        yield v._tree_attention_kernel, types, dict(
+            GROUP=4, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32 if block_d > 128 else 64, TREE_SPAN=64,
+            NUM_SPLITS=splits, DOT_DTYPE=dot,
+        )
+        if splits > 1:
+            yield v._tree_attention_combine_kernel, dict(out_ptr=dtype), dict(D=D, BLOCK_D=block_d, NUM_SPLITS=splits)
+
+
+FAMILIES = {"verify": verify_kernels, "tree": tree_kernels, "metadata": metadata_kernels, "attention": attention_kernels}
+
+
+def main(families=None) -> int:
     count = 0
-    for fn, types, constexprs in itertools.chain(verify_kernels(), tree_kernels(), metadata_kernels()):
+    chosen = [FAMILIES[name]() for name in (families or FAMILIES)]
+    for fn, types, constexprs in itertools.chain(*chosen):
         try:
             compile_kernel(fn, types, constexprs)
         except Exception as exc:  # report which variant broke, then fail
@@ -123,4 +147,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

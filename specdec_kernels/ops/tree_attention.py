@@ -1,0 +1,391 @@
+"""Tree attention: the target scores every node of a token tree in one forward pass.
+
+Each tree token attends to the committed prefix of its request and to its own ancestors in the
+tree (itself included), nothing else. The kernel is flash-attention style: fp32 online softmax over
+key tiles, scores never written to memory, and the tree part of the mask is one int64 bitmask per
+query node (bit j: "may attend tree node j"), built once per step by :func:`tree_metadata`.
+
+Work layout. One program owns one (request, KV head) pair, a tile of BLOCK_M query rows and one
+split of the keys. The query rows stack the GQA group: row r is query head ``hkv * GROUP + r // Nq``
+at node ``r % Nq``, so each K/V tile is loaded once for all heads that share it. Long prefixes with
+few query rows (decoding, small trees, batch 1) are split across programs (flash-decoding); a second
+small kernel merges the partial softmaxes. Tiles past a request's own prefix are never visited, so
+ragged batches cost what their real keys cost.
+
+Key layout (per request b, positions in the key dimension of ``k``/``v``):
+
+    [key_start[b], prefix_end[b])          committed prefix, attended by every real query
+    tree_start[b] + j, j < 64              tree node j, attended by query n iff bit j of anc[b, n]
+
+``tree_attention`` (the public function) uses key_start = 0, prefix_end = tree_start = prefix_lens;
+the Hugging Face backend passes the general form (left padding, tree appended after a shared cache
+length).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .._interpreter import interpreter_requested
+from .._tree_args import MAX_NODES
+from .._validation import FLOAT_DTYPES, INT_DTYPES, _capturing, _require
+from .tree_metadata import tree_metadata
+from .verify import _next_pow2
+
+_LOG2E = 1.4426950408889634
+_SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+
+
+@triton.jit
+def _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr):
+    """Fold one key tile into the running (max, sum, acc) of each query row (log2 domain)."""
+    if DOT_DTYPE == tl.float32:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(allowed, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows that have seen no allowed key yet keep m = -inf; subtract 0 instead to avoid inf - inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_DTYPE == tl.float32:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(DOT_DTYPE), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tree_attention_kernel(
+    # pointers
+    q_ptr,  # [B, Hq, Nq, D] fp32 | fp16 | bf16, last dim contiguous
+    k_ptr,  # [B, Hkv, S, D] same dtype as q, last dim contiguous
+    v_ptr,  # [B, Hkv, S, D] same dtype as q, last dim contiguous
+    key_start_ptr,  # [B] int32: first committed key of the request (left padding before it)
+    prefix_end_ptr,  # [B] int32: committed keys are [key_start, prefix_end)
+    tree_start_ptr,  # [B] int32: tree node j's key sits at tree_start + j
+    anc_ptr,  # [B, Nq] int64: bit j set iff the query may attend tree node j; 0 = padding query
+    out_ptr,  # [B, Hq, Nq, D] q's dtype (written when NUM_SPLITS == 1)
+    part_acc_ptr,  # [B * Hq * Nq, NUM_SPLITS, BLOCK_D] fp32 unnormalised outputs (NUM_SPLITS > 1)
+    part_ml_ptr,  # [B * Hq * Nq, NUM_SPLITS, 2] fp32 running max (log2 units) and sum (NUM_SPLITS > 1)
+    # strides (elements)
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    # sizes and scalars
+    Hkv,
+    Nq,
+    S,
+    split_len,  # keys per split, a multiple of BLOCK_N
+    qk_scale,  # softmax scale * log2(e)
+    # constexprs
+    GROUP: tl.constexpr,  # Hq // Hkv
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TREE_SPAN: tl.constexpr,  # power of two >= number of tree key slots (<= 64)
+    NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # fp32 in the interpreter (its bf16 arithmetic is wrong), else q's dtype
+):
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid_bh // Hkv
+    hkv = pid_bh % Hkv
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP * Nq
+    head = hkv * GROUP + rows // Nq
+    node = rows % Nq
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    anc = tl.load(anc_ptr + b * Nq + node, mask=row_ok, other=0)
+    real = row_ok & (anc != 0)
+    q_rows = q_ptr + b * stride_qb + head.to(tl.int64) * stride_qh + node.to(tl.int64) * stride_qn
+    q = tl.load(q_rows[:, None] + d[None, :], mask=real[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+
+    k_base = k_ptr + b * stride_kb + hkv * stride_kh
+    v_base = v_ptr + b * stride_vb + hkv * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Committed prefix: this split's share of [key_start, prefix_end); fully masked tiles are skipped.
+    key_start = tl.load(key_start_ptr + b).to(tl.int32)
+    prefix_end = tl.minimum(tl.load(prefix_end_ptr + b).to(tl.int32), S)
+    lo = tl.maximum(key_start, split * split_len)
+    hi = tl.minimum(prefix_end, (split + 1) * split_len)
+    any_real = tl.max(real.to(tl.int32), axis=0) > 0
+    if any_real:
+        for tile in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
+            keys = tile + tl.arange(0, BLOCK_N)
+            key_ok = (keys >= lo) & (keys < hi)
+            kv_off = keys.to(tl.int64)[:, None]
+            kv_mask = key_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            allowed = real[:, None] & key_ok[None, :]
+            m_i, l_i, acc = _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+
+        # The tree nodes (at most 64 keys: one tile), handled by the last split.
+        if split == NUM_SPLITS - 1:
+            tree_start = tl.load(tree_start_ptr + b).to(tl.int32)
+            j = tl.arange(0, TREE_SPAN)
+            keys = tree_start + j
+            key_ok = (keys >= 0) & (keys < S)
+            kv_off = keys.to(tl.int64)[:, None]
+            kv_mask = key_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            is_ancestor = ((anc[:, None] >> j[None, :].to(tl.int64)) & 1) != 0
+            allowed = real[:, None] & key_ok[None, :] & is_ancestor
+            m_i, l_i, acc = _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows: l = 0, acc = 0 -> zeros
+        o_rows = out_ptr + b * stride_ob + head.to(tl.int64) * stride_oh + node.to(tl.int64) * stride_on
+        tl.store(o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        flat = (b * (Hkv * GROUP) + head.to(tl.int64)) * Nq + node.to(tl.int64)  # row of [B*Hq*Nq]
+        slot = flat * NUM_SPLITS + split
+        tl.store(part_acc_ptr + slot[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + slot * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + slot * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _tree_attention_combine_kernel(
+    part_acc_ptr,  # [B * Hq * Nq, NUM_SPLITS, BLOCK_D] fp32
+    part_ml_ptr,  # [B * Hq * Nq, NUM_SPLITS, 2] fp32
+    out_ptr,  # [B, Hq, Nq, D] q's dtype
+    stride_ob,
+    stride_oh,
+    stride_on,
+    Hq,
+    Nq,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Merge the splits' partial softmaxes of one query row: sum_s 2^(m_s - M) acc_s / same for l_s."""
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    m = tl.load(part_ml_ptr + (row * NUM_SPLITS + splits) * 2)
+    l = tl.load(part_ml_ptr + (row * NUM_SPLITS + splits) * 2 + 1)
+    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + splits)[:, None] * BLOCK_D + d[None, :])
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)  # splits that saw no key: m = -inf -> weight 0
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    b = row // (Hq * Nq)
+    h = (row // Nq) % Hq
+    n = row % Nq
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + n * stride_on + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _choose_splits(programs: int, S: int, block_n: int, device: torch.device) -> int:
+    """Flash-decoding split count: enough programs to fill the GPU twice, >= 512 keys per split."""
+    if device.type != "cuda" or interpreter_requested():
+        return 1
+    want = triton.cdiv(2 * _num_sms(device), max(programs, 1))
+    most = max(1, S // 512)
+    return max(1, min(_next_pow2(want), 64, _next_pow2(most + 1) // 2))
+
+
+def _dot_dtype(dtype: torch.dtype):
+    if interpreter_requested():
+        return tl.float32
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+def tree_attention_from_masks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_start: torch.Tensor,
+    prefix_end: torch.Tensor,
+    tree_start: torch.Tensor,
+    query_masks: torch.Tensor,
+    scale: float | None = None,
+    *,
+    tree_slots: int = MAX_NODES,
+    _num_splits: int | None = None,
+) -> torch.Tensor:
+    """The general form the Hugging Face backend uses: masks given per query, tree anywhere in the keys.
+
+    Args:
+        q: [B, Hq, Nq, D]; k, v: [B, Hkv, S, D] (any strides with a contiguous last dim).
+        key_start, prefix_end: [B] int32: request b attends keys [key_start[b], prefix_end[b]).
+        tree_start: [B] int32: tree node j's key is at tree_start[b] + j (0 <= j < 64).
+        query_masks: [B, Nq] int64: bit j set iff query n may attend tree node j; 0 marks a padding
+            query (its output is zeros). The tree slots must not overlap the prefix range.
+        tree_slots: how many tree key slots the masks may reference (<= 64; fewer scans fewer keys).
+
+    Shapes and dtypes are checked; values are not (no host synchronisation): it is the layer the
+    Hugging Face backend calls once per layer with metadata built once per step.
+    """
+    B, Hq, Nq, D = q.shape
+    _, Hkv, S, _ = k.shape
+    out = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
+    if B == 0 or Nq == 0 or Hq == 0:
+        return out
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    group = Hq // Hkv
+    block_d = max(16, _next_pow2(D))
+    block_n = 32 if block_d > 128 else 64
+    block_m = max(16, min(64, _next_pow2(group * Nq)))
+    m_tiles = triton.cdiv(group * Nq, block_m)
+    splits = _num_splits or _choose_splits(B * Hkv * m_tiles, S, block_n, q.device)
+    splits = _next_pow2(splits)
+    split_len = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if splits > 1:
+        part_acc = torch.empty((B * Hq * Nq, splits, block_d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((B * Hq * Nq, splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _tree_attention_kernel[(B * Hkv, m_tiles, splits)](
+        q, k, v, key_start, prefix_end, tree_start, query_masks, out, part_acc, part_ml,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        Hkv, Nq, S, split_len, scale * _LOG2E,
+        GROUP=group, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        TREE_SPAN=max(16, _next_pow2(tree_slots)),
+        NUM_SPLITS=splits, DOT_DTYPE=_dot_dtype(q.dtype),
+        num_warps=8 if block_d > 128 else 4,
+    )  # fmt: skip
+    if splits > 1:
+        _tree_attention_combine_kernel[(B * Hq * Nq,)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1), out.stride(2), Hq, Nq,
+            D=D, BLOCK_D=block_d, NUM_SPLITS=splits,
+        )  # fmt: skip
+    return out
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    parents: torch.Tensor,
+    *,
+    num_nodes: torch.Tensor | None = None,
+    scale: float | None = None,
+    validate: bool = True,
+    _num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of the N nodes of a token tree over the committed prefix and their own ancestors.
+
+    Args:
+        q:           [B, Hq, N, D] fp32 | fp16 | bf16: queries of the tree tokens.
+        k, v:        [B, Hkv, S, D], q's dtype: request b's committed prefix is keys [0, prefix_lens[b]),
+                     its tree tokens sit at [prefix_lens[b], prefix_lens[b] + N). Hq % Hkv == 0
+                     (GQA/MQA); D in {64, 80, 96, 128, 256} (others work, untuned).
+        prefix_lens: [B] int32 | int64: ragged committed lengths.
+        parents:     [B, N] int, -1 for children of the root, else parents[b, i] < i (as in
+                     :func:`verify_tree`); N <= 64.
+        num_nodes:   [B] int: ragged trees; nodes >= num_nodes[b] are padding (zero output, never attended).
+        scale:       softmax scale, default 1/sqrt(D).
+        validate:    check values (prefix lengths, parents) on the host; synchronises with the GPU.
+
+    Returns:
+        [B, Hq, N, D] in q's dtype: softmax(q k^T * scale + mask) v with mask[n, s] allowed iff
+        s < prefix_lens[b], or s = prefix_lens[b] + j with j an ancestor of n or n itself.
+
+    The math: fp32 online softmax (flash attention), keys in tiles, scores and masks never in
+    memory; the ancestor relation is one int64 bitmask per node from :func:`tree_metadata`. A chain
+    (parents[i] = i - 1) is causal attention; N = 1 is ordinary decoding.
+
+    Example:
+        >>> parents = torch.tensor([[-1, 0, 0, 1]])           # root child 0, its children 1 and 2, 1's child 3
+        >>> o = sk.tree_attention(q, k, v, prefix_lens=torch.tensor([100]), parents=parents)
+    """
+    _check_attention_args(q, k, v, prefix_lens, parents, num_nodes)
+    B, _, N, _ = q.shape
+    if validate and B and not _capturing(q.device):
+        _check_attention_values(k.shape[2], N, prefix_lens, parents, num_nodes)
+    meta = tree_metadata(parents, num_nodes)
+    prefix_end = prefix_lens.to(torch.int32)
+    key_start = torch.zeros_like(prefix_end)
+    return tree_attention_from_masks(
+        q, k, v, key_start, prefix_end, prefix_end, meta.ancestor_mask, scale, tree_slots=N, _num_splits=_num_splits
+    )
+
+
+def _check_attention_args(q, k, v, prefix_lens, parents, num_nodes) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v), ("prefix_lens", prefix_lens), ("parents", parents)):
+        _require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    _require(q.dim() == 4, f"q must be [B, Hq, N, D], got shape {tuple(q.shape)}")
+    _require(k.dim() == 4, f"k must be [B, Hkv, S, D], got shape {tuple(k.shape)}")
+    _require(v.shape == k.shape, f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    B, Hq, N, D = q.shape
+    _require(k.shape[0] == B, f"k has batch {k.shape[0]} but q has batch {B}")
+    _require(k.shape[3] == D, f"k has head dim {k.shape[3]} but q has head dim {D}")
+    Hkv = k.shape[1]
+    _require(Hkv > 0 and Hq % Hkv == 0, f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    _require(q.dtype in FLOAT_DTYPES, f"q has dtype {q.dtype}; supported: fp32, fp16, bf16", TypeError)
+    _require(k.dtype == q.dtype and v.dtype == q.dtype, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}", TypeError)
+    _require(N <= MAX_NODES, f"at most {MAX_NODES} tree nodes are supported, got N={N}")
+    _require(parents.dim() == 2 and tuple(parents.shape) == (B, N), f"parents must have shape [B={B}, N={N}], got {tuple(parents.shape)}")
+    _require(prefix_lens.dim() == 1 and prefix_lens.shape[0] == B, f"prefix_lens must have shape [B={B}], got {tuple(prefix_lens.shape)}")
+    ints = [("prefix_lens", prefix_lens), ("parents", parents)] + ([("num_nodes", num_nodes)] if num_nodes is not None else [])
+    for name, t in ints:
+        _require(isinstance(t, torch.Tensor) and t.dtype in INT_DTYPES, f"{name} must be an int32/int64 tensor", TypeError)
+    if num_nodes is not None:
+        _require(num_nodes.dim() == 1 and num_nodes.shape[0] == B, f"num_nodes must have shape [B={B}], got {tuple(num_nodes.shape)}")
+    for name, t in [("k", k), ("v", v)] + ints:
+        _require(t.device == q.device, f"{name} is on {t.device} but q is on {q.device}")
+
+
+def _check_attention_values(S: int, N: int, prefix_lens, parents, num_nodes) -> None:
+    prefix = prefix_lens.cpu().long()
+    n = num_nodes.cpu().long() if num_nodes is not None else torch.full_like(prefix, N)
+    _require(bool((n >= 0).all() and (n <= N).all()), f"num_nodes must lie in [0, N={N}], got {n.tolist()}")
+    _require(bool((prefix >= 0).all()), f"prefix_lens must be >= 0, got {prefix.tolist()}")
+    too_long = prefix + n > S
+    _require(
+        not bool(too_long.any()),
+        f"prefix_lens + num_nodes exceeds the key length S={S} for requests {too_long.nonzero().flatten().tolist()}",
+    )
+    par = parents.cpu().long()
+    idx = torch.arange(N)
+    real = idx[None, :] < n[:, None]
+    bad = real & ((par < -1) | (par >= idx[None, :]))
+    _require(
+        not bool(bad.any()),
+        f"parents must satisfy -1 <= parents[b, i] < i for real nodes (topological order); "
+        f"offending (b, i): {bad.nonzero().tolist()[:8]}",
+    )

@@ -1,0 +1,45 @@
+"""Reference tree attention: an explicit boolean mask through plain PyTorch attention (fp64).
+
+The specification of :func:`specdec_kernels.tree_attention`: request b's query node n attends key s iff
+s < prefix_lens[b], or s = prefix_lens[b] + j for a tree node j that is n or an ancestor of n.
+Padding nodes (n >= num_nodes[b]) output zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .verify_tree import tree_metadata_reference
+
+
+def tree_attention_mask(prefix_lens, parents, S: int, num_nodes=None) -> torch.Tensor:
+    """[B, N, S] bool: the dense mask the kernel never builds (used by tests and the HF check)."""
+    B, N = parents.shape
+    n = num_nodes.cpu().long() if num_nodes is not None else torch.full((B,), N, dtype=torch.long)
+    anc = tree_metadata_reference(parents.cpu(), n).ancestor_mask
+    bits = ((anc[:, :, None] >> torch.arange(N)) & 1).bool()  # [B, N, N]
+    mask = torch.zeros(B, N, S, dtype=torch.bool)
+    for b in range(B):
+        p = int(prefix_lens[b])
+        real = torch.arange(N) < int(n[b])
+        mask[b, real, :p] = True
+        mask[b, :, p : p + N] = bits[b, :, : min(N, S - p)] & real[:, None]
+    return mask
+
+
+def tree_attention_reference(q, k, v, prefix_lens, parents, *, num_nodes=None, scale=None) -> torch.Tensor:
+    """[B, Hq, N, D] in q's dtype, computed in fp64 on the CPU from the dense mask."""
+    B, Hq, N, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    mask = tree_attention_mask(prefix_lens.cpu(), parents.cpu(), S, num_nodes)  # [B, N, S]
+    qf, kf, vf = (t.detach().cpu().double() for t in (q, k, v))
+    kf = kf.repeat_interleave(Hq // Hkv, dim=1)
+    vf = vf.repeat_interleave(Hq // Hkv, dim=1)
+    scores = torch.einsum("bhnd,bhsd->bhns", qf, kf) * scale
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows: all -inf -> zeros
+    out = torch.einsum("bhns,bhsd->bhnd", weights, vf)
+    return out.to(q.dtype).to(q.device)

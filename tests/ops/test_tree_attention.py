@@ -1,0 +1,186 @@
+"""sk.tree_attention against the fp64 dense-mask reference (and against SDPA for chains and N = 1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import specdec_kernels as sk
+from specdec_kernels.ops.tree_attention import tree_attention_from_masks
+from specdec_kernels.reference import tree_attention_mask, tree_attention_reference
+
+from ._trees import tree_parents
+
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _problem(B, Hq, Hkv, N, D, *, shape="random", dtype=torch.float32, seed=0, max_prefix=70, ragged_nodes=True):
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, max_prefix + 1, (B,), generator=gen)
+    num_nodes = torch.randint(1, N + 1, (B,), generator=gen) if ragged_nodes else torch.full((B,), N)
+    S = int((prefix + N).max()) + 3  # slack keys past every request: must be ignored
+    q = torch.randn(B, Hq, N, D, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
+    parents = torch.stack([tree_parents(shape, N, gen) for _ in range(B)])
+    return q, k, v, prefix, parents, num_nodes
+
+
+def _check(q, k, v, prefix, parents, num_nodes, **kw):
+    out = sk.tree_attention(q, k, v, prefix, parents, num_nodes=num_nodes, **kw)
+    ref = tree_attention_reference(q, k, v, prefix, parents, num_nodes=num_nodes, scale=kw.get("scale"))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[q.dtype], rtol=TOL[q.dtype])
+    return out
+
+
+@pytest.mark.parametrize("shape", ["random", "chain", "star"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_random_trees_ragged(shape, group):
+    _check(*_problem(3, 2 * group, 2, 7, 64, shape=shape, seed=group))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+def test_head_dims_and_dtypes(D, dtype):
+    _check(*_problem(2, 4, 1, 5, D, dtype=dtype, seed=D))
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_flash_decoding_splits_match_one_pass(splits):
+    args = _problem(2, 8, 2, 6, 64, seed=3, max_prefix=300)
+    whole = _check(*args, _num_splits=1)
+    split = _check(*args, _num_splits=splits)
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_full_64_node_tree():
+    _check(*_problem(2, 2, 1, 64, 64, seed=5, max_prefix=20))
+
+
+def test_custom_scale():
+    _check(*_problem(2, 2, 2, 4, 64, seed=6), scale=0.3)
+
+
+def test_chain_is_causal_attention():
+    """parents[i] = i - 1 and equal prefixes: SDPA with is_causal over the tree, prefix fully visible."""
+    B, H, N, D, P = 2, 4, 6, 64, 9
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, H, n, D, generator=gen) for n in (N, P + N, P + N))
+    parents = torch.arange(N).expand(B, N) - 1
+    out = sk.tree_attention(q, k, v, torch.full((B,), P), parents)
+    causal = torch.ones(N, P + N, dtype=torch.bool).tril(diagonal=P)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_single_node_is_decoding():
+    B, H, D, P = 3, 4, 128, 33
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(B, H, 1, D, generator=gen)
+    k, v = (torch.randn(B, H, P + 1, D, generator=gen) for _ in range(2))
+    out = sk.tree_attention(q, k, v, torch.full((B,), P), torch.full((B, 1), -1))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_padding_nodes_are_zero_and_isolated():
+    q, k, v, prefix, parents, num_nodes = _problem(3, 4, 2, 8, 64, seed=9)
+    num_nodes = torch.tensor([3, 8, 1])
+    out = sk.tree_attention(q, k, v, prefix, parents, num_nodes=num_nodes)
+    # Scribble over everything that belongs to padding nodes: queries, keys and values.
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    for b in range(3):
+        n, p = int(num_nodes[b]), int(prefix[b])
+        q2[b, :, n:] = 1e3
+        k2[b, :, p + n :] = -7.0
+        v2[b, :, p + n :] = 1e4
+    out2 = sk.tree_attention(q2, k2, v2, prefix, parents, num_nodes=num_nodes)
+    for b in range(3):
+        n = int(num_nodes[b])
+        assert torch.equal(out[b, :, n:], torch.zeros_like(out[b, :, n:]))
+        torch.testing.assert_close(out2[b, :, :n], out[b, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_zero_prefix_and_empty_batch():
+    q, k, v, prefix, parents, num_nodes = _problem(2, 2, 2, 4, 64, seed=10)
+    _check(q, k, v, torch.zeros_like(prefix), parents, num_nodes)
+    empty = sk.tree_attention(q[:0], k[:0], v[:0], prefix[:0], parents[:0])
+    assert empty.shape == (0, 2, 4, 64)
+
+
+def test_noncontiguous_hf_layout():
+    """HF hands attention q as a transposed view of [B, N, H, D]; the kernel takes strides."""
+    q, k, v, prefix, parents, num_nodes = _problem(2, 4, 2, 5, 64, seed=11)
+    q_view = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not q_view.is_contiguous()
+    _check(q_view, k, v, prefix, parents, num_nodes)
+
+
+def test_general_form_left_padding_and_tree_after_shared_length():
+    """What the HF backend uses: keys [key_start, prefix_end) plus tree slots at tree_start."""
+    B, H, D, S, N = 2, 2, 64, 30, 4
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(B, H, N, D, generator=gen)
+    k, v = (torch.randn(B, H, S, D, generator=gen) for _ in range(2))
+    key_start, prefix_end, tree_start = torch.tensor([3, 0]), torch.tensor([20, 14]), torch.tensor([24, 24])
+    parents = torch.tensor([[-1, 0, 1, 0], [-1, -1, 1, 2]])
+    masks = sk.tree_metadata(parents).ancestor_mask
+    out = tree_attention_from_masks(q, k, v, key_start.int(), prefix_end.int(), tree_start.int(), masks)
+    allowed = torch.zeros(B, N, S, dtype=torch.bool)
+    for b in range(B):
+        allowed[b, :, key_start[b] : prefix_end[b]] = True
+        for n in range(N):
+            for j in range(N):
+                allowed[b, n, tree_start[b] + j] = bool((int(masks[b, n]) >> j) & 1)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_mask_matches_definition():
+    parents = torch.tensor([[-1, 0, 0, 2]])
+    mask = tree_attention_mask(torch.tensor([2]), parents, S=7)
+    expected = torch.tensor(
+        [[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 1, 0, 0], [1, 1, 1, 0, 1, 1, 0]], dtype=torch.bool
+    )
+    assert torch.equal(mask[0], expected)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: a.update(q=a["q"][0]), "q must be"),
+        (lambda a: a.update(k=a["k"][:, :, :, :32], v=a["v"][:, :, :, :32]), "head dim"),
+        (lambda a: a.update(q=a["q"][:, :3]), "multiple of key/value heads"),
+        (lambda a: a.update(v=a["v"].half()), "share a dtype"),
+        (lambda a: a.update(parents=a["parents"][:, :2]), "parents must have shape"),
+        (lambda a: a.update(prefix_lens=a["prefix_lens"].float()), "int32/int64"),
+        (lambda a: a.update(prefix_lens=torch.tensor([-1, 0])), "prefix_lens must be >= 0"),
+        (lambda a: a.update(prefix_lens=torch.tensor([0, 100])), "exceeds the key length"),
+        (lambda a: a.update(parents=torch.tensor([[-1, 0, 2, 0], [-1, 0, 0, 0]])), "topological"),
+        (lambda a: a.update(num_nodes=torch.tensor([5, 1])), "num_nodes must lie"),
+        (lambda a: a.update(q=a["q"].int()), "dtype"),
+    ],
+)
+def test_bad_input(mutate, match):
+    gen = torch.Generator().manual_seed(0)
+    args = dict(
+        q=torch.randn(2, 4, 4, 64, generator=gen),
+        k=torch.randn(2, 2, 10, 64, generator=gen),
+        v=torch.randn(2, 2, 10, 64, generator=gen),
+        prefix_lens=torch.tensor([3, 6]),
+        parents=torch.tensor([[-1, 0, 0, 1], [-1, -1, 1, 2]]),
+    )
+    mutate(args)
+    with pytest.raises((ValueError, TypeError), match=match):
+        sk.tree_attention(**args)
+
+
+def test_large_scores_stay_finite():
+    """Scores of +-1e4 (scale 1): online softmax with running max must not overflow."""
+    q, k, v, prefix, parents, num_nodes = _problem(2, 2, 2, 4, 64, seed=13)
+    out = _check(q * 30, k * 30, v, prefix, parents, num_nodes, scale=1.0)
+    assert torch.isfinite(out).all()
+    assert math.isfinite(float(out.abs().max()))
