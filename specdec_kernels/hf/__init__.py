@@ -1,0 +1,22 @@
+"""Hugging Face integration: the tree-attention backend and the speculative decoding driver.
+
+Importing this module needs ``transformers``; the core package does not.
+"""
+
+from .attention import (
+    ATTN_NAME,
+    TreeAttentionMetadata,
+    register_tree_attention,
+    tree_attention_context,
+    tree_attention_metadata,
+    using_tree_attention,
+)
+
+__all__ = [
+    "ATTN_NAME",
+    "TreeAttentionMetadata",
+    "register_tree_attention",
+    "tree_attention_context",
+    "tree_attention_metadata",
+    "using_tree_attention",
+]

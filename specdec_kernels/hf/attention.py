@@ -1,0 +1,164 @@
+"""Tree attention as a ``transformers`` attention implementation ("specdec_tree").
+
+Registering adds one name to ``AttentionInterface`` and ``AttentionMaskInterface``. A model switched
+to it behaves exactly as with "sdpa" (same function, same masks) *unless* a tree forward is active:
+inside ``with tree_attention_context(meta):`` (or with ``specdec_tree=meta`` passed to the model
+call) every attention layer runs :func:`specdec_kernels.ops.tree_attention.tree_attention_from_masks`
+on the layer's cached keys and values, and the dense mask is never built.
+
+Cache layout the metadata describes, per request b (keys of one layer, after the cache update):
+
+    [key_start[b], prefix_end[b])     committed tokens (left padding before, stale slots after)
+    tree_start[b] + j                  tree node j, appended by this forward (j < 64)
+
+Example (verify a token tree on top of a DynamicCache holding ragged prefixes):
+
+    >>> register_tree_attention(); model.set_attn_implementation("specdec_tree")
+    >>> meta = tree_attention_metadata(parents, prefix_lens, cache_len=cache.get_seq_length())
+    >>> with tree_attention_context(meta):
+    ...     logits = model(input_ids=tree_tokens, position_ids=meta.position_ids, past_key_values=cache).logits
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+
+from .._tree_args import MAX_NODES
+from ..ops.tree_attention import tree_attention_from_masks
+from ..ops.tree_metadata import tree_metadata
+
+ATTN_NAME = "specdec_tree"
+
+_ACTIVE: contextvars.ContextVar["TreeAttentionMetadata | None"] = contextvars.ContextVar("specdec_tree", default=None)
+
+
+@dataclass
+class TreeAttentionMetadata:
+    """What every attention layer of one tree forward needs; built once per step.
+
+    key_start, prefix_end, tree_start: [B] int32 (see the module docstring).
+    query_masks:  [B, Nq] int64: bit j set iff query n may attend tree slot j; 0 = padding query.
+    position_ids: [B, Nq] int64: rotary positions of the query tokens (pass them to the model).
+    tree_slots:   number of tree slots the masks reference (<= 64).
+    """
+
+    key_start: torch.Tensor
+    prefix_end: torch.Tensor
+    tree_start: torch.Tensor
+    query_masks: torch.Tensor
+    position_ids: torch.Tensor
+    tree_slots: int = MAX_NODES
+
+
+def tree_attention_metadata(
+    parents: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    cache_len: int | torch.Tensor,
+    *,
+    num_nodes: torch.Tensor | None = None,
+    key_start: torch.Tensor | None = None,
+) -> TreeAttentionMetadata:
+    """Metadata for a forward whose N input tokens are the nodes of a tree (parents as in ``sk.verify_tree``).
+
+    Args:
+        parents:     [B, N] int: -1 for children of the root, else an earlier node.
+        prefix_lens: [B] int: committed tokens of request b are cache slots [key_start[b], prefix_lens[b]).
+        cache_len:   the cache length before this forward: the tree is appended at that slot.
+        num_nodes:   [B] int, ragged trees (trailing nodes are padding).
+        key_start:   [B] int, first real cache slot (left padding), default 0.
+
+    position_ids = prefix_lens - key_start + depth - 1: node positions continue each request's own
+    sequence, whatever the cache's padding.
+    """
+    B, N = parents.shape
+    device = parents.device
+    meta = tree_metadata(parents, num_nodes)
+    prefix_end = prefix_lens.to(device=device, dtype=torch.int32)
+    start = torch.zeros_like(prefix_end) if key_start is None else key_start.to(device=device, dtype=torch.int32)
+    tree_start = torch.as_tensor(cache_len, device=device, dtype=torch.int32).expand(B).contiguous()
+    position_ids = (prefix_end - start).long()[:, None] + meta.depth.long() - 1
+    position_ids = position_ids.clamp_min(0)  # padding nodes (depth 0) get a harmless position
+    return TreeAttentionMetadata(start, prefix_end, tree_start, meta.ancestor_mask, position_ids, N)
+
+
+@contextlib.contextmanager
+def tree_attention_context(meta: TreeAttentionMetadata):
+    """Within the block, "specdec_tree" layers attend with ``meta`` (and skip dense-mask construction)."""
+    token = _ACTIVE.set(meta)
+    try:
+        yield meta
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_tree_metadata() -> TreeAttentionMetadata | None:
+    return _ACTIVE.get()
+
+
+def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """AttentionInterface entry: query [B, Hq, Nq, D], key/value [B, Hkv, S, D] -> ([B, Nq, Hq, D], None)."""
+    meta = kwargs.pop("specdec_tree", None) or _ACTIVE.get()
+    if meta is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None):
+        raise NotImplementedError("specdec_tree attention does not support sliding-window layers yet")
+    _require_shape(meta, query)
+    out = tree_attention_from_masks(
+        query, key, value, meta.key_start, meta.prefix_end, meta.tree_start, meta.query_masks, scaling,
+        tree_slots=meta.tree_slots,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _require_shape(meta: TreeAttentionMetadata, query: torch.Tensor) -> None:
+    B, _, Nq, _ = query.shape
+    if tuple(meta.query_masks.shape) != (B, Nq):
+        raise ValueError(
+            f"tree metadata is for {tuple(meta.query_masks.shape)} (batch, tokens) but the forward has ({B}, {Nq})"
+        )
+
+
+def _tree_mask(*args, **kwargs):
+    """Mask builder: none during a tree forward (the kernel has the bitmasks), SDPA's otherwise."""
+    if _ACTIVE.get() is not None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+_REGISTERED = False
+
+
+def register_tree_attention() -> str:
+    """Register "specdec_tree" with transformers (idempotent); returns the name to pass as attn_implementation."""
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(ATTN_NAME, _tree_attention_forward)
+        AttentionMaskInterface.register(ATTN_NAME, _tree_mask)
+        _REGISTERED = True
+    return ATTN_NAME
+
+
+@contextlib.contextmanager
+def using_tree_attention(model):
+    """Temporarily switch ``model`` to "specdec_tree" (restores its previous implementation)."""
+    register_tree_attention()
+    previous = model.config._attn_implementation
+    if previous == ATTN_NAME:
+        yield model
+        return
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)

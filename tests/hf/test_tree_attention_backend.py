@@ -1,0 +1,91 @@
+"""The "specdec_tree" attention backend: tree forwards match an explicit dense 4D mask; other forwards are SDPA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from specdec_kernels.hf import (  # noqa: E402
+    register_tree_attention,
+    tree_attention_context,
+    tree_attention_metadata,
+    using_tree_attention,
+)
+
+from ._models import tiny_model  # noqa: E402
+
+
+def _prefill_ragged(model, lens, seed=0):
+    """Left-aligned ragged prefixes (right padding) in a DynamicCache; returns the cache and its length."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T = len(lens), max(lens)
+    ids = torch.randint(3, model.config.vocab_size, (B, T), generator=gen)
+    mask = (torch.arange(T)[None, :] < torch.tensor(lens)[:, None]).long()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, position_ids=torch.arange(T).expand(B, T))
+    return cache, T
+
+
+def _dense_tree_mask(prefix_lens, parents, cache_len, N):
+    """[B, 1, N, cache_len + N] bool: committed prefix of each request plus its tree ancestors."""
+    B = parents.shape[0]
+    mask = torch.zeros(B, 1, N, cache_len + N, dtype=torch.bool)
+    for b in range(B):
+        mask[b, 0, :, : prefix_lens[b]] = True
+        for i in range(N):
+            node = i
+            while node >= 0:
+                mask[b, 0, i, cache_len + node] = True
+                node = int(parents[b, node])
+    return mask
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tree_forward_matches_dense_mask(kind):
+    model = tiny_model(kind, seed=1)
+    lens = [5, 9, 2]
+    cache, T = _prefill_ragged(model, lens)
+    parents = torch.tensor([[-1, 0, 0, 1, 2, -1], [-1, 0, 1, 2, 3, 4], [-1, -1, -1, 0, 1, 2]])
+    N = parents.shape[1]
+    tokens = torch.randint(3, model.config.vocab_size, (3, N), generator=torch.Generator().manual_seed(5))
+    prefix = torch.tensor(lens)
+
+    meta = tree_attention_metadata(parents, prefix, cache_len=T)
+    dense_cache = copy.deepcopy(cache)
+    with torch.no_grad(), using_tree_attention(model), tree_attention_context(meta):
+        ours = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=cache).logits
+    mask = _dense_tree_mask(lens, parents, T, N)
+    with torch.no_grad():
+        dense = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=dense_cache, attention_mask=mask).logits
+    torch.testing.assert_close(ours, dense, atol=2e-5, rtol=2e-5)
+    assert torch.equal(meta.position_ids[1], torch.arange(9, 15))  # a chain continues its sequence
+
+
+def test_backend_without_tree_is_sdpa():
+    """Prefill and decoding through "specdec_tree" without a tree context give SDPA's logits exactly."""
+    model = tiny_model("llama", seed=2)
+    ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        register_tree_attention()
+        with using_tree_attention(model):
+            got = model(input_ids=ids, attention_mask=mask).logits
+    assert model.config._attn_implementation == "sdpa"  # restored
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_metadata_shape_mismatch_is_an_error():
+    model = tiny_model("llama", seed=3)
+    cache, T = _prefill_ragged(model, [3, 4])
+    meta = tree_attention_metadata(torch.tensor([[-1, 0], [-1, 0]]), torch.tensor([3, 4]), cache_len=T)
+    with pytest.raises(ValueError, match="tree metadata"), torch.no_grad(), using_tree_attention(model):
+        with tree_attention_context(meta):
+            model(input_ids=torch.ones(2, 3, dtype=torch.long), past_key_values=cache)
