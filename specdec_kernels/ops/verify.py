@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _backend, _library
 from .._interpreter import interpreter_requested
 from .._validation import VerifyArgs, check_verify_args, mix_seed
 from ._triton_helpers import (
@@ -580,6 +581,7 @@ def verify(
     num_draft_tokens: torch.Tensor | None = None,
     seed: int | torch.Tensor | None = None,
     validate: bool = True,
+    backend: str = "auto",
     _num_chunks: int | None = None,
     _block_v: int | None = None,
 ) -> VerifyOutput:
@@ -599,6 +601,11 @@ def verify(
                           independent of batch composition). Use a new seed for every call.
         validate:         check tensor values (ids in range, temperature >= 0, ...) on the host. Skipped
                           automatically during CUDA-graph capture; the kernels stay memory-safe either way.
+        backend:          "auto" (default: on a GPU the fastest available backend, measured once per
+                          shape class; on CPU triton), "triton" (fused Triton kernels), "cuda" (the
+                          CUDA C++ kernels of csrc/; RuntimeError if no GPU or the extension cannot be
+                          built) or "torch" (the plain-PyTorch reference; slow). All return the same
+                          tokens for the same seed.
 
     Math (p = target, q = draft; processing = temperature, then top-k, then top-p, ties kept):
         accept x_i iff u_i * q_i(x_i) <= p_i(x_i) with u_i in (0, 1), in order; at the first rejection j
@@ -616,8 +623,11 @@ def verify(
         >>> out = sk.verify(target_logits, draft_tokens, draft_logits, temperature=0.7, seed=seeds)
         >>> n = out.num_accepted  # commit out.tokens[b, : n[b] + 1]
     """
+    backend = _backend.check_backend(backend)
     args = check_verify_args(
         target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p,
         num_draft_tokens, seed, validate=validate,
     )  # fmt: skip
-    return _launch(args, _num_chunks, _block_v)
+    if torch.compiler.is_compiling():  # one opaque custom op in the graph (see _library)
+        return _library.call_verify_chain(args, backend)
+    return _backend.run_verify(args, backend, _num_chunks, _block_v)

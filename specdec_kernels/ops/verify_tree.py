@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _backend, _library
 from .._interpreter import interpreter_requested
 from .._tree_args import METHODS, TreeArgs, check_tree_args
 from .._validation import mix_seed
@@ -496,6 +497,7 @@ def verify_tree(
     method: str = "kseq",
     max_depth: int | None = None,
     validate: bool = True,
+    backend: str = "auto",
     _block_v: int | None = None,
 ) -> TreeVerifyOutput:
     """Verify a token tree of drafts per request; the emitted tokens are exactly target-distributed.
@@ -513,6 +515,8 @@ def verify_tree(
                        (without replacement; siblings must be distinct).
         max_depth:     output width D; default: the deepest tree (found while validating, a host
                        sync) or N when validate=False. Pass it to stay sync-free (CUDA graphs).
+        backend:       "auto" | "triton" | "torch" (reference) | "cuda" (not implemented for trees
+                       yet: RuntimeError), as for :func:`verify`.
 
     Math: walk from the root; at each position the children are samples from the draft's q there;
     K-SEQ accepts child X_i (first in order) w.p. min(1, p(X_i) / (rho* q(X_i))) with rho* solving
@@ -529,11 +533,14 @@ def verify_tree(
         >>> out = sk.verify_tree(logits, tokens, parents, draft_logits, temperature=0.8, seed=seeds)
         >>> keep = out.accepted_nodes[b, : out.num_accepted[b]]  # KV rows to keep, in order
     """
+    backend = _backend.check_backend(backend)
     args = check_tree_args(
         target_logits, tree_tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p,
         seed, num_nodes, method, max_depth, validate=validate,
     )  # fmt: skip
-    return _launch_tree(args, _block_v)
+    if torch.compiler.is_compiling():  # one opaque custom op in the graph (see _library)
+        return _library.call_verify_tree(args, backend)
+    return _backend.run_tree(args, backend, _block_v)
 
 
 def verify_multi(
@@ -548,6 +555,7 @@ def verify_multi(
     seed: int | torch.Tensor | None = None,
     method: str = "kseq",
     validate: bool = True,
+    backend: str = "auto",
     _block_v: int | None = None,
 ) -> TreeVerifyOutput:
     """Verify K independent draft chains per request (SpecTr multi-draft).
@@ -556,14 +564,18 @@ def verify_multi(
     drafts; row [0, 0] is used for the shared root), draft_tokens [B, K, G], draft_logits or
     draft_probs [B, K, G, V]. The chains are verified as one tree in which chains sharing a
     prefix are merged with multiplicity: at each depth the candidates are the next drafts of every
-    chain that agrees with the accepted prefix. Options as :func:`verify_tree`. With K = 1 this is
-    exactly :func:`verify` (same tokens for the same seeds). accepted_nodes index chain * G + slot.
+    chain that agrees with the accepted prefix. Options (backend included) as :func:`verify_tree`.
+    With K = 1 this is exactly :func:`verify` (same tokens for the same seeds). accepted_nodes
+    index chain * G + slot.
 
     Example:
         >>> out = sk.verify_multi(logits, drafts, draft_logits, method="kseq", seed=seeds)
     """
+    backend = _backend.check_backend(backend)
     args = check_tree_args(
         target_logits, draft_tokens, None, draft_logits, draft_probs, temperature, top_k, top_p,
         seed, None, method, None, validate=validate, multi=True,
     )  # fmt: skip
-    return _launch_tree(args, _block_v)
+    if torch.compiler.is_compiling():  # one opaque custom op in the graph (see _library)
+        return _library.call_verify_tree(args, backend)
+    return _backend.run_tree(args, backend, _block_v)

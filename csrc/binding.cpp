@@ -1,0 +1,154 @@
+// Torch binding of the chain-verification backend.
+//
+//   verify_chain(target, draft_tokens, draft, draft_mode, num_draft, temperature_t, temperature,
+//                top_k_t, top_k, top_p_t, top_p, seed_t, seed, has_filter, num_chunks, threads)
+//     -> [tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool]
+//
+// Arguments are the checked ones of specdec_kernels._validation (shapes, dtypes and devices are
+// not re-checked beyond what memory safety needs). Per-request tensors are cast to the canonical
+// dtypes (a no-op when they already have them); `seed` is the scalar already reduced by mix_seed.
+// CPU tensors run the sequential build of the core (verify_cpu.cpp); CUDA tensors the kernels of
+// verify_cuda.cu, on the current stream, when this module was built with SPECDEC_WITH_CUDA.
+#include <torch/extension.h>
+
+#ifdef SPECDEC_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include "verify_api.h"
+
+namespace {
+
+int dtype_code(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return sk::DTYPE_F32;
+    case at::kHalf: return sk::DTYPE_F16;
+    case at::kBFloat16: return sk::DTYPE_BF16;
+    default: TORCH_CHECK(false, "specdec: unsupported logits dtype ", t.scalar_type());
+  }
+  return 0;
+}
+
+// A [B] parameter in its canonical dtype (kept alive in `keep`), or nullptr for "use the scalar".
+template <class T>
+const T* per_request(const c10::optional<at::Tensor>& t, at::ScalarType dtype, int64_t B, const at::Tensor& like,
+                     std::vector<at::Tensor>& keep) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == B, "specdec: per-request parameter must have shape [B]");
+  TORCH_CHECK(t->device() == like.device(), "specdec: per-request parameter on another device");
+  keep.push_back(t->to(dtype).contiguous());
+  return keep.back().data_ptr<T>();
+}
+
+std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens, c10::optional<at::Tensor> draft,
+                                     int64_t draft_mode, c10::optional<at::Tensor> num_draft,
+                                     c10::optional<at::Tensor> temperature_t, double temperature,
+                                     c10::optional<at::Tensor> top_k_t, int64_t top_k,
+                                     c10::optional<at::Tensor> top_p_t, double top_p,
+                                     c10::optional<at::Tensor> seed_t, int64_t seed, bool has_filter,
+                                     int64_t num_chunks, int64_t threads) {
+  TORCH_CHECK(target.dim() == 3 && target.stride(2) == 1, "specdec: target_logits must be [B, G+1, V], last dim contiguous");
+  const int64_t B = target.size(0), G = target.size(1) - 1, V = target.size(2);
+  TORCH_CHECK(draft_tokens.dim() == 2 && draft_tokens.size(0) == B && draft_tokens.size(1) == G,
+              "specdec: draft_tokens must be [B, G]");
+  TORCH_CHECK(draft_mode >= 0 && draft_mode <= 2, "specdec: draft_mode must be 0, 1 or 2");
+  TORCH_CHECK(draft_mode == 0 || (draft.has_value() && draft->dim() == 3 && draft->size(0) == B &&
+                                  draft->size(1) == G && draft->size(2) == V && draft->stride(2) == 1),
+              "specdec: draft must be [B, G, V], last dim contiguous");
+  TORCH_CHECK(V < (int64_t(1) << 31), "specdec: V must be < 2^31");
+  const auto dev = target.device();
+  auto opts = target.options();
+  at::Tensor tokens = at::empty({B, G + 1}, opts.dtype(at::kLong));
+  at::Tensor accepted = at::empty({B}, opts.dtype(at::kInt));
+  at::Tensor nonfinite = at::empty({B}, opts.dtype(at::kBool));
+  if (B == 0) return {tokens, accepted, nonfinite};
+
+  if (has_filter) num_chunks = 1;  // thresholds need whole rows
+  const int64_t quads = (V + 3) / 4;
+  num_chunks = std::max<int64_t>(1, std::min(num_chunks, quads));
+  const int64_t chunk_size = (quads + num_chunks - 1) / num_chunks * 4;
+  num_chunks = (V + chunk_size - 1) / chunk_size;
+  const int64_t rows = B * (G + 1);
+
+  std::vector<at::Tensor> keep;
+  at::Tensor toks = draft_tokens.to(at::kLong);
+  if (G == 0) toks = at::zeros({B, 1}, opts.dtype(at::kLong));
+  keep.push_back(toks);
+  at::Tensor stats = at::empty({rows, num_chunks, sk::NUM_STATS}, opts.dtype(at::kFloat));
+  at::Tensor g_idx = at::empty({rows, num_chunks}, opts.dtype(at::kInt));
+  at::Tensor thr = at::empty({has_filter ? rows : 1, 2}, opts.dtype(at::kFloat));
+  at::Tensor first_reject = at::empty({B}, opts.dtype(at::kInt));
+  at::Tensor direct = at::empty({B}, opts.dtype(at::kInt));
+  at::Tensor flagged = at::empty({B}, opts.dtype(at::kByte));
+  at::Tensor race_key = at::empty({B, num_chunks, 2}, opts.dtype(at::kFloat));
+  at::Tensor race_idx = at::empty({B, num_chunks, 2}, opts.dtype(at::kInt));
+
+  sk::ChainParams P{};
+  P.target = target.data_ptr();
+  P.stride_tb = target.stride(0);
+  P.stride_tg = target.stride(1);
+  const bool has_draft = draft_mode != 0;
+  P.draft = has_draft ? draft->data_ptr() : nullptr;
+  P.stride_db = has_draft ? draft->stride(0) : 0;
+  P.stride_dg = has_draft ? draft->stride(1) : 0;
+  P.draft_mode = int(draft_mode);
+  P.draft_tokens = toks.data_ptr<int64_t>();
+  P.stride_xb = toks.stride(0);
+  TORCH_CHECK(toks.stride(1) == 1 || G <= 1, "specdec: draft_tokens must have a contiguous last dim");
+  P.num_draft = per_request<int64_t>(num_draft, at::kLong, B, target, keep);
+  P.temperature = per_request<float>(temperature_t, at::kFloat, B, target, keep);
+  P.temperature_s = float(temperature);
+  P.top_k = per_request<int32_t>(top_k_t, at::kInt, B, target, keep);
+  P.top_k_s = int32_t(std::min<int64_t>(top_k, INT32_MAX));
+  P.top_p = per_request<float>(top_p_t, at::kFloat, B, target, keep);
+  P.top_p_s = float(top_p);
+  P.seed = per_request<int64_t>(seed_t, at::kLong, B, target, keep);
+  P.seed_s = seed;
+  P.B = B;
+  P.G = G;
+  P.V = V;
+  P.num_chunks = num_chunks;
+  P.chunk_size = chunk_size;
+  P.has_filter = has_filter;
+  P.stats = stats.data_ptr<float>();
+  P.g_idx = g_idx.data_ptr<int32_t>();
+  P.thr = thr.data_ptr<float>();
+  P.first_reject = first_reject.data_ptr<int32_t>();
+  P.direct = direct.data_ptr<int32_t>();
+  P.flagged = flagged.data_ptr<uint8_t>();
+  P.race_key = race_key.data_ptr<float>();
+  P.race_idx = race_idx.data_ptr<int32_t>();
+  P.out_tokens = tokens.data_ptr<int64_t>();
+  P.stride_ob = tokens.stride(0);
+  P.out_accepted = accepted.data_ptr<int32_t>();
+  P.out_nonfinite = nonfinite.data_ptr<bool>();
+
+  const int td = dtype_code(target);
+  const int dd = has_draft ? dtype_code(*draft) : td;
+  if (dev.is_cpu()) {
+    sk::verify_chain_cpu(P, td, dd);
+  } else {
+#ifdef SPECDEC_WITH_CUDA
+    TORCH_CHECK(dev.is_cuda(), "specdec: unsupported device ", dev);
+    const c10::cuda::CUDAGuard guard(dev);
+    sk::verify_chain_cuda(P, td, dd, int(threads), at::cuda::getCurrentCUDAStream().stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+#else
+    TORCH_CHECK(false, "specdec: this build of the extension has no CUDA kernels (device ", dev, ")");
+#endif
+  }
+  return {tokens, accepted, nonfinite};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "specdec_kernels csrc backend: exact chain verification (CPU build of the core, CUDA kernels)";
+  m.def("verify_chain", &verify_chain, "Chain verification (see csrc/binding.cpp)");
+#ifdef SPECDEC_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
+}

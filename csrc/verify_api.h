@@ -1,0 +1,31 @@
+// Host entry points of the chain-verification backend (no torch headers: binding.cpp owns those).
+#pragma once
+
+#include "verify_core.h"
+
+namespace sk {
+
+// Calls f(TT{}, TD{}) with the storage types of the target and draft dtypes (DTYPE_*).
+template <class F>
+void dispatch_dtypes(int target_dtype, int draft_dtype, F&& f) {
+  auto with_draft = [&](auto tt) {
+    switch (draft_dtype) {
+      case DTYPE_F16: f(tt, f16{}); break;
+      case DTYPE_BF16: f(tt, bf16{}); break;
+      default: f(tt, float{}); break;
+    }
+  };
+  switch (target_dtype) {
+    case DTYPE_F16: with_draft(f16{}); break;
+    case DTYPE_BF16: with_draft(bf16{}); break;
+    default: with_draft(float{}); break;
+  }
+}
+
+// Sequential CPU run of the three programs (tests the shared core without a GPU).
+void verify_chain_cpu(const ChainParams& P, int target_dtype, int draft_dtype);
+
+// CUDA launches on `stream` (a cudaStream_t): 3 kernels, or 2 when num_chunks == 1.
+void verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_dtype, int threads, void* stream);
+
+}  // namespace sk

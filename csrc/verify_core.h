@@ -1,0 +1,575 @@
+// Per-row math of chain verification, shared by the CUDA kernels (verify_cuda.cu) and the
+// sequential CPU build (verify_cpu.cpp) that tests them without a GPU.
+//
+// Everything here is a __host__ __device__ function (SK_HD), so g++ compiles the very code the
+// CUDA kernels run. The three "programs" at the bottom are the bodies of the three kernels; they
+// are written against a Reducer that abstracts the threads of one program:
+//
+//   rank(), size()      this thread's index and the number of threads; element loops stride by size()
+//   sum(v), max(v)      reductions over the threads, result returned to every thread
+//   argmax(key, idx)    max key, lowest index among equal keys, returned to every thread
+//
+// The CUDA Reducer is a thread block (shared memory + warp shuffles); the CPU Reducer is a single
+// thread for which every reduction is the identity. Reductions must be reached by all threads of
+// a program: every branch around them depends on per-row values only.
+//
+// Conventions (identical to the Triton kernels, specdec_kernels/ops/_triton_helpers.py, and to the
+// reference, specdec_kernels/reference/{philox,sampling}.py):
+//   * Philox4x32-10 keyed by the request's 64-bit seed (k0 = low word, k1 = high word), counter
+//     (c0, c1, c2, 0) = (vocab index / 4 or 0, row, purpose);
+//   * uniform u = ((bits >> 9) + 0.5) * 2^-23, strictly inside (0, 1);
+//   * accept test: u = word 0 of Philox(seed; 0, i, ACCEPT); accept iff u * q(x) <= p(x) and p(x) > 0;
+//   * exponential race: vocab entry x gets word x % 4 of Philox(seed; x / 4, row, purpose) and
+//     key log w(x) - log(-log u_x); the argmax (lowest index on ties) samples norm(w);
+//   * scalar seeds are mixed per request exactly like request_seed();
+//   * logits are read as fp32 with NaN / +inf -> -inf (counted, flagged).
+#pragma once
+
+#include <stdint.h>
+
+#include <cmath>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#define SK_HD __host__ __device__ __forceinline__
+#else
+#define SK_HD inline
+#endif
+
+namespace sk {
+
+constexpr uint32_t PURPOSE_ACCEPT = 0;
+constexpr uint32_t PURPOSE_RECOVER = 1;
+constexpr uint32_t PURPOSE_BONUS = 2;
+
+constexpr int DRAFT_NONE = 0;    // one-hot q on the draft token
+constexpr int DRAFT_LOGITS = 1;  // raw draft logits, processed like the target
+constexpr int DRAFT_PROBS = 2;   // the probabilities the draft sampled from
+
+constexpr int DTYPE_F32 = 0;
+constexpr int DTYPE_F16 = 1;
+constexpr int DTYPE_BF16 = 2;
+
+constexpr int NUM_STATS = 6;  // per (row, chunk): m_t, z_t, m_q, z_q, g_max, bad count
+constexpr int32_t NO_INDEX = 2147483647;
+
+// ------------------------------------------------------------------------------------------
+// scalars
+
+SK_HD float neg_inf() { return -INFINITY; }
+
+SK_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  return b;
+#endif
+}
+
+SK_HD float bits_float(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(b);
+#else
+  float x;
+  std::memcpy(&x, &b, sizeof(x));
+  return x;
+#endif
+}
+
+// Storage types of the 16-bit floats (raw bits, so the header needs no CUDA types on the host).
+struct f16 {
+  uint16_t bits;
+};
+struct bf16 {
+  uint16_t bits;
+};
+
+SK_HD float to_float(float x) { return x; }
+SK_HD float to_float(bf16 x) { return bits_float(uint32_t(x.bits) << 16); }
+SK_HD float to_float(f16 x) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(x.bits));
+#else
+  const uint32_t sign = uint32_t(x.bits >> 15) << 31;
+  const uint32_t exp = (x.bits >> 10) & 0x1F;
+  const uint32_t mant = x.bits & 0x3FF;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24 is exact in fp32
+    const float v = std::ldexp(float(mant), -24);
+    return sign ? -v : v;
+  }
+  if (exp == 31) return bits_float(sign | 0x7F800000u | (mant << 13));  // inf / nan
+  return bits_float(sign | ((exp + 112) << 23) | (mant << 13));
+#endif
+}
+
+// fp32 logit with NaN / +inf replaced by -inf; `bad` counts replacements.
+template <class T>
+SK_HD float load_logit(const T* row, int64_t x, int& bad) {
+  const float v = to_float(row[x]);
+  const bool is_bad = (v != v) || v == INFINITY;
+  bad += is_bad ? 1 : 0;
+  return is_bad ? neg_inf() : v;
+}
+
+// The max to subtract before exp: -inf (nothing kept yet) subtracts 0, not -inf.
+SK_HD float safe_max(float m) { return m == neg_inf() ? 0.0f : m; }
+
+// int32 key with the order of the float32 values (bisection on thresholds).
+SK_HD int32_t order_key(float x) {
+  const int32_t b = int32_t(float_bits(x));
+  return b < 0 ? (b ^ 0x7FFFFFFF) : b;
+}
+
+SK_HD float key_to_float(int64_t key) {
+  const int32_t k = int32_t(key);
+  return bits_float(uint32_t(k < 0 ? (k ^ 0x7FFFFFFF) : k));
+}
+
+// (greedy, 1 / T): greedy rows (T = 0) get 1 so that nothing divides by zero.
+SK_HD float inverse_temperature(float temperature) { return temperature == 0.0f ? 1.0f : 1.0f / temperature; }
+
+// ------------------------------------------------------------------------------------------
+// random numbers
+
+struct Philox4 {
+  uint32_t w[4];
+};
+
+SK_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return uint32_t((uint64_t(a) * uint64_t(b)) >> 32);
+#endif
+}
+
+// Philox4x32-10 with key = seed (k0 low word, k1 high word); bit-identical to tl.philox.
+SK_HD Philox4 philox(int64_t seed, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
+  uint32_t k0 = uint32_t(uint64_t(seed));
+  uint32_t k1 = uint32_t(uint64_t(seed) >> 32);
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    const uint32_t hi_b = mulhi32(0xCD9E8D57u, c2), lo_b = 0xCD9E8D57u * c2;
+    const uint32_t hi_a = mulhi32(0xD2511F53u, c0), lo_a = 0xD2511F53u * c0;
+    const uint32_t n0 = hi_b ^ c1 ^ k0;
+    const uint32_t n2 = hi_a ^ c3 ^ k1;
+    c1 = lo_b;
+    c3 = lo_a;
+    c0 = n0;
+    c2 = n2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return Philox4{{c0, c1, c2, c3}};
+}
+
+// uint32 -> uniform on (0, 1): ((bits >> 9) + 0.5) * 2^-23 (exact in fp32, never 0 or 1).
+SK_HD float uniform_from_bits(uint32_t bits) { return (float(bits >> 9) + 0.5f) * 1.1920928955078125e-07f; }
+
+// Uniform from Philox(seed; c0, c1, c2, 0), word 0.
+SK_HD float uniform_open(int64_t seed, uint32_t c0, uint32_t c1, uint32_t c2) {
+  return uniform_from_bits(philox(seed, c0, c1, c2, 0).w[0]);
+}
+
+// -log(E), E ~ Exp(1), from a uniform: the race noise.
+SK_HD float race_noise_from_uniform(float u) { return -logf(-logf(u)); }
+
+// The Philox key of request b: the given per-request seed, or mixed from the scalar seed exactly
+// like request_seed() in the Triton kernels (int64 arithmetic wraps; the shift is arithmetic).
+SK_HD int64_t request_seed(const int64_t* seeds, int64_t scalar, int64_t b) {
+  if (seeds != nullptr) return seeds[b];
+  const uint64_t x = uint64_t(b + scalar) * 0x5851F42D4C957F2DULL + 0x14057B7EF767814FULL;
+  const int64_t s = int64_t(x);
+  return s ^ (s >> 29);
+}
+
+// ------------------------------------------------------------------------------------------
+// online softmax and argmax
+
+// Running (max, sum of exp((x - max) / T)) of one thread; x = -inf entries contribute nothing.
+struct Softmax {
+  float m = neg_inf();
+  float z = 0.0f;
+
+  SK_HD void add(float x, float inv_t) {
+    if (x > m) {
+      z = z * expf((m - x) * inv_t) + 1.0f;  // m = -inf: exp(-inf) = 0 and z = 0
+      m = x;
+    } else if (x > neg_inf()) {
+      z += expf((x - m) * inv_t);
+    }
+  }
+
+  // Merge another (max, sum-exp) pair (a chunk's statistics).
+  SK_HD void merge(float m_c, float z_c, float inv_t) {
+    const float m_new = m > m_c ? m : m_c;
+    const float ref = safe_max(m_new);
+    z = z * expf((m - ref) * inv_t) + z_c * expf((m_c - ref) * inv_t);
+    m = m_new;
+  }
+
+  // Combine the threads of a program: every thread gets the program's (max, sum-exp).
+  template <class R>
+  SK_HD void reduce(R& red, float inv_t) {
+    const float m_all = red.max(m);
+    const float ref = safe_max(m_all);
+    z = red.sum(z * expf((m - ref) * inv_t));
+    m = m_all;
+  }
+};
+
+// Running (max, lowest index of the max): strict > keeps the earlier entry on ties.
+struct Argmax {
+  float key = neg_inf();
+  int32_t idx = NO_INDEX;
+
+  SK_HD void add(float k, int64_t x) {
+    if (k > key) {
+      key = k;
+      idx = int32_t(x);
+    }
+  }
+  template <class R>
+  SK_HD void reduce(R& red) {
+    red.argmax(key, idx);
+  }
+  // The index when nothing beat -inf: 0 (as the Triton kernels report).
+  SK_HD int32_t index_or_zero() const { return key > neg_inf() ? idx : 0; }
+};
+
+// p(x) of the processed distribution given its statistics (0 for filtered or -inf logits).
+SK_HD float prob_of(float x, float m, float z, float thr, float inv_t) {
+  const bool kept = (x >= thr) && (x > neg_inf()) && (z > 0.0f);
+  return kept ? expf((x - safe_max(m)) * inv_t) / z : 0.0f;
+}
+
+// Element loop of one program over [start, end): thread `rank` takes the quads (4 consecutive
+// entries, start % 4 == 0) rank, rank + size, ... so a race needs one Philox call per quad.
+#define SK_FOR_QUADS(red, start, end, quad)                                              \
+  for (int64_t quad = (start) / 4 + (red).rank(); quad * 4 < (end); quad += (red).size())
+
+// ------------------------------------------------------------------------------------------
+// top-k / top-p threshold
+
+// Raw-logit threshold implementing top-k then top-p (keep x >= threshold), exact without sorting:
+// bisection on the float order key, 32 steps each, the integer arithmetic of filter_threshold()
+// in _triton_helpers.py. -inf when nothing is filtered.
+template <class R, class T>
+SK_HD float filter_threshold(R& red, const T* row, int64_t V, float inv_t, int32_t top_k, float top_p) {
+  float thr = neg_inf();
+  int unused = 0;
+  if (top_k > 0 && top_k < V) {
+    int64_t lo = order_key(neg_inf()), hi = order_key(INFINITY);
+    for (int step = 0; step < 32; ++step) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      int count = 0;
+      SK_FOR_QUADS(red, 0, V, q) {
+        for (int e = 0; e < 4 && q * 4 + e < V; ++e) {
+          const float x = load_logit(row, q * 4 + e, unused);
+          count += (int64_t(order_key(x)) >= mid && x > neg_inf()) ? 1 : 0;
+        }
+      }
+      count = red.sum(count);
+      if (count >= top_k) lo = mid; else hi = mid;
+    }
+    thr = key_to_float(lo);
+  }
+  if (top_p < 1.0f) {
+    Softmax s;
+    SK_FOR_QUADS(red, 0, V, q) {
+      for (int e = 0; e < 4 && q * 4 + e < V; ++e) {
+        const float x = load_logit(row, q * 4 + e, unused);
+        s.add(x >= thr ? x : neg_inf(), inv_t);
+      }
+    }
+    s.reduce(red, inv_t);
+    const float goal = top_p * s.z;
+    const float m_ref = safe_max(s.m);
+    int64_t lo = order_key(thr), hi = int64_t(order_key(s.m)) + 1;
+    for (int step = 0; step < 32; ++step) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      float mass = 0.0f;
+      SK_FOR_QUADS(red, 0, V, q) {
+        for (int e = 0; e < 4 && q * 4 + e < V; ++e) {
+          const float x = load_logit(row, q * 4 + e, unused);
+          if (int64_t(order_key(x)) >= mid && x >= thr) mass += expf((x - m_ref) * inv_t);
+        }
+      }
+      mass = red.sum(mass);
+      if (mass >= goal) lo = mid; else hi = mid;
+    }
+    thr = key_to_float(lo);
+  }
+  return thr;
+}
+
+// ------------------------------------------------------------------------------------------
+// the three programs of chain verification
+
+// Everything a program needs; pointers are raw, strides in elements. Per-request parameters are a
+// [B] array (canonical dtype) or, when the pointer is null, the scalar.
+struct ChainParams {
+  const void* target;  // [B, G+1, V] fp32 | fp16 | bf16, last dim contiguous
+  int64_t stride_tb, stride_tg;
+  const void* draft;  // [B, G, V] draft logits (mode 1) or probs (mode 2); null in mode 0
+  int64_t stride_db, stride_dg;
+  int draft_mode;
+  const int64_t* draft_tokens;  // [B, G] (row stride stride_xb)
+  int64_t stride_xb;
+  const int64_t* num_draft;  // [B] or null (= G)
+  const float* temperature;  // [B] or null
+  float temperature_s;
+  const int32_t* top_k;  // [B] or null
+  int32_t top_k_s;
+  const float* top_p;  // [B] or null
+  float top_p_s;
+  const int64_t* seed;  // [B] Philox keys, or null: keys mixed from seed_s
+  int64_t seed_s;
+  int64_t B, G, V;
+  int64_t num_chunks, chunk_size;  // vocab split; chunk_size % 4 == 0; 1 chunk with filters
+  bool has_filter;
+  // workspaces
+  float* stats;    // [B*(G+1), C, NUM_STATS]
+  int32_t* g_idx;  // [B*(G+1), C]
+  float* thr;      // [B*(G+1), 2] (has_filter)
+  int32_t* first_reject;  // [B]
+  int32_t* direct;        // [B] greedy token
+  uint8_t* flagged;       // [B]
+  float* race_key;        // [B, C, 2]: residual race, p race
+  int32_t* race_idx;      // [B, C, 2]
+  // outputs
+  int64_t* out_tokens;  // [B, G+1] (row stride stride_ob)
+  int64_t stride_ob;
+  int32_t* out_accepted;  // [B]
+  bool* out_nonfinite;    // [B]
+};
+
+struct Request {
+  int64_t n;  // drafts to verify
+  float temperature, inv_t;
+  bool greedy;
+  int32_t top_k;
+  float top_p;
+  int64_t seed;
+};
+
+SK_HD Request load_request(const ChainParams& P, int64_t b) {
+  Request r;
+  const int64_t n = P.num_draft ? P.num_draft[b] : P.G;
+  r.n = n < 0 ? 0 : (n > P.G ? P.G : n);  // validated by the caller; clamped for memory safety
+  r.temperature = P.temperature ? P.temperature[b] : P.temperature_s;
+  r.greedy = r.temperature == 0.0f;
+  r.inv_t = inverse_temperature(r.temperature);
+  r.top_k = P.top_k ? P.top_k[b] : P.top_k_s;
+  r.top_p = P.top_p ? P.top_p[b] : P.top_p_s;
+  r.seed = request_seed(P.seed, P.seed_s, b);
+  return r;
+}
+
+// Program 1 (row, chunk): statistics of target row i (and draft row i in mode 1) over one chunk:
+// max / sum-exp of the processed logits, greedy argmax, non-finite count; thresholds first.
+template <class R, class TT, class TD>
+SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R& red) {
+  const int64_t b = row / (P.G + 1), i = row % (P.G + 1);
+  const Request rq = load_request(P, b);
+  if (i > rq.n) return;  // rows past the bonus row are never read
+  const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + i * P.stride_tg;
+  const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + i * P.stride_dg;
+  const bool draft_row = P.draft_mode == DRAFT_LOGITS && i < rq.n && !rq.greedy;
+  float thr_t = neg_inf(), thr_q = neg_inf();
+  if (P.has_filter && !rq.greedy) {  // launched with one chunk: the program owns the whole row
+    thr_t = filter_threshold(red, t_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
+    if (draft_row) thr_q = filter_threshold(red, d_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
+    if (red.rank() == 0) {
+      P.thr[row * 2 + 0] = thr_t;
+      P.thr[row * 2 + 1] = thr_q;
+    }
+  }
+  const int64_t start = chunk * P.chunk_size;
+  const int64_t end = start + P.chunk_size < P.V ? start + P.chunk_size : P.V;
+  Softmax st, sq;
+  Argmax g;
+  int bad = 0;
+  SK_FOR_QUADS(red, start, end, q) {
+    for (int e = 0; e < 4 && q * 4 + e < end; ++e) {
+      const int64_t x = q * 4 + e;
+      const float v = load_logit(t_row, x, bad);
+      g.add(v, x);
+      st.add(v >= thr_t ? v : neg_inf(), rq.inv_t);
+      if (draft_row) {
+        const float d = load_logit(d_row, x, bad);
+        sq.add(d >= thr_q ? d : neg_inf(), rq.inv_t);
+      }
+    }
+  }
+  st.reduce(red, rq.inv_t);
+  sq.reduce(red, rq.inv_t);
+  g.reduce(red);
+  bad = red.sum(bad);
+  if (red.rank() == 0) {
+    float* s = P.stats + (row * P.num_chunks + chunk) * NUM_STATS;
+    s[0] = st.m;
+    s[1] = st.z;
+    s[2] = sq.m;
+    s[3] = sq.z;
+    s[4] = g.key;
+    s[5] = float(bad);
+    P.g_idx[row * P.num_chunks + chunk] = g.index_or_zero();
+  }
+}
+
+// Combined statistics of one row (all chunks merged, chunks in order).
+struct RowStats {
+  Softmax t, q;
+  float g_max = neg_inf();
+  int32_t g_idx = 0;
+  float bad = 0.0f;
+  float thr_t = neg_inf(), thr_q = neg_inf();
+};
+
+SK_HD RowStats combine_row(const ChainParams& P, int64_t row, const Request& rq) {
+  RowStats r;
+  for (int64_t c = 0; c < P.num_chunks; ++c) {
+    const float* s = P.stats + (row * P.num_chunks + c) * NUM_STATS;
+    r.t.merge(s[0], s[1], rq.inv_t);
+    r.q.merge(s[2], s[3], rq.inv_t);
+    if (s[4] > r.g_max) {  // strict: the earlier chunk keeps ties (lowest index)
+      r.g_max = s[4];
+      r.g_idx = P.g_idx[row * P.num_chunks + c];
+    }
+    r.bad += s[5];
+  }
+  if (P.has_filter && !rq.greedy) {
+    r.thr_t = P.thr[row * 2 + 0];
+    r.thr_q = P.thr[row * 2 + 1];
+  }
+  return r;
+}
+
+template <class TT, class TD>
+SK_HD float target_logit(const ChainParams& P, int64_t b, int64_t i, int64_t x, int& bad) {
+  return load_logit(static_cast<const TT*>(P.target) + b * P.stride_tb + i * P.stride_tg, x, bad);
+}
+
+// Program 3 for one request: the recovered / bonus / greedy token and the output row.
+SK_HD void finalize_request(const ChainParams& P, int64_t b) {
+  const Request rq = load_request(P, b);
+  const int64_t j = P.first_reject[b];
+  int64_t token = P.direct[b];
+  if (!rq.greedy) {
+    Argmax res, pk;
+    for (int64_t c = 0; c < P.num_chunks; ++c) {  // strict >: the earlier chunk keeps ties
+      const int64_t rec = (b * P.num_chunks + c) * 2;
+      if (P.race_key[rec] > res.key) { res.key = P.race_key[rec]; res.idx = P.race_idx[rec]; }
+      if (P.race_key[rec + 1] > pk.key) { pk.key = P.race_key[rec + 1]; pk.idx = P.race_idx[rec + 1]; }
+    }
+    // Recovery: the residual race; an empty residual (p == q to fp32 rounding) falls back to p.
+    // Bonus (j == n): the race over p. No finite logit at all: token 0.
+    token = (j < rq.n && res.key > neg_inf()) ? res.idx : pk.index_or_zero();
+  }
+  token = token < 0 ? 0 : (token > P.V - 1 ? P.V - 1 : token);
+  int64_t* out = P.out_tokens + b * P.stride_ob;
+  for (int64_t t = 0; t <= P.G; ++t) out[t] = t < j ? P.draft_tokens[b * P.stride_xb + t] : (t == j ? token : -1);
+  P.out_accepted[b] = int32_t(j);
+  P.out_nonfinite[b] = P.flagged[b] != 0;
+}
+
+// Program 2 (request, chunk): merge the row statistics, run the accept tests in order up to the
+// first rejection j, then this chunk's part of the race over row j: the residual max(p - q, 0)
+// (purpose RECOVER) when a draft was rejected, p itself (purpose BONUS) when all were accepted.
+// With one chunk the program also finalizes the request (no third launch).
+template <class R, class TT, class TD>
+SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red) {
+  const Request rq = load_request(P, b);
+  const int64_t G1 = P.G + 1;
+  int unused = 0;
+  bool flagged = false;
+  for (int64_t i = 0; i < rq.n; ++i) {  // invalid ids (validate=False) are rejected, and flagged
+    const int64_t tok = P.draft_tokens[b * P.stride_xb + i];
+    flagged |= tok < 0 || tok >= P.V;
+  }
+  int64_t j = 0;
+  RowStats s;
+  int64_t tok_j = 0;
+  for (;; ++j) {
+    s = combine_row(P, b * G1 + j, rq);
+    flagged |= s.bad > 0.0f || (s.t.z == 0.0f && !rq.greedy);  // every row used up to j
+    if (j == rq.n) break;
+    const int64_t tok = P.draft_tokens[b * P.stride_xb + j];
+    const bool tok_ok = tok >= 0 && tok < P.V;
+    tok_j = tok_ok ? tok : 0;
+    bool accept;
+    if (rq.greedy) {
+      accept = tok == s.g_idx;
+    } else {
+      const float p = prob_of(target_logit<TT, TD>(P, b, j, tok_j, unused), s.t.m, s.t.z, s.thr_t, rq.inv_t);
+      float q = 1.0f;
+      if (P.draft_mode == DRAFT_LOGITS) {
+        const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg;
+        q = prob_of(load_logit(d_row, tok_j, unused), s.q.m, s.q.z, s.thr_q, rq.inv_t);
+      } else if (P.draft_mode == DRAFT_PROBS) {
+        q = to_float(static_cast<const TD*>(P.draft)[b * P.stride_db + j * P.stride_dg + tok_j]);
+      }
+      const float u = uniform_open(rq.seed, 0, uint32_t(j), PURPOSE_ACCEPT);
+      accept = (u * q <= p) && (p > 0.0f);  // u > 0: p = 0 is never accepted; NaN q rejects
+    }
+    if (!(accept && tok_ok)) break;
+  }
+  if (red.rank() == 0 && chunk == 0) {
+    P.first_reject[b] = int32_t(j);
+    P.direct[b] = s.g_idx;
+    P.flagged[b] = flagged ? 1 : 0;
+  }
+
+  // ---- this chunk of the race over row j
+  Argmax res, pk;
+  if (!rq.greedy) {
+    const bool recover = j < rq.n;
+    const uint32_t purpose = recover ? PURPOSE_RECOVER : PURPOSE_BONUS;
+    const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + j * P.stride_tg;
+    const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg;
+    const float log_z = logf(s.t.z > 0.0f ? s.t.z : 1.0f);
+    const float m_ref = safe_max(s.t.m);
+    const int64_t start = chunk * P.chunk_size;
+    const int64_t end = start + P.chunk_size < P.V ? start + P.chunk_size : P.V;
+    SK_FOR_QUADS(red, start, end, q4) {
+      const Philox4 words = philox(rq.seed, uint32_t(q4), uint32_t(j), purpose, 0);
+      for (int e = 0; e < 4 && q4 * 4 + e < end; ++e) {
+        const int64_t x = q4 * 4 + e;
+        const float xt = load_logit(t_row, x, unused);
+        const float p = prob_of(xt, s.t.m, s.t.z, s.thr_t, rq.inv_t);
+        if (!(p > 0.0f)) continue;
+        const float noise = race_noise_from_uniform(uniform_from_bits(words.w[e]));
+        pk.add((xt - m_ref) * rq.inv_t - log_z + noise, x);
+        if (recover) {
+          float w;
+          if (P.draft_mode == DRAFT_LOGITS) {
+            const float q = prob_of(load_logit(d_row, x, unused), s.q.m, s.q.z, s.thr_q, rq.inv_t);
+            w = p - q > 0.0f ? p - q : 0.0f;
+          } else if (P.draft_mode == DRAFT_PROBS) {
+            const float q = to_float(d_row[x]);
+            w = q == q ? (p - q > 0.0f ? p - q : 0.0f) : p;  // NaN q counts as 0
+          } else {
+            w = x == tok_j ? 0.0f : p;
+          }
+          if (w > 0.0f) res.add(logf(w > 1e-38f ? w : 1e-38f) + noise, x);
+        }
+      }
+    }
+    res.reduce(red);
+    pk.reduce(red);
+  }
+  if (red.rank() == 0) {
+    const int64_t rec = (b * P.num_chunks + chunk) * 2;
+    P.race_key[rec] = res.key;
+    P.race_key[rec + 1] = pk.key;
+    P.race_idx[rec] = res.idx;
+    P.race_idx[rec + 1] = pk.idx;
+    if (P.num_chunks == 1) finalize_request(P, b);
+  }
+}
+
+}  // namespace sk

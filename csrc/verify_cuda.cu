@@ -1,0 +1,122 @@
+// Chain verification on the GPU: the programs of verify_core.h, one thread block per program.
+//
+//   1. row stats   grid (B*(G+1), C)  target/draft row statistics per vocab chunk (thresholds first)
+//   2. accept      grid (B, C)        accept tests, first rejection, race over this chunk of row j
+//                                     (with C == 1 it also writes the outputs)
+//   3. finalize    grid (B / 128)     merge the chunk races, write tokens (only when C > 1)
+//
+// No host synchronisation and no allocation: CUDA-graph capturable. No torch headers here.
+#include <cuda_runtime.h>
+
+#include "verify_api.h"
+
+namespace sk {
+namespace {
+
+// A thread block as the Reducer of verify_core.h. blockDim.x must be a multiple of 32 (<= 1024).
+// Each reduction starts with a barrier so that the scratch of the previous one is free; the
+// result is read by every thread in the same (fixed) order, so it is deterministic.
+struct BlockReducer {
+  float* f;    // [32] shared
+  int32_t* i;  // [32] shared
+
+  __device__ int64_t rank() const { return threadIdx.x; }
+  __device__ int64_t size() const { return blockDim.x; }
+  __device__ int warps() const { return (blockDim.x + 31) >> 5; }
+
+  __device__ float sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) f[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = 0.0f;
+    for (int w = 0; w < warps(); ++w) t += f[w];
+    return t;
+  }
+
+  __device__ int sum(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) i[threadIdx.x >> 5] = v;
+    __syncthreads();
+    int t = 0;
+    for (int w = 0; w < warps(); ++w) t += i[w];
+    return t;
+  }
+
+  __device__ float max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) f[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = f[0];
+    for (int w = 1; w < warps(); ++w) t = fmaxf(t, f[w]);
+    return t;
+  }
+
+  __device__ static void better(float& key, int32_t& idx, float k2, int32_t i2) {
+    if (k2 > key || (k2 == key && i2 < idx)) {
+      key = k2;
+      idx = i2;
+    }
+  }
+
+  __device__ void argmax(float& key, int32_t& idx) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float k2 = __shfl_xor_sync(0xffffffffu, key, o);
+      const int32_t i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+      better(key, idx, k2, i2);
+    }
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) {
+      f[threadIdx.x >> 5] = key;
+      i[threadIdx.x >> 5] = idx;
+    }
+    __syncthreads();
+    key = f[0];
+    idx = i[0];
+    for (int w = 1; w < warps(); ++w) better(key, idx, f[w], i[w]);
+  }
+};
+
+template <class TT, class TD>
+__global__ void row_stats_kernel(const ChainParams P) {
+  __shared__ float f[32];
+  __shared__ int32_t i[32];
+  BlockReducer red{f, i};
+  row_stats_program<BlockReducer, TT, TD>(P, blockIdx.x, blockIdx.y, red);
+}
+
+template <class TT, class TD>
+__global__ void accept_kernel(const ChainParams P) {
+  __shared__ float f[32];
+  __shared__ int32_t i[32];
+  BlockReducer red{f, i};
+  accept_program<BlockReducer, TT, TD>(P, blockIdx.x, blockIdx.y, red);
+}
+
+__global__ void finalize_kernel(const ChainParams P) {
+  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b < P.B) finalize_request(P, b);
+}
+
+}  // namespace
+
+void verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_dtype, int threads, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  threads = threads < 32 ? 32 : (threads > 1024 ? 1024 : (threads + 31) / 32 * 32);
+  dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
+    using TT = decltype(tt);
+    using TD = decltype(td);
+    const dim3 rows_grid(unsigned(P.B * (P.G + 1)), unsigned(P.num_chunks));
+    row_stats_kernel<TT, TD><<<rows_grid, threads, 0, stream>>>(P);
+    accept_kernel<TT, TD><<<dim3(unsigned(P.B), unsigned(P.num_chunks)), threads, 0, stream>>>(P);
+  });
+  if (P.num_chunks > 1) finalize_kernel<<<unsigned((P.B + 127) / 128), 128, 0, stream>>>(P);
+}
+
+}  // namespace sk

@@ -1,0 +1,156 @@
+"""Loading and calling the compiled backend of ``csrc/`` (chain verification).
+
+Two builds of the same sources:
+
+* the CUDA extension (``backend="cuda"``): ``csrc/binding.cpp`` + ``verify_cpu.cpp`` + ``verify_cuda.cu``
+  with ``-DSPECDEC_WITH_CUDA``. Either prebuilt by ``SPECDEC_BUILD_CUDA=1 pip install -e .`` (module
+  ``specdec_kernels._csrc_cuda``) or compiled just in time on first use with
+  ``torch.utils.cpp_extension.load`` (ninja + nvcc; honours ``TORCH_CUDA_ARCH_LIST`` and ``MAX_JOBS``;
+  set ``SPECDEC_NO_JIT=1`` to forbid it). The JIT needs a source checkout (``csrc/`` next to the package).
+* the CPU build of the core (:func:`load_cpu_core`): ``binding.cpp`` + ``verify_cpu.cpp`` compiled by the
+  host C++ compiler. It runs the very per-row code of the CUDA kernels (``csrc/verify_core.h``, all
+  ``__host__ __device__``) sequentially, so the CUDA math is tested token for token on machines with
+  no GPU. Not a public backend.
+
+Builds are cached under ``$SPECDEC_BUILD_DIR`` (default ``<repo>/build/torch_extensions``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .._validation import VerifyArgs, mix_seed
+from .verify import VerifyOutput
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+SOURCES_CPU = ("binding.cpp", "verify_cpu.cpp")
+SOURCES_CUDA = SOURCES_CPU + ("verify_cuda.cu",)
+HEADERS = ("verify_core.h", "verify_api.h")
+
+_HOW_TO_BUILD = (
+    "Build it with `SPECDEC_BUILD_CUDA=1 pip install -e .` (CUDA toolkit matching torch, ninja; "
+    "TORCH_CUDA_ARCH_LIST, default '8.0;9.0', and MAX_JOBS are honoured) or let it compile just in time "
+    "on first use (needs nvcc / CUDA_HOME, ninja, and a source checkout with csrc/). Or use backend='triton'."
+)
+
+_cuda_ext = None
+_cpu_core = None
+
+
+def build_dir(name: str) -> Path:
+    base = os.environ.get("SPECDEC_BUILD_DIR") or str(CSRC.parent / "build" / "torch_extensions")
+    path = Path(base) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _load(name: str, sources, cflags, cuda: bool, verbose: bool):
+    from torch.utils.cpp_extension import load
+
+    missing = [s for s in sources + HEADERS if not (CSRC / s).is_file()]
+    if missing:
+        raise RuntimeError(f"csrc sources not found ({', '.join(missing)} under {CSRC}); a source checkout is needed")
+    kwargs = {}
+    if cuda:
+        kwargs["extra_cuda_cflags"] = ["-O3"]
+    return load(
+        name=name, sources=[str(CSRC / s) for s in sources], extra_cflags=cflags, extra_include_paths=[str(CSRC)],
+        build_directory=str(build_dir(name)), with_cuda=cuda, verbose=verbose, **kwargs,
+    )  # fmt: skip
+
+
+def load_cpu_core(verbose: bool = False):
+    """The CPU build of the csrc core (compiled once, then cached). Raises if no compiler works."""
+    global _cpu_core
+    if _cpu_core is None:
+        _cpu_core = _load("specdec_csrc_cpu", SOURCES_CPU, ["-O2"], cuda=False, verbose=verbose)
+    return _cpu_core
+
+
+def _prebuilt():
+    try:
+        from .. import _csrc_cuda  # built by setup.py with SPECDEC_BUILD_CUDA=1
+
+        return _csrc_cuda
+    except ImportError:
+        return None
+
+
+def cuda_extension_ready() -> bool:
+    """The CUDA extension is built or loaded already (nothing would be compiled) and a GPU exists."""
+    return torch.cuda.is_available() and (_cuda_ext is not None or _prebuilt() is not None)
+
+
+def load_cuda_extension(verbose: bool = False):
+    """The CUDA extension: prebuilt, or compiled just in time. RuntimeError saying how to build."""
+    global _cuda_ext
+    if _cuda_ext is not None:
+        return _cuda_ext
+    if not torch.cuda.is_available():
+        raise RuntimeError("backend='cuda' needs a CUDA GPU, and torch.cuda.is_available() is False. " + _HOW_TO_BUILD)
+    ext = _prebuilt()
+    if ext is None:
+        if os.environ.get("SPECDEC_NO_JIT", "0") not in ("", "0"):
+            raise RuntimeError("the CUDA extension specdec_kernels._csrc_cuda is not built and SPECDEC_NO_JIT is set. " + _HOW_TO_BUILD)
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if CUDA_HOME is None or shutil.which("ninja") is None:
+            raise RuntimeError(
+                "the CUDA extension specdec_kernels._csrc_cuda is not built and cannot be compiled just in time "
+                f"(CUDA_HOME={CUDA_HOME}, ninja={'found' if shutil.which('ninja') else 'missing'}). " + _HOW_TO_BUILD
+            )
+        try:
+            ext = _load("specdec_csrc_cuda", SOURCES_CUDA, ["-O3", "-DSPECDEC_WITH_CUDA"], cuda=True, verbose=verbose)
+        except Exception as exc:  # compiler errors: keep the log, say how to build
+            raise RuntimeError(f"compiling the CUDA extension just in time failed: {exc}\n" + _HOW_TO_BUILD) from exc
+    _cuda_ext = ext
+    return ext
+
+
+def _num_chunks(args: VerifyArgs, threads: int) -> int:
+    """Vocab chunks per row so that a small batch still fills the GPU (~4 blocks per SM)."""
+    if args.has_filter:
+        return 1
+    rows = args.B * (args.G + 1)
+    sms = torch.cuda.get_device_properties(args.target_logits.device).multi_processor_count
+    per_block = 4 * threads * 4  # four quads per thread at least
+    return max(1, min(math.ceil(args.V / per_block), math.ceil(4 * sms / max(rows, 1)), 64))
+
+
+def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int | None = None) -> VerifyOutput:
+    """Call ``ext.verify_chain`` (CPU core or CUDA extension) on checked arguments."""
+    target = args.target_logits
+    if threads is None:
+        threads = 512 if args.has_filter else 256
+    if num_chunks is None:
+        num_chunks = _num_chunks(args, threads) if target.device.type == "cuda" else 1
+
+    def split(v):
+        return (v, 0) if isinstance(v, torch.Tensor) else (None, v)
+
+    t_t, t = split(args.temperature)
+    k_t, k = split(args.top_k)
+    p_t, p = split(args.top_p)
+    s_t, s = split(args.seed)
+    tokens, accepted, nonfinite = ext.verify_chain(
+        target, args.draft_tokens, args.draft, args.draft_mode, args.num_draft_tokens, t_t, float(t), k_t,
+        min(int(k), 2**31 - 1), p_t, float(p), s_t, mix_seed(int(s)), bool(args.has_filter), int(num_chunks), int(threads),
+    )  # fmt: skip
+    return VerifyOutput(tokens, accepted, nonfinite)
+
+
+def verify_chain(args: VerifyArgs, num_chunks: int | None = None) -> VerifyOutput:
+    """backend='cuda' for ``sk.verify``."""
+    if not torch.cuda.is_available():
+        load_cuda_extension()  # raises: no GPU, and how to build
+    if args.target_logits.device.type != "cuda":
+        raise RuntimeError(
+            f"backend='cuda' needs CUDA tensors, got target_logits on {args.target_logits.device}. "
+            "Move the inputs to the GPU or use backend='triton' / 'torch'."
+        )
+    return run_chain(load_cuda_extension(), args, num_chunks)

@@ -1,0 +1,142 @@
+"""The CUDA backend's per-row math, tested without a GPU.
+
+csrc/verify_core.h holds every piece of the CUDA kernels' arithmetic (Philox, uniforms, logit
+sanitising, online softmax, top-k/top-p bisection, accept test, exponential races) as
+__host__ __device__ functions, and the three kernel bodies as "programs" over a thread-block
+abstraction. The CPU build (csrc/verify_cpu.cpp, compiled here by the host C++ compiler through
+torch.utils.cpp_extension) runs those programs sequentially. These tests compare it token for token
+with the Triton kernels and the reference. Skipped when no C++ toolchain can build the extension.
+"""
+
+import pytest
+import torch
+
+import specdec_kernels as sk
+from specdec_kernels._validation import check_verify_args
+from specdec_kernels.reference import verify_reference
+
+from ._inputs import make_problem
+
+MODES = ["greedy", "logits", "probs", "ngram"]
+
+
+@pytest.fixture(scope="module")
+def core():
+    from specdec_kernels.ops import _cuda_ext
+
+    try:
+        return _cuda_ext.load_cpu_core()
+    except Exception as exc:  # no compiler / headers: nothing to test here
+        pytest.skip(f"cannot build the CPU core of csrc/: {str(exc)[:300]}")
+
+
+def _run_core(core, target, tokens, draft_logits=None, *, num_chunks=1, **kw):
+    from specdec_kernels.ops import _cuda_ext
+
+    args = check_verify_args(
+        target, tokens, draft_logits, kw.get("draft_probs"), kw.get("temperature", 1.0), kw.get("top_k", 0),
+        kw.get("top_p", 1.0), kw.get("num_draft_tokens"), kw.get("seed"),
+    )  # fmt: skip
+    return _cuda_ext.run_chain(core, args, num_chunks=num_chunks)
+
+
+def _mode_kwargs(mode, draft):
+    if mode in ("logits", "greedy"):
+        return {"draft_logits": draft}
+    if mode == "probs":
+        return {"draft_probs": torch.softmax(draft.float(), dim=-1)}
+    return {}
+
+
+def _assert_same(out, ref):
+    assert out.tokens.dtype == torch.int64 and out.num_accepted.dtype == torch.int32 and out.nonfinite.dtype == torch.bool
+    assert torch.equal(out.num_accepted, ref.num_accepted.cpu())
+    assert torch.equal(out.tokens, ref.tokens.cpu())
+    assert torch.equal(out.nonfinite, ref.nonfinite.cpu())
+
+
+@pytest.mark.parametrize("V", [111, 1000, 32000])
+@pytest.mark.parametrize("G", [0, 1, 5])
+@pytest.mark.parametrize("mode", MODES)
+def test_core_matches_triton_and_reference(core, V, G, mode):
+    B = 6 if V < 32000 else 3
+    target, tokens, draft = make_problem(B, G, V, seed=V + G)
+    if mode == "greedy" and G > 0:
+        tokens = torch.where(torch.rand(B, G) < 0.8, target[:, :G].argmax(-1), tokens)
+    seeds = torch.arange(B, dtype=torch.int64) * 1000 + G
+    kw = dict(_mode_kwargs(mode, draft), temperature=0.0 if mode == "greedy" else 1.0, seed=seeds)
+    triton_out = sk.verify(target, tokens, **kw, backend="triton")
+    _assert_same(_run_core(core, target, tokens, **kw), triton_out)
+    _assert_same(_run_core(core, target, tokens, **kw, num_chunks=3), triton_out)
+    if V < 32000:
+        _assert_same(triton_out, verify_reference(target, tokens, **kw))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", MODES)
+def test_core_dtypes_filters_ragged_per_request(core, dtype, mode):
+    B, G, V = 8, 4, 1000
+    target, tokens, draft = make_problem(B, G, V, dtype=dtype, seed=7)
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.0, 0.5, 2.0, 1.0, 0.9])
+    if mode == "greedy":
+        temperature = torch.zeros(B)
+    kw = dict(
+        _mode_kwargs(mode, draft),
+        temperature=temperature,
+        top_k=torch.tensor([0, 5, 50, 0, 1, 999, 2000, 0], dtype=torch.int32),
+        top_p=torch.tensor([1.0, 0.9, 0.5, 1.0, 1.0, 0.3, 0.95, 0.01]),
+        num_draft_tokens=torch.tensor([0, 1, 4, 2, 3, 4, 0, 1]),
+        seed=torch.arange(B, dtype=torch.int32) + 11,
+    )
+    _assert_same(_run_core(core, target, tokens, **kw), sk.verify(target, tokens, **kw, backend="triton"))
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.8, top_p=0.9, seed=5), dict(temperature=1.1, top_k=20, seed=123456789123)])
+@pytest.mark.parametrize("mode", ["logits", "ngram"])
+def test_core_scalar_parameters_and_mixed_seeds(core, kw, mode):
+    """Scalar seeds are mixed per request in the kernels: the core must mix them identically."""
+    B, G, V = 5, 3, 500
+    target, tokens, draft = make_problem(B, G, V, seed=13)
+    kw = dict(_mode_kwargs(mode, draft), **kw)
+    _assert_same(_run_core(core, target, tokens, **kw), sk.verify(target, tokens, **kw, backend="triton"))
+
+
+def test_core_nonfinite_and_invalid_ids(core):
+    B, G, V = 4, 2, 111
+    target, tokens, draft = make_problem(B, G, V, seed=9)
+    target[1, 0, 5] = float("nan")
+    target[2] = float("nan")
+    target[3, 1, 7] = float("inf")
+    seeds = torch.arange(B, dtype=torch.int64)
+    for temperature in (1.0, 0.0):
+        kw = dict(draft_logits=draft, temperature=temperature, seed=seeds)
+        _assert_same(_run_core(core, target, tokens, **kw), sk.verify(target, tokens, **kw, backend="triton"))
+    bad = tokens.clone()
+    bad[:, 0] = torch.tensor([25 + V, -4, 3, V])
+    for temperature in (0.0, 1.0):
+        args = check_verify_args(target, bad, draft, None, temperature, 0, 1.0, None, 3, validate=False)
+        from specdec_kernels.ops import _cuda_ext
+
+        out = _cuda_ext.run_chain(core, args)
+        ref = sk.verify(target, bad, draft, temperature=temperature, seed=3, validate=False, backend="triton")
+        _assert_same(out, ref)
+        assert out.nonfinite.all()
+
+
+def test_core_empty_batch_and_no_drafts(core):
+    out = _run_core(core, torch.randn(0, 3, 50), torch.zeros(0, 2, dtype=torch.int64))
+    assert out.tokens.shape == (0, 3)
+    target = torch.randn(3, 1, 50)
+    kw = dict(temperature=0.7, seed=torch.arange(3))
+    _assert_same(_run_core(core, target, torch.zeros(3, 0, dtype=torch.int64), **kw),
+                 sk.verify(target, torch.zeros(3, 0, dtype=torch.int64), **kw, backend="triton"))  # fmt: skip
+
+
+def test_core_strided_target(core):
+    """Non-contiguous batch / row strides are read in place."""
+    B, G, V = 4, 3, 300
+    big, tokens, draft = make_problem(B, G + 2, V, seed=21)
+    target = big[:, 1 : G + 2]  # a view: row stride V, batch stride (G + 3) * V
+    kw = dict(draft_logits=draft[:, :G], seed=torch.arange(B), temperature=0.9)
+    tokens = tokens[:, :G]
+    _assert_same(_run_core(core, target, tokens, **kw), sk.verify(target, tokens, **kw, backend="triton"))
