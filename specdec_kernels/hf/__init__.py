@@ -11,11 +11,15 @@ from .attention import (
     tree_attention_metadata,
     using_tree_attention,
 )
+from .generate import SpeculativeOutput, SpeculativeStats, speculative_generate
 
 __all__ = [
     "ATTN_NAME",
+    "SpeculativeOutput",
+    "SpeculativeStats",
     "TreeAttentionMetadata",
     "register_tree_attention",
+    "speculative_generate",
     "tree_attention_context",
     "tree_attention_metadata",
     "using_tree_attention",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .._tree_args import MAX_NODES
-from ..ops.tree_attention import tree_attention_from_masks
+from ..ops.tree_attention import tree_attention_from_masks, tree_attention_torch
 from ..ops.tree_metadata import tree_metadata
 
 ATTN_NAME = "specdec_tree"
@@ -44,6 +44,8 @@ class TreeAttentionMetadata:
     query_masks:  [B, Nq] int64: bit j set iff query n may attend tree slot j; 0 = padding query.
     position_ids: [B, Nq] int64: rotary positions of the query tokens (pass them to the model).
     tree_slots:   number of tree slots the masks reference (<= 64).
+    backend:      "auto" (the Triton kernel on CUDA, plain PyTorch on CPU where Triton only has its
+                  slow interpreter), "triton" or "torch".
     """
 
     key_start: torch.Tensor
@@ -52,6 +54,7 @@ class TreeAttentionMetadata:
     query_masks: torch.Tensor
     position_ids: torch.Tensor
     tree_slots: int = MAX_NODES
+    backend: str = "auto"
 
 
 def tree_attention_metadata(
@@ -61,6 +64,7 @@ def tree_attention_metadata(
     *,
     num_nodes: torch.Tensor | None = None,
     key_start: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> TreeAttentionMetadata:
     """Metadata for a forward whose N input tokens are the nodes of a tree (parents as in ``sk.verify_tree``).
 
@@ -70,6 +74,7 @@ def tree_attention_metadata(
         cache_len:   the cache length before this forward: the tree is appended at that slot.
         num_nodes:   [B] int, ragged trees (trailing nodes are padding).
         key_start:   [B] int, first real cache slot (left padding), default 0.
+        backend:     see :class:`TreeAttentionMetadata`.
 
     position_ids = prefix_lens - key_start + depth - 1: node positions continue each request's own
     sequence, whatever the cache's padding.
@@ -82,7 +87,9 @@ def tree_attention_metadata(
     tree_start = torch.as_tensor(cache_len, device=device, dtype=torch.int32).expand(B).contiguous()
     position_ids = (prefix_end - start).long()[:, None] + meta.depth.long() - 1
     position_ids = position_ids.clamp_min(0)  # padding nodes (depth 0) get a harmless position
-    return TreeAttentionMetadata(start, prefix_end, tree_start, meta.ancestor_mask, position_ids, N)
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    return TreeAttentionMetadata(start, prefix_end, tree_start, meta.ancestor_mask, position_ids, N, backend)
 
 
 @contextlib.contextmanager
@@ -109,7 +116,9 @@ def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0
     if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None):
         raise NotImplementedError("specdec_tree attention does not support sliding-window layers yet")
     _require_shape(meta, query)
-    out = tree_attention_from_masks(
+    use_kernel = meta.backend == "triton" or (meta.backend == "auto" and query.device.type == "cuda")
+    attend = tree_attention_from_masks if use_kernel else tree_attention_torch
+    out = attend(
         query, key, value, meta.key_start, meta.prefix_end, meta.tree_start, meta.query_masks, scaling,
         tree_slots=meta.tree_slots,
     )  # fmt: skip

@@ -229,6 +229,31 @@ def _dot_dtype(dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
+def tree_attention_torch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale=None, *, tree_slots=MAX_NODES):
+    """Same contract as :func:`tree_attention_from_masks` in plain PyTorch (builds the dense mask).
+
+    For CPU runs, where Triton only has its (slow) interpreter: the Hugging Face backend uses it for
+    CPU tensors unless told otherwise. Not a reference: the reference is reference/tree_attention.py.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    s = torch.arange(S, device=q.device)
+    prefix = (s[None, :] >= key_start[:, None]) & (s[None, :] < prefix_end[:, None])  # [B, S]
+    j = s[None, :] - tree_start[:, None]  # [B, S]
+    in_tree = (j >= 0) & (j < tree_slots)
+    bits = (query_masks[:, :, None] >> j.clamp(0, MAX_NODES - 1)[:, None, :]) & 1  # [B, Nq, S]
+    real = (query_masks != 0)[:, :, None]
+    allowed = real & (prefix[:, None, :] | (in_tree[:, None, :] & (bits != 0)))
+    group = Hq // Hkv
+    kk = k.repeat_interleave(group, dim=1) if group > 1 else k
+    vv = v.repeat_interleave(group, dim=1) if group > 1 else v
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scores = torch.matmul(q.float(), kk.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding queries: no key -> zeros
+    return torch.matmul(weights, vv.float()).to(q.dtype)
+
+
 def tree_attention_from_masks(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -47,8 +47,9 @@ def _dense_tree_mask(prefix_lens, parents, cache_len, N):
     return mask
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_tree_forward_matches_dense_mask(kind):
+def test_tree_forward_matches_dense_mask(kind, backend):
     model = tiny_model(kind, seed=1)
     lens = [5, 9, 2]
     cache, T = _prefill_ragged(model, lens)
@@ -57,7 +58,7 @@ def test_tree_forward_matches_dense_mask(kind):
     tokens = torch.randint(3, model.config.vocab_size, (3, N), generator=torch.Generator().manual_seed(5))
     prefix = torch.tensor(lens)
 
-    meta = tree_attention_metadata(parents, prefix, cache_len=T)
+    meta = tree_attention_metadata(parents, prefix, cache_len=T, backend=backend)
     dense_cache = copy.deepcopy(cache)
     with torch.no_grad(), using_tree_attention(model), tree_attention_context(meta):
         ours = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=cache).logits
