@@ -1,20 +1,17 @@
 // Torch binding of the chain-verification backend.
 //
 //   verify_chain(target, draft_tokens, draft, draft_mode, num_draft, temperature_t, temperature,
-//                top_k_t, top_k, top_p_t, top_p, seed_t, seed, has_filter, num_chunks, threads)
+//                top_k_t, top_k, top_p_t, top_p, seed_t, seed, has_filter, num_chunks, threads, stream)
 //     -> [tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool]
 //
 // Arguments are the checked ones of specdec_kernels._validation (shapes, dtypes and devices are
 // not re-checked beyond what memory safety needs). Per-request tensors are cast to the canonical
 // dtypes (a no-op when they already have them); `seed` is the scalar already reduced by mix_seed.
 // CPU tensors run the sequential build of the core (verify_cpu.cpp); CUDA tensors the kernels of
-// verify_cuda.cu, on the current stream, when this module was built with SPECDEC_WITH_CUDA.
+// verify_cuda.cu on `stream` (the caller's current cudaStream_t as an integer), when this module
+// was built with SPECDEC_WITH_CUDA. No CUDA header is included here, so this file compiles (and is
+// tested) identically in the CPU-only build.
 #include <torch/extension.h>
-
-#ifdef SPECDEC_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-#endif
 
 #include "verify_api.h"
 
@@ -47,7 +44,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
                                      c10::optional<at::Tensor> top_k_t, int64_t top_k,
                                      c10::optional<at::Tensor> top_p_t, double top_p,
                                      c10::optional<at::Tensor> seed_t, int64_t seed, bool has_filter,
-                                     int64_t num_chunks, int64_t threads) {
+                                     int64_t num_chunks, int64_t threads, int64_t stream) {
   TORCH_CHECK(target.dim() == 3 && target.stride(2) == 1, "specdec: target_logits must be [B, G+1, V], last dim contiguous");
   const int64_t B = target.size(0), G = target.size(1) - 1, V = target.size(2);
   TORCH_CHECK(draft_tokens.dim() == 2 && draft_tokens.size(0) == B && draft_tokens.size(1) == G,
@@ -131,9 +128,8 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   } else {
 #ifdef SPECDEC_WITH_CUDA
     TORCH_CHECK(dev.is_cuda(), "specdec: unsupported device ", dev);
-    const c10::cuda::CUDAGuard guard(dev);
-    sk::verify_chain_cuda(P, td, dd, int(threads), at::cuda::getCurrentCUDAStream().stream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const char* error = sk::verify_chain_cuda(P, td, dd, int(threads), dev.index(), reinterpret_cast<void*>(stream));
+    TORCH_CHECK(error == nullptr, "specdec: CUDA launch failed: ", error);
 #else
     TORCH_CHECK(false, "specdec: this build of the extension has no CUDA kernels (device ", dev, ")");
 #endif

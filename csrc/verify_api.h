@@ -25,7 +25,9 @@ void dispatch_dtypes(int target_dtype, int draft_dtype, F&& f) {
 // Sequential CPU run of the three programs (tests the shared core without a GPU).
 void verify_chain_cpu(const ChainParams& P, int target_dtype, int draft_dtype);
 
-// CUDA launches on `stream` (a cudaStream_t): 3 kernels, or 2 when num_chunks == 1.
-void verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_dtype, int threads, void* stream);
+// CUDA launches on `stream` (a cudaStream_t) of device `device`: 3 kernels, or 2 when
+// num_chunks == 1. Returns nullptr, or the CUDA error string of a failed launch.
+const char* verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_dtype, int threads, int device,
+                              void* stream);
 
 }  // namespace sk

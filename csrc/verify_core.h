@@ -33,8 +33,10 @@
 #if defined(__CUDACC__)
 #include <cuda_fp16.h>
 #define SK_HD __host__ __device__ __forceinline__
+#define SK_UNROLL _Pragma("unroll")
 #else
 #define SK_HD inline
+#define SK_UNROLL
 #endif
 
 namespace sk {
@@ -150,7 +152,7 @@ SK_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
 SK_HD Philox4 philox(int64_t seed, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
   uint32_t k0 = uint32_t(uint64_t(seed));
   uint32_t k1 = uint32_t(uint64_t(seed) >> 32);
-#pragma unroll
+  SK_UNROLL
   for (int r = 0; r < 10; ++r) {
     const uint32_t hi_b = mulhi32(0xCD9E8D57u, c2), lo_b = 0xCD9E8D57u * c2;
     const uint32_t hi_a = mulhi32(0xD2511F53u, c0), lo_a = 0xD2511F53u * c0;

@@ -106,8 +106,12 @@ __global__ void finalize_kernel(const ChainParams P) {
 
 }  // namespace
 
-void verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_dtype, int threads, void* stream_ptr) {
+const char* verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_dtype, int threads, int device,
+                              void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  int previous = -1;
+  cudaGetDevice(&previous);
+  if (device >= 0 && device != previous) cudaSetDevice(device);
   threads = threads < 32 ? 32 : (threads > 1024 ? 1024 : (threads + 31) / 32 * 32);
   dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
     using TT = decltype(tt);
@@ -117,6 +121,9 @@ void verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_dtype, 
     accept_kernel<TT, TD><<<dim3(unsigned(P.B), unsigned(P.num_chunks)), threads, 0, stream>>>(P);
   });
   if (P.num_chunks > 1) finalize_kernel<<<unsigned((P.B + 127) / 128), 128, 0, stream>>>(P);
+  const cudaError_t err = cudaGetLastError();
+  if (device >= 0 && device != previous && previous >= 0) cudaSetDevice(previous);
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
 }  // namespace sk

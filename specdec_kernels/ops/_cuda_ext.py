@@ -137,9 +137,11 @@ def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int
     k_t, k = split(args.top_k)
     p_t, p = split(args.top_p)
     s_t, s = split(args.seed)
+    stream = torch.cuda.current_stream(target.device).cuda_stream if target.device.type == "cuda" else 0
     tokens, accepted, nonfinite = ext.verify_chain(
         target, args.draft_tokens, args.draft, args.draft_mode, args.num_draft_tokens, t_t, float(t), k_t,
-        min(int(k), 2**31 - 1), p_t, float(p), s_t, mix_seed(int(s)), bool(args.has_filter), int(num_chunks), int(threads),
+        min(int(k), 2**31 - 1), p_t, float(p), s_t, mix_seed(int(s)), bool(args.has_filter), int(num_chunks),
+        int(threads), stream,
     )  # fmt: skip
     return VerifyOutput(tokens, accepted, nonfinite)
 
