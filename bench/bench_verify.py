@@ -13,7 +13,10 @@ in, accepted tokens and counts out. Providers:
                    with ``torch.multinomial``, bonus sampled from p. Vectorised, no per-request loop.
 * ``reference`` -- ``specdec_kernels.reference.verify_reference`` (plain PyTorch, loops; slow). Skipped
                    when B*(G+1)*V > 5e7 unless ``--all-providers``, and timed with few repetitions.
-* ``ours``      -- ``specdec_kernels.verify`` (the fused Triton kernels).
+* ``ours``      -- ``specdec_kernels.verify`` (the fused Triton kernels, ``backend="triton"``).
+* ``cuda``      -- ``specdec_kernels.verify(..., backend="cuda")``: the CUDA C++ kernels of ``csrc/``
+                   (prebuilt or compiled just in time on first use). Skipped, not an error, without a
+                   GPU or when the extension cannot be built.
 
 Modes: ``stochastic`` (temperature 1, draft logits), ``greedy`` (temperature 0; draft logits are
 passed as a caller with a draft model would, but are not counted as must-read bytes because greedy
@@ -43,6 +46,7 @@ Usage
 -----
     python bench/bench_verify.py                          # full sweep -> bench/results/verify.csv
     python bench/bench_verify.py --B 1 8 --G 4 --V 128256 --providers eager ours --mode topk_topp
+    python bench/bench_verify.py --providers ours cuda    # Triton vs CUDA C++ backend
     python bench/bench_verify.py --smoke                  # tiny CPU run of everything (CI)
 """
 
@@ -66,7 +70,7 @@ if str(_BENCH_DIR) not in sys.path:  # `import _common` also when this file is i
 
 import _common as common  # noqa: E402
 
-PROVIDERS = ("eager", "reference", "ours")
+PROVIDERS = ("eager", "reference", "ours", "cuda")
 MODES = ("stochastic", "greedy", "ngram", "topk_topp")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -283,17 +287,41 @@ def reference_provider(inputs: VerifyInputs, mode: Mode, validate: bool) -> Call
     )
 
 
-def ours_provider(inputs: VerifyInputs, mode: Mode, validate: bool) -> Callable:
+def _sk_provider(inputs: VerifyInputs, mode: Mode, validate: bool, backend: str) -> Callable:
     import specdec_kernels as sk  # lazy: TRITON_INTERPRET must be decided before this import
 
     kwargs = _op_kwargs(inputs, mode)
     # Host-side value checks synchronise with the device; an engine's hot loop turns them off.
-    if "validate" in inspect.signature(sk.verify).parameters:
+    params = inspect.signature(sk.verify).parameters
+    if "validate" in params:
         kwargs["validate"] = validate
+    if "backend" in params:
+        kwargs["backend"] = backend
     return lambda: _as_pair(sk.verify(inputs.target_logits, inputs.draft_tokens, inputs.draft_logits, **kwargs))
 
 
-PROVIDER_FACTORIES = {"eager": eager_provider, "reference": reference_provider, "ours": ours_provider}
+def ours_provider(inputs: VerifyInputs, mode: Mode, validate: bool) -> Callable:
+    return _sk_provider(inputs, mode, validate, "triton")
+
+
+def cuda_provider(inputs: VerifyInputs, mode: Mode, validate: bool) -> Callable:
+    return _sk_provider(inputs, mode, validate, "cuda")
+
+
+def cuda_unavailable(device: str) -> str | None:
+    """Why the cuda provider cannot run here (None: it can); builds the extension if needed."""
+    if not str(device).startswith("cuda"):
+        return "the CUDA backend needs a GPU device"
+    try:
+        from specdec_kernels.ops import _cuda_ext
+
+        _cuda_ext.load_cuda_extension()
+    except (ImportError, RuntimeError) as e:
+        return str(e).splitlines()[0][:200]
+    return None
+
+
+PROVIDER_FACTORIES = {"eager": eager_provider, "reference": reference_provider, "ours": ours_provider, "cuda": cuda_provider}
 
 
 def reference_too_slow(B: int, G: int, V: int) -> bool:
@@ -407,6 +435,9 @@ def run_shape(B, G, V, mode: Mode, args, copy_gbps, meta, errors: list) -> list[
         if provider == "reference" and reference_too_slow(B, G, V) and not args.all_providers:
             print(f"[skip] reference at {label} (B*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}; "
                   "--all-providers to force)", file=sys.stderr)  # fmt: skip
+            continue
+        if provider == "cuda" and (why := cuda_unavailable(args.device)):
+            print(f"[skip] cuda at {label}: {why}", file=sys.stderr)
             continue
         try:
             torch.manual_seed(args.seed)  # eager's torch.rand / multinomial draw from the global RNG
