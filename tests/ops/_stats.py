@@ -105,3 +105,21 @@ def simulate_chain(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor
         final[sel] = torch.multinomial(w, 1, generator=gen)[:, 0]
     tokens[torch.arange(N), first] = final
     return tokens, first.int()
+
+
+def chi_square_power(expected: torch.Tensor, alternative: torch.Tensor, n: int) -> float:
+    """Probability that ``chi_square_pvalue`` (pooling as it does) rejects at ALPHA when n samples
+    come from ``alternative`` instead of ``expected`` (noncentral chi-square approximation)."""
+    expected = expected.cpu().double()
+    alternative = alternative.cpu().double()
+    if bool((alternative[expected == 0] > 0).any()):
+        return 1.0
+    big = expected * n >= 5
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    alt = torch.cat([alternative[big], alternative[~big].sum().reshape(1)])
+    keep = exp > 0
+    exp, alt = exp[keep], alt[keep]
+    df = exp.numel() - 1
+    noncentrality = float(n * ((alt - exp) ** 2 / exp).sum())
+    crit = stats.chi2.ppf(1 - ALPHA, df)
+    return float(stats.ncx2.sf(crit, df, noncentrality))

@@ -1,0 +1,194 @@
+"""speculative_generate: greedy identity with target.generate, exact caches, sampled output ~ target."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from specdec_kernels.hf import speculative_generate, using_tree_attention  # noqa: E402
+from specdec_kernels.hf.cache import cache_length  # noqa: E402
+from specdec_kernels.hf.generate import _Session  # noqa: E402
+
+from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue  # noqa: E402
+from ._models import tiny_model  # noqa: E402
+
+PAD = 2
+
+
+def _near_copy(model, noise: float, seed: int):
+    """A draft that mostly agrees with the target: its weights plus small noise."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp_min(1e-3))
+    return draft
+
+
+def _ragged_prompts(B=3, T=8, vocab=97, seed=0, lens=(5, 8, 3)):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, T), generator=gen)
+    mask = (torch.arange(T)[None, :] >= T - torch.tensor(lens)[:, None]).long()  # left padding
+    return ids * mask + PAD * (1 - mask), mask
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("llama", seed=1)
+    return target, _near_copy(target, 0.3, seed=5)
+
+
+def _greedy_reference(target, ids, mask, new, eos=None):
+    return target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                           eos_token_id=eos, pad_token_id=PAD)  # fmt: skip
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_greedy_equals_target_generate(pair, K):
+    target, draft = pair
+    ids, mask = _ragged_prompts()
+    expected = _greedy_reference(target, ids, mask, 10)
+    out = speculative_generate(target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=3, num_drafts=K,
+                               eos_token_id=[], pad_token_id=PAD)  # fmt: skip
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.accepted > 0  # the near-copy draft gets drafts accepted: the fast path is exercised
+    assert out.stats.target_forwards < 10 * 1  # fewer target forwards than tokens
+
+
+def test_greedy_qwen2_triton_attention_kernel():
+    """Same identity with the Triton tree-attention kernel (interpreter) in every forward."""
+    target = tiny_model("qwen2", seed=3)
+    draft = _near_copy(target, 0.3, seed=6)
+    ids, mask = _ragged_prompts(lens=(2, 6, 4), seed=1)
+    expected = _greedy_reference(target, ids, mask, 6)
+    out = speculative_generate(target, draft, ids, mask, max_new_tokens=6, num_draft_tokens=2, num_drafts=2,
+                               eos_token_id=[], pad_token_id=PAD, attention_backend="triton")  # fmt: skip
+    assert torch.equal(out.sequences, expected)
+
+
+def test_greedy_prompt_lookup(pair):
+    target, _ = pair
+    ids, mask = _ragged_prompts(seed=2)
+    expected = _greedy_reference(target, ids, mask, 10)
+    out = speculative_generate(target, None, ids, mask, max_new_tokens=10, num_draft_tokens=3, drafter="prompt_lookup",
+                               eos_token_id=[], pad_token_id=PAD)  # fmt: skip
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.draft_forwards == 0
+
+
+def test_eos_mid_batch(pair):
+    """A request that emits EOS stops (padded after it) while the others continue, as in generate."""
+    target, draft = pair
+    ids, mask = _ragged_prompts(seed=4)
+    free = _greedy_reference(target, ids, mask, 10)
+    eos = int(free[1, ids.shape[1] + 2])  # request 1's third generated token becomes "EOS"
+    expected = _greedy_reference(target, ids, mask, 10, eos=eos)
+    out = speculative_generate(target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=3, eos_token_id=eos,
+                               pad_token_id=PAD)  # fmt: skip
+    assert torch.equal(out.sequences, expected)
+    assert (out.sequences[1, ids.shape[1] + 3 :] == PAD).all()
+
+
+@pytest.mark.parametrize("same_draft", [False, True])
+def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft):
+    """After each step both caches hold exactly the committed tokens (all but the last u) in slots [0, C_b).
+
+    same_draft: the draft is the target, every draft is accepted and the draft cache misses its last
+    draft (u = 2), the case that needs two tokens in the next draft forward."""
+    target, draft = pair
+    draft = copy.deepcopy(target) if same_draft else draft
+    ids, mask = _ragged_prompts(seed=5)
+    prompts = [ids[b][mask[b].bool()].tolist() for b in range(3)]
+    sampling = dict(temperature=0.0, top_k=0, top_p=1.0)
+    with torch.no_grad(), using_tree_attention(target), using_tree_attention(draft):
+        session = _Session.start(target, draft, prompts, "cpu", 3, 2, 97, "kseq", sampling,
+                                 torch.Generator().manual_seed(0), "auto")  # fmt: skip
+        for _ in range(2):
+            results = session.step()
+            if same_draft:
+                assert [acc for _, _, acc, _ in results] == [3, 3, 3] and session.batch.uncached.tolist() == [2, 2, 2]
+            for b, new, _, _ in results:
+                session.batch.history[b].extend(new)
+            batch = session.batch
+            for model, cache, cached in ((target, session.t_cache, batch.target_cached),
+                                         (draft, session.d_cache, batch.draft_cached)):  # fmt: skip
+                assert cache_length(cache) == int(cached.max())
+                for b in range(3):
+                    n = int(cached[b])
+                    fresh = DynamicCache(config=model.config)
+                    model(input_ids=torch.tensor([batch.history[b][:n]]), past_key_values=fresh)
+                    for layer, fresh_layer in zip(cache.layers, fresh.layers):
+                        torch.testing.assert_close(layer.keys[b : b + 1, :, :n], fresh_layer.keys, atol=1e-5, rtol=1e-5)
+                        torch.testing.assert_close(layer.values[b : b + 1, :, :n], fresh_layer.values, atol=1e-5, rtol=1e-5)
+
+
+def _two_token_distribution(target, prompt, temperature):
+    """Exact p(x1, x2 | prompt) of the target at this temperature, [V, V]."""
+    V = target.config.vocab_size
+    with torch.no_grad():
+        first = torch.softmax(target(input_ids=torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        seqs = torch.tensor([prompt + [x] for x in range(V)])
+        second = torch.softmax(target(input_ids=seqs).logits[:, -1] / temperature, -1)
+    return first[:, None] * second
+
+
+@pytest.mark.parametrize("K, method", [(1, "kseq"), (2, "kseq"), (2, "rrs"), (2, "rrs_wor")])
+def test_sampled_output_follows_the_target(K, method):
+    """Chi-square (alpha 1e-6) on the first two generated tokens (V = 6: 36 cells) of 3000 requests.
+
+    Power, asserted below: at this sample size the test rejects with probability > 0.99 both the
+    draft's own distribution (a verifier that accepts everything) and, on the first token alone, a
+    verifier that resamples from p instead of the residual max(p - q, 0) after a rejection.
+    """
+    V, n, temperature = 6, 3000, 1.0
+    target = tiny_model("llama", vocab=V, seed=13, init_std=0.1)  # flat: p_max ~ 0.3, overlap ~ 0.7
+    draft = tiny_model("llama", vocab=V, seed=14, init_std=0.1, layers=1)
+    prompt = [3, 4, 5, 0]
+    expected = _two_token_distribution(target, prompt, temperature)
+    draft_dist = _two_token_distribution(draft, prompt, temperature)
+    assert chi_square_power(expected.flatten(), draft_dist.flatten(), n) > 0.99
+    p1, q1 = expected.sum(1), draft_dist.sum(1)
+    resample_from_p = torch.minimum(p1, q1) + (1 - torch.minimum(p1, q1).sum()) * p1
+    assert chi_square_power(p1, resample_from_p, n) > 0.99
+    ids = torch.tensor([prompt] * n)
+    out = speculative_generate(target, draft, ids, max_new_tokens=2, num_draft_tokens=2, num_drafts=K, method=method,
+                               temperature=temperature, seed=1, eos_token_id=[])  # fmt: skip
+    pairs = out.sequences[:, len(prompt) :]
+    assert 0 < out.stats.acceptance_rate < 0.95  # both accept and reject paths ran
+    assert chi_square_pvalue(pairs[:, 0] * V + pairs[:, 1], expected.flatten()) > ALPHA
+    assert chi_square_pvalue(pairs[:, 0], p1) > ALPHA
+
+
+def test_vocab_mismatch_is_a_clear_error():
+    target = tiny_model("llama", vocab=97)
+    draft = tiny_model("llama", vocab=101, layers=1)
+    ids = torch.randint(3, 97, (1, 4))
+    with pytest.raises(ValueError, match=r"draft vocabulary size \(101\) differs from the target's \(97\)"):
+        speculative_generate(target, draft, ids, max_new_tokens=2)
+    # Padded embedding rows of one shared tokenizer: the real ids are the first 97.
+    out = speculative_generate(target, draft, ids, max_new_tokens=3, vocab_size=97, eos_token_id=[])
+    assert out.sequences.shape == (1, 7) and int(out.sequences.max()) < 97
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_drafts=3, drafter="prompt_lookup", draft=None), "one chain"),
+        (dict(method="nope"), "method"),
+        (dict(num_draft_tokens=8, num_drafts=8), "<= 64"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(drafter="model", draft=None), "prompt_lookup"),
+    ],
+)
+def test_bad_arguments(pair, kwargs, match):
+    target, draft = pair
+    call = dict(draft=draft)
+    call.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        speculative_generate(target, call.pop("draft"), torch.randint(3, 97, (1, 4)), **call)
