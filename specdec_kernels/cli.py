@@ -1,7 +1,12 @@
-"""Command line: ``specdec demo`` shows the fused verification kernels against theory.
+"""Command line: ``specdec demo``, ``specdec generate`` and ``specdec verify-demo``.
 
-Until the Hugging Face driver lands, the demo draws random target/draft distributions with a
-chosen closeness, samples genuine drafts from the draft, verifies them with ``sk.verify`` and
+* ``specdec demo`` (no arguments): the embedded byte-level draft/target pair generates Python code
+  three ways, side by side: target alone, chain speculative decoding, and K-draft SpecTr; it prints
+  tokens/s, acceptance, mean accepted length, and whether the greedy outputs equal the target's.
+* ``specdec generate --target PATH --draft PATH --prompt TEXT``: streams text as it is committed
+  and ends with a stats table (local model directories only; ``--target demo`` uses the embedded pair).
+* ``specdec verify-demo``: the kernels alone on random distributions against theory. It draws
+  random target/draft distributions with a chosen closeness, samples genuine drafts from the draft, verifies them with ``sk.verify`` and
 ``sk.verify_multi`` (K-SEQ), and prints measured acceptance next to its theoretical value:
   first-draft acceptance  alpha = sum_x min(p(x), q(x))
   tokens per step         E = sum_{k=0..G} prod_{i<k} alpha_i   (chain; exact for sampled drafts)
@@ -87,7 +92,7 @@ def _print_table(rows: list[dict]) -> None:
         print("  ".join(col[i].rjust(w) for col, w in zip(cells, widths)))
 
 
-def demo(args: argparse.Namespace) -> int:
+def verify_demo(args: argparse.Namespace) -> int:
     device = _device(args.device)
     backend = "Triton on CUDA" if device == "cuda" else "Triton interpreter on CPU (slow but exact)"
     B = args.batch or (8192 if device == "cuda" else 512)
@@ -119,20 +124,168 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# ---------------------------------------------------------------------------------------------
+# specdec demo / specdec generate: the Hugging Face driver on real models
+# ---------------------------------------------------------------------------------------------
+
+
+class _PrintStreamer:
+    """Minimal streamer: prints the text of committed tokens as they arrive (skips the prompt)."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
+        self.ids: list[int] = []
+        self.shown = 0
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.ids.extend(int(t) for t in value.flatten().tolist())
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return
+        self.out.write(text[self.shown :])
+        self.out.flush()
+        self.shown = len(text)
+
+    def end(self) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _load_pair(target_path: str, draft_path: str | None, device: str, dtype: torch.dtype):
+    if target_path == "demo":
+        from .demo import load_demo_pair
+
+        return load_demo_pair(device=device, dtype=dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(path):
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+
+    tokenizer = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
+    return load(target_path), (load(draft_path) if draft_path else None), tokenizer
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    from .hf import speculative_generate
+
+    device = _device(args.device)
+    target, draft, tok = _load_pair(args.target, args.draft, device, _dtype(args.dtype))
+    drafter = args.drafter or ("model" if draft is not None else "prompt_lookup")
+    batch = tok([args.prompt], return_tensors="pt")
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    sys.stdout.write(args.prompt)
+    out = speculative_generate(
+        target, draft if drafter == "model" else None, ids, mask, max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens, num_drafts=args.num_drafts, method=args.method, drafter=drafter,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        eos_token_id=getattr(tok, "eos_token_id", None), pad_token_id=getattr(tok, "pad_token_id", None),
+        streamer=_PrintStreamer(tok), vocab_size=args.vocab_size,
+    )  # fmt: skip
+    print()
+    print(out.stats.table())
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Target alone vs chain speculative decoding vs K-draft SpecTr on the embedded pair."""
+    from tqdm.auto import tqdm
+
+    from .demo import DEMO_PROMPTS, load_demo_pair
+    from .hf import speculative_generate
+
+    device = _device(args.device)
+    target, draft, tok = load_demo_pair(device=device)
+    prompts = list(DEMO_PROMPTS[: args.prompts])
+    batch = tok(prompts, return_tensors="pt")
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    new = args.max_new_tokens
+    G, K = args.num_draft_tokens, args.num_drafts
+    where = "CUDA" if device == "cuda" else "CPU (kernels in the Triton interpreter: speeds are not meaningful)"
+    print(f"specdec demo: embedded byte-level pair, {len(prompts)} prompts, {new} new tokens each, on {where}")
+    common = dict(max_new_tokens=new, eos_token_id=[], pad_token_id=tok.pad_token_id, num_draft_tokens=G)
+    modes = [
+        ("target only (greedy)", None),
+        (f"chain, G={G} (greedy)", dict(num_drafts=1)),
+        (f"SpecTr K={K}, G={G} (greedy)", dict(num_drafts=K, method="kseq")),
+        (f"SpecTr K={K}, G={G}, T=0.7", dict(num_drafts=K, method="kseq", temperature=0.7, seed=args.seed)),
+    ]
+    rows, reference = [], None
+    for name, kwargs in tqdm(modes, desc="specdec demo", unit="mode"):
+        start = time.perf_counter()
+        if kwargs is None:
+            with torch.no_grad():
+                seqs = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                       pad_token_id=tok.pad_token_id, eos_token_id=None)  # fmt: skip
+            seconds = time.perf_counter() - start
+            reference = seqs
+            made = int((seqs.shape[1] - ids.shape[1]) * len(prompts))
+            rows.append(dict(mode=name, tokens=made, seconds=seconds, tok_per_s=made / seconds, acceptance="-",
+                             mean_accepted="1.00", target_forwards=new, greedy_match="(reference)"))  # fmt: skip
+            continue
+        out = speculative_generate(target, draft, ids, mask, **common, **kwargs)
+        st = out.stats
+        greedy = "temperature" not in kwargs
+        match = str(bool(torch.equal(out.sequences, reference))) if greedy else "n/a (sampled)"
+        rows.append(dict(mode=name, tokens=st.new_tokens, seconds=st.wall_time_s, tok_per_s=st.tokens_per_s,
+                         acceptance=f"{st.acceptance_rate:.3f}", mean_accepted=f"{st.mean_accepted_length:.2f}",
+                         target_forwards=st.target_forwards, greedy_match=match))  # fmt: skip
+    print()
+    _print_table(rows)
+    print("\nfirst prompt, target's greedy continuation:")
+    print(tok.decode(reference[0].tolist()))
+    return 0 if all(r["greedy_match"] in ("True", "(reference)", "n/a (sampled)") for r in rows) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="specdec_kernels command line")
     sub = parser.add_subparsers(dest="command")
-    p_demo = sub.add_parser("demo", help="verification kernels on random distributions vs theory")
-    p_demo.add_argument("--batch", type=int, default=None)
-    p_demo.add_argument("--vocab", type=int, default=None)
+
+    p_demo = sub.add_parser("demo", help="target alone vs speculative decoding on the embedded model pair")
+    p_demo.add_argument("--prompts", type=int, default=3, help="how many of the demo prompts")
+    p_demo.add_argument("--max-new-tokens", type=int, default=32)
     p_demo.add_argument("--num-draft-tokens", type=int, default=4)
-    p_demo.add_argument("--num-drafts", type=int, default=4)
-    p_demo.add_argument("--temperature", type=float, default=1.0)
+    p_demo.add_argument("--num-drafts", type=int, default=2)
     p_demo.add_argument("--seed", type=int, default=0)
     p_demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+
+    p_gen = sub.add_parser("generate", help="speculative decoding of a prompt with local HF models, streamed")
+    p_gen.add_argument("--target", required=True, help="local HF model directory, or 'demo' for the embedded pair")
+    p_gen.add_argument("--draft", default=None, help="local HF model directory (omit for prompt lookup)")
+    p_gen.add_argument("--prompt", required=True)
+    p_gen.add_argument("--max-new-tokens", type=int, default=128)
+    p_gen.add_argument("--num-draft-tokens", type=int, default=4)
+    p_gen.add_argument("--num-drafts", type=int, default=1)
+    p_gen.add_argument("--method", choices=["kseq", "rrs", "rrs_wor"], default="kseq")
+    p_gen.add_argument("--drafter", choices=["model", "prompt_lookup"], default=None)
+    p_gen.add_argument("--temperature", type=float, default=0.0)
+    p_gen.add_argument("--top-k", type=int, default=0)
+    p_gen.add_argument("--top-p", type=float, default=1.0)
+    p_gen.add_argument("--seed", type=int, default=None)
+    p_gen.add_argument("--vocab-size", type=int, default=None, help="real token count if embeddings are padded")
+    p_gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p_gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+
+    p_vd = sub.add_parser("verify-demo", help="verification kernels on random distributions vs theory")
+    p_vd.add_argument("--batch", type=int, default=None)
+    p_vd.add_argument("--vocab", type=int, default=None)
+    p_vd.add_argument("--num-draft-tokens", type=int, default=4)
+    p_vd.add_argument("--num-drafts", type=int, default=4)
+    p_vd.add_argument("--temperature", type=float, default=1.0)
+    p_vd.add_argument("--seed", type=int, default=0)
+    p_vd.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        return demo(args)
+    commands = {"demo": demo, "generate": generate_command, "verify-demo": verify_demo}
+    if args.command in commands:
+        return commands[args.command](args)
     parser.print_help()
     return 0
 

@@ -11,9 +11,9 @@ def test_no_command_prints_help(capsys):
     assert "demo" in capsys.readouterr().out
 
 
-def test_demo_agrees_with_theory(capsys):
+def test_verify_demo_agrees_with_theory(capsys):
     B = 384
-    assert main(["demo", "--batch", str(B), "--vocab", "32", "--num-draft-tokens", "3", "--num-drafts", "2", "--device", "cpu"]) == 0
+    assert main(["verify-demo", "--batch", str(B), "--vocab", "32", "--num-draft-tokens", "3", "--num-drafts", "2", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "greedy: accepted tokens equal the target argmax chain" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s*(close|medium|far)\s", line)]
