@@ -90,3 +90,37 @@ def test_metadata_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="tree metadata"), torch.no_grad(), using_tree_attention(model):
         with tree_attention_context(meta):
             model(input_ids=torch.ones(2, 3, dtype=torch.long), past_key_values=cache)
+
+
+def test_static_cache_tree_forward_matches_dense_mask():
+    """StaticCache: keys are a fixed [B, H, max_len, D] buffer, the tree is written at cache_position."""
+    from transformers import StaticCache
+
+    model = tiny_model("llama", seed=4)
+    lens, max_len = [4, 7], 32
+    B, T = len(lens), max(lens)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 97, (B, T), generator=gen)
+    mask2d = (torch.arange(T)[None, :] < torch.tensor(lens)[:, None]).long()
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, -1]])
+    N = parents.shape[1]
+    tokens = torch.randint(3, 97, (B, N), generator=gen)
+    meta = tree_attention_metadata(parents, torch.tensor(lens), cache_len=T, backend="triton")
+    logits = []
+    for use_tree in (True, False):
+        cache = StaticCache(config=model.config, max_cache_len=max_len)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask2d, past_key_values=cache, position_ids=torch.arange(T).expand(B, T),
+                  cache_position=torch.arange(T))  # fmt: skip
+            position = torch.arange(T, T + N)
+            if use_tree:
+                with using_tree_attention(model), tree_attention_context(meta):
+                    out = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=cache,
+                                cache_position=position)  # fmt: skip
+            else:
+                dense = torch.zeros(B, 1, N, max_len, dtype=torch.bool)
+                dense[..., : T + N] = _dense_tree_mask(lens, parents, T, N)
+                out = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=cache,
+                            cache_position=position, attention_mask=dense)  # fmt: skip
+        logits.append(out.logits)
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-5, rtol=2e-5)
