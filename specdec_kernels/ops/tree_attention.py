@@ -280,6 +280,34 @@ def tree_attention_from_masks(
     Shapes and dtypes are checked; values are not (no host synchronisation): it is the layer the
     Hugging Face backend calls once per layer with metadata built once per step.
     """
+    if torch.compiler.is_compiling():  # one opaque node in the graph: dynamo cannot trace the launcher
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return tree_attention_op(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots)
+    return _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, _num_splits)
+
+
+@torch.library.custom_op("specdec::tree_attention", mutates_args=())
+def tree_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_start: torch.Tensor,
+    prefix_end: torch.Tensor,
+    tree_start: torch.Tensor,
+    query_masks: torch.Tensor,
+    scale: float,
+    tree_slots: int,
+) -> torch.Tensor:
+    """``tree_attention_from_masks`` as a torch.library op (torch.compile graphs, CUDA graphs)."""
+    return _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, None)
+
+
+@tree_attention_op.register_fake
+def _tree_attention_fake(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots):
+    return q.new_empty(q.shape)  # contiguous [B, Hq, Nq, D], as _launch allocates
+
+
+def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, _num_splits):
     B, Hq, Nq, D = q.shape
     _, Hkv, S, _ = k.shape
     out = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)

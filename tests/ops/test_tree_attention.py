@@ -184,3 +184,16 @@ def test_large_scores_stay_finite():
     out = _check(q * 30, k * 30, v, prefix, parents, num_nodes, scale=1.0)
     assert torch.isfinite(out).all()
     assert math.isfinite(float(out.abs().max()))
+
+
+def test_custom_op_schema_and_fake():
+    """specdec::tree_attention passes torch.library.opcheck (schema, fake tensor, autograd registration)."""
+    from specdec_kernels.ops.tree_attention import tree_attention_op
+
+    q, k, v, prefix, parents, num_nodes = _problem(2, 4, 2, 4, 64, seed=14, max_prefix=20)
+    masks = sk.tree_metadata(parents, num_nodes).ancestor_mask
+    p32 = prefix.to(torch.int32)
+    args = (q, k, v, torch.zeros_like(p32), p32, p32, masks, 0.125, 4)
+    torch.library.opcheck(tree_attention_op, args, test_utils=("test_schema", "test_faketensor"))
+    ref = tree_attention_reference(q, k, v, prefix, parents, num_nodes=num_nodes, scale=0.125)
+    torch.testing.assert_close(tree_attention_op(*args), ref, atol=1e-4, rtol=1e-4)
