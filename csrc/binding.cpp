@@ -84,10 +84,12 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   sk::ChainParams P{};
   P.target = target.data_ptr();
   P.stride_tb = target.stride(0);
+  P.stride_tk = 0;
   P.stride_tg = target.stride(1);
   const bool has_draft = draft_mode != 0;
   P.draft = has_draft ? draft->data_ptr() : nullptr;
   P.stride_db = has_draft ? draft->stride(0) : 0;
+  P.stride_dk = 0;
   P.stride_dg = has_draft ? draft->stride(1) : 0;
   P.draft_mode = int(draft_mode);
   P.draft_tokens = toks.data_ptr<int64_t>();
@@ -105,6 +107,8 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   P.B = B;
   P.G = G;
   P.V = V;
+  P.K = 1;
+  P.n_max = G;
   P.num_chunks = num_chunks;
   P.chunk_size = chunk_size;
   P.has_filter = has_filter;
@@ -137,11 +141,117 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   return {tokens, accepted, nonfinite};
 }
 
+// verify_tree(target [B, K, G+1, V], tokens [B, K, G], parents [B, N] or None (K chains), draft
+//             [B, K, G, V] or None, draft_mode, num_nodes, temperature_t, temperature, top_k_t, top_k,
+//             top_p_t, top_p, seed_t, seed, has_filter, method, max_depth, threads, stream)
+//   -> [tokens [B, D+1] int64, num_accepted [B] int32, accepted_nodes [B, D] int64, nonfinite [B] bool]
+std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c10::optional<at::Tensor> parents,
+                                    c10::optional<at::Tensor> draft, int64_t draft_mode,
+                                    c10::optional<at::Tensor> num_nodes, c10::optional<at::Tensor> temperature_t,
+                                    double temperature, c10::optional<at::Tensor> top_k_t, int64_t top_k,
+                                    c10::optional<at::Tensor> top_p_t, double top_p, c10::optional<at::Tensor> seed_t,
+                                    int64_t seed, bool has_filter, int64_t method, int64_t max_depth, int64_t threads,
+                                    int64_t stream) {
+  TORCH_CHECK(target.dim() == 4 && target.stride(3) == 1, "specdec: target must be [B, K, G+1, V], last dim contiguous");
+  const int64_t B = target.size(0), K = target.size(1), G = target.size(2) - 1, V = target.size(3);
+  const int64_t N = K * G, D = max_depth;
+  TORCH_CHECK(N <= sk::MAX_TREE_NODES, "specdec: at most 64 tree nodes");
+  TORCH_CHECK(tree_tokens.dim() == 3 && tree_tokens.size(0) == B && tree_tokens.size(1) == K && tree_tokens.size(2) == G,
+              "specdec: tokens must be [B, K, G]");
+  TORCH_CHECK(!parents.has_value() || (parents->dim() == 2 && parents->size(0) == B && parents->size(1) == N),
+              "specdec: parents must be [B, N]");
+  TORCH_CHECK(draft_mode >= 0 && draft_mode <= 2, "specdec: draft_mode must be 0, 1 or 2");
+  TORCH_CHECK(draft_mode == 0 || (draft.has_value() && draft->dim() == 4 && draft->size(0) == B && draft->size(1) == K &&
+                                  draft->size(2) == G && draft->size(3) == V && draft->stride(3) == 1),
+              "specdec: draft must be [B, K, G, V], last dim contiguous");
+  TORCH_CHECK(method >= 0 && method <= 2 && D >= 0, "specdec: bad method or max_depth");
+  auto opts = target.options();
+  at::Tensor tokens = at::empty({B, D + 1}, opts.dtype(at::kLong));
+  at::Tensor accepted = at::empty({B}, opts.dtype(at::kInt));
+  at::Tensor nodes = at::empty({B, D}, opts.dtype(at::kLong));
+  at::Tensor nonfinite = at::empty({B}, opts.dtype(at::kBool));
+  if (B == 0) return {tokens, accepted, nodes, nonfinite};
+
+  const int64_t rows = B * K * (G + 1);
+  std::vector<at::Tensor> keep;
+  at::Tensor toks = G > 0 ? tree_tokens.to(at::kLong).contiguous() : at::zeros({B, K, 1}, opts.dtype(at::kLong));
+  keep.push_back(toks);
+  at::Tensor stats = at::empty({rows, 1, sk::NUM_STATS}, opts.dtype(at::kFloat));
+  at::Tensor g_idx = at::empty({rows, 1}, opts.dtype(at::kInt));
+  at::Tensor thr = at::empty({has_filter ? rows : 1, 2}, opts.dtype(at::kFloat));
+  at::Tensor nodes_out = D > 0 ? nodes : at::empty({B, 1}, opts.dtype(at::kLong));
+
+  sk::ChainParams P{};
+  P.target = target.data_ptr();
+  P.stride_tb = target.stride(0);
+  P.stride_tk = target.stride(1);
+  P.stride_tg = target.stride(2);
+  const bool has_draft = draft_mode != 0;
+  P.draft = has_draft ? draft->data_ptr() : nullptr;
+  P.stride_db = has_draft ? draft->stride(0) : 0;
+  P.stride_dk = has_draft ? draft->stride(1) : 0;
+  P.stride_dg = has_draft ? draft->stride(2) : 0;
+  P.draft_mode = int(draft_mode);
+  P.draft_tokens = toks.data_ptr<int64_t>();
+  P.stride_xb = toks.stride(0);
+  P.stride_xk = toks.stride(1);
+  P.num_draft = per_request<int64_t>(num_nodes, at::kLong, B, target, keep);
+  P.temperature = per_request<float>(temperature_t, at::kFloat, B, target, keep);
+  P.temperature_s = float(temperature);
+  P.top_k = per_request<int32_t>(top_k_t, at::kInt, B, target, keep);
+  P.top_k_s = int32_t(std::min<int64_t>(top_k, INT32_MAX));
+  P.top_p = per_request<float>(top_p_t, at::kFloat, B, target, keep);
+  P.top_p_s = float(top_p);
+  P.seed = per_request<int64_t>(seed_t, at::kLong, B, target, keep);
+  P.seed_s = seed;
+  P.B = B;
+  P.G = G;
+  P.V = V;
+  P.K = K;
+  P.n_max = N;
+  P.num_chunks = 1;
+  P.chunk_size = (V + 3) / 4 * 4;
+  P.has_filter = has_filter;
+  P.stats = stats.data_ptr<float>();
+  P.g_idx = g_idx.data_ptr<int32_t>();
+  P.thr = thr.data_ptr<float>();
+  P.out_tokens = tokens.data_ptr<int64_t>();
+  P.stride_ob = tokens.stride(0);
+  P.out_accepted = accepted.data_ptr<int32_t>();
+  P.out_nonfinite = nonfinite.data_ptr<bool>();
+  if (parents.has_value()) {
+    keep.push_back(parents->to(at::kLong).contiguous());
+    P.parents = keep.back().data_ptr<int64_t>();
+    P.stride_pb = keep.back().stride(0);
+  }
+  P.D = D;
+  P.method = int(method);
+  P.out_nodes = nodes_out.data_ptr<int64_t>();
+  P.stride_nb = nodes_out.stride(0);
+
+  const int td = dtype_code(target);
+  const int dd = has_draft ? dtype_code(*draft) : td;
+  const auto dev = target.device();
+  if (dev.is_cpu()) {
+    sk::verify_tree_cpu(P, td, dd);
+  } else {
+#ifdef SPECDEC_WITH_CUDA
+    TORCH_CHECK(dev.is_cuda(), "specdec: unsupported device ", dev);
+    const char* error = sk::verify_tree_cuda(P, td, dd, int(threads), dev.index(), reinterpret_cast<void*>(stream));
+    TORCH_CHECK(error == nullptr, "specdec: CUDA launch failed: ", error);
+#else
+    TORCH_CHECK(false, "specdec: this build of the extension has no CUDA kernels (device ", dev, ")");
+#endif
+  }
+  return {tokens, accepted, nodes, nonfinite};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "specdec_kernels csrc backend: exact chain verification (CPU build of the core, CUDA kernels)";
   m.def("verify_chain", &verify_chain, "Chain verification (see csrc/binding.cpp)");
+  m.def("verify_tree", &verify_tree, "Tree / multi-draft verification (see csrc/binding.cpp)");
 #ifdef SPECDEC_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "verify_core.h"
+#include "verify_tree_core.h"
 
 namespace sk {
 
@@ -29,5 +30,10 @@ void verify_chain_cpu(const ChainParams& P, int target_dtype, int draft_dtype);
 // num_chunks == 1. Returns nullptr, or the CUDA error string of a failed launch.
 const char* verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_dtype, int threads, int device,
                               void* stream);
+
+// Tree / multi-draft verification (P.K chains of P.G slots, one chunk): row statistics, then the walk.
+void verify_tree_cpu(const ChainParams& P, int target_dtype, int draft_dtype);
+const char* verify_tree_cuda(const ChainParams& P, int target_dtype, int draft_dtype, int threads, int device,
+                             void* stream);
 
 }  // namespace sk

@@ -53,7 +53,7 @@ constexpr int DTYPE_F32 = 0;
 constexpr int DTYPE_F16 = 1;
 constexpr int DTYPE_BF16 = 2;
 
-constexpr int NUM_STATS = 6;  // per (row, chunk): m_t, z_t, m_q, z_q, g_max, bad count
+constexpr int NUM_STATS = 7;  // per (row, chunk): m_t, z_t, m_q, z_q, g_max, bad target, bad draft
 constexpr int32_t NO_INDEX = 2147483647;
 
 // ------------------------------------------------------------------------------------------
@@ -313,11 +313,13 @@ SK_HD float filter_threshold(R& red, const T* row, int64_t V, float inv_t, int32
 
 // Everything a program needs; pointers are raw, strides in elements. Per-request parameters are a
 // [B] array (canonical dtype) or, when the pointer is null, the scalar.
+// Tree ops use the same struct with K chains of G slots ([B, K, G+1, V] target rows, see
+// specdec_kernels/_tree_args.py); chain verification is K = 1, n_max = G.
 struct ChainParams {
-  const void* target;  // [B, G+1, V] fp32 | fp16 | bf16, last dim contiguous
-  int64_t stride_tb, stride_tg;
-  const void* draft;  // [B, G, V] draft logits (mode 1) or probs (mode 2); null in mode 0
-  int64_t stride_db, stride_dg;
+  const void* target;  // [B, (K,) G+1, V] fp32 | fp16 | bf16, last dim contiguous
+  int64_t stride_tb, stride_tk, stride_tg;
+  const void* draft;  // [B, (K,) G, V] draft logits (mode 1) or probs (mode 2); null in mode 0
+  int64_t stride_db, stride_dk, stride_dg;
   int draft_mode;
   const int64_t* draft_tokens;  // [B, G] (row stride stride_xb)
   int64_t stride_xb;
@@ -331,6 +333,8 @@ struct ChainParams {
   const int64_t* seed;  // [B] Philox keys, or null: keys mixed from seed_s
   int64_t seed_s;
   int64_t B, G, V;
+  int64_t K = 1;      // chains per request (tree ops)
+  int64_t n_max = 0;  // bound of num_draft / num_nodes: G (chains) or N = K * G (trees)
   int64_t num_chunks, chunk_size;  // vocab split; chunk_size % 4 == 0; 1 chunk with filters
   bool has_filter;
   // workspaces
@@ -347,6 +351,14 @@ struct ChainParams {
   int64_t stride_ob;
   int32_t* out_accepted;  // [B]
   bool* out_nonfinite;    // [B]
+  // tree walk only
+  const int64_t* parents;  // [B, N] (row stride stride_pb), or null: K chains (verify_multi)
+  int64_t stride_pb;
+  int64_t stride_xk;  // tokens [B, K, G]: chain stride
+  int64_t D;          // max depth (output width D + 1)
+  int method;         // 0 kseq, 1 rrs, 2 rrs_wor
+  int64_t* out_nodes;  // [B, D] (row stride stride_nb)
+  int64_t stride_nb;
 };
 
 struct Request {
@@ -360,8 +372,8 @@ struct Request {
 
 SK_HD Request load_request(const ChainParams& P, int64_t b) {
   Request r;
-  const int64_t n = P.num_draft ? P.num_draft[b] : P.G;
-  r.n = n < 0 ? 0 : (n > P.G ? P.G : n);  // validated by the caller; clamped for memory safety
+  const int64_t n = P.num_draft ? P.num_draft[b] : P.n_max;
+  r.n = n < 0 ? 0 : (n > P.n_max ? P.n_max : n);  // validated by the caller; clamped for memory safety
   r.temperature = P.temperature ? P.temperature[b] : P.temperature_s;
   r.greedy = r.temperature == 0.0f;
   r.inv_t = inverse_temperature(r.temperature);
@@ -373,14 +385,17 @@ SK_HD Request load_request(const ChainParams& P, int64_t b) {
 
 // Program 1 (row, chunk): statistics of target row i (and draft row i in mode 1) over one chunk:
 // max / sum-exp of the processed logits, greedy argmax, non-finite count; thresholds first.
+// Rows are (b * K + k) * (G + 1) + i; rows with i > n (past the bonus row / a ragged tree's last
+// node) are skipped.
 template <class R, class TT, class TD>
 SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R& red) {
-  const int64_t b = row / (P.G + 1), i = row % (P.G + 1);
+  const int64_t bk = row / (P.G + 1), i = row % (P.G + 1);
+  const int64_t b = bk / P.K, k = bk % P.K;
   const Request rq = load_request(P, b);
-  if (i > rq.n) return;  // rows past the bonus row are never read
-  const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + i * P.stride_tg;
-  const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + i * P.stride_dg;
-  const bool draft_row = P.draft_mode == DRAFT_LOGITS && i < rq.n && !rq.greedy;
+  if (i > rq.n) return;
+  const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
+  const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg;
+  const bool draft_row = P.draft_mode == DRAFT_LOGITS && i < rq.n && i < P.G && !rq.greedy;
   float thr_t = neg_inf(), thr_q = neg_inf();
   if (P.has_filter && !rq.greedy) {  // launched with one chunk: the program owns the whole row
     thr_t = filter_threshold(red, t_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
@@ -394,7 +409,7 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
   const int64_t end = start + P.chunk_size < P.V ? start + P.chunk_size : P.V;
   Softmax st, sq;
   Argmax g;
-  int bad = 0;
+  int bad = 0, bad_q = 0;
   SK_FOR_QUADS(red, start, end, q) {
     for (int e = 0; e < 4 && q * 4 + e < end; ++e) {
       const int64_t x = q * 4 + e;
@@ -402,7 +417,7 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
       g.add(v, x);
       st.add(v >= thr_t ? v : neg_inf(), rq.inv_t);
       if (draft_row) {
-        const float d = load_logit(d_row, x, bad);
+        const float d = load_logit(d_row, x, bad_q);
         sq.add(d >= thr_q ? d : neg_inf(), rq.inv_t);
       }
     }
@@ -411,6 +426,7 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
   sq.reduce(red, rq.inv_t);
   g.reduce(red);
   bad = red.sum(bad);
+  bad_q = red.sum(bad_q);
   if (red.rank() == 0) {
     float* s = P.stats + (row * P.num_chunks + chunk) * NUM_STATS;
     s[0] = st.m;
@@ -419,6 +435,7 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
     s[3] = sq.z;
     s[4] = g.key;
     s[5] = float(bad);
+    s[6] = float(bad_q);
     P.g_idx[row * P.num_chunks + chunk] = g.index_or_zero();
   }
 }
@@ -442,7 +459,7 @@ SK_HD RowStats combine_row(const ChainParams& P, int64_t row, const Request& rq)
       r.g_max = s[4];
       r.g_idx = P.g_idx[row * P.num_chunks + c];
     }
-    r.bad += s[5];
+    r.bad += s[5] + s[6];
   }
   if (P.has_filter && !rq.greedy) {
     r.thr_t = P.thr[row * 2 + 0];

@@ -32,4 +32,15 @@ void verify_chain_cpu(const ChainParams& P, int target_dtype, int draft_dtype) {
   });
 }
 
+void verify_tree_cpu(const ChainParams& P, int target_dtype, int draft_dtype) {
+  dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
+    using TT = decltype(tt);
+    using TD = decltype(td);
+    SeqReducer red;
+    const int64_t rows = P.B * P.K * (P.G + 1);
+    for (int64_t row = 0; row < rows; ++row) row_stats_program<SeqReducer, TT, TD>(P, row, 0, red);
+    for (int64_t b = 0; b < P.B; ++b) tree_walk_program<SeqReducer, TT, TD>(P, b, red);
+  });
+}
+
 }  // namespace sk

@@ -99,6 +99,14 @@ __global__ void accept_kernel(const ChainParams P) {
   accept_program<BlockReducer, TT, TD>(P, blockIdx.x, blockIdx.y, red);
 }
 
+template <class TT, class TD>
+__global__ void tree_walk_kernel(const ChainParams P) {
+  __shared__ float f[32];
+  __shared__ int32_t i[32];
+  BlockReducer red{f, i};
+  tree_walk_program<BlockReducer, TT, TD>(P, blockIdx.x, red);
+}
+
 __global__ void finalize_kernel(const ChainParams P) {
   const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b < P.B) finalize_request(P, b);
@@ -121,6 +129,24 @@ const char* verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_
     accept_kernel<TT, TD><<<dim3(unsigned(P.B), unsigned(P.num_chunks)), threads, 0, stream>>>(P);
   });
   if (P.num_chunks > 1) finalize_kernel<<<unsigned((P.B + 127) / 128), 128, 0, stream>>>(P);
+  const cudaError_t err = cudaGetLastError();
+  if (device >= 0 && device != previous && previous >= 0) cudaSetDevice(previous);
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+const char* verify_tree_cuda(const ChainParams& P, int target_dtype, int draft_dtype, int threads, int device,
+                             void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  int previous = -1;
+  cudaGetDevice(&previous);
+  if (device >= 0 && device != previous) cudaSetDevice(device);
+  threads = threads < 32 ? 32 : (threads > 1024 ? 1024 : (threads + 31) / 32 * 32);
+  dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
+    using TT = decltype(tt);
+    using TD = decltype(td);
+    row_stats_kernel<TT, TD><<<dim3(unsigned(P.B * P.K * (P.G + 1)), 1), threads, 0, stream>>>(P);
+    tree_walk_kernel<TT, TD><<<unsigned(P.B), threads, 0, stream>>>(P);
+  });
   const cudaError_t err = cudaGetLastError();
   if (device >= 0 && device != previous && previous >= 0) cudaSetDevice(previous);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);

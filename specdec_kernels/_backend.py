@@ -2,7 +2,7 @@
 
 * ``"triton"``: the fused Triton kernels (``ops/verify.py``, ``ops/verify_tree.py``); on CPU they run
   in Triton's interpreter.
-* ``"cuda"``:   the CUDA C++ kernels of ``csrc/`` (chain verification only). Needs a GPU and the
+* ``"cuda"``:   the CUDA C++ kernels of ``csrc/`` (chain and tree verification). Needs a GPU and the
   compiled extension: built by ``SPECDEC_BUILD_CUDA=1 pip install -e .`` or just in time on first use
   (see :mod:`specdec_kernels.ops._cuda_ext`). Without them: a RuntimeError that says how to build.
 * ``"torch"``:  the plain-PyTorch references of ``specdec_kernels.reference`` (float64 loops; slow,
@@ -158,11 +158,12 @@ def run_tree(args, backend: str = "auto", block_v: int | None = None):
         from .reference.verify_tree import _walk_all
 
         return _walk_all(args)
+    from .ops import _cuda_ext
+
     if backend == "cuda":
-        raise RuntimeError(
-            "backend='cuda' implements chain verification (sk.verify) only; the CUDA kernels for "
-            "verify_tree / verify_multi are not written yet. Use backend='triton' (or 'auto')."
-        )
+        return _cuda_ext.verify_tree(args)
     candidates = {"triton": lambda: _launch_tree(args, block_v)}
+    if backend == "auto" and args.target.device.type == "cuda" and _cuda_ext.cuda_extension_ready():
+        candidates["cuda"] = lambda: _cuda_ext.verify_tree(args)
     chosen = resolve(backend, args.target.device, tree_shape_class(args), candidates)
     return candidates[chosen]()

@@ -30,7 +30,7 @@ from .verify import VerifyOutput
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES_CPU = ("binding.cpp", "verify_cpu.cpp")
 SOURCES_CUDA = SOURCES_CPU + ("verify_cuda.cu",)
-HEADERS = ("verify_core.h", "verify_api.h")
+HEADERS = ("verify_core.h", "verify_tree_core.h", "verify_api.h")
 
 _HOW_TO_BUILD = (
     "Build it with `SPECDEC_BUILD_CUDA=1 pip install -e .` (CUDA toolkit matching torch, ninja; "
@@ -146,13 +146,46 @@ def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int
     return VerifyOutput(tokens, accepted, nonfinite)
 
 
-def verify_chain(args: VerifyArgs, num_chunks: int | None = None) -> VerifyOutput:
-    """backend='cuda' for ``sk.verify``."""
+def run_tree(ext, args, threads: int = 256):
+    """Call ``ext.verify_tree`` (CPU core or CUDA extension) on checked TreeArgs."""
+    from .._tree_args import METHODS
+    from .verify_tree import TreeVerifyOutput
+
+    target = args.target
+
+    def split(v):
+        return (v, 0) if isinstance(v, torch.Tensor) else (None, v)
+
+    t_t, t = split(args.temperature)
+    k_t, k = split(args.top_k)
+    p_t, p = split(args.top_p)
+    s_t, s = split(args.seed)
+    stream = torch.cuda.current_stream(target.device).cuda_stream if target.device.type == "cuda" else 0
+    tokens, accepted, nodes, nonfinite = ext.verify_tree(
+        target, args.tokens, args.parents, args.draft, args.draft_mode, args.num_nodes, t_t, float(t), k_t,
+        min(int(k), 2**31 - 1), p_t, float(p), s_t, mix_seed(int(s)), bool(args.has_filter), METHODS[args.method],
+        int(args.max_depth), int(threads), stream,
+    )  # fmt: skip
+    return TreeVerifyOutput(tokens, accepted, nodes, nonfinite)
+
+
+def _require_cuda_tensors(device) -> None:
     if not torch.cuda.is_available():
         load_cuda_extension()  # raises: no GPU, and how to build
-    if args.target_logits.device.type != "cuda":
+    if device.type != "cuda":
         raise RuntimeError(
-            f"backend='cuda' needs CUDA tensors, got target_logits on {args.target_logits.device}. "
+            f"backend='cuda' needs CUDA tensors, got target_logits on {device}. "
             "Move the inputs to the GPU or use backend='triton' / 'torch'."
         )
+
+
+def verify_chain(args: VerifyArgs, num_chunks: int | None = None) -> VerifyOutput:
+    """backend='cuda' for ``sk.verify``."""
+    _require_cuda_tensors(args.target_logits.device)
     return run_chain(load_cuda_extension(), args, num_chunks)
+
+
+def verify_tree(args):
+    """backend='cuda' for ``sk.verify_tree`` / ``sk.verify_multi`` (checked TreeArgs)."""
+    _require_cuda_tensors(args.target.device)
+    return run_tree(load_cuda_extension(), args)

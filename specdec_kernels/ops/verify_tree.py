@@ -515,8 +515,7 @@ def verify_tree(
                        (without replacement; siblings must be distinct).
         max_depth:     output width D; default: the deepest tree (found while validating, a host
                        sync) or N when validate=False. Pass it to stay sync-free (CUDA graphs).
-        backend:       "auto" | "triton" | "torch" (reference) | "cuda" (not implemented for trees
-                       yet: RuntimeError), as for :func:`verify`.
+        backend:       "auto" | "triton" | "cuda" | "torch" (reference), as for :func:`verify`.
 
     Math: walk from the root; at each position the children are samples from the draft's q there;
     K-SEQ accepts child X_i (first in order) w.p. min(1, p(X_i) / (rho* q(X_i))) with rho* solving

@@ -71,10 +71,14 @@ def test_cuda_backend_without_gpu_says_how_to_build():
         sk.verify(target, tokens, draft, backend="cuda")
 
 
-def test_cuda_backend_for_trees_is_not_available(device):
-    t, x, p, d = make_tree_problem(1, 3, 20, device=device)
-    with pytest.raises(RuntimeError, match="backend='triton'"):
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU error")
+def test_cuda_backend_for_trees_without_gpu_says_how_to_build():
+    t, x, p, d = make_tree_problem(1, 3, 20)
+    with pytest.raises(RuntimeError, match="SPECDEC_BUILD_CUDA=1"):
         sk.verify_tree(t, x, p, d, backend="cuda")
+    t4, x4, d4 = make_problem(2, 2, 20)
+    with pytest.raises(RuntimeError, match="SPECDEC_BUILD_CUDA=1"):
+        sk.verify_multi(t4[None], x4[None], d4[None], backend="cuda")
 
 
 def test_auto_on_cpu_is_triton():
@@ -191,6 +195,25 @@ def test_cuda_backend_matches_triton_and_reference(dtype, mode, B, G, V):
     for chunks in (1, 3, 16):
         _same(sk.verify(target, tokens, **kw, seed=seeds, backend="cuda", _num_chunks=chunks), cuda_out)
     _same(sk.verify(target, tokens, **kw, seed=seeds, backend="auto"), cuda_out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
+@pytest.mark.parametrize("mode", ["greedy", "logits", "probs", "onehot"])
+@pytest.mark.parametrize("B, N, V", [(4, 8, 1000), (2, 16, 32000)])
+def test_cuda_tree_backend_matches_triton_and_reference(method, mode, B, N, V):
+    _cuda_ready()
+    target, tokens, parents, draft = make_tree_problem(B, N, V, device="cuda", seed=N + V, without_replacement=method == "rrs_wor")
+    kw = {"greedy": {"draft_logits": draft, "temperature": 0.0}, "logits": {"draft_logits": draft, "top_p": 0.95},
+          "probs": {"draft_probs": torch.softmax(draft.float(), -1)}, "onehot": {}}[mode]  # fmt: skip
+    kw.update(seed=torch.arange(B, device="cuda") * 3 + 1, method=method)
+    out = sk.verify_tree(target, tokens, parents, **kw, backend="cuda")
+    _same(out, sk.verify_tree(target, tokens, parents, **kw, backend="triton"), TREE_FIELDS)
+    _same(out, sk.verify_tree(target, tokens, parents, **kw, backend="torch"), TREE_FIELDS)
+    t4, x4, d4 = make_problem(B * 2, 3, V, device="cuda", seed=V)
+    t4, x4, d4 = t4.reshape(B, 2, 4, V), x4.reshape(B, 2, 3), d4.reshape(B, 2, 3, V)
+    mkw = dict(draft_logits=d4, seed=kw["seed"], method="rrs" if method == "rrs_wor" else method)
+    _same(sk.verify_multi(t4, x4, **mkw, backend="cuda"), sk.verify_multi(t4, x4, **mkw, backend="triton"), TREE_FIELDS)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,87 @@
+"""The CUDA backend's tree walk (csrc/verify_tree_core.h), tested without a GPU.
+
+Like test_csrc_core.py: the CPU build of csrc/ runs the walk program (K-SEQ, RRS, RRS without
+replacement; one-hot, logits and probs drafts; greedy) sequentially, compared token for token and
+node for node with the Triton kernels. Skipped when no C++ toolchain can build the extension.
+"""
+
+import pytest
+import torch
+
+import specdec_kernels as sk
+from specdec_kernels._tree_args import check_tree_args
+
+from ._inputs import make_problem
+from ._trees import make_tree_problem
+
+FIELDS = ("tokens", "num_accepted", "accepted_nodes", "nonfinite")
+
+
+@pytest.fixture(scope="module")
+def core():
+    from specdec_kernels.ops import _cuda_ext
+
+    try:
+        return _cuda_ext.load_cpu_core()
+    except Exception as exc:
+        pytest.skip(f"cannot build the CPU core of csrc/: {str(exc)[:300]}")
+
+
+def _same(out, ref):
+    for name in FIELDS:
+        assert torch.equal(getattr(out, name).cpu(), getattr(ref, name).cpu()), name
+
+
+def _draft_kwargs(mode, draft):
+    if mode == "logits":
+        return {"draft_logits": draft}
+    if mode == "greedy":
+        return {"draft_logits": draft, "temperature": 0.0}
+    if mode == "probs":
+        return {"draft_probs": torch.softmax(draft.float(), -1)}
+    return {}
+
+
+def _core_tree(core, target, tokens, parents, multi=False, **kw):
+    from specdec_kernels.ops import _cuda_ext
+
+    args = check_tree_args(
+        target, tokens, parents, kw.get("draft_logits"), kw.get("draft_probs"), kw.get("temperature", 1.0),
+        kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("seed"), kw.get("num_nodes"), kw.get("method", "kseq"),
+        kw.get("max_depth"), multi=multi,
+    )  # fmt: skip
+    return _cuda_ext.run_tree(core, args)
+
+
+@pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
+@pytest.mark.parametrize("mode", ["logits", "probs", "onehot", "greedy"])
+@pytest.mark.parametrize("shape", ["random", "star", "chain"])
+def test_tree_walk_matches_triton(core, method, mode, shape):
+    B, N, V = 4, 8, 300
+    target, tokens, parents, draft = make_tree_problem(B, N, V, shape=shape, seed=N + V, without_replacement=method == "rrs_wor")
+    kw = dict(_draft_kwargs(mode, draft), seed=torch.arange(B) * 17 + 3, method=method)
+    _same(_core_tree(core, target, tokens, parents, **kw), sk.verify_tree(target, tokens, parents, **kw, backend="triton"))
+
+
+@pytest.mark.parametrize("method", ["kseq", "rrs"])
+def test_tree_ragged_filters_dtypes(core, method):
+    B, N, V = 4, 7, 500
+    num_nodes = torch.tensor([7, 3, 0, 5])
+    target, tokens, parents, draft = make_tree_problem(B, N, V, seed=5, num_nodes=num_nodes, dtype=torch.bfloat16)
+    kw = dict(draft_logits=draft, seed=torch.arange(B), method=method, num_nodes=num_nodes,
+              temperature=torch.tensor([0.8, 1.0, 1.2, 0.0]), top_k=torch.tensor([0, 40, 5, 0]),
+              top_p=torch.tensor([0.9, 1.0, 0.8, 1.0]))  # fmt: skip
+    _same(_core_tree(core, target, tokens, parents, **kw), sk.verify_tree(target, tokens, parents, **kw, backend="triton"))
+
+
+@pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
+@pytest.mark.parametrize("mode", ["logits", "onehot"])
+def test_multi_matches_triton(core, method, mode):
+    B, K, G, V = 3, 3, 3, 200
+    target, tokens, draft = make_problem(B * K, G, V, seed=11)
+    target, tokens, draft = target.reshape(B, K, G + 1, V), tokens.reshape(B, K, G), draft.reshape(B, K, G, V)
+    tokens[:, 1, 0] = tokens[:, 0, 0]  # shared prefixes merge with multiplicity
+    if method == "rrs_wor":
+        method = "rrs_wor" if mode == "onehot" else "rrs"
+    kw = dict(_draft_kwargs(mode, draft), seed=torch.arange(B) + 40, method=method, temperature=0.9)
+    _same(_core_tree(core, target, tokens, None, multi=True, **kw), sk.verify_multi(target, tokens, **kw, backend="triton"))
