@@ -1,4 +1,4 @@
-"""Loading and calling the compiled backend of ``csrc/`` (chain verification).
+"""Loading and calling the compiled backend of ``csrc/`` (chain and tree verification).
 
 Two builds of the same sources:
 
