@@ -1,0 +1,711 @@
+"""End-to-end benchmark: tokens/s of ``specdec_kernels.hf.speculative_generate`` against Hugging Face.
+
+What is measured
+----------------
+Whole generate calls on real prompts with a target model and a draft model: the wall time from the
+call to its return (prefill included; CUDA synchronised before and after), the new tokens it
+produced (up to and including the first EOS, at most ``--max-new-tokens``), and tokens/s = new
+tokens / wall time summed over every prompt of a prompt set. Modes (``--modes``):
+
+* ``target_only``        -- ``target.generate`` without speculation (the baseline).
+* ``hf_assisted``        -- ``target.generate(..., assistant_model=draft)``: Hugging Face assisted
+                            generation with the same draft (HF's default number of assistant tokens
+                            unless ``--hf-assistant-tokens``). Batch size 1 only, as HF requires;
+                            skipped otherwise.
+* ``ours_k1``            -- ``speculative_generate`` with one chain of G = ``--G`` draft tokens.
+* ``ours_k2``, ``ours_k4`` -- K = 2 / 4 chains of G tokens (a tree) verified with ``--method``
+                            (default ``kseq``, SpecTr K-SEQ).
+* ``ours_prompt_lookup`` -- ``speculative_generate(drafter="prompt_lookup")``: n-gram drafts from the
+                            request's own tokens, no draft model.
+* ``hf_prompt_lookup``   -- (not run by default) ``target.generate(prompt_lookup_num_tokens=G)``,
+                            Hugging Face's prompt-lookup decoding, for comparison with the mode above.
+
+Every mode runs on every batch of prompts before the next batch (interleaved, so clock or thermal
+drift affects all modes alike), greedy (``--temperature 0``, the default) and/or sampled
+(e.g. ``--temperature 0 0.7``; top-k/top-p off unless ``--top-k``/``--top-p``). Both models' generation
+configs are reset to neutral ones (no repetition penalty, no sampling defaults) so that every mode
+decodes the same distribution; the values that were dropped are printed.
+
+Prompts: ``code`` -- the opening of the first top-level ``def``/``class`` of a fixed list of
+standard-library modules (``sysconfig.get_paths()["stdlib"]``), cut at a line boundary after
+``--prompt-chars`` characters; ``prose`` -- three short English paragraphs fixed in this file, cut
+mid-sentence. Models: ``--target DIR --draft DIR`` (local Hugging Face directories, e.g.
+``bench/models/Qwen2.5-Coder-1.5B-Instruct`` and ``bench/models/Qwen2.5-Coder-0.5B-Instruct`` from
+``bench/models.py``; the tokenizer comes from the target's directory), or ``--pair demo`` (the
+embedded byte-level pair of ``specdec_kernels.demo``). ``--smoke`` builds two tiny random Llama
+models instead (vocabulary 100, 2 layers, hidden 64; the draft is the target plus small weight
+noise) with a byte tokenizer, and needs no files.
+
+How to read a row
+-----------------
+One row per (temperature, prompt set, mode):
+
+* ``new_tokens`` / ``wall_s`` / ``tokens_per_s``: totals over the prompt set (times ``--rep``).
+  On CPU the verification kernels run in the Triton *interpreter*, so CPU numbers only show that
+  the script works.
+* ``speedup_vs_target`` = tokens_per_s / target_only's tokens_per_s; ``speedup_vs_hf_assisted`` =
+  tokens_per_s / hf_assisted's; both from this run, same prompts, same temperature.
+* ``acceptance_rate``: accepted / proposed draft tokens; ``mean_accepted_length``: tokens committed
+  per request per target forward (accepted drafts + 1); ``target_forwards`` / ``draft_forwards``:
+  forward passes summed over the calls (ours only; Hugging Face does not report them).
+* ``greedy_equal``: at temperature 0, ``yes`` when every prompt's output equals target_only's token for
+  token, else ``no``; ``greedy_equal_prompts`` = equal / compared. ``speculative_generate`` is exact,
+  so in fp32 a ``no`` is a bug; in bf16/fp16 a tree forward and one-token decoding round differently,
+  which can flip a near-tie and change the rest of that output (HF assisted generation has the same
+  effect).
+* ``G`` / ``K``: draft tokens per chain and chains (``hf`` for HF's own assistant-token schedule).
+* ``status``: ``ok``, ``skipped: ...`` or ``error`` (see stderr).
+
+Usage
+-----
+    python bench/bench_e2e.py --target bench/models/Qwen2.5-Coder-1.5B-Instruct \\
+        --draft bench/models/Qwen2.5-Coder-0.5B-Instruct         # -> bench/results/e2e.csv
+    python bench/bench_e2e.py --pair demo --temperature 0 0.7 --max-new-tokens 64
+    python bench/bench_e2e.py --target DIR --draft DIR --modes target_only ours_k1 ours_k4 --G 6 --batch-size 4
+    python bench/bench_e2e.py --smoke                             # tiny random models on CPU (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+_BENCH_DIR = Path(__file__).resolve().parent
+if str(_BENCH_DIR) not in sys.path:  # `import _common` also when this file is imported, not run
+    sys.path.insert(0, str(_BENCH_DIR))
+
+import _common as common  # noqa: E402
+
+MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup", "hf_prompt_lookup")
+DEFAULT_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup")
+SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_prompt_lookup")
+DRAFT_MODES = ("hf_assisted", "ours_k1", "ours_k2", "ours_k4")  # need a draft model
+PROMPT_SETS = ("code", "prose")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+DEFAULT_MAX_NEW, SMOKE_MAX_NEW = 128, 8
+DEFAULT_G = 4
+DEFAULT_CODE_PROMPTS, SMOKE_CODE_PROMPTS = 8, 1
+DEFAULT_PROSE_PROMPTS, SMOKE_PROSE_PROMPTS = 3, 1
+DEFAULT_PROMPT_CHARS, SMOKE_PROMPT_CHARS = 800, 120
+WARMUP_NEW_TOKENS = 16  # max_new_tokens of the untimed warm-up calls
+
+# Standard-library modules whose first top-level def/class opens a code prompt (in this order;
+# modules missing from an unusual Python are skipped).
+STDLIB_MODULES = (
+    "heapq.py", "bisect.py", "textwrap.py", "fnmatch.py", "shlex.py", "colorsys.py", "glob.py",
+    "string.py", "fractions.py", "statistics.py", "graphlib.py", "difflib.py",
+)  # fmt: skip
+
+PROSE_PROMPTS = (
+    ("The harbour town woke slowly on winter mornings. Fishing boats knocked against the pier while the "
+     "gulls argued over scraps, and the baker on the corner lifted the first trays of bread from the oven "
+     "before the sun had cleared the hills. By eight o'clock the market square was full of"),
+    ("Photosynthesis is the process by which green plants turn light into chemical energy. Inside the "
+     "chloroplasts, chlorophyll absorbs mostly red and blue light, and that energy is used to split water "
+     "molecules and release oxygen. The hydrogen that remains is then combined with carbon dioxide to"),
+    ("Dear members of the committee, thank you for the opportunity to present our proposal for the new "
+     "community library. Over the past year we have spoken with parents, teachers and local businesses "
+     "about what they would like the library to offer, and three themes came up again and again. First,"),
+)
+
+# Smoke models: tiny random Llama models (the peaked init gives few argmax near-ties in fp32).
+SMOKE_VOCAB, SMOKE_LAYERS, SMOKE_HIDDEN, SMOKE_HEADS, SMOKE_KV_HEADS = 100, 2, 64, 4, 2
+SMOKE_INIT_STD, SMOKE_DRAFT_NOISE = 0.5, 0.01
+SMOKE_BOS, SMOKE_EOS, SMOKE_PAD = 0, 1, 2
+
+CSV_COLUMNS = (
+    "date", "commit", "device", "torch", "triton", "transformers", "target_model", "draft_model", "model_dtype",
+    "mode", "status", "G", "K", "method", "temperature", "top_k", "top_p", "prompt_set", "prompts",
+    "prompt_tokens_mean", "batch_size", "max_new_tokens", "rep", "new_tokens", "wall_s", "tokens_per_s",
+    "speedup_vs_target", "speedup_vs_hf_assisted", "acceptance_rate", "mean_accepted_length",
+    "target_forwards", "draft_forwards", "greedy_equal", "greedy_equal_prompts", "seed", "warmup",
+    "triton_interpret", "cuda", "python",
+)  # fmt: skip
+TABLE_COLUMNS = (
+    "temperature", "prompt_set", "mode", "G", "K", "new_tokens", "wall_s", "tokens_per_s", "speedup_vs_target",
+    "speedup_vs_hf_assisted", "acceptance_rate", "mean_accepted_length", "target_forwards", "greedy_equal",
+    "greedy_equal_prompts", "status",
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------
+
+
+def code_snippet(path: Path, chars: int) -> str | None:
+    """From the first top-level ``def``/``class`` line, whole lines until at least ``chars`` characters."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    except OSError:
+        return None
+    start = next((i for i, line in enumerate(lines) if line.startswith(("def ", "class "))), None)
+    if start is None:
+        return None
+    out = ""
+    for line in lines[start:]:
+        out += line
+        if len(out) >= chars:
+            break
+    return out
+
+
+def code_prompts(n: int, chars: int) -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for name in STDLIB_MODULES:
+        if len(prompts) == n:
+            break
+        snippet = code_snippet(stdlib / name, chars)
+        if snippet:
+            prompts.append(snippet)
+    if len(prompts) < n:
+        print(f"[warn] only {len(prompts)} of {n} code prompts found under {stdlib}", file=sys.stderr)
+    return prompts
+
+
+def prose_prompts(n: int, chars: int) -> list[str]:
+    """The first n paragraphs, each cut to at most ``chars`` characters at a word boundary."""
+    out = []
+    for text in PROSE_PROMPTS[:n]:
+        out.append(text if len(text) <= chars else text[:chars].rsplit(" ", 1)[0])
+    return out
+
+
+def prompt_sets(args) -> dict[str, list[str]]:
+    sets = {}
+    if "code" in args.prompts and args.code_prompts > 0:
+        sets["code"] = code_prompts(args.code_prompts, args.prompt_chars)
+    if "prose" in args.prompts and args.prose_prompts > 0:
+        sets["prose"] = prose_prompts(args.prose_prompts, args.prompt_chars)
+    return {k: v for k, v in sets.items() if v}
+
+
+# --------------------------------------------------------------------------------------------
+# Models and tokenizers
+# --------------------------------------------------------------------------------------------
+
+
+class SmokeTokenizer:
+    """Bytes -> ids 3 + byte % 97 (0 = BOS, 1 = EOS, 2 = padding), left padding like a HF tokenizer."""
+
+    pad_token_id, eos_token_id, bos_token_id = SMOKE_PAD, SMOKE_EOS, SMOKE_BOS
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + b % (SMOKE_VOCAB - 3) for b in text.encode("utf-8")]
+
+    def __call__(self, texts: list[str], return_tensors: str = "pt") -> dict:
+        seqs = [self.encode(t) for t in texts]
+        width = max(len(s) for s in seqs)
+        ids = [[self.pad_token_id] * (width - len(s)) + s for s in seqs]
+        mask = [[0] * (width - len(s)) + [1] * len(s) for s in seqs]
+        return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+
+
+@dataclass
+class Pair:
+    target: object
+    draft: object | None
+    tokenizer: object
+    target_name: str
+    draft_name: str
+    eos_token_id: list[int]
+    pad_token_id: int
+    vocab_size: int | None  # passed to speculative_generate when the models' output rows differ
+    dropped_generation_settings: dict = field(default_factory=dict)
+
+
+def smoke_models(device: str, dtype) -> tuple[object, object]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=SMOKE_VOCAB, hidden_size=SMOKE_HIDDEN, intermediate_size=2 * SMOKE_HIDDEN,
+        num_hidden_layers=SMOKE_LAYERS, num_attention_heads=SMOKE_HEADS, num_key_value_heads=SMOKE_KV_HEADS,
+        max_position_embeddings=512, initializer_range=SMOKE_INIT_STD, bos_token_id=SMOKE_BOS,
+        eos_token_id=SMOKE_EOS, pad_token_id=SMOKE_PAD, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    draft = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the draft is the target plus small noise: acceptance well above zero
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * SMOKE_DRAFT_NOISE * p.std().clamp_min(1e-3))
+    return target.to(device=device, dtype=dtype), draft.to(device=device, dtype=dtype)
+
+
+def _eos_list(eos) -> list[int]:
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+NEUTRAL_KEYS = (
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+    "no_repeat_ngram_size", "num_beams", "min_length", "min_new_tokens", "max_length", "max_new_tokens",
+)  # fmt: skip
+
+
+def neutralize_generation_config(model, eos: list[int], pad: int) -> dict:
+    """Give ``model`` a neutral generation config (plain greedy/sampling); return the settings dropped."""
+    from transformers import GenerationConfig
+
+    old = getattr(model, "generation_config", None)
+    defaults = GenerationConfig()
+    dropped = {}
+    if old is not None:
+        for key in NEUTRAL_KEYS:
+            value = getattr(old, key, None)
+            if value is not None and value != getattr(defaults, key, None):
+                dropped[key] = value
+    model.generation_config = GenerationConfig(eos_token_id=eos or None, pad_token_id=pad,
+                                               bos_token_id=getattr(old, "bos_token_id", None))  # fmt: skip
+    return dropped
+
+
+def _output_rows(model) -> int:
+    emb = model.get_output_embeddings()
+    return emb.weight.shape[0] if emb is not None else model.config.vocab_size
+
+
+def load_pair(args, dtype) -> Pair:
+    """The models and tokenizer of this run (smoke / demo / local directories)."""
+    device = args.device
+    if args.smoke:
+        target, draft = smoke_models(device, dtype)
+        tok = SmokeTokenizer()
+        names = (f"smoke-tiny-llama-V{SMOKE_VOCAB}-L{SMOKE_LAYERS}-h{SMOKE_HIDDEN}",
+                 f"smoke-tiny-llama+noise{SMOKE_DRAFT_NOISE:g}")  # fmt: skip
+        eos, pad = [], SMOKE_PAD  # no EOS: a random model would stop at a random point; always max_new_tokens
+    elif args.pair == "demo":
+        from specdec_kernels.demo import load_demo_pair
+
+        target, draft, tok = load_demo_pair(device=device, dtype=dtype)
+        names = ("demo-target", "demo-draft")
+        eos, pad = [tok.eos_token_id], tok.pad_token_id
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.target)
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval() if args.draft else None
+        names = (Path(args.target).name, Path(args.draft).name if args.draft else "none")
+        eos = _eos_list(getattr(target.generation_config, "eos_token_id", None)) or _eos_list(tok.eos_token_id)
+        pad = tok.pad_token_id
+    dropped = neutralize_generation_config(target, eos, pad)
+    if draft is not None:
+        neutralize_generation_config(draft, eos, pad)
+    vocab = args.vocab_size
+    if vocab is None and draft is not None and _output_rows(target) != _output_rows(draft):
+        vocab = len(tok)  # the models pad their embedding matrices differently: compare real tokens only
+    return Pair(target, draft, tok, names[0], names[1], eos, pad, vocab, dropped)
+
+
+def encode(tokenizer, texts: list[str], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = tokenizer(texts, return_tensors="pt") if isinstance(tokenizer, SmokeTokenizer) else \
+        tokenizer(texts, return_tensors="pt", padding=True)  # fmt: skip
+    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Modes
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    new_tokens: list[list[int]]  # per row, up to and including the first EOS
+    wall_s: float
+    stats: object | None = None  # SpeculativeStats (ours)
+
+
+def new_tokens_per_row(sequences: torch.Tensor, prompt_width: int, eos: set[int]) -> list[list[int]]:
+    out = []
+    for row in sequences[:, prompt_width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        out.append(row[:end])
+    return out
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable, device: str):
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def mode_settings(mode: str, args) -> dict:
+    """G, K, method and drafter of a mode (G/K 'hf' where Hugging Face chooses)."""
+    if mode == "target_only":
+        return {"G": None, "K": None, "method": None}
+    if mode == "hf_assisted":
+        return {"G": args.hf_assistant_tokens or "hf", "K": 1, "method": "hf"}
+    if mode == "hf_prompt_lookup":
+        return {"G": args.G, "K": 1, "method": "hf"}
+    if mode == "ours_prompt_lookup":
+        return {"G": args.G, "K": 1, "method": None, "drafter": "prompt_lookup"}
+    K = int(mode.removeprefix("ours_k"))
+    return {"G": args.G, "K": K, "method": args.method if K > 1 else None, "drafter": "model"}
+
+
+def sampling_kwargs_hf(temperature: float, args) -> dict:
+    if temperature == 0.0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": args.top_k, "top_p": args.top_p}
+
+
+def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int, seed: int, args) -> Result:
+    """One generate call of ``mode`` on one batch; returns the new tokens, wall time and stats."""
+    eos = set(pair.eos_token_id)
+    width = ids.shape[1]
+    if mode in ("target_only", "hf_assisted", "hf_prompt_lookup"):
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                      eos_token_id=pair.eos_token_id or None, pad_token_id=pair.pad_token_id,
+                      repetition_penalty=1.0, **sampling_kwargs_hf(temperature, args))  # fmt: skip
+        if mode == "hf_assisted":
+            kwargs["assistant_model"] = pair.draft
+        elif mode == "hf_prompt_lookup":
+            kwargs["prompt_lookup_num_tokens"] = args.G
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            seqs, wall = timed(lambda: pair.target.generate(**kwargs), args.device)
+        return Result(new_tokens_per_row(seqs, width, eos), wall)
+
+    from specdec_kernels.hf import speculative_generate  # lazy: TRITON_INTERPRET must be decided first
+
+    s = mode_settings(mode, args)
+    use_draft = s["drafter"] == "model"
+    out, wall = timed(lambda: speculative_generate(
+        pair.target, pair.draft if use_draft else None, ids, mask, max_new_tokens=max_new,
+        num_draft_tokens=s["G"], num_drafts=s["K"], method=s["method"] or "kseq", drafter=s["drafter"],
+        temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
+        eos_token_id=pair.eos_token_id, pad_token_id=pair.pad_token_id, vocab_size=pair.vocab_size,
+    ), args.device)  # fmt: skip
+    return Result(new_tokens_per_row(out.sequences, width, eos), wall, out.stats)
+
+
+def mode_unavailable(mode: str, pair: Pair, batch_size: int) -> str | None:
+    if mode in DRAFT_MODES and pair.draft is None:
+        return "no draft model (--draft)"
+    if mode in ("hf_assisted", "hf_prompt_lookup") and batch_size != 1:
+        return "Hugging Face assisted generation supports batch size 1 only"
+    return None
+
+
+def configure_hf_assistant(pair: Pair, args) -> None:
+    if args.hf_assistant_tokens and pair.draft is not None:
+        pair.draft.generation_config.num_assistant_tokens = args.hf_assistant_tokens
+        pair.draft.generation_config.num_assistant_tokens_schedule = "constant"
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Totals:
+    new_tokens: int = 0
+    wall_s: float = 0.0
+    accepted: int = 0
+    proposed: int = 0
+    request_steps: int = 0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    has_stats: bool = False
+    compared: int = 0
+    equal: int = 0
+    status: str = "ok"
+
+    def add(self, result: Result) -> None:
+        self.new_tokens += sum(len(r) for r in result.new_tokens)
+        self.wall_s += result.wall_s
+        st = result.stats
+        if st is not None:
+            self.has_stats = True
+            self.accepted += st.accepted
+            self.proposed += st.proposed
+            self.request_steps += st.request_steps
+            self.target_forwards += st.target_forwards
+            self.draft_forwards += st.draft_forwards
+
+
+def batches(prompts: list[str], size: int) -> list[list[str]]:
+    return [prompts[i : i + size] for i in range(0, len(prompts), size)]
+
+
+def warm_up(pair: Pair, modes: list[str], prompts: list[str], args, errors: list) -> None:
+    """Untimed calls of every mode on the first batch: Triton compilation, cuBLAS handles, allocator."""
+    ids, mask = encode(pair.tokenizer, prompts[: args.batch_size], args.device)
+    new = min(WARMUP_NEW_TOKENS, args.max_new_tokens)
+    for _ in range(args.warmup):
+        for mode in modes:
+            for temperature in args.temperature:
+                try:
+                    run_mode(mode, pair, ids, mask, temperature, new, args.seed, args)
+                except Exception as e:  # the timed run reports it again
+                    errors.append(f"warm-up of {mode} (temperature {temperature}): {e!r}")
+                    traceback.print_exc()
+
+
+def measure_set(pair: Pair, set_name: str, prompts: list[str], temperature: float, modes: list[str], args,
+                errors: list) -> dict[str, Totals]:  # fmt: skip
+    totals = {m: Totals() for m in modes}
+    greedy = temperature == 0.0
+    for bi, texts in enumerate(batches(prompts, args.batch_size)):
+        ids, mask = encode(pair.tokenizer, texts, args.device)
+        for rep in range(args.rep):
+            seed = args.seed + 1000 * bi + rep
+            reference = None
+            for mode in modes:
+                t = totals[mode]
+                if t.status != "ok":
+                    continue
+                label = f"{mode} {set_name} batch {bi} temperature {temperature:g}"
+                try:
+                    result = run_mode(mode, pair, ids, mask, temperature, args.max_new_tokens, seed, args)
+                except Exception as e:
+                    errors.append(f"{label}: {e!r}")
+                    traceback.print_exc()
+                    t.status = "error"
+                    continue
+                t.add(result)
+                if mode == "target_only":
+                    reference = result.new_tokens
+                elif greedy and reference is not None:
+                    same = [a == b for a, b in zip(result.new_tokens, reference, strict=True)]
+                    t.compared += len(same)
+                    t.equal += sum(same)
+                    if not all(same) and args.strict_greedy:
+                        errors.append(f"{label}: greedy output differs from target_only "
+                                      f"({len(same) - sum(same)} of {len(same)} rows)")  # fmt: skip
+                tps = sum(len(r) for r in result.new_tokens) / result.wall_s if result.wall_s else 0.0
+                print(f"[done] {label}: {sum(len(r) for r in result.new_tokens)} tokens in {result.wall_s:.2f} s "
+                      f"({tps:.1f} tok/s)", file=sys.stderr)  # fmt: skip
+    return totals
+
+
+def make_rows(totals: dict[str, Totals], set_name: str, prompts: list[str], prompt_tokens_mean: float,
+              temperature: float, skipped: dict[str, str], args, base: dict) -> list[dict]:  # fmt: skip
+    rows = []
+    for mode in args.modes:
+        s = mode_settings(mode, args)
+        row = {
+            **base, "mode": mode, "G": s["G"], "K": s["K"], "method": s["method"], "temperature": temperature,
+            "top_k": args.top_k, "top_p": args.top_p, "prompt_set": set_name, "prompts": len(prompts),
+            "prompt_tokens_mean": prompt_tokens_mean, "batch_size": args.batch_size,
+            "max_new_tokens": args.max_new_tokens, "rep": args.rep, "seed": args.seed, "warmup": args.warmup,
+        }  # fmt: skip
+        if mode in skipped:
+            rows.append({**row, "status": f"skipped: {skipped[mode]}"})
+            continue
+        t = totals[mode]
+        row.update(status=t.status, new_tokens=t.new_tokens, wall_s=t.wall_s,
+                   tokens_per_s=t.new_tokens / t.wall_s if t.wall_s and t.status == "ok" else None)  # fmt: skip
+        if t.has_stats:
+            row.update(
+                acceptance_rate=t.accepted / t.proposed if t.proposed else 0.0,
+                mean_accepted_length=(t.accepted + t.request_steps) / t.request_steps if t.request_steps else 0.0,
+                target_forwards=t.target_forwards, draft_forwards=t.draft_forwards,
+            )  # fmt: skip
+        if temperature == 0.0 and t.compared:
+            row.update(greedy_equal="yes" if t.equal == t.compared else "no",
+                       greedy_equal_prompts=f"{t.equal}/{t.compared}")  # fmt: skip
+        rows.append(row)
+    by_mode = {r["mode"]: r for r in rows if r.get("tokens_per_s")}
+    for r in rows:
+        if not r.get("tokens_per_s"):
+            continue
+        for col, base_mode in (("speedup_vs_target", "target_only"), ("speedup_vs_hf_assisted", "hf_assisted")):
+            if base_mode in by_mode:
+                r[col] = r["tokens_per_s"] / by_mode[base_mode]["tokens_per_s"]
+    return rows
+
+
+def run(pair: Pair, sets: dict[str, list[str]], args, meta: dict, errors: list) -> list[dict]:
+    skipped = {m: why for m in args.modes if (why := mode_unavailable(m, pair, args.batch_size))}
+    for mode, why in skipped.items():
+        print(f"[skip] {mode}: {why}", file=sys.stderr)
+    modes = [m for m in args.modes if m not in skipped]
+    first = next(iter(sets.values()))
+    if args.warmup:
+        warm_up(pair, modes, first, args, errors)
+    draft_name = pair.draft_name if pair.draft is not None else "none"
+    base = {**meta, "target_model": pair.target_name, "draft_model": draft_name, "model_dtype": args.dtype}
+    rows = []
+    for temperature in args.temperature:
+        for set_name, prompts in sets.items():
+            lengths = [int(m.sum()) for t in prompts for m in encode(pair.tokenizer, [t], "cpu")[1]]
+            totals = measure_set(pair, set_name, prompts, temperature, modes, args, errors)
+            rows += make_rows(totals, set_name, prompts, sum(lengths) / len(lengths), temperature, skipped, args, base)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="End-to-end tokens/s: specdec_kernels.hf.speculative_generate vs target.generate and HF "
+        "assisted generation. See the module docstring for the columns.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--target", help="target model: a local Hugging Face directory (tokenizer read from it)")
+    src.add_argument("--pair", choices=("demo",), help="demo: the embedded byte-level pair of specdec_kernels.demo")
+    p.add_argument("--draft", help="draft model: a local Hugging Face directory (with --target)")
+    p.add_argument("--modes", nargs="+", choices=MODES, help=f"default: {' '.join(DEFAULT_MODES)}")
+    p.add_argument("--G", type=int, help=f"draft tokens per chain for ours and hf_prompt_lookup (default {DEFAULT_G})")
+    p.add_argument("--method", default="kseq", help="verification method of ours_k2/ours_k4 (kseq, rrs, rrs_wor)")
+    p.add_argument("--hf-assistant-tokens", type=int,
+                   help="fixed number of assistant tokens for hf_assisted (default: HF's own schedule)")
+    p.add_argument("--temperature", type=float, nargs="+", help="0 = greedy (default: 0); e.g. --temperature 0 0.7")
+    p.add_argument("--top-k", type=int, default=0, help="sampled runs: top-k (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampled runs: top-p (1 = off)")
+    p.add_argument("--max-new-tokens", type=int, help=f"default {DEFAULT_MAX_NEW}; smoke: {SMOKE_MAX_NEW}")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (hf_assisted: 1 only)")
+    p.add_argument("--prompts", nargs="+", choices=PROMPT_SETS, help="prompt sets (default: code prose)")
+    p.add_argument("--code-prompts", type=int,
+                   help=f"number of standard-library code prompts (default {DEFAULT_CODE_PROMPTS}; "
+                   f"smoke: {SMOKE_CODE_PROMPTS})")  # fmt: skip
+    p.add_argument("--prose-prompts", type=int,
+                   help=f"number of prose prompts, <= {len(PROSE_PROMPTS)} (default {DEFAULT_PROSE_PROMPTS}; "
+                   f"smoke: {SMOKE_PROSE_PROMPTS})")  # fmt: skip
+    p.add_argument("--prompt-chars", type=int,
+                   help=f"prompt length in characters (default {DEFAULT_PROMPT_CHARS}; smoke: {SMOKE_PROMPT_CHARS})")
+    p.add_argument("--vocab-size", type=int, help="real token count, if the models pad their vocabularies differently")
+    p.add_argument("--dtype", choices=tuple(DTYPES), help="model dtype (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--warmup", type=int, help="untimed rounds of every mode before timing (default 1; smoke: 0)")
+    p.add_argument("--rep", type=int, default=1, help="timed calls per batch and mode (default 1)")
+    p.add_argument("--strict-greedy", action="store_true",
+                   help="count a greedy output that differs from target_only as an error (on in --smoke)")
+    p.add_argument("--out", help="CSV to append rows to (default bench/results/e2e.csv; smoke: a temporary file)")
+    p.add_argument("--json", help="also write the rows and run metadata as JSON to this path")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny random Llama models on CPU, batch 1, 8 new tokens; exits non-zero on any error")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
+    args = p.parse_args(argv)
+    return resolve_defaults(args, p)
+
+
+def resolve_defaults(args, parser):
+    """Fill unset options: smoke defaults in --smoke, sweep defaults otherwise; explicit flags win."""
+    smoke = args.smoke
+    if not smoke and not args.target and not args.pair:
+        parser.error("choose the models: --target DIR [--draft DIR], --pair demo, or --smoke")
+    if args.draft and not args.target:
+        parser.error("--draft goes with --target")
+    args.modes = args.modes or list(SMOKE_MODES if smoke else DEFAULT_MODES)
+    args.G = args.G or DEFAULT_G
+    args.temperature = args.temperature or [0.0]
+    args.max_new_tokens = args.max_new_tokens or (SMOKE_MAX_NEW if smoke else DEFAULT_MAX_NEW)
+    args.prompts = args.prompts or list(PROMPT_SETS)
+    args.code_prompts = args.code_prompts if args.code_prompts is not None else (
+        SMOKE_CODE_PROMPTS if smoke else DEFAULT_CODE_PROMPTS)  # fmt: skip
+    args.prose_prompts = args.prose_prompts if args.prose_prompts is not None else (
+        SMOKE_PROSE_PROMPTS if smoke else DEFAULT_PROSE_PROMPTS)  # fmt: skip
+    args.prompt_chars = args.prompt_chars or (SMOKE_PROMPT_CHARS if smoke else DEFAULT_PROMPT_CHARS)
+    args.warmup = args.warmup if args.warmup is not None else (0 if smoke else 1)
+    args.strict_greedy = args.strict_greedy or smoke
+    # Smoke models are tiny: CPU, where CI runs, unless --device says otherwise.
+    args.device = args.device or ("cpu" if smoke else common.default_device())
+    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") and not smoke else "fp32")
+    if args.rep < 1 or args.warmup < 0 or args.batch_size < 1 or args.max_new_tokens < 1 or args.G < 1:
+        parser.error("need --rep >= 1, --warmup >= 0, --batch-size >= 1, --max-new-tokens >= 1, --G >= 1")
+    if min(args.temperature) < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        parser.error("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+    if not 0 <= args.prose_prompts <= len(PROSE_PROMPTS) or args.code_prompts < 0:
+        parser.error(f"need 0 <= --prose-prompts <= {len(PROSE_PROMPTS)} and --code-prompts >= 0")
+    return args
+
+
+def output_csv_path(args) -> Path:
+    if args.out:
+        return Path(args.out)
+    if args.smoke:  # never pollute the results history with smoke rows
+        fd, name = tempfile.mkstemp(prefix="bench_e2e_smoke_", suffix=".csv")
+        os.close(fd)
+        return Path(name)
+    return common.REPO_ROOT / "bench" / "results" / "e2e.csv"
+
+
+def print_header(meta: dict, args, pair: Pair, sets: dict) -> None:
+    print(f"# e2e benchmark  {meta['date']}  commit {meta['commit']}")
+    print(f"# device {meta['device']} ({args.device})  torch {meta['torch']}  triton {meta['triton']}"
+          f"  transformers {meta['transformers']}  TRITON_INTERPRET={meta['triton_interpret']}")  # fmt: skip
+    print(f"# target {pair.target_name}  draft {pair.draft_name}  {args.dtype}  eos {pair.eos_token_id}  "
+          f"pad {pair.pad_token_id}")  # fmt: skip
+    print(f"# prompts: {', '.join(f'{k} x{len(v)}' for k, v in sets.items())}  batch {args.batch_size}  "
+          f"max_new_tokens {args.max_new_tokens}  G {args.G}  method {args.method}  temperature {args.temperature}  "
+          f"warmup {args.warmup}  rep {args.rep}")  # fmt: skip
+    if pair.dropped_generation_settings:
+        print(f"# target generation config reset to neutral; dropped: {pair.dropped_generation_settings}")
+    if not args.device.startswith("cuda") and not args.smoke:
+        print("# note: on CPU the verification kernels run in the Triton interpreter: not a speed measurement")
+    sys.stdout.flush()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    common.prepare_environment(args.device)  # before anything imports specdec_kernels
+
+    import transformers
+
+    meta = {**common.environment_metadata(args.device), "transformers": transformers.__version__}
+    try:
+        pair = load_pair(args, getattr(torch, DTYPES[args.dtype]))
+    except (OSError, ValueError, ImportError) as e:
+        print(f"error: could not load the models: {e}", file=sys.stderr)
+        return 2
+    configure_hf_assistant(pair, args)
+    sets = prompt_sets(args)
+    if not sets:
+        print("error: no prompts selected", file=sys.stderr)
+        return 2
+    print_header(meta, args, pair, sets)
+
+    errors: list[str] = []
+    rows = run(pair, sets, args, meta, errors)
+
+    if rows:
+        print()
+        common.print_table(rows, TABLE_COLUMNS)
+        csv_path = output_csv_path(args)
+        common.append_rows_csv(csv_path, rows, CSV_COLUMNS)
+        print(f"\n{len(rows)} rows appended to {csv_path}")
+        if args.json:
+            common.write_json(args.json, rows, {**meta, "argv": sys.argv[1:]})
+            print(f"rows written to {args.json}")
+    if errors:
+        print(f"\n{len(errors)} error(s):", file=sys.stderr)
+        for e in errors:
+            print(f"  {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
