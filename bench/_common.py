@@ -24,6 +24,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
@@ -328,3 +329,81 @@ def print_table(rows: Sequence[Mapping], columns: Sequence[str], file=None) -> N
     for row in cells:
         print(line(row), file=file)
     file.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# The command-line and output conventions every script shares
+# --------------------------------------------------------------------------------------------
+
+
+def add_output_args(p, name: str, *, timing: bool = True) -> None:
+    """``--warmup/--rep`` (when ``timing``), ``--out``, ``--json`` and ``--device`` for script ``name``."""
+    if timing:
+        p.add_argument("--warmup", type=int, help="untimed calls before timing (default 10; smoke: 0)")
+        p.add_argument("--rep", type=int, help="timed calls (default 100; smoke: 1)")
+    p.add_argument("--out", help=f"CSV to append rows to (default bench/results/{name}.csv; smoke: a temporary file)")
+    p.add_argument("--json", help="also write the rows and run metadata as JSON to this path")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+
+
+def resolve_timing(args, parser) -> None:
+    """Microbenchmark defaults: 10 warmup / 100 timed calls, 0 / 1 in --smoke; explicit flags win."""
+    args.warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 10)
+    args.rep = args.rep if args.rep is not None else (1 if args.smoke else 100)
+    # Smoke shapes are tiny, so smoke runs on whatever device is there (CPU + interpreter in CI).
+    args.device = args.device or default_device()
+    if args.rep < 1 or args.warmup < 0:
+        parser.error("--rep must be >= 1 and --warmup >= 0")
+
+
+def output_csv_path(args, name: str) -> Path:
+    """``--out``, else a temporary file in --smoke (smoke rows never enter the history), else
+    ``bench/results/<name>.csv``."""
+    if args.out:
+        return Path(args.out)
+    if args.smoke:
+        fd, path = tempfile.mkstemp(prefix=f"bench_{name}_smoke_", suffix=".csv")
+        os.close(fd)
+        return Path(path)
+    return REPO_ROOT / "bench" / "results" / f"{name}.csv"
+
+
+def print_run_header(name: str, meta: Mapping, args, copy_gbps: float | None = None) -> None:
+    """The first lines of every run: what, when, which commit, on what; ends with the CPU caveat."""
+    print(f"# {name} benchmark  {meta['date']}  commit {meta['commit']}")
+    extra = f"  transformers {meta['transformers']}" if "transformers" in meta else ""
+    print(f"# device {meta['device']} ({args.device})  torch {meta['torch']}  triton {meta['triton']}{extra}"
+          f"  TRITON_INTERPRET={meta['triton_interpret']}")  # fmt: skip
+    if copy_gbps is not None:
+        print(f"# copy bandwidth {copy_gbps:.1f} GB/s  warmup {args.warmup}  rep {args.rep}")
+
+
+def print_cpu_caveat(args) -> None:
+    if not args.device.startswith("cuda") and not args.smoke:
+        print("# note: on CPU the kernels run in the Triton interpreter: timings are not kernel performance")
+    sys.stdout.flush()
+
+
+def save_rows(rows: Sequence[Mapping], args, name: str, meta: Mapping, table_columns: Sequence[str],
+              csv_columns: Sequence[str]) -> None:  # fmt: skip
+    """Print the table, append the rows to the CSV, and write JSON when ``--json`` asks for it."""
+    if not rows:
+        return
+    print()
+    print_table(rows, table_columns)
+    csv_path = output_csv_path(args, name)
+    append_rows_csv(csv_path, rows, csv_columns)
+    print(f"\n{len(rows)} rows appended to {csv_path}")
+    if args.json:
+        write_json(args.json, rows, {**meta, "argv": sys.argv[1:]})
+        print(f"rows written to {args.json}")
+
+
+def exit_code(errors: Sequence[str]) -> int:
+    """0, or 1 after listing the errors on stderr (--smoke in CI fails on any)."""
+    if not errors:
+        return 0
+    print(f"\n{len(errors)} error(s):", file=sys.stderr)
+    for e in errors:
+        print(f"  {e}", file=sys.stderr)
+    return 1

@@ -69,10 +69,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 import sysconfig
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -601,11 +599,9 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=int, default=1, help="timed calls per batch and mode (default 1)")
     p.add_argument("--strict-greedy", action="store_true",
                    help="count a greedy output that differs from target_only as an error (on in --smoke)")
-    p.add_argument("--out", help="CSV to append rows to (default bench/results/e2e.csv; smoke: a temporary file)")
-    p.add_argument("--json", help="also write the rows and run metadata as JSON to this path")
+    common.add_output_args(p, "e2e", timing=False)
     p.add_argument("--smoke", action="store_true",
                    help="tiny random Llama models on CPU, batch 1, 8 new tokens; exits non-zero on any error")
-    p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
     args = p.parse_args(argv)
     return resolve_defaults(args, p)
@@ -642,20 +638,8 @@ def resolve_defaults(args, parser):
     return args
 
 
-def output_csv_path(args) -> Path:
-    if args.out:
-        return Path(args.out)
-    if args.smoke:  # never pollute the results history with smoke rows
-        fd, name = tempfile.mkstemp(prefix="bench_e2e_smoke_", suffix=".csv")
-        os.close(fd)
-        return Path(name)
-    return common.REPO_ROOT / "bench" / "results" / "e2e.csv"
-
-
 def print_header(meta: dict, args, pair: Pair, sets: dict) -> None:
-    print(f"# e2e benchmark  {meta['date']}  commit {meta['commit']}")
-    print(f"# device {meta['device']} ({args.device})  torch {meta['torch']}  triton {meta['triton']}"
-          f"  transformers {meta['transformers']}  TRITON_INTERPRET={meta['triton_interpret']}")  # fmt: skip
+    common.print_run_header("e2e", meta, args)
     print(f"# target {pair.target_name}  draft {pair.draft_name}  {args.dtype}  eos {pair.eos_token_id}  "
           f"pad {pair.pad_token_id}")  # fmt: skip
     print(f"# prompts: {', '.join(f'{k} x{len(v)}' for k, v in sets.items())}  batch {args.batch_size}  "
@@ -663,9 +647,7 @@ def print_header(meta: dict, args, pair: Pair, sets: dict) -> None:
           f"warmup {args.warmup}  rep {args.rep}")  # fmt: skip
     if pair.dropped_generation_settings:
         print(f"# target generation config reset to neutral; dropped: {pair.dropped_generation_settings}")
-    if not args.device.startswith("cuda") and not args.smoke:
-        print("# note: on CPU the verification kernels run in the Triton interpreter: not a speed measurement")
-    sys.stdout.flush()
+    common.print_cpu_caveat(args)
 
 
 def main(argv=None) -> int:
@@ -690,21 +672,8 @@ def main(argv=None) -> int:
     errors: list[str] = []
     rows = run(pair, sets, args, meta, errors)
 
-    if rows:
-        print()
-        common.print_table(rows, TABLE_COLUMNS)
-        csv_path = output_csv_path(args)
-        common.append_rows_csv(csv_path, rows, CSV_COLUMNS)
-        print(f"\n{len(rows)} rows appended to {csv_path}")
-        if args.json:
-            common.write_json(args.json, rows, {**meta, "argv": sys.argv[1:]})
-            print(f"rows written to {args.json}")
-    if errors:
-        print(f"\n{len(errors)} error(s):", file=sys.stderr)
-        for e in errors:
-            print(f"  {e}", file=sys.stderr)
-        return 1
-    return 0
+    common.save_rows(rows, args, "e2e", meta, TABLE_COLUMNS, CSV_COLUMNS)
+    return common.exit_code(errors)
 
 
 if __name__ == "__main__":

@@ -72,9 +72,7 @@ Usage
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -524,17 +522,12 @@ def parse_args(argv=None):
     p.add_argument("--check", action="store_true",
                    help="compare ours and flex_attention with sdpa_dense_mask on every shape before timing")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="q/k/v dtype (default bf16; smoke: fp32)")
-    p.add_argument("--warmup", type=int, help="untimed calls before timing (default 10; smoke: 0)")
-    p.add_argument("--rep", type=int, help="timed calls (default 100; smoke: 1)")
-    p.add_argument("--out", help="CSV to append rows to (default bench/results/tree_attention.csv; "
-                   "smoke: a temporary file)")  # fmt: skip
-    p.add_argument("--json", help="also write the rows and run metadata as JSON to this path")
+    common.add_output_args(p, "tree_attention")
     p.add_argument("--smoke", action="store_true",
                    help="tiny CPU-friendly run of every provider that runs here, with --check; "
                    "exits non-zero on any error")  # fmt: skip
     p.add_argument("--validate", action="store_true",
                    help="let sk.tree_attention run its host-side value checks (off: as in a serving hot loop)")
-    p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random trees and of q/k/v")
     args = p.parse_args(argv)
     return resolve_defaults(args, p)
@@ -552,12 +545,7 @@ def resolve_defaults(args, parser):
     args.providers = args.providers or list(PROVIDERS)
     args.check = args.check or smoke
     args.dtype = args.dtype or ("fp32" if smoke else "bf16")
-    args.warmup = args.warmup if args.warmup is not None else (0 if smoke else 10)
-    args.rep = args.rep if args.rep is not None else (1 if smoke else 100)
-    # Smoke shapes are tiny, so smoke runs on whatever device is there (CPU + interpreter in CI).
-    args.device = args.device or common.default_device()
-    if args.rep < 1 or args.warmup < 0:
-        parser.error("--rep must be >= 1 and --warmup >= 0")
+    common.resolve_timing(args, parser)
     if min(args.B) < 1 or min(args.prefix) < 0 or min(args.N) < 1 or max(args.N) > MAX_NODES:
         parser.error(f"need B >= 1, prefix >= 0 and 1 <= N <= {MAX_NODES}")
     if args.Hkv < 1 or args.Hq % args.Hkv or args.D < 1:
@@ -565,27 +553,12 @@ def resolve_defaults(args, parser):
     return args
 
 
-def output_csv_path(args) -> Path:
-    if args.out:
-        return Path(args.out)
-    if args.smoke:  # never pollute the results history with smoke rows
-        fd, name = tempfile.mkstemp(prefix="bench_tree_attention_smoke_", suffix=".csv")
-        os.close(fd)
-        return Path(name)
-    return common.REPO_ROOT / "bench" / "results" / "tree_attention.csv"
-
-
 def print_header(meta: dict, args, copy_gbps: float) -> None:
-    print(f"# tree_attention benchmark  {meta['date']}  commit {meta['commit']}")
-    print(f"# device {meta['device']} ({args.device})  torch {meta['torch']}  triton {meta['triton']}"
-          f"  TRITON_INTERPRET={meta['triton_interpret']}")  # fmt: skip
-    print(f"# copy bandwidth {copy_gbps:.1f} GB/s  warmup {args.warmup}  rep {args.rep}")
+    common.print_run_header("tree_attention", meta, args, copy_gbps)
     print(f"# random trees (seed {args.seed}); dense-mask and block-mask construction not timed; "
           f"--sdpa-gqa {args.sdpa_gqa} (enable_gqa supported: {sdpa_supports_enable_gqa()}); "
           f"check {'on' if args.check else 'off'}")  # fmt: skip
-    if not args.device.startswith("cuda") and not args.smoke:
-        print("# note: CPU timings measure the Triton interpreter, not kernel performance")
-    sys.stdout.flush()
+    common.print_cpu_caveat(args)
 
 
 def main(argv=None) -> int:
@@ -599,23 +572,10 @@ def main(argv=None) -> int:
     errors: list[str] = []
     rows = run_sweep(args, copy_gbps, meta, errors)
 
-    if rows:
-        print()
-        common.print_table(rows, TABLE_COLUMNS)
-        if "ours" in args.providers:
-            print_targets(rows, meta)
-        csv_path = output_csv_path(args)
-        common.append_rows_csv(csv_path, rows, CSV_COLUMNS)
-        print(f"\n{len(rows)} rows appended to {csv_path}")
-        if args.json:
-            common.write_json(args.json, rows, {**meta, "copy_GBps": copy_gbps, "argv": sys.argv[1:]})
-            print(f"rows written to {args.json}")
-    if errors:
-        print(f"\n{len(errors)} error(s):", file=sys.stderr)
-        for e in errors:
-            print(f"  {e}", file=sys.stderr)
-        return 1
-    return 0
+    common.save_rows(rows, args, "tree_attention", {**meta, "copy_GBps": copy_gbps}, TABLE_COLUMNS, CSV_COLUMNS)
+    if rows and "ours" in args.providers:
+        print_targets(rows, meta)
+    return common.exit_code(errors)
 
 
 if __name__ == "__main__":

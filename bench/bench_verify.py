@@ -54,9 +54,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 import sys
-import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -486,18 +484,13 @@ def parse_args(argv=None):
                    help="stochastic (default) | greedy (temperature 0) | ngram (no draft logits) | "
                    "topk_topp (top_k=50, top_p=0.9); several may be given")  # fmt: skip
     p.add_argument("--dtype", choices=tuple(DTYPES), help="logits dtype (default bf16; smoke: fp32)")
-    p.add_argument("--warmup", type=int, help="untimed calls before timing (default 10; smoke: 0)")
-    p.add_argument("--rep", type=int, help="timed calls (default 100; smoke: 1)")
-    p.add_argument("--out", help="CSV to append rows to (default bench/results/verify.csv; "
-                   "smoke: a temporary file)")  # fmt: skip
-    p.add_argument("--json", help="also write the rows and run metadata as JSON to this path")
+    common.add_output_args(p, "verify")
     p.add_argument("--smoke", action="store_true",
                    help="tiny CPU-friendly run of every provider and mode; exits non-zero on any error")
     p.add_argument("--all-providers", action="store_true",
                    help=f"run the reference even where B*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}")
     p.add_argument("--validate", action="store_true",
                    help="let sk.verify run its host-side input checks (off: as in a serving hot loop)")
-    p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="seed for the synthetic inputs and eager's RNG")
     args = p.parse_args(argv)
     return resolve_defaults(args, p)
@@ -512,35 +505,15 @@ def resolve_defaults(args, parser):
     args.providers = args.providers or list(PROVIDERS)
     args.mode = args.mode or (list(MODES) if smoke else ["stochastic"])
     args.dtype = args.dtype or ("fp32" if smoke else "bf16")
-    args.warmup = args.warmup if args.warmup is not None else (0 if smoke else 10)
-    args.rep = args.rep if args.rep is not None else (1 if smoke else 100)
-    # Smoke shapes are tiny, so smoke runs on whatever device is there (CPU + interpreter in CI).
-    args.device = args.device or common.default_device()
-    if args.rep < 1 or args.warmup < 0:
-        parser.error("--rep must be >= 1 and --warmup >= 0")
+    common.resolve_timing(args, parser)
     if min(args.G) < 1 or min(args.B) < 1 or min(args.V) < 2:
         parser.error("need B >= 1, G >= 1 and V >= 2")
     return args
 
 
-def output_csv_path(args) -> Path:
-    if args.out:
-        return Path(args.out)
-    if args.smoke:  # never pollute the results history with smoke rows
-        fd, name = tempfile.mkstemp(prefix="bench_verify_smoke_", suffix=".csv")
-        os.close(fd)
-        return Path(name)
-    return common.REPO_ROOT / "bench" / "results" / "verify.csv"
-
-
 def print_header(meta: dict, args, copy_gbps: float) -> None:
-    print(f"# verify benchmark  {meta['date']}  commit {meta['commit']}")
-    print(f"# device {meta['device']} ({args.device})  torch {meta['torch']}  triton {meta['triton']}"
-          f"  TRITON_INTERPRET={meta['triton_interpret']}")  # fmt: skip
-    print(f"# copy bandwidth {copy_gbps:.1f} GB/s  warmup {args.warmup}  rep {args.rep}")
-    if not args.device.startswith("cuda") and not args.smoke:
-        print("# note: CPU timings measure the Triton interpreter, not kernel performance")
-    sys.stdout.flush()
+    common.print_run_header("verify", meta, args, copy_gbps)
+    common.print_cpu_caveat(args)
 
 
 def main(argv=None) -> int:
@@ -554,21 +527,8 @@ def main(argv=None) -> int:
     errors: list[str] = []
     rows = run_sweep(args, copy_gbps, meta, errors)
 
-    if rows:
-        print()
-        common.print_table(rows, TABLE_COLUMNS)
-        csv_path = output_csv_path(args)
-        common.append_rows_csv(csv_path, rows, CSV_COLUMNS)
-        print(f"\n{len(rows)} rows appended to {csv_path}")
-        if args.json:
-            common.write_json(args.json, rows, {**meta, "copy_GBps": copy_gbps, "argv": sys.argv[1:]})
-            print(f"rows written to {args.json}")
-    if errors:
-        print(f"\n{len(errors)} error(s):", file=sys.stderr)
-        for e in errors:
-            print(f"  {e}", file=sys.stderr)
-        return 1
-    return 0
+    common.save_rows(rows, args, "verify", {**meta, "copy_GBps": copy_gbps}, TABLE_COLUMNS, CSV_COLUMNS)
+    return common.exit_code(errors)
 
 
 if __name__ == "__main__":

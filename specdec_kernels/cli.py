@@ -210,7 +210,8 @@ def demo(args: argparse.Namespace) -> int:
     G, K = args.num_draft_tokens, args.num_drafts
     where = "CUDA" if device == "cuda" else "CPU (kernels in the Triton interpreter: speeds are not meaningful)"
     print(f"specdec demo: embedded byte-level pair, {len(prompts)} prompts, {new} new tokens each, on {where}")
-    common = dict(max_new_tokens=new, eos_token_id=[], pad_token_id=tok.pad_token_id, num_draft_tokens=G)
+    # the same EOS rule for every mode, so the greedy rows are comparable token for token
+    common = dict(max_new_tokens=new, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, num_draft_tokens=G)
     modes = [
         ("target only (greedy)", None),
         (f"chain, G={G} (greedy)", dict(num_drafts=1)),
@@ -223,12 +224,12 @@ def demo(args: argparse.Namespace) -> int:
         if kwargs is None:
             with torch.no_grad():
                 seqs = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                                       pad_token_id=tok.pad_token_id, eos_token_id=None)  # fmt: skip
+                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
             seconds = time.perf_counter() - start
             reference = seqs
             made = int((seqs.shape[1] - ids.shape[1]) * len(prompts))
             rows.append(dict(mode=name, tokens=made, seconds=seconds, tok_per_s=made / seconds, acceptance="-",
-                             mean_accepted="1.00", target_forwards=new, greedy_match="(reference)"))  # fmt: skip
+                             mean_accepted="1.00", target_forwards=int(seqs.shape[1] - ids.shape[1]), greedy_match="(reference)"))  # fmt: skip
             continue
         out = speculative_generate(target, draft, ids, mask, **common, **kwargs)
         st = out.stats
