@@ -38,6 +38,21 @@ const T* per_request(const c10::optional<at::Tensor>& t, at::ScalarType dtype, i
   return keep.back().data_ptr<T>();
 }
 
+// The sampling parameters both ops share: per-request tensors (or nullptr) and their scalar defaults.
+void set_sampling(sk::ChainParams& P, int64_t B, const at::Tensor& like, std::vector<at::Tensor>& keep,
+                  const c10::optional<at::Tensor>& temperature_t, double temperature,
+                  const c10::optional<at::Tensor>& top_k_t, int64_t top_k, const c10::optional<at::Tensor>& top_p_t,
+                  double top_p, const c10::optional<at::Tensor>& seed_t, int64_t seed) {
+  P.temperature = per_request<float>(temperature_t, at::kFloat, B, like, keep);
+  P.temperature_s = float(temperature);
+  P.top_k = per_request<int32_t>(top_k_t, at::kInt, B, like, keep);
+  P.top_k_s = int32_t(std::min<int64_t>(top_k, INT32_MAX));
+  P.top_p = per_request<float>(top_p_t, at::kFloat, B, like, keep);
+  P.top_p_s = float(top_p);
+  P.seed = per_request<int64_t>(seed_t, at::kLong, B, like, keep);
+  P.seed_s = seed;
+}
+
 std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens, c10::optional<at::Tensor> draft,
                                      int64_t draft_mode, c10::optional<at::Tensor> num_draft,
                                      c10::optional<at::Tensor> temperature_t, double temperature,
@@ -96,14 +111,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   P.stride_xb = toks.stride(0);
   TORCH_CHECK(toks.stride(1) == 1 || G <= 1, "specdec: draft_tokens must have a contiguous last dim");
   P.num_draft = per_request<int64_t>(num_draft, at::kLong, B, target, keep);
-  P.temperature = per_request<float>(temperature_t, at::kFloat, B, target, keep);
-  P.temperature_s = float(temperature);
-  P.top_k = per_request<int32_t>(top_k_t, at::kInt, B, target, keep);
-  P.top_k_s = int32_t(std::min<int64_t>(top_k, INT32_MAX));
-  P.top_p = per_request<float>(top_p_t, at::kFloat, B, target, keep);
-  P.top_p_s = float(top_p);
-  P.seed = per_request<int64_t>(seed_t, at::kLong, B, target, keep);
-  P.seed_s = seed;
+  set_sampling(P, B, target, keep, temperature_t, temperature, top_k_t, top_k, top_p_t, top_p, seed_t, seed);
   P.B = B;
   P.G = G;
   P.V = V;
@@ -196,14 +204,7 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
   P.stride_xb = toks.stride(0);
   P.stride_xk = toks.stride(1);
   P.num_draft = per_request<int64_t>(num_nodes, at::kLong, B, target, keep);
-  P.temperature = per_request<float>(temperature_t, at::kFloat, B, target, keep);
-  P.temperature_s = float(temperature);
-  P.top_k = per_request<int32_t>(top_k_t, at::kInt, B, target, keep);
-  P.top_k_s = int32_t(std::min<int64_t>(top_k, INT32_MAX));
-  P.top_p = per_request<float>(top_p_t, at::kFloat, B, target, keep);
-  P.top_p_s = float(top_p);
-  P.seed = per_request<int64_t>(seed_t, at::kLong, B, target, keep);
-  P.seed_s = seed;
+  set_sampling(P, B, target, keep, temperature_t, temperature, top_k_t, top_k, top_p_t, top_p, seed_t, seed);
   P.B = B;
   P.G = G;
   P.V = V;
