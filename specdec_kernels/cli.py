@@ -187,7 +187,7 @@ def generate_command(args: argparse.Namespace) -> int:
         num_draft_tokens=args.num_draft_tokens, num_drafts=args.num_drafts, method=args.method, drafter=drafter,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         eos_token_id=getattr(tok, "eos_token_id", None), pad_token_id=getattr(tok, "pad_token_id", None),
-        streamer=_PrintStreamer(tok), vocab_size=args.vocab_size,
+        streamer=_PrintStreamer(tok), vocab_size=args.vocab_size, cache_implementation=args.cache,
     )  # fmt: skip
     print()
     print(out.stats.table())
@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--seed", type=int, default=None)
     p_gen.add_argument("--vocab-size", type=int, default=None, help="real token count if embeddings are padded")
     p_gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p_gen.add_argument("--cache", choices=["dynamic", "static"], default="dynamic", help="KV cache of both models")
     p_gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
 
     p_vd = sub.add_parser("verify-demo", help="verification kernels on random distributions vs theory")

@@ -6,7 +6,10 @@ S of the cache; afterwards ``commit_paths`` gathers each request's accepted root
 [C_b, C_b + len) and crops the cache to the longest request. Nothing committed is ever recomputed.
 
 Works on any cache whose layers expose ``keys``/``values`` tensors [B, H, S, D] (transformers >= 4.56
-``DynamicCache``), and on the legacy ``key_cache``/``value_cache`` lists.
+``DynamicCache``), on the legacy ``key_cache``/``value_cache`` lists, and on ``StaticCache``: there
+the buffers keep their fixed [B, H, max_cache_len, D] shape and address (what torch.compile and CUDA
+graphs need), the path is moved in place, and "cropping" only moves each layer's write counter
+(``cumulative_length``, where the next forward writes) back to ``new_len``.
 """
 
 from __future__ import annotations
@@ -47,9 +50,15 @@ class _LegacyLayer:
         self.cache.value_cache[self.i] = t
 
 
+def _is_static(layer) -> bool:
+    return hasattr(layer, "max_cache_len") and hasattr(layer, "cumulative_length")
+
+
 def cache_length(cache) -> int:
     """Slots in use (the shared end S where the next forward appends)."""
     for layer, k, _ in _layers(cache):
+        if _is_static(layer):
+            return int(layer.cumulative_length)
         return getattr(layer, k).shape[-2]
     return 0
 
@@ -78,12 +87,14 @@ def commit_paths(cache, src: torch.Tensor, dst_start: torch.Tensor, lengths: tor
             H, D = t.shape[1], t.shape[3]
             gathered = torch.gather(t, 2, src[:, None, :, None].expand(B, H, M, D))
             t.scatter_(2, dst[:, None, :, None].expand(B, H, M, D), gathered)
-            setattr(layer, name, t[:, :, :new_len])
     _crop(cache, new_len)
 
 
 def _crop(cache, new_len: int) -> None:
     for layer, kname, vname in _layers(cache):
+        if _is_static(layer):  # fixed buffers: stale slots stay, masked by the tree metadata
+            layer.cumulative_length.fill_(new_len)
+            continue
         for name in (kname, vname):
             t = getattr(layer, name)
             if t.shape[2] > new_len:
@@ -95,3 +106,5 @@ def select_requests(cache, index: torch.Tensor) -> None:
     for layer, kname, vname in _layers(cache):
         for name in (kname, vname):
             setattr(layer, name, getattr(layer, name).index_select(0, index))
+        if _is_static(layer):
+            layer.batch_size = int(index.numel())

@@ -40,6 +40,7 @@ from .drafting import (
 
 METHODS = ("kseq", "rrs", "rrs_wor")
 DRAFTERS = ("model", "prompt_lookup")
+CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
 @dataclass
@@ -133,6 +134,7 @@ def speculative_generate(
     streamer=None,
     vocab_size: int | None = None,
     attention_backend: str = "auto",
+    cache_implementation: str = "dynamic",
 ) -> SpeculativeOutput:
     """Generate with a draft model (or prompt lookup) and exact verification by the target.
 
@@ -151,6 +153,9 @@ def speculative_generate(
             (e.g. ``len(tokenizer)``); logits past it are dropped.
         attention_backend: tree attention in the verification/draft forwards: "auto" (Triton kernel on
             CUDA, PyTorch on CPU), "triton" or "torch".
+        cache_implementation: "dynamic" (``DynamicCache``, grown and cropped every step) or "static"
+            (``StaticCache`` of max prompt + ``max_new_tokens`` + K*G + 2 slots per request, allocated
+            once; the committed path is moved in place and the buffers never change address).
 
     Returns:
         ``SpeculativeOutput(sequences [B, T + new], stats)``.
@@ -160,6 +165,8 @@ def speculative_generate(
         >>> print(out.stats.table())
     """
     G, K = int(num_draft_tokens), int(num_drafts)
+    if cache_implementation not in CACHE_IMPLEMENTATIONS:
+        raise ValueError(f"cache_implementation must be one of {CACHE_IMPLEMENTATIONS}, got {cache_implementation!r}")
     V = _check_inputs(target, draft, input_ids, attention_mask, G, K, method, drafter, temperature, top_k, top_p,
                       max_new_tokens, vocab_size, streamer)  # fmt: skip
     device = input_ids.device
@@ -183,8 +190,12 @@ def speculative_generate(
         stack.enter_context(using_tree_attention(target))
         if use_draft:
             stack.enter_context(using_tree_attention(draft))
+        # Occupancy bound: committed (<= prompt + max_new) - 1 + the 1 + K*G tree (target), or
+        # committed - u + u + (G-1)*K drafted (draft, u <= 2).
+        static_len = max(len(p) for p in prompts) + max_new_tokens + K * G + 2
         session = _Session.start(target, draft if use_draft else None, prompts, device, G, K, V, method, sampling,
-                                 generator, attention_backend)  # fmt: skip
+                                 generator, attention_backend,
+                                 static_len if cache_implementation == "static" else None)  # fmt: skip
         batch = session.batch
         done = [max_new_tokens == 0] * B
         session.drop_finished(done)
@@ -238,9 +249,10 @@ class _Session:
     generator: torch.Generator
 
     @classmethod
-    def start(cls, target, draft, prompts, device, G, K, V, method, sampling, generator, attention_backend):
-        t_cache = _prefill(target, prompts, device)
-        d_cache = _prefill(draft, prompts, device) if draft is not None else None
+    def start(cls, target, draft, prompts, device, G, K, V, method, sampling, generator, attention_backend,
+              static_len=None):  # fmt: skip
+        t_cache = _prefill(target, prompts, device, static_len)
+        d_cache = _prefill(draft, prompts, device, static_len) if draft is not None else None
         lens = torch.tensor([len(p) for p in prompts], device=device)
         batch = _Batch(list(range(len(prompts))), [list(p) for p in prompts], lens - 1, lens - 1,
                        torch.ones_like(lens), attention_backend)  # fmt: skip
@@ -279,11 +291,17 @@ class _Session:
             self.batch.keep(keep, (self.t_cache, self.d_cache))
 
 
-def _prefill(model, prompts: list[list[int]], device):
-    """Cache every prompt token but the last, left-aligned (right padding), through plain SDPA."""
-    from transformers import DynamicCache
+def _prefill(model, prompts: list[list[int]], device, static_len: int | None = None):
+    """Cache every prompt token but the last, left-aligned (right padding), through plain SDPA, in a
+    ``DynamicCache`` or (``static_len`` slots) a ``StaticCache``."""
+    from transformers import DynamicCache, StaticCache
 
-    cache = DynamicCache(config=model.config)
+    if static_len is None:
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=static_len)
+        if not all(hasattr(layer, "cumulative_length") for layer in getattr(cache, "layers", [None])):
+            raise RuntimeError("cache_implementation='static' needs transformers >= 5 (StaticCache write counters)")
     width = max(len(p) for p in prompts) - 1
     if width <= 0:
         return cache

@@ -95,12 +95,13 @@ def test_eos_mid_batch(pair):
     assert (out.sequences[1, ids.shape[1] + 3 :] == PAD).all()
 
 
-@pytest.mark.parametrize("same_draft", [False, True])
-def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft):
+@pytest.mark.parametrize("same_draft, static_len", [(False, None), (True, None), (False, 40)])
+def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft, static_len):
     """After each step both caches hold exactly the committed tokens (all but the last u) in slots [0, C_b).
 
     same_draft: the draft is the target, every draft is accepted and the draft cache misses its last
-    draft (u = 2), the case that needs two tokens in the next draft forward."""
+    draft (u = 2), the case that needs two tokens in the next draft forward. static_len: StaticCache
+    buffers of that many slots, which must keep their address (what CUDA graphs replay)."""
     target, draft = pair
     draft = copy.deepcopy(target) if same_draft else draft
     ids, mask = _ragged_prompts(seed=5)
@@ -108,7 +109,8 @@ def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft):
     sampling = dict(temperature=0.0, top_k=0, top_p=1.0)
     with torch.no_grad(), using_tree_attention(target), using_tree_attention(draft):
         session = _Session.start(target, draft, prompts, "cpu", 3, 2, 97, "kseq", sampling,
-                                 torch.Generator().manual_seed(0), "auto")  # fmt: skip
+                                 torch.Generator().manual_seed(0), "auto", static_len)  # fmt: skip
+        addresses = None
         for _ in range(2):
             results = session.step()
             if same_draft:
@@ -126,6 +128,29 @@ def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft):
                     for layer, fresh_layer in zip(cache.layers, fresh.layers):
                         torch.testing.assert_close(layer.keys[b : b + 1, :, :n], fresh_layer.keys, atol=1e-5, rtol=1e-5)
                         torch.testing.assert_close(layer.values[b : b + 1, :, :n], fresh_layer.values, atol=1e-5, rtol=1e-5)
+            if static_len is not None:
+                now = [(layer.keys.data_ptr(), layer.keys.shape[2]) for layer in session.t_cache.layers]
+                assert all(length == static_len for _, length in now)
+                assert addresses is None or now == addresses
+                addresses = now
+
+
+def test_static_cache_gives_the_same_tokens(pair):
+    """cache_implementation="static": greedy equals generate, and sampling with a seed draws exactly
+    the tokens of the DynamicCache run (same random stream, same logits); EOS mid-batch drops a
+    request from the static buffers."""
+    target, draft = pair
+    ids, mask = _ragged_prompts(seed=4)
+    expected = _greedy_reference(target, ids, mask, 8)
+    out = speculative_generate(target, draft, ids, mask, max_new_tokens=8, num_draft_tokens=3, num_drafts=3,
+                               eos_token_id=[], pad_token_id=PAD, cache_implementation="static")  # fmt: skip
+    assert torch.equal(out.sequences, expected)
+    eos = int(expected[1, ids.shape[1] + 2])
+    runs = [speculative_generate(target, draft, ids, mask, max_new_tokens=8, num_draft_tokens=2, num_drafts=2,
+                                 temperature=0.8, seed=3, eos_token_id=eos, pad_token_id=PAD,
+                                 cache_implementation=impl) for impl in ("dynamic", "static")]  # fmt: skip
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert runs[0].stats.accepted == runs[1].stats.accepted
 
 
 def _two_token_distribution(target, prompt, temperature):
@@ -184,6 +209,7 @@ def test_vocab_mismatch_is_a_clear_error():
         (dict(num_draft_tokens=8, num_drafts=8), "<= 64"),
         (dict(temperature=-1.0), "temperature"),
         (dict(drafter="model", draft=None), "prompt_lookup"),
+        (dict(cache_implementation="paged"), "cache_implementation"),
     ],
 )
 def test_bad_arguments(pair, kwargs, match):
