@@ -128,8 +128,8 @@ CSV_COLUMNS = (
     "mode", "status", "G", "K", "method", "temperature", "top_k", "top_p", "prompt_set", "prompts",
     "prompt_tokens_mean", "batch_size", "max_new_tokens", "rep", "new_tokens", "wall_s", "tokens_per_s",
     "speedup_vs_target", "speedup_vs_hf_assisted", "acceptance_rate", "mean_accepted_length",
-    "target_forwards", "draft_forwards", "greedy_equal", "greedy_equal_prompts", "seed", "warmup",
-    "triton_interpret", "cuda", "python",
+    "target_forwards", "draft_forwards", "greedy_equal", "greedy_equal_prompts", "seed", "warmup", "cache",
+    "compiled", "triton_interpret", "cuda", "python",
 )  # fmt: skip
 TABLE_COLUMNS = (
     "temperature", "prompt_set", "mode", "G", "K", "new_tokens", "wall_s", "tokens_per_s", "speedup_vs_target",
@@ -399,6 +399,7 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
         num_draft_tokens=s["G"], num_drafts=s["K"], method=s["method"] or "kseq", drafter=s["drafter"],
         temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
         eos_token_id=pair.eos_token_id, pad_token_id=pair.pad_token_id, vocab_size=pair.vocab_size,
+        cache_implementation=args.cache, compile_target=args.compile,
     ), args.device)  # fmt: skip
     return Result(new_tokens_per_row(out.sequences, width, eos), wall, out.stats)
 
@@ -514,6 +515,8 @@ def make_rows(totals: dict[str, Totals], set_name: str, prompts: list[str], prom
             "top_k": args.top_k, "top_p": args.top_p, "prompt_set": set_name, "prompts": len(prompts),
             "prompt_tokens_mean": prompt_tokens_mean, "batch_size": args.batch_size,
             "max_new_tokens": args.max_new_tokens, "rep": args.rep, "seed": args.seed, "warmup": args.warmup,
+            "cache": args.cache if mode.startswith("ours") else None,
+            "compiled": args.compile if mode.startswith("ours") else None,
         }  # fmt: skip
         if mode in skipped:
             rows.append({**row, "status": f"skipped: {skipped[mode]}"})
@@ -576,6 +579,10 @@ def parse_args(argv=None):
     p.add_argument("--draft", help="draft model: a local Hugging Face directory (with --target)")
     p.add_argument("--modes", nargs="+", choices=MODES, help=f"default: {' '.join(DEFAULT_MODES)}")
     p.add_argument("--G", type=int, help=f"draft tokens per chain for ours and hf_prompt_lookup (default {DEFAULT_G})")
+    p.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
+                   help="KV caches of ours (static: StaticCache, needed by --compile)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the target's verification forward in ours (CUDA graphs on GPU; implies --cache static)")
     p.add_argument("--method", default="kseq", help="verification method of ours_k2/ours_k4 (kseq, rrs, rrs_wor)")
     p.add_argument("--hf-assistant-tokens", type=int,
                    help="fixed number of assistant tokens for hf_assisted (default: HF's own schedule)")
@@ -626,6 +633,8 @@ def resolve_defaults(args, parser):
     args.prompt_chars = args.prompt_chars or (SMOKE_PROMPT_CHARS if smoke else DEFAULT_PROMPT_CHARS)
     args.warmup = args.warmup if args.warmup is not None else (0 if smoke else 1)
     args.strict_greedy = args.strict_greedy or smoke
+    if args.compile:
+        args.cache = "static"
     # Smoke models are tiny: CPU, where CI runs, unless --device says otherwise.
     args.device = args.device or ("cpu" if smoke else common.default_device())
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") and not smoke else "fp32")

@@ -34,6 +34,9 @@ from ..ops.tree_metadata import tree_metadata
 ATTN_NAME = "specdec_tree"
 
 _ACTIVE: contextvars.ContextVar["TreeAttentionMetadata | None"] = contextvars.ContextVar("specdec_tree", default=None)
+# Dynamo cannot trace ContextVar.get: while torch.compile traces, the mask builder and the attention
+# layers read this plain mirror instead (set and restored together with _ACTIVE).
+_TRACE_MIRROR: list["TreeAttentionMetadata | None"] = [None]
 
 
 @dataclass
@@ -96,19 +99,23 @@ def tree_attention_metadata(
 def tree_attention_context(meta: TreeAttentionMetadata):
     """Within the block, "specdec_tree" layers attend with ``meta`` (and skip dense-mask construction)."""
     token = _ACTIVE.set(meta)
+    previous, _TRACE_MIRROR[0] = _TRACE_MIRROR[0], meta
     try:
         yield meta
     finally:
         _ACTIVE.reset(token)
+        _TRACE_MIRROR[0] = previous
 
 
 def active_tree_metadata() -> TreeAttentionMetadata | None:
+    if torch.compiler.is_compiling():
+        return _TRACE_MIRROR[0]
     return _ACTIVE.get()
 
 
 def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """AttentionInterface entry: query [B, Hq, Nq, D], key/value [B, Hkv, S, D] -> ([B, Nq, Hq, D], None)."""
-    meta = kwargs.pop("specdec_tree", None) or _ACTIVE.get()
+    meta = kwargs.pop("specdec_tree", None) or active_tree_metadata()
     if meta is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -135,7 +142,7 @@ def _require_shape(meta: TreeAttentionMetadata, query: torch.Tensor) -> None:
 
 def _tree_mask(*args, **kwargs):
     """Mask builder: none during a tree forward (the kernel has the bitmasks), SDPA's otherwise."""
-    if _ACTIVE.get() is not None:
+    if active_tree_metadata() is not None:
         return None
     from transformers.masking_utils import sdpa_mask
 

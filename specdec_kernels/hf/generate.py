@@ -135,6 +135,7 @@ def speculative_generate(
     vocab_size: int | None = None,
     attention_backend: str = "auto",
     cache_implementation: str = "dynamic",
+    compile_target: bool | dict = False,
 ) -> SpeculativeOutput:
     """Generate with a draft model (or prompt lookup) and exact verification by the target.
 
@@ -156,6 +157,10 @@ def speculative_generate(
         cache_implementation: "dynamic" (``DynamicCache``, grown and cropped every step) or "static"
             (``StaticCache`` of max prompt + ``max_new_tokens`` + K*G + 2 slots per request, allocated
             once; the committed path is moved in place and the buffers never change address).
+        compile_target: ``torch.compile`` the target's verification forward as one graph
+            (``fullgraph=True``; on CUDA ``mode="reduce-overhead"``, i.e. CUDA graphs). True for those
+            defaults, or a dict of ``torch.compile`` keyword arguments. Needs
+            ``cache_implementation="static"``. A new graph is captured per active batch size.
 
     Returns:
         ``SpeculativeOutput(sequences [B, T + new], stats)``.
@@ -167,6 +172,8 @@ def speculative_generate(
     G, K = int(num_draft_tokens), int(num_drafts)
     if cache_implementation not in CACHE_IMPLEMENTATIONS:
         raise ValueError(f"cache_implementation must be one of {CACHE_IMPLEMENTATIONS}, got {cache_implementation!r}")
+    if compile_target and cache_implementation != "static":
+        raise ValueError("compile_target needs cache_implementation='static' (fixed cache buffers)")
     V = _check_inputs(target, draft, input_ids, attention_mask, G, K, method, drafter, temperature, top_k, top_p,
                       max_new_tokens, vocab_size, streamer)  # fmt: skip
     device = input_ids.device
@@ -195,7 +202,8 @@ def speculative_generate(
         static_len = max(len(p) for p in prompts) + max_new_tokens + K * G + 2
         session = _Session.start(target, draft if use_draft else None, prompts, device, G, K, V, method, sampling,
                                  generator, attention_backend,
-                                 static_len if cache_implementation == "static" else None)  # fmt: skip
+                                 static_len if cache_implementation == "static" else None,
+                                 _compiled_forward(target, compile_target, device))  # fmt: skip
         batch = session.batch
         done = [max_new_tokens == 0] * B
         session.drop_finished(done)
@@ -247,16 +255,17 @@ class _Session:
     method: str
     sampling: dict
     generator: torch.Generator
+    target_forward: object = None  # a compiled target.forward, or None (eager)
 
     @classmethod
     def start(cls, target, draft, prompts, device, G, K, V, method, sampling, generator, attention_backend,
-              static_len=None):  # fmt: skip
+              static_len=None, target_forward=None):  # fmt: skip
         t_cache = _prefill(target, prompts, device, static_len)
         d_cache = _prefill(draft, prompts, device, static_len) if draft is not None else None
         lens = torch.tensor([len(p) for p in prompts], device=device)
         batch = _Batch(list(range(len(prompts))), [list(p) for p in prompts], lens - 1, lens - 1,
                        torch.ones_like(lens), attention_backend)  # fmt: skip
-        return cls(target, draft, t_cache, d_cache, batch, G, K, V, method, sampling, generator)
+        return cls(target, draft, t_cache, d_cache, batch, G, K, V, method, sampling, generator, target_forward)
 
     def step(self) -> list[tuple[int, list[int], int, int]]:
         """One speculative step for every active request: [(request, new tokens, accepted, offered)].
@@ -275,7 +284,7 @@ class _Session:
             probs = fed = None
         tree_start = cache_length(self.t_cache)
         out, path = _verify(self.target, self.t_cache, batch, drafts, probs, n_drafts, G, K, self.V, self.method,
-                            self.sampling, self.generator)  # fmt: skip
+                            self.sampling, self.generator, self.target_forward)  # fmt: skip
         accepted = out.num_accepted.long()
         _commit_target(self.t_cache, batch, tree_start, path, accepted)
         if self.draft is not None:
@@ -316,10 +325,26 @@ def _prefill(model, prompts: list[list[int]], device, static_len: int | None = N
     return cache
 
 
-def _forward(model, cache, ids: torch.Tensor, meta: TreeAttentionMetadata, V: int) -> torch.Tensor:
+def _forward(model, cache, ids: torch.Tensor, meta: TreeAttentionMetadata, V: int, compiled=None) -> torch.Tensor:
     with tree_attention_context(meta):
-        logits = model(input_ids=ids, position_ids=meta.position_ids, past_key_values=cache, use_cache=True).logits
-    return logits[..., :V]
+        if compiled is None:
+            out = model(input_ids=ids, position_ids=meta.position_ids, past_key_values=cache, use_cache=True)
+        else:  # the metadata as an argument: its tensors become graph inputs (the context is not traceable)
+            out = compiled(input_ids=ids, position_ids=meta.position_ids, past_key_values=cache, use_cache=True,
+                           specdec_tree=meta)  # fmt: skip
+    return out.logits[..., :V]
+
+
+def _compiled_forward(model, compile_target: bool | dict, device):
+    """``torch.compile(model.forward)`` with the driver's defaults, or None when not asked for."""
+    if not compile_target:
+        return None
+    options = dict(fullgraph=True, dynamic=False)
+    if torch.device(device).type == "cuda":
+        options["mode"] = "reduce-overhead"  # CUDA graphs: one replay per verification step
+    if isinstance(compile_target, dict):
+        options.update(compile_target)
+    return torch.compile(model.forward, **options)
 
 
 def _draft_chains(draft, cache, batch: _Batch, G, K, V, method, sampling, generator):
@@ -379,7 +404,8 @@ def _lookup_drafts(batch: _Batch, G: int, device):
     return drafts.to(device), n
 
 
-def _verify(target, cache, batch: _Batch, drafts, probs, n_drafts, G, K, V, method, sampling, generator):
+def _verify(target, cache, batch: _Batch, drafts, probs, n_drafts, G, K, V, method, sampling, generator,
+            compiled=None):  # fmt: skip
     """One target forward over root + K*G drafts, then the fused verification; returns (out, path)
     with path [A, G] the accepted nodes' tree indices (1 + chain*G + slot), -1 padding."""
     device = batch.target_cached.device
@@ -392,7 +418,7 @@ def _verify(target, cache, batch: _Batch, drafts, probs, n_drafts, G, K, V, meth
     meta = tree_attention_metadata(
         parents, batch.target_cached, cache_length(cache), num_nodes=num_nodes, backend=batch.attention_backend
     )
-    logits = _forward(target, cache, ids, meta, V)  # [A, N, V]
+    logits = _forward(target, cache, ids, meta, V, compiled)  # [A, N, V]
     seeds = torch.randint(0, 2**62, (A,), generator=generator).to(device)
     # validate=False: every input here is built by the driver (ids < V, probabilities normalised),
     # and value checks would synchronise with the GPU once per step.

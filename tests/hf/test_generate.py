@@ -153,6 +153,27 @@ def test_static_cache_gives_the_same_tokens(pair):
     assert runs[0].stats.accepted == runs[1].stats.accepted
 
 
+@pytest.mark.parametrize("attention_backend, compiler", [("torch", "eager"), ("triton", "aot_eager")])
+def test_compiled_target_forward_is_one_graph(pair, attention_backend, compiler):
+    """compile_target: the verification forward traces as ONE graph (fullgraph=True: no graph break,
+    which CUDA graphs need), is reused across steps (one graph per active batch size, not per step),
+    and gives generate's tokens. aot_eager runs the fake of the specdec::tree_attention op."""
+    from torch._dynamo.utils import counters
+
+    target, draft = pair
+    ids, mask = _ragged_prompts(seed=6)
+    expected = _greedy_reference(target, ids, mask, 6)
+    torch._dynamo.reset()
+    counters.clear()
+    out = speculative_generate(target, draft, ids, mask, max_new_tokens=6, num_draft_tokens=2, num_drafts=2,
+                               eos_token_id=[], pad_token_id=PAD, cache_implementation="static",
+                               attention_backend=attention_backend, compile_target={"backend": compiler})  # fmt: skip
+    assert torch.equal(out.sequences, expected)
+    graphs = counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= 3 < out.stats.target_forwards, (graphs, out.stats.target_forwards)
+    assert not counters["graph_break"]
+
+
 def _two_token_distribution(target, prompt, temperature):
     """Exact p(x1, x2 | prompt) of the target at this temperature, [V, V]."""
     V = target.config.vocab_size
@@ -210,6 +231,7 @@ def test_vocab_mismatch_is_a_clear_error():
         (dict(temperature=-1.0), "temperature"),
         (dict(drafter="model", draft=None), "prompt_lookup"),
         (dict(cache_implementation="paged"), "cache_implementation"),
+        (dict(compile_target=True), "static"),
     ],
 )
 def test_bad_arguments(pair, kwargs, match):
