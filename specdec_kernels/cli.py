@@ -155,7 +155,16 @@ class _PrintStreamer:
         self.out.flush()
 
 
+def _quiet_transformers() -> None:
+    """Our own progress bars and tables only: no weight-loading bars or generation-config notices."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def _load_pair(target_path: str, draft_path: str | None, device: str, dtype: torch.dtype):
+    _quiet_transformers()
     if target_path == "demo":
         from .demo import load_demo_pair
 
@@ -202,6 +211,7 @@ def demo(args: argparse.Namespace) -> int:
     from .hf import speculative_generate
 
     device = _device(args.device)
+    _quiet_transformers()
     target, draft, tok = load_demo_pair(device=device)
     prompts = list(DEMO_PROMPTS[: args.prompts])
     batch = tok(prompts, return_tensors="pt")

@@ -24,3 +24,29 @@ def test_verify_demo_agrees_with_theory(capsys):
         for theory, measured in ((alpha_theory, alpha_measured), (kseq_theory, kseq_measured)):
             sigma = math.sqrt(max(theory * (1 - theory), 1e-3) / B)  # (theory is itself a mean over rows)
             assert abs(measured - theory) < 6 * sigma + 0.02, (row, theory, measured)
+
+
+def _demo_weights_present() -> bool:
+    from specdec_kernels.demo import WEIGHTS_DIR
+
+    return all((WEIGHTS_DIR / name / "model.safetensors").is_file() for name in ("target", "draft"))
+
+
+def test_demo_runs_and_greedy_rows_match_the_target(capsys):
+    """`specdec demo` (the README's first command), small: every greedy row equals target.generate."""
+    assert _demo_weights_present(), "demo weights missing: run scripts/train_demo_pair.py"
+    assert main(["demo", "--prompts", "2", "--max-new-tokens", "12", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "(greedy)" in line]
+    assert len(rows) == 3, out
+    assert all(row.rstrip().endswith(("True", "(reference)")) for row in rows), out
+    assert "T=0.7" in out
+
+
+def test_generate_streams_with_the_embedded_pair(capsys):
+    prompt = "def add(a, b):\n    "
+    assert main(["generate", "--target", "demo", "--prompt", prompt, "--max-new-tokens", "10", "--num-drafts", "2",
+                 "--device", "cpu"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.startswith(prompt)
+    assert "acceptance" in out.lower()
