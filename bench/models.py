@@ -28,7 +28,7 @@ Output (git-ignored; never commit it): ``bench/models/<name>/`` (config.json, mo
 tokenizer files), ``bench/models/_gguf/<name>.gguf`` (kept unless ``--remove-gguf``) and
 ``bench/models/_downloads/`` (removed after a successful join unless ``--keep-downloads``).
 
-    pip install gguf   # once
+    pip install gguf accelerate   # once (transformers needs both to read GGUF)
     python bench/models.py --which 0.5b 1.5b --out bench/models
     python bench/models.py --which 0.5b --check
 
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import importlib.util
 import json
 import re
 import shutil
@@ -378,9 +379,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", default="def quicksort(arr):\n")
     p.add_argument("--new-tokens", type=int, default=24)
     args = p.parse_args(argv)
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing and not args.join_only:
+        log(f"bench/models.py needs {' and '.join(missing)}: pip install {' '.join(missing)}")
+        return 2
+    if importlib.util.find_spec("gguf") is None:
         log("bench/models.py needs the gguf package: pip install gguf")
         return 2
     results = {key: fetch(key, args) for key in args.which}
