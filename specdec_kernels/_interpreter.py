@@ -9,6 +9,11 @@ NumPy. Two things must happen before the first ``@triton.jit`` decorator runs:
   device-function call (``tl.max``, ``tl.sum`` and ``tl.philox`` are device functions), about a
   millisecond each, which made our statistical tests (20,000+ samples) take tens of minutes.
   Once the language is patched for the running kernel, patching again is a no-op, so we skip it.
+
+When something imported ``triton.language`` before we could set the variable (``transformers``
+and ``torch`` do, through their own Triton kernels), Triton's library functions (``tl.zeros``,
+``tl.max``, ``tl.sum``...) were built for the compiler and raise "Cannot call @triton.jit'd outside
+of the scope of a kernel" inside the interpreter; we rebuild them as interpreter functions.
 """
 
 from __future__ import annotations
@@ -29,9 +34,38 @@ def use_interpreter_without_cuda() -> bool:
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
     if interpreter_requested():
+        _interpret_preimported_language()
         _skip_redundant_language_patching()
         return True
     return False
+
+
+def _interpret_preimported_language() -> None:
+    """Swap compiler-mode ``@triton.jit`` functions of an already imported ``triton.language`` for
+    interpreter ones (what the import would have built had TRITON_INTERPRET been set first)."""
+    import sys
+
+    if "triton.language" not in sys.modules:
+        return
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return
+    swapped: dict[int, object] = {}  # one replacement per function, however many modules re-export it
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                if id(value) not in swapped:
+                    swapped[id(value)] = InterpretedFunction(
+                        value.fn, version=value.version, do_not_specialize=value.do_not_specialize,
+                        do_not_specialize_on_alignment=value.do_not_specialize_on_alignment,
+                        debug=getattr(value, "debug", None), noinline=value.noinline,
+                        launch_metadata=value.launch_metadata,
+                    )  # fmt: skip
+                setattr(module, attr, swapped[id(value)])
 
 
 _PATCHED = False

@@ -49,6 +49,7 @@ class TreeAttentionMetadata:
     tree_slots:   number of tree slots the masks reference (<= 64).
     backend:      "auto" (the Triton kernel on CUDA, plain PyTorch on CPU where Triton only has its
                   slow interpreter), "triton" or "torch".
+    max_position: the largest query position, when known; sliding-window layers need it.
     """
 
     key_start: torch.Tensor
@@ -58,6 +59,7 @@ class TreeAttentionMetadata:
     position_ids: torch.Tensor
     tree_slots: int = MAX_NODES
     backend: str = "auto"
+    max_position: int | None = None  # largest query position, filled on demand (sliding windows)
 
 
 def tree_attention_metadata(
@@ -120,8 +122,9 @@ def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None):
-        raise NotImplementedError("specdec_tree attention does not support sliding-window layers yet")
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if window and not torch.compiler.is_compiling():  # compiled callers check before the graph runs
+        require_inside_window(meta, int(window))
     _require_shape(meta, query)
     use_kernel = meta.backend == "triton" or (meta.backend == "auto" and query.device.type == "cuda")
     attend = tree_attention_from_masks if use_kernel else tree_attention_torch
@@ -130,6 +133,18 @@ def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0
         tree_slots=meta.tree_slots,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+def require_inside_window(meta: TreeAttentionMetadata, window: int) -> None:
+    """A sliding-window layer (Mistral's default config has window 4096) equals full attention while
+    every query position is below the window; past it the tree kernel would be wrong, so refuse."""
+    if meta.max_position is None:  # once per forward (cached on the metadata), for such models only
+        meta.max_position = int(meta.position_ids.max()) if meta.position_ids.numel() else 0
+    if meta.max_position >= window:
+        raise NotImplementedError(
+            f"specdec_tree attention: position {meta.max_position} is outside the layer's sliding window"
+            f" ({window}); sliding-window attention past the window is not supported yet"
+        )
 
 
 def _require_shape(meta: TreeAttentionMetadata, query: torch.Tensor) -> None:

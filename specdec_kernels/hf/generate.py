@@ -28,7 +28,13 @@ import torch
 
 from .. import ops
 from .._tree_args import MAX_NODES
-from .attention import TreeAttentionMetadata, tree_attention_context, tree_attention_metadata, using_tree_attention
+from .attention import (
+    TreeAttentionMetadata,
+    require_inside_window,
+    tree_attention_context,
+    tree_attention_metadata,
+    using_tree_attention,
+)
 from .cache import cache_length, commit_paths, select_requests
 from .drafting import (
     chains_tree_parents,
@@ -330,6 +336,9 @@ def _forward(model, cache, ids: torch.Tensor, meta: TreeAttentionMetadata, V: in
         if compiled is None:
             out = model(input_ids=ids, position_ids=meta.position_ids, past_key_values=cache, use_cache=True)
         else:  # the metadata as an argument: its tensors become graph inputs (the context is not traceable)
+            window = getattr(model.config, "sliding_window", None)
+            if window:  # checked here: a data-dependent check inside the graph would break it
+                require_inside_window(meta, int(window))
             out = compiled(input_ids=ids, position_ids=meta.position_ids, past_key_values=cache, use_cache=True,
                            specdec_tree=meta)  # fmt: skip
     return out.logits[..., :V]

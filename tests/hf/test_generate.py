@@ -72,6 +72,21 @@ def test_greedy_qwen2_triton_attention_kernel():
     assert torch.equal(out.sequences, expected)
 
 
+def test_greedy_mistral_sliding_window_config():
+    """Stock Mistral configs carry sliding_window=4096: inside the window the tree forward is exact;
+    a tree reaching past a (tiny) window is a clear error, never silently full attention."""
+    target = tiny_model("mistral", seed=7)
+    draft = _near_copy(target, 0.3, seed=8)
+    ids, mask = _ragged_prompts(seed=7)
+    expected = _greedy_reference(target, ids, mask, 6)
+    out = speculative_generate(target, draft, ids, mask, max_new_tokens=6, num_draft_tokens=3, num_drafts=2,
+                               eos_token_id=[], pad_token_id=PAD)  # fmt: skip
+    assert torch.equal(out.sequences, expected)
+    narrow = tiny_model("mistral", seed=7, sliding_window=6)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        speculative_generate(narrow, None, ids, mask, max_new_tokens=6, drafter="prompt_lookup", eos_token_id=[])
+
+
 def test_greedy_prompt_lookup(pair):
     target, _ = pair
     ids, mask = _ragged_prompts(seed=2)
