@@ -108,3 +108,7 @@ def select_requests(cache, index: torch.Tensor) -> None:
             setattr(layer, name, getattr(layer, name).index_select(0, index))
         if _is_static(layer):
             layer.batch_size = int(index.numel())
+            # As StaticCache does at allocation: a compiled forward (CUDA graphs) then writes these
+            # buffers in place instead of copying them in as inputs or skipping the graph.
+            torch._dynamo.mark_static_address(getattr(layer, kname))
+            torch._dynamo.mark_static_address(getattr(layer, vname))
