@@ -194,7 +194,7 @@ def save_model(model, path: Path) -> int:
     path.mkdir(parents=True, exist_ok=True)
     half = model.to(torch.float16)
     half.generation_config = GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID, do_sample=False, max_length=2048
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID, do_sample=False
     )
     half.save_pretrained(str(path), safe_serialization=True)
     model.to(torch.float32)
