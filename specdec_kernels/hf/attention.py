@@ -115,6 +115,10 @@ def active_tree_metadata() -> TreeAttentionMetadata | None:
     return _ACTIVE.get()
 
 
+# Attention-function arguments that change the math and that the tree kernel does not implement.
+_UNSUPPORTED_FEATURES = ("softcap", "s_aux", "sinks", "position_bias")
+
+
 def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """AttentionInterface entry: query [B, Hq, Nq, D], key/value [B, Hkv, S, D] -> ([B, Nq, Hq, D], None)."""
     meta = kwargs.pop("specdec_tree", None) or active_tree_metadata()
@@ -122,6 +126,9 @@ def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    unsupported = [name for name in _UNSUPPORTED_FEATURES if kwargs.get(name) is not None]
+    if unsupported:  # silently ignoring them would give wrong attention (Gemma 2 softcaps, gpt-oss sinks)
+        raise NotImplementedError(f"specdec_tree attention does not support {', '.join(unsupported)} yet")
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if window and not torch.compiler.is_compiling():  # compiled callers check before the graph runs
         require_inside_window(meta, int(window))
@@ -184,6 +191,10 @@ def register_tree_attention() -> str:
 def using_tree_attention(model):
     """Temporarily switch ``model`` to "specdec_tree" (restores its previous implementation)."""
     register_tree_attention()
+    if getattr(model.config, "attn_logit_softcapping", None):
+        raise NotImplementedError(
+            f"{type(model).__name__} softcaps its attention logits; specdec_tree attention does not support that yet"
+        )
     previous = model.config._attn_implementation
     if previous == ATTN_NAME:
         yield model

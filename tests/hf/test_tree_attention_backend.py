@@ -124,3 +124,24 @@ def test_static_cache_tree_forward_matches_dense_mask():
                             cache_position=position, attention_mask=dense)  # fmt: skip
         logits.append(out.logits)
     torch.testing.assert_close(logits[0], logits[1], atol=2e-5, rtol=2e-5)
+
+
+def test_attention_features_it_does_not_implement_are_errors():
+    """Softcapped logits (Gemma 2), attention sinks (gpt-oss), position biases: a clear error, never
+    attention computed without them."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from specdec_kernels.hf.attention import _tree_attention_forward
+
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16))  # fmt: skip
+    with pytest.raises(NotImplementedError, match="softcaps"):
+        with using_tree_attention(gemma):
+            pass
+    q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    meta = tree_attention_metadata(torch.tensor([[-1, 0, 1]]), torch.tensor([2]), 2)
+    with tree_attention_context(meta):
+        _tree_attention_forward(torch.nn.Module(), q, k, v, None)  # supported: runs
+        for feature in ("softcap", "s_aux", "sinks", "position_bias"):
+            with pytest.raises(NotImplementedError, match=feature):
+                _tree_attention_forward(torch.nn.Module(), q, k, v, None, **{feature: torch.ones(1)})
