@@ -49,7 +49,6 @@ class TreeAttentionMetadata:
     tree_slots:   number of tree slots the masks reference (<= 64).
     backend:      "auto" (the Triton kernel on CUDA, plain PyTorch on CPU where Triton only has its
                   slow interpreter), "triton" or "torch".
-    max_position: the largest query position, when known; sliding-window layers need it.
     """
 
     key_start: torch.Tensor
@@ -59,7 +58,6 @@ class TreeAttentionMetadata:
     position_ids: torch.Tensor
     tree_slots: int = MAX_NODES
     backend: str = "auto"
-    max_position: int | None = None  # largest query position, filled on demand (sliding windows)
 
 
 def tree_attention_metadata(
@@ -130,28 +128,26 @@ def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0
     if unsupported:  # silently ignoring them would give wrong attention (Gemma 2 softcaps, gpt-oss sinks)
         raise NotImplementedError(f"specdec_tree attention does not support {', '.join(unsupported)} yet")
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    if window and not torch.compiler.is_compiling():  # compiled callers check before the graph runs
-        require_inside_window(meta, int(window))
+    window_lo = _window_lower_bounds(meta, int(window)) if window else None
     _require_shape(meta, query)
     use_kernel = meta.backend == "triton" or (meta.backend == "auto" and query.device.type == "cuda")
     attend = tree_attention_from_masks if use_kernel else tree_attention_torch
     out = attend(
         query, key, value, meta.key_start, meta.prefix_end, meta.tree_start, meta.query_masks, scaling,
-        tree_slots=meta.tree_slots,
+        tree_slots=meta.tree_slots, window_lo=window_lo,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 
-def require_inside_window(meta: TreeAttentionMetadata, window: int) -> None:
-    """A sliding-window layer (Mistral's default config has window 4096) equals full attention while
-    every query position is below the window; past it the tree kernel would be wrong, so refuse."""
-    if meta.max_position is None:  # once per forward (cached on the metadata), for such models only
-        meta.max_position = int(meta.position_ids.max()) if meta.position_ids.numel() else 0
-    if meta.max_position >= window:
+def _window_lower_bounds(meta: TreeAttentionMetadata, window: int) -> torch.Tensor:
+    """[B, Nq] int32: first cache slot a sliding-window query may attend (its position p sees
+    positions > p - window; slot key_start + t holds position t). Tree keys lie within the tree's
+    depth of the query, so a window at least as wide as the tree needs no mask on them."""
+    if window < meta.tree_slots:
         raise NotImplementedError(
-            f"specdec_tree attention: position {meta.max_position} is outside the layer's sliding window"
-            f" ({window}); sliding-window attention past the window is not supported yet"
+            f"specdec_tree attention: sliding window {window} is narrower than the tree ({meta.tree_slots} slots)"
         )
+    return (meta.key_start[:, None] + (meta.position_ids - window + 1).clamp_min(0)).to(torch.int32)
 
 
 def _require_shape(meta: TreeAttentionMetadata, query: torch.Tensor) -> None:

@@ -30,7 +30,6 @@ from .. import ops
 from .._tree_args import MAX_NODES
 from .attention import (
     TreeAttentionMetadata,
-    require_inside_window,
     tree_attention_context,
     tree_attention_metadata,
     using_tree_attention,
@@ -309,13 +308,17 @@ class _Session:
 def _prefill(model, prompts: list[list[int]], device, static_len: int | None = None):
     """Cache every prompt token but the last, left-aligned (right padding), through plain SDPA, in a
     ``DynamicCache`` or (``static_len`` slots) a ``StaticCache``."""
-    from transformers import DynamicCache, StaticCache
+    # Full-attention cache layers for every model: a sliding-window layer would drop its oldest keys
+    # and break "slot key_start + t holds position t"; the tree backend applies the window itself.
+    from transformers import DynamicCache
+    from transformers.cache_utils import Cache, StaticLayer
 
     if static_len is None:
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache()
     else:
-        cache = StaticCache(config=model.config, max_cache_len=static_len)
-        if not all(hasattr(layer, "cumulative_length") for layer in getattr(cache, "layers", [None])):
+        layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        cache = Cache(layers=[StaticLayer(max_cache_len=static_len) for _ in range(layers)])
+        if not all(hasattr(layer, "cumulative_length") for layer in cache.layers):
             raise RuntimeError("cache_implementation='static' needs transformers >= 5 (StaticCache write counters)")
     width = max(len(p) for p in prompts) - 1
     if width <= 0:
@@ -336,9 +339,6 @@ def _forward(model, cache, ids: torch.Tensor, meta: TreeAttentionMetadata, V: in
         if compiled is None:
             out = model(input_ids=ids, position_ids=meta.position_ids, past_key_values=cache, use_cache=True)
         else:  # the metadata as an argument: its tensors become graph inputs (the context is not traceable)
-            window = getattr(model.config, "sliding_window", None)
-            if window:  # checked here: a data-dependent check inside the graph would break it
-                require_inside_window(meta, int(window))
             out = compiled(input_ids=ids, position_ids=meta.position_ids, past_key_values=cache, use_cache=True,
                            specdec_tree=meta)  # fmt: skip
     return out.logits[..., :V]

@@ -17,6 +17,9 @@ Key layout (per request b, positions in the key dimension of ``k``/``v``):
     [key_start[b], prefix_end[b])          committed prefix, attended by every real query
     tree_start[b] + j, j < 64              tree node j, attended by query n iff bit j of anc[b, n]
 
+With a sliding window, query n of request b sees only prefix keys >= window_lo[b, n] (its own
+first slot inside the window); tree keys are always inside it (the window must cover the tree).
+
 ``tree_attention`` (the public function) uses key_start = 0, prefix_end = tree_start = prefix_lens;
 the Hugging Face backend passes the general form (left padding, tree appended after a shared cache
 length).
@@ -72,6 +75,7 @@ def _tree_attention_kernel(
     prefix_end_ptr,  # [B] int32: committed keys are [key_start, prefix_end)
     tree_start_ptr,  # [B] int32: tree node j's key sits at tree_start + j
     anc_ptr,  # [B, Nq] int64: bit j set iff the query may attend tree node j; 0 = padding query
+    window_lo_ptr,  # [B, Nq] int32: first prefix key the query may attend (read when HAS_WINDOW)
     out_ptr,  # [B, Hq, Nq, D] q's dtype (written when NUM_SPLITS == 1)
     part_acc_ptr,  # [B * Hq * Nq, NUM_SPLITS, BLOCK_D] fp32 unnormalised outputs (NUM_SPLITS > 1)
     part_ml_ptr,  # [B * Hq * Nq, NUM_SPLITS, 2] fp32 running max (log2 units) and sum (NUM_SPLITS > 1)
@@ -102,6 +106,7 @@ def _tree_attention_kernel(
     BLOCK_N: tl.constexpr,
     TREE_SPAN: tl.constexpr,  # power of two >= number of tree key slots (<= 64)
     NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,  # sliding window: per-query lower bounds on the prefix keys
     DOT_DTYPE: tl.constexpr,  # fp32 in the interpreter (its bf16 arithmetic is wrong), else q's dtype
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
@@ -133,6 +138,10 @@ def _tree_attention_kernel(
     prefix_end = tl.minimum(tl.load(prefix_end_ptr + b).to(tl.int32), S)
     lo = tl.maximum(key_start, split * split_len)
     hi = tl.minimum(prefix_end, (split + 1) * split_len)
+    if HAS_WINDOW:
+        window_lo = tl.load(window_lo_ptr + b * Nq + node, mask=row_ok, other=0).to(tl.int32)
+        # tiles below every row's window are skipped like tiles outside the prefix
+        lo = tl.maximum(lo, tl.min(tl.where(real, window_lo, 2147483647), axis=0))
     any_real = tl.max(real.to(tl.int32), axis=0) > 0
     if any_real:
         for tile in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
@@ -143,6 +152,8 @@ def _tree_attention_kernel(
             k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
             v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
             allowed = real[:, None] & key_ok[None, :]
+            if HAS_WINDOW:
+                allowed = allowed & (keys[None, :] >= window_lo[:, None])
             m_i, l_i, acc = _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE)
 
         # The tree nodes (at most 64 keys: one tile), handled by the last split.
@@ -229,7 +240,8 @@ def _dot_dtype(dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
-def tree_attention_torch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale=None, *, tree_slots=MAX_NODES):
+def tree_attention_torch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale=None, *, tree_slots=MAX_NODES,
+                         window_lo=None):  # fmt: skip
     """Same contract as :func:`tree_attention_from_masks` in plain PyTorch (builds the dense mask).
 
     For CPU runs, where Triton only has its (slow) interpreter: the Hugging Face backend uses it for
@@ -239,11 +251,14 @@ def tree_attention_torch(q, k, v, key_start, prefix_end, tree_start, query_masks
     Hkv, S = k.shape[1], k.shape[2]
     s = torch.arange(S, device=q.device)
     prefix = (s[None, :] >= key_start[:, None]) & (s[None, :] < prefix_end[:, None])  # [B, S]
+    prefix = prefix[:, None, :]  # [B, 1 or Nq, S]
+    if window_lo is not None:
+        prefix = prefix & (s[None, None, :] >= window_lo[:, :, None])
     j = s[None, :] - tree_start[:, None]  # [B, S]
     in_tree = (j >= 0) & (j < tree_slots)
     bits = (query_masks[:, :, None] >> j.clamp(0, MAX_NODES - 1)[:, None, :]) & 1  # [B, Nq, S]
     real = (query_masks != 0)[:, :, None]
-    allowed = real & (prefix[:, None, :] | (in_tree[:, None, :] & (bits != 0)))
+    allowed = real & (prefix | (in_tree[:, None, :] & (bits != 0)))
     group = Hq // Hkv
     kk = k.repeat_interleave(group, dim=1) if group > 1 else k
     vv = v.repeat_interleave(group, dim=1) if group > 1 else v
@@ -265,6 +280,7 @@ def tree_attention_from_masks(
     scale: float | None = None,
     *,
     tree_slots: int = MAX_NODES,
+    window_lo: torch.Tensor | None = None,
     _num_splits: int | None = None,
 ) -> torch.Tensor:
     """The general form the Hugging Face backend uses: masks given per query, tree anywhere in the keys.
@@ -276,14 +292,19 @@ def tree_attention_from_masks(
         query_masks: [B, Nq] int64: bit j set iff query n may attend tree node j; 0 marks a padding
             query (its output is zeros). The tree slots must not overlap the prefix range.
         tree_slots: how many tree key slots the masks may reference (<= 64; fewer scans fewer keys).
+        window_lo: [B, Nq] int32 or None: sliding window; query n attends only prefix keys
+            >= window_lo[b, n] (tree keys are not windowed: the window must cover the tree).
 
     Shapes and dtypes are checked; values are not (no host synchronisation): it is the layer the
     Hugging Face backend calls once per layer with metadata built once per step.
     """
     if torch.compiler.is_compiling():  # one opaque node in the graph: dynamo cannot trace the launcher
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        return tree_attention_op(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots)
-    return _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, _num_splits)
+        return tree_attention_op(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, window_lo)
+    if window_lo is not None:
+        _require(tuple(window_lo.shape) == tuple(query_masks.shape), "window_lo must have query_masks' shape [B, Nq]")
+        window_lo = window_lo.to(torch.int32).contiguous()
+    return _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, window_lo, _num_splits)
 
 
 @torch.library.custom_op("specdec::tree_attention", mutates_args=())
@@ -297,17 +318,20 @@ def tree_attention_op(
     query_masks: torch.Tensor,
     scale: float,
     tree_slots: int,
+    window_lo: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``tree_attention_from_masks`` as a torch.library op (torch.compile graphs, CUDA graphs)."""
-    return _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, None)
+    if window_lo is not None:
+        window_lo = window_lo.to(torch.int32).contiguous()
+    return _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, window_lo, None)
 
 
 @tree_attention_op.register_fake
-def _tree_attention_fake(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots):
+def _tree_attention_fake(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, window_lo=None):
     return q.new_empty(q.shape)  # contiguous [B, Hq, Nq, D], as _launch allocates
 
 
-def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, _num_splits):
+def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, window_lo, _num_splits):
     B, Hq, Nq, D = q.shape
     _, Hkv, S, _ = k.shape
     out = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
@@ -329,7 +353,8 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
     else:
         part_acc = part_ml = out  # unused
     _tree_attention_kernel[(B * Hkv, m_tiles, splits)](
-        q, k, v, key_start, prefix_end, tree_start, query_masks, out, part_acc, part_ml,
+        q, k, v, key_start, prefix_end, tree_start, query_masks,
+        query_masks if window_lo is None else window_lo, out, part_acc, part_ml,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -337,7 +362,7 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
         Hkv, Nq, S, split_len, scale * _LOG2E,
         GROUP=group, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         TREE_SPAN=max(16, _next_pow2(tree_slots)),
-        NUM_SPLITS=splits, DOT_DTYPE=_dot_dtype(q.dtype),
+        NUM_SPLITS=splits, HAS_WINDOW=window_lo is not None, DOT_DTYPE=_dot_dtype(q.dtype),
         num_warps=8 if block_d > 128 else 4,
     )  # fmt: skip
     if splits > 1:
@@ -357,6 +382,7 @@ def tree_attention(
     *,
     num_nodes: torch.Tensor | None = None,
     scale: float | None = None,
+    sliding_window: int | None = None,
     validate: bool = True,
     _num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -372,6 +398,9 @@ def tree_attention(
                      :func:`verify_tree`); N <= 64.
         num_nodes:   [B] int: ragged trees; nodes >= num_nodes[b] are padding (zero output, never attended).
         scale:       softmax scale, default 1/sqrt(D).
+        sliding_window: W, or None: a query at position p (prefix key s is at position s, node n at
+                     prefix_lens[b] + depth(n) - 1) attends only keys at positions > p - W, as
+                     Mistral-style sliding-window layers do. W >= N (the window covers the tree).
         validate:    check values (prefix lengths, parents) on the host; synchronises with the GPU.
 
     Returns:
@@ -390,12 +419,18 @@ def tree_attention(
     B, _, N, _ = q.shape
     if validate and B and not _capturing(q.device):
         _check_attention_values(k.shape[2], N, prefix_lens, parents, num_nodes)
+    _require(sliding_window is None or int(sliding_window) >= N,
+             f"sliding_window must be >= N={N} (the window must cover the tree), got {sliding_window}")  # fmt: skip
     meta = tree_metadata(parents, num_nodes)
     prefix_end = prefix_lens.to(torch.int32)
     key_start = torch.zeros_like(prefix_end)
+    window_lo = None
+    if sliding_window is not None:  # first visible position: (prefix + depth - 1) - W + 1
+        window_lo = (prefix_end[:, None] + meta.depth - int(sliding_window)).clamp_min(0).to(torch.int32)
     return tree_attention_from_masks(
-        q, k, v, key_start, prefix_end, prefix_end, meta.ancestor_mask, scale, tree_slots=N, _num_splits=_num_splits
-    )
+        q, k, v, key_start, prefix_end, prefix_end, meta.ancestor_mask, scale, tree_slots=N, window_lo=window_lo,
+        _num_splits=_num_splits,
+    )  # fmt: skip
 
 
 def _check_attention_args(q, k, v, prefix_lens, parents, num_nodes) -> None:

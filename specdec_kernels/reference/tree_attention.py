@@ -2,7 +2,9 @@
 
 The specification of :func:`specdec_kernels.tree_attention`: request b's query node n attends key s iff
 s < prefix_lens[b], or s = prefix_lens[b] + j for a tree node j that is n or an ancestor of n.
-Padding nodes (n >= num_nodes[b]) output zeros.
+Padding nodes (n >= num_nodes[b]) output zeros. With a sliding window W, positions are s for prefix
+key s and prefix_lens[b] + depth - 1 for a node, and a query at position p sees only keys at
+positions > p - W.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import torch
 from .verify_tree import tree_metadata_reference
 
 
-def tree_attention_mask(prefix_lens, parents, S: int, num_nodes=None) -> torch.Tensor:
+def tree_attention_mask(prefix_lens, parents, S: int, num_nodes=None, sliding_window=None) -> torch.Tensor:
     """[B, N, S] bool: the dense mask the kernel never builds (used by tests and the HF check)."""
     B, N = parents.shape
     n = num_nodes.cpu().long() if num_nodes is not None else torch.full((B,), N, dtype=torch.long)
-    anc = tree_metadata_reference(parents.cpu(), n).ancestor_mask
+    meta = tree_metadata_reference(parents.cpu(), n)
+    anc = meta.ancestor_mask
     bits = ((anc[:, :, None] >> torch.arange(N)) & 1).bool()  # [B, N, N]
     mask = torch.zeros(B, N, S, dtype=torch.bool)
     for b in range(B):
@@ -26,15 +29,23 @@ def tree_attention_mask(prefix_lens, parents, S: int, num_nodes=None) -> torch.T
         real = torch.arange(N) < int(n[b])
         mask[b, real, :p] = True
         mask[b, :, p : p + N] = bits[b, :, : min(N, S - p)] & real[:, None]
+        if sliding_window is not None:
+            depth = meta.depth[b].long()
+            q_pos = p + depth - 1  # [N]
+            k_pos = torch.arange(S)
+            tree = (k_pos >= p) & (k_pos < p + N)
+            k_pos = torch.where(tree, p + depth[(k_pos - p).clamp(0, N - 1)] - 1, k_pos)
+            mask[b] &= k_pos[None, :] > q_pos[:, None] - int(sliding_window)
     return mask
 
 
-def tree_attention_reference(q, k, v, prefix_lens, parents, *, num_nodes=None, scale=None) -> torch.Tensor:
+def tree_attention_reference(q, k, v, prefix_lens, parents, *, num_nodes=None, scale=None,
+                             sliding_window=None) -> torch.Tensor:  # fmt: skip
     """[B, Hq, N, D] in q's dtype, computed in fp64 on the CPU from the dense mask."""
     B, Hq, N, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    mask = tree_attention_mask(prefix_lens.cpu(), parents.cpu(), S, num_nodes)  # [B, N, S]
+    mask = tree_attention_mask(prefix_lens.cpu(), parents.cpu(), S, num_nodes, sliding_window)  # [B, N, S]
     qf, kf, vf = (t.detach().cpu().double() for t in (q, k, v))
     kf = kf.repeat_interleave(Hq // Hkv, dim=1)
     vf = vf.repeat_interleave(Hq // Hkv, dim=1)

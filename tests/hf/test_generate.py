@@ -72,19 +72,25 @@ def test_greedy_qwen2_triton_attention_kernel():
     assert torch.equal(out.sequences, expected)
 
 
-def test_greedy_mistral_sliding_window_config():
-    """Stock Mistral configs carry sliding_window=4096: inside the window the tree forward is exact;
-    a tree reaching past a (tiny) window is a clear error, never silently full attention."""
-    target = tiny_model("mistral", seed=7)
+@pytest.mark.parametrize("window", [4096, 9])
+def test_greedy_mistral_sliding_window(window):
+    """Mistral's sliding-window layers (4096 by default): with a tiny window of 9, prompts plus output
+    run far past it, so every forward must drop the keys that left the window, as generate does.
+    Both cache kinds: the driver keeps full cache layers and applies the window itself."""
+    target = tiny_model("mistral", seed=7, sliding_window=window)
     draft = _near_copy(target, 0.3, seed=8)
     ids, mask = _ragged_prompts(seed=7)
-    expected = _greedy_reference(target, ids, mask, 6)
-    out = speculative_generate(target, draft, ids, mask, max_new_tokens=6, num_draft_tokens=3, num_drafts=2,
-                               eos_token_id=[], pad_token_id=PAD)  # fmt: skip
-    assert torch.equal(out.sequences, expected)
-    narrow = tiny_model("mistral", seed=7, sliding_window=6)
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        speculative_generate(narrow, None, ids, mask, max_new_tokens=6, drafter="prompt_lookup", eos_token_id=[])
+    expected = _greedy_reference(target, ids, mask, 10)
+    for cache in ("dynamic", "static"):
+        out = speculative_generate(target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=3, num_drafts=2,
+                                   eos_token_id=[], pad_token_id=PAD, cache_implementation=cache)  # fmt: skip
+        assert torch.equal(out.sequences, expected), cache
+    if window == 9:  # and the window matters: full attention would continue differently
+        full = tiny_model("mistral", seed=7, sliding_window=None)
+        assert not torch.equal(_greedy_reference(full, ids, mask, 10), expected)
+    narrow = tiny_model("mistral", seed=7, sliding_window=4)
+    with pytest.raises(NotImplementedError, match="narrower than the tree"):
+        speculative_generate(narrow, draft, ids, mask, max_new_tokens=4, num_draft_tokens=3, num_drafts=2)
 
 
 def test_greedy_prompt_lookup(pair):

@@ -113,17 +113,18 @@ def attention_kernels():
     import triton.language as tl
 
     v = importlib.import_module("specdec_kernels.ops.tree_attention")
-    ints = {"key_start_ptr": "*i32", "prefix_end_ptr": "*i32", "tree_start_ptr": "*i32", "anc_ptr": "*i64", "qk_scale": "fp32"}
-    for dtype, dot, D, block_d, block_m, splits in [
-        ("*bf16", tl.bfloat16, 128, 128, 64, 1),
-        ("*fp16", tl.float16, 80, 128, 16, 4),
-        ("*bf16", tl.bfloat16, 256, 256, 16, 8),
-        ("*fp32", tl.float32, 64, 64, 32, 1),
+    ints = {"key_start_ptr": "*i32", "prefix_end_ptr": "*i32", "tree_start_ptr": "*i32", "anc_ptr": "*i64",
+            "window_lo_ptr": "*i32", "qk_scale": "fp32"}  # fmt: skip
+    for dtype, dot, D, block_d, block_m, splits, window in [
+        ("*bf16", tl.bfloat16, 128, 128, 64, 1, False),
+        ("*fp16", tl.float16, 80, 128, 16, 4, True),
+        ("*bf16", tl.bfloat16, 256, 256, 16, 8, False),
+        ("*fp32", tl.float32, 64, 64, 32, 1, True),
     ]:
         types = dict(ints, q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, out_ptr=dtype)
         yield v._tree_attention_kernel, types, dict(
             GROUP=4, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32 if block_d > 128 else 64, TREE_SPAN=64,
-            NUM_SPLITS=splits, DOT_DTYPE=dot,
+            NUM_SPLITS=splits, HAS_WINDOW=window, DOT_DTYPE=dot,
         )
         if splits > 1:
             yield v._tree_attention_combine_kernel, dict(out_ptr=dtype), dict(D=D, BLOCK_D=block_d, NUM_SPLITS=splits)

@@ -31,7 +31,8 @@ def _problem(B, Hq, Hkv, N, D, *, shape="random", dtype=torch.float32, seed=0, m
 
 def _check(q, k, v, prefix, parents, num_nodes, **kw):
     out = sk.tree_attention(q, k, v, prefix, parents, num_nodes=num_nodes, **kw)
-    ref = tree_attention_reference(q, k, v, prefix, parents, num_nodes=num_nodes, scale=kw.get("scale"))
+    ref = tree_attention_reference(q, k, v, prefix, parents, num_nodes=num_nodes, scale=kw.get("scale"),
+                                   sliding_window=kw.get("sliding_window"))  # fmt: skip
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[q.dtype], rtol=TOL[q.dtype])
     return out
@@ -55,6 +56,24 @@ def test_flash_decoding_splits_match_one_pass(splits):
     whole = _check(*args, _num_splits=1)
     split = _check(*args, _num_splits=splits)
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window, splits", [(7, 1), (16, 1), (40, 4), (1000, 1)])
+def test_sliding_window(window, splits):
+    """Mistral-style windows: long prefixes see only their last keys; the split that holds no
+    visible key contributes nothing; a window wider than every sequence is full attention."""
+    args = _problem(3, 4, 2, 7, 64, seed=window, max_prefix=200)
+    out = _check(*args, sliding_window=window, _num_splits=splits)
+    if window == 1000:
+        torch.testing.assert_close(out, sk.tree_attention(*args[:5], num_nodes=args[5]), atol=1e-5, rtol=1e-5)
+    else:  # the window changes the result: the test would notice it being ignored
+        assert not torch.allclose(out, sk.tree_attention(*args[:5], num_nodes=args[5]), atol=1e-3)
+
+
+def test_sliding_window_must_cover_the_tree():
+    q, k, v, prefix, parents, num_nodes = _problem(1, 2, 2, 7, 64)
+    with pytest.raises(ValueError, match="sliding_window must be >= N=7"):
+        sk.tree_attention(q, k, v, prefix, parents, sliding_window=6)
 
 
 def test_full_64_node_tree():
