@@ -196,7 +196,8 @@ def generate_command(args: argparse.Namespace) -> int:
         num_draft_tokens=args.num_draft_tokens, num_drafts=args.num_drafts, method=args.method, drafter=drafter,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         eos_token_id=getattr(tok, "eos_token_id", None), pad_token_id=getattr(tok, "pad_token_id", None),
-        streamer=_PrintStreamer(tok), vocab_size=args.vocab_size, cache_implementation=args.cache,
+        streamer=_PrintStreamer(tok), vocab_size=args.vocab_size,
+        cache_implementation="static" if args.compile else args.cache, compile_target=args.compile,
     )  # fmt: skip
     print()
     print(out.stats.table())
@@ -288,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--vocab-size", type=int, default=None, help="real token count if embeddings are padded")
     p_gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     p_gen.add_argument("--cache", choices=["dynamic", "static"], default="dynamic", help="KV cache of both models")
+    p_gen.add_argument("--compile", action="store_true",
+                       help="torch.compile the target's verification forward (CUDA graphs on GPU; implies --cache static)")
     p_gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
 
     p_vd = sub.add_parser("verify-demo", help="verification kernels on random distributions vs theory")
