@@ -76,15 +76,16 @@ def test_greedy_qwen2_triton_attention_kernel():
 def test_greedy_mistral_sliding_window(window):
     """Mistral's sliding-window layers (4096 by default): with a tiny window of 9, prompts plus output
     run far past it, so every forward must drop the keys that left the window, as generate does.
-    Both cache kinds: the driver keeps full cache layers and applies the window itself."""
+    Both cache kinds, and the Triton kernel: the driver keeps full cache layers and applies the window."""
     target = tiny_model("mistral", seed=7, sliding_window=window)
     draft = _near_copy(target, 0.3, seed=8)
     ids, mask = _ragged_prompts(seed=7)
     expected = _greedy_reference(target, ids, mask, 10)
-    for cache in ("dynamic", "static"):
+    for cache, attention in (("dynamic", "auto"), ("static", "auto"), ("dynamic", "triton")):
         out = speculative_generate(target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=3, num_drafts=2,
-                                   eos_token_id=[], pad_token_id=PAD, cache_implementation=cache)  # fmt: skip
-        assert torch.equal(out.sequences, expected), cache
+                                   eos_token_id=[], pad_token_id=PAD, cache_implementation=cache,
+                                   attention_backend=attention)  # fmt: skip
+        assert torch.equal(out.sequences, expected), (cache, attention)
     if window == 9:  # and the window matters: full attention would continue differently
         full = tiny_model("mistral", seed=7, sliding_window=None)
         assert not torch.equal(_greedy_reference(full, ids, mask, 10), expected)

@@ -48,7 +48,7 @@ def _dense_tree_mask(prefix_lens, parents, cache_len, N):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_tree_forward_matches_dense_mask(kind, backend):
     model = tiny_model(kind, seed=1)
     lens = [5, 9, 2]
