@@ -15,6 +15,8 @@ from specdec_kernels.hf import speculative_generate, using_tree_attention  # noq
 from specdec_kernels.hf.cache import cache_length  # noqa: E402
 from specdec_kernels.hf.generate import _Session  # noqa: E402
 
+from specdec_kernels.reference.sampling import processed_probs  # noqa: E402
+
 from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue  # noqa: E402
 from ._models import tiny_model  # noqa: E402
 
@@ -196,37 +198,54 @@ def test_compiled_target_forward_is_one_graph(pair, attention_backend, compiler)
     assert not counters["graph_break"]
 
 
-def _two_token_distribution(target, prompt, temperature):
-    """Exact p(x1, x2 | prompt) of the target at this temperature, [V, V]."""
+def _two_token_distribution(target, prompt, temperature, top_k=0, top_p=1.0):
+    """Exact p(x1, x2 | prompt) of the target after temperature/top-k/top-p (the reference's
+    processing), [V, V]."""
     V = target.config.vocab_size
+
+    def probs(logits):  # [R, V] -> [R, V] float64
+        return torch.stack([processed_probs(row, temperature, top_k, top_p) for row in logits.float()])
+
     with torch.no_grad():
-        first = torch.softmax(target(input_ids=torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        first = probs(target(input_ids=torch.tensor([prompt])).logits[:, -1])[0]
         seqs = torch.tensor([prompt + [x] for x in range(V)])
-        second = torch.softmax(target(input_ids=seqs).logits[:, -1] / temperature, -1)
+        second = probs(target(input_ids=seqs).logits[:, -1])
     return first[:, None] * second
 
 
-@pytest.mark.parametrize("K, method", [(1, "kseq"), (2, "kseq"), (2, "rrs"), (2, "rrs_wor")])
-def test_sampled_output_follows_the_target(K, method):
-    """Chi-square (alpha 1e-6) on the first two generated tokens (V = 6: 36 cells) of 3000 requests.
+@pytest.mark.parametrize(
+    "K, method, sampling",
+    [
+        (1, "kseq", {}),
+        (2, "kseq", {}),
+        (2, "rrs", {}),
+        (2, "rrs_wor", {}),
+        (1, "kseq", dict(temperature=0.8, top_k=4, top_p=0.9)),
+        (2, "kseq", dict(temperature=0.8, top_k=4, top_p=0.9)),
+    ],
+)
+def test_sampled_output_follows_the_target(K, method, sampling):
+    """Chi-square (alpha 1e-6) on the first two generated tokens (V = 6: 36 cells) of 3000 requests,
+    against the target's own distribution after the same temperature/top-k/top-p processing.
 
     Power, asserted below: at this sample size the test rejects with probability > 0.99 both the
     draft's own distribution (a verifier that accepts everything) and, on the first token alone, a
     verifier that resamples from p instead of the residual max(p - q, 0) after a rejection.
     """
-    V, n, temperature = 6, 3000, 1.0
+    V, n = 6, 3000
+    sampling = {"temperature": 1.0, **sampling}
     target = tiny_model("llama", vocab=V, seed=13, init_std=0.1)  # flat: p_max ~ 0.3, overlap ~ 0.7
     draft = tiny_model("llama", vocab=V, seed=14, init_std=0.1, layers=1)
     prompt = [3, 4, 5, 0]
-    expected = _two_token_distribution(target, prompt, temperature)
-    draft_dist = _two_token_distribution(draft, prompt, temperature)
+    expected = _two_token_distribution(target, prompt, **sampling)
+    draft_dist = _two_token_distribution(draft, prompt, **sampling)
     assert chi_square_power(expected.flatten(), draft_dist.flatten(), n) > 0.99
     p1, q1 = expected.sum(1), draft_dist.sum(1)
     resample_from_p = torch.minimum(p1, q1) + (1 - torch.minimum(p1, q1).sum()) * p1
     assert chi_square_power(p1, resample_from_p, n) > 0.99
     ids = torch.tensor([prompt] * n)
     out = speculative_generate(target, draft, ids, max_new_tokens=2, num_draft_tokens=2, num_drafts=K, method=method,
-                               temperature=temperature, seed=1, eos_token_id=[])  # fmt: skip
+                               seed=1, eos_token_id=[], **sampling)  # fmt: skip
     pairs = out.sequences[:, len(prompt) :]
     assert 0 < out.stats.acceptance_rate < 0.95  # both accept and reject paths ran
     assert chi_square_pvalue(pairs[:, 0] * V + pairs[:, 1], expected.flatten()) > ALPHA
