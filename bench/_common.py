@@ -230,11 +230,13 @@ def measure_copy_bandwidth(device: str | None = None, nbytes: int | None = None,
     device = str(device or default_device())
     if nbytes is None:
         nbytes = GPU_COPY_BYTES if device.startswith("cuda") else CPU_COPY_BYTES
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    src.fill_(1)  # touch the pages so that the first timed copy does not pay for page faults
-    dst = torch.empty_like(src)
-    stats = time_fn(lambda: dst.copy_(src), warmup=warmup, rep=rep, device=device)
-    del src, dst
+    def time_copy() -> dict:  # the buffers live only while timed (freed before empty_cache)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        src.fill_(1)  # touch the pages so that the first timed copy does not pay for page faults
+        dst = torch.empty_like(src)
+        return time_fn(lambda: dst.copy_(src), warmup=warmup, rep=rep, device=device)
+
+    stats = time_copy()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return 2 * nbytes / (stats["median_us"] * 1e-6) / 1e9
