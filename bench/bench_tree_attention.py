@@ -33,6 +33,11 @@ CUDA, which gets ``repeat`` -- masked GQA there only runs on SDPA's unfused math
 Face uses ``repeat_kv`` whenever there is a mask; without ``enable_gqa`` support, ``repeat``.
 ``ours`` and ``flex_attention`` handle GQA natively (``native``).
 
+``--sliding-window W`` (Mistral-style layers): a query at position p sees only keys at positions
+> p - W (prefix key s is at position s, a node at prefix + depth - 1); every masked provider applies
+the window, ``sdpa_no_mask`` then reads only the last min(prefix, W) prefix keys plus the tree (the
+keys a windowed tree needs), and ``bytes_read_once`` counts those keys.
+
 ``--check`` compares every masked provider (``ours``, ``flex_attention``) with ``sdpa_dense_mask`` on
 each shape before timing (allclose with atol = rtol = 1e-4 fp32, 1e-2 fp16, 2e-2 bf16, and the max
 error relative to the output's largest magnitude within the same tolerance); a mismatch is an
@@ -112,7 +117,7 @@ CSV_COLUMNS = (
     "date", "commit", "device", "torch", "triton", "provider", "gqa", "status", "B", "prefix", "N",
     "Hq", "Hkv", "D", "dtype", "median_us", "p20_us", "p80_us", "GBps", "floor_us", "frac_of_floor",
     "ratio_vs_sdpa_no_mask", "speedup_vs_dense", "copy_GBps", "bytes_read_once", "check_max_err",
-    "tree_seed", "warmup", "rep", "triton_interpret", "cuda", "python",
+    "tree_seed", "sliding_window", "warmup", "rep", "triton_interpret", "cuda", "python",
 )  # fmt: skip
 TABLE_COLUMNS = (
     "provider", "gqa", "B", "prefix", "N", "Hq", "Hkv", "D", "dtype", "median_us", "p20_us", "p80_us",
@@ -154,11 +159,25 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
-def dense_tree_mask(parents: torch.Tensor, prefix: int, device: str) -> torch.Tensor:
-    """[B, 1, N, prefix + N] bool, True = may attend: ones over the prefix, the tree matrix after it."""
+def key_and_query_positions(parents: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, prefix + N] key positions, [B, N] query positions): prefix key s at s, node n at
+    prefix + depth(n) - 1 (depth = size of its ancestor-or-self set)."""
     B, N = parents.shape
-    tree = ancestor_matrix(parents).to(device)
-    return torch.cat([torch.ones(B, N, prefix, dtype=torch.bool, device=device), tree], dim=-1)[:, None]
+    node_pos = prefix + ancestor_matrix(parents).sum(-1) - 1
+    keys = torch.cat([torch.arange(prefix).expand(B, prefix), node_pos], dim=1)
+    return keys, node_pos
+
+
+def dense_tree_mask(parents: torch.Tensor, prefix: int, device: str, window: int | None = None) -> torch.Tensor:
+    """[B, 1, N, prefix + N] bool, True = may attend: ones over the prefix, the tree matrix after it
+    (and, with a sliding window, only keys at positions > the query's - window)."""
+    B, N = parents.shape
+    tree = ancestor_matrix(parents)
+    mask = torch.cat([torch.ones(B, N, prefix, dtype=torch.bool), tree], dim=-1)
+    if window is not None:
+        keys, queries = key_and_query_positions(parents, prefix)
+        mask &= keys[:, None, :] > queries[:, :, None] - window
+    return mask[:, None].to(device)
 
 
 @dataclass(frozen=True)
@@ -195,9 +214,15 @@ def make_inputs(shape: Shape, dtype, device: str, seed: int) -> AttentionInputs:
     return AttentionInputs(q, k, v, prefix_lens, parents.to(device), parents)
 
 
-def bytes_read_once(inputs: AttentionInputs) -> int:
-    """K and V once (2 * B * Hkv * (prefix + N) * D * element size) + the queries."""
-    return sum(t.numel() * t.element_size() for t in (inputs.k, inputs.v, inputs.q))
+def bytes_read_once(inputs: AttentionInputs, window: int | None = None) -> int:
+    """K and V once (2 * B * Hkv * (keys) * D * element size) + the queries; keys = prefix + N, or
+    min(prefix, window) + N with a sliding window."""
+    k, q = inputs.k, inputs.q
+    N = q.shape[2]
+    prefix = k.shape[2] - N
+    keys = (prefix if window is None else min(prefix, window)) + N
+    kv = 2 * k.shape[0] * k.shape[1] * keys * k.shape[3] * k.element_size()
+    return kv + q.numel() * q.element_size()
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,12 +277,18 @@ def _sdpa_call(inputs: AttentionInputs, mask, gqa: str) -> Callable:
 
 def sdpa_dense_mask_provider(inputs: AttentionInputs, args) -> tuple[Callable, str]:
     gqa = sdpa_gqa_mode(args.sdpa_gqa, masked=True, device=args.device)
-    mask = dense_tree_mask(inputs.parents_cpu, inputs.k.shape[2] - inputs.q.shape[2], args.device)  # untimed
+    prefix = inputs.k.shape[2] - inputs.q.shape[2]
+    mask = dense_tree_mask(inputs.parents_cpu, prefix, args.device, args.sliding_window)  # untimed
     return _sdpa_call(inputs, mask, gqa), gqa
 
 
 def sdpa_no_mask_provider(inputs: AttentionInputs, args) -> tuple[Callable, str]:
     gqa = sdpa_gqa_mode(args.sdpa_gqa, masked=False, device=args.device)
+    if args.sliding_window is not None:  # only the keys a windowed tree needs: the last W prefix keys + the tree
+        prefix = inputs.k.shape[2] - inputs.q.shape[2]
+        first = max(0, prefix - args.sliding_window)
+        inputs = AttentionInputs(inputs.q, inputs.k[:, :, first:], inputs.v[:, :, first:], inputs.prefix_lens,
+                                 inputs.parents, inputs.parents_cpu)  # fmt: skip
     return _sdpa_call(inputs, None, gqa), gqa
 
 
@@ -275,16 +306,21 @@ def flex_unavailable(device: str) -> str | None:
     return None
 
 
-def flex_block_mask(parents: torch.Tensor, prefix: int, Hq: int, device: str):
-    """A BlockMask for the tree: keys < prefix always, tree key prefix + j iff j is an ancestor-or-self."""
+def flex_block_mask(parents: torch.Tensor, prefix: int, Hq: int, device: str, window: int | None = None):
+    """A BlockMask for the tree: keys < prefix always, tree key prefix + j iff j is an ancestor-or-self
+    (with a sliding window: and the key's position > the query's - window)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, N = parents.shape
     tree = ancestor_matrix(parents.cpu()).to(device)  # [B, N, N]
+    key_pos, query_pos = (t.to(device) for t in key_and_query_positions(parents.cpu(), prefix))
 
     def mask_mod(b, h, q_idx, kv_idx):
         j = (kv_idx - prefix).clamp(0, N - 1)
-        return (kv_idx < prefix) | tree[b, q_idx, j]
+        allowed = (kv_idx < prefix) | tree[b, q_idx, j]
+        if window is None:
+            return allowed
+        return allowed & (key_pos[b, kv_idx] > query_pos[b, q_idx] - window)
 
     return create_block_mask(mask_mod, B, None, N, prefix + N, device=device)
 
@@ -303,7 +339,8 @@ def flex_attention_provider(inputs: AttentionInputs, args) -> tuple[Callable, st
                 setattr(dynamo_config, name, max(getattr(dynamo_config, name), 1024))
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
     q, k, v = inputs.q, inputs.k, inputs.v
-    block_mask = flex_block_mask(inputs.parents_cpu, k.shape[2] - q.shape[2], q.shape[1], args.device)  # untimed
+    block_mask = flex_block_mask(inputs.parents_cpu, k.shape[2] - q.shape[2], q.shape[1], args.device,
+                                 args.sliding_window)  # untimed  # fmt: skip
     gqa = q.shape[1] != k.shape[1]
     return (lambda: _COMPILED_FLEX(q, k, v, block_mask=block_mask, enable_gqa=gqa)), "native"
 
@@ -313,7 +350,8 @@ def ours_provider(inputs: AttentionInputs, args) -> tuple[Callable, str]:
 
     q, k, v, lens, parents = inputs.q, inputs.k, inputs.v, inputs.prefix_lens, inputs.parents
     # Host-side value checks synchronise with the device; an engine's hot loop turns them off.
-    return (lambda: sk.tree_attention(q, k, v, lens, parents, validate=args.validate)), "native"
+    window = args.sliding_window
+    return (lambda: sk.tree_attention(q, k, v, lens, parents, sliding_window=window, validate=args.validate)), "native"
 
 
 PROVIDER_FACTORIES = {
@@ -371,7 +409,7 @@ def bandwidth_columns(nbytes: int, median_us: float, copy_gbps: float) -> dict:
 
 def shape_columns(shape: Shape, args) -> dict:
     return {"B": shape.B, "prefix": shape.prefix, "N": shape.N, "Hq": shape.Hq, "Hkv": shape.Hkv, "D": shape.D,
-            "dtype": args.dtype, "tree_seed": args.seed}  # fmt: skip
+            "dtype": args.dtype, "tree_seed": args.seed, "sliding_window": args.sliding_window}  # fmt: skip
 
 
 def skipped_row(meta: dict, provider: str, shape: Shape, args, why: str, gqa: str | None = None) -> dict:
@@ -407,7 +445,7 @@ def run_shape(shape: Shape, args, copy_gbps: float, meta: dict, errors: list) ->
         errors.append(f"{label}: making inputs failed: {e!r}")
         traceback.print_exc()
         return []
-    nbytes = bytes_read_once(inputs)
+    nbytes = bytes_read_once(inputs, args.sliding_window)
     rows: list[dict] = []
     reference = None  # sdpa_dense_mask's output, for --check
     # --check needs the dense-mask output before the providers it checks: run that provider first.
@@ -509,6 +547,8 @@ def parse_args(argv=None):
         "and specdec_kernels.tree_attention. See the module docstring for the columns.",
     )
     p.add_argument("--B", type=int, nargs="+", help=f"batch sizes (default {list(DEFAULT_B)})")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="Mistral-style window W: keys at positions > query position - W (>= every N)")
     p.add_argument("--prefix", type=int, nargs="+", help=f"committed prefix lengths (default {list(DEFAULT_PREFIX)})")
     p.add_argument("--N", type=int, nargs="+",
                    help=f"tree nodes per request, <= {MAX_NODES} (default {list(DEFAULT_N)})")  # fmt: skip
@@ -548,6 +588,8 @@ def resolve_defaults(args, parser):
     common.resolve_timing(args, parser)
     if min(args.B) < 1 or min(args.prefix) < 0 or min(args.N) < 1 or max(args.N) > MAX_NODES:
         parser.error(f"need B >= 1, prefix >= 0 and 1 <= N <= {MAX_NODES}")
+    if args.sliding_window is not None and args.sliding_window < max(args.N):
+        parser.error("--sliding-window must be >= every N (the window covers the tree)")
     if args.Hkv < 1 or args.Hq % args.Hkv or args.D < 1:
         parser.error("need Hkv >= 1, Hq a multiple of Hkv and D >= 1")
     return args
