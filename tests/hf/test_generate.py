@@ -281,3 +281,18 @@ def test_bad_arguments(pair, kwargs, match):
     call.update(kwargs)
     with pytest.raises(ValueError, match=match):
         speculative_generate(target, call.pop("draft"), torch.randint(3, 97, (1, 4)), **call)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache, compile_target", [("dynamic", False), ("static", False), ("static", True)])
+def test_greedy_on_cuda(pair, cache, compile_target):
+    """On a GPU: the Triton tree-attention kernel in every forward, and the performance path
+    (static cache, compiled verification forward captured as a CUDA graph) give generate's tokens."""
+    target, draft = (copy.deepcopy(m).cuda() for m in pair)
+    ids, mask = (t.cuda() for t in _ragged_prompts(seed=9))
+    expected = _greedy_reference(target, ids, mask, 10)
+    for _ in range(2 if compile_target else 1):  # the second run replays the captured graphs
+        out = speculative_generate(target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=3, num_drafts=3,
+                                   eos_token_id=[], pad_token_id=PAD, cache_implementation=cache,
+                                   compile_target=compile_target)  # fmt: skip
+        assert torch.equal(out.sequences, expected)

@@ -25,11 +25,12 @@ def _prefill_ragged(model, lens, seed=0):
     """Left-aligned ragged prefixes (right padding) in a DynamicCache; returns the cache and its length."""
     gen = torch.Generator().manual_seed(seed)
     B, T = len(lens), max(lens)
-    ids = torch.randint(3, model.config.vocab_size, (B, T), generator=gen)
-    mask = (torch.arange(T)[None, :] < torch.tensor(lens)[:, None]).long()
+    ids = torch.randint(3, model.config.vocab_size, (B, T), generator=gen).to(model.device)
+    mask = (torch.arange(T)[None, :] < torch.tensor(lens)[:, None]).long().to(model.device)
+    positions = torch.arange(T, device=model.device).expand(B, T)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, position_ids=torch.arange(T).expand(B, T))
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, position_ids=positions)
     return cache, T
 
 
@@ -145,3 +146,24 @@ def test_attention_features_it_does_not_implement_are_errors():
         for feature in ("softcap", "s_aux", "sinks", "position_bias"):
             with pytest.raises(NotImplementedError, match=feature):
                 _tree_attention_forward(torch.nn.Module(), q, k, v, None, **{feature: torch.ones(1)})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tree_forward_on_cuda_matches_dense_mask(dtype):
+    """The Triton kernel on the GPU (backend auto) inside a half-precision model."""
+    model = tiny_model("llama", seed=1).to("cuda", dtype)
+    lens = [5, 9, 2]
+    cache, T = _prefill_ragged(model, lens)
+    parents = torch.tensor([[-1, 0, 0, 1, 2, -1], [-1, 0, 1, 2, 3, 4], [-1, -1, -1, 0, 1, 2]], device="cuda")
+    N = parents.shape[1]
+    tokens = torch.randint(3, model.config.vocab_size, (3, N), generator=torch.Generator().manual_seed(5)).cuda()
+    meta = tree_attention_metadata(parents, torch.tensor(lens, device="cuda"), cache_len=T)
+    dense_cache = copy.deepcopy(cache)
+    with torch.no_grad(), using_tree_attention(model), tree_attention_context(meta):
+        ours = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=cache).logits
+    mask = _dense_tree_mask(lens, parents.cpu(), T, N).cuda()
+    with torch.no_grad():
+        dense = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=dense_cache, attention_mask=mask).logits
+    torch.testing.assert_close(ours.float(), dense.float(), atol=3e-2, rtol=3e-2)
+
