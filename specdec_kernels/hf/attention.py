@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .._tree_args import MAX_NODES
-from ..ops.tree_attention import tree_attention_from_masks, tree_attention_torch
+from ..ops.tree_attention import tree_attention_from_masks, tree_attention_torch, window_start
 from ..ops.tree_metadata import tree_metadata
 
 ATTN_NAME = "specdec_tree"
@@ -140,14 +140,12 @@ def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0
 
 
 def _window_lower_bounds(meta: TreeAttentionMetadata, window: int) -> torch.Tensor:
-    """[B, Nq] int32: first cache slot a sliding-window query may attend (its position p sees
-    positions > p - window; slot key_start + t holds position t). Tree keys lie within the tree's
-    depth of the query, so a window at least as wide as the tree needs no mask on them."""
+    """[B, Nq] int32 bounds for a sliding-window layer (see :func:`window_start`)."""
     if window < meta.tree_slots:
         raise NotImplementedError(
             f"specdec_tree attention: sliding window {window} is narrower than the tree ({meta.tree_slots} slots)"
         )
-    return (meta.key_start[:, None] + (meta.position_ids - window + 1).clamp_min(0)).to(torch.int32)
+    return window_start(meta.key_start, meta.position_ids, window)
 
 
 def _require_shape(meta: TreeAttentionMetadata, query: torch.Tensor) -> None:

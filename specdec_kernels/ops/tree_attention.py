@@ -240,6 +240,16 @@ def _dot_dtype(dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
+def window_start(key_start: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, Nq] int32: the first prefix key slot each query of a sliding-window layer may attend.
+
+    A query at position p sees positions > p - window, and slot key_start[b] + t holds position t,
+    so the bound is key_start + max(p - window + 1, 0). Tree keys lie within the tree's depth of
+    their query and need no bound while the window covers the tree.
+    """
+    return (key_start[:, None] + (positions - window + 1).clamp_min(0)).to(torch.int32)
+
+
 def tree_attention_torch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale=None, *, tree_slots=MAX_NODES,
                          window_lo=None):  # fmt: skip
     """Same contract as :func:`tree_attention_from_masks` in plain PyTorch (builds the dense mask).
@@ -303,7 +313,6 @@ def tree_attention_from_masks(
         return tree_attention_op(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, window_lo)
     if window_lo is not None:
         _require(tuple(window_lo.shape) == tuple(query_masks.shape), "window_lo must have query_masks' shape [B, Nq]")
-        window_lo = window_lo.to(torch.int32).contiguous()
     return _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, window_lo, _num_splits)
 
 
@@ -321,8 +330,6 @@ def tree_attention_op(
     window_lo: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``tree_attention_from_masks`` as a torch.library op (torch.compile graphs, CUDA graphs)."""
-    if window_lo is not None:
-        window_lo = window_lo.to(torch.int32).contiguous()
     return _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree_slots, window_lo, None)
 
 
@@ -338,6 +345,8 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
     if B == 0 or Nq == 0 or Hq == 0:
         return out
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if window_lo is not None:
+        window_lo = window_lo.to(torch.int32).contiguous()
     group = Hq // Hkv
     block_d = max(16, _next_pow2(D))
     block_n = 32 if block_d > 128 else 64
@@ -425,8 +434,9 @@ def tree_attention(
     prefix_end = prefix_lens.to(torch.int32)
     key_start = torch.zeros_like(prefix_end)
     window_lo = None
-    if sliding_window is not None:  # first visible position: (prefix + depth - 1) - W + 1
-        window_lo = (prefix_end[:, None] + meta.depth - int(sliding_window)).clamp_min(0).to(torch.int32)
+    if sliding_window is not None:  # node positions: prefix + depth - 1
+        positions = prefix_end[:, None] + meta.depth - 1
+        window_lo = window_start(key_start, positions, int(sliding_window))
     return tree_attention_from_masks(
         q, k, v, key_start, prefix_end, prefix_end, meta.ancestor_mask, scale, tree_slots=N, window_lo=window_lo,
         _num_splits=_num_splits,
