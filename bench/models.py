@@ -277,8 +277,7 @@ def convert(gguf_path: Path, out_dir: Path, dtype_name: str) -> dict:
     packed = [n for n, m in model.named_modules() if type(m).__name__.lower().startswith("gguf")]
     if packed:
         raise RuntimeError(f"GGUF blocks left in the model after dequantizing: {packed[:4]} ...")
-    bad = {str(p.dtype) for p in model.parameters() if p.dtype != dtype}
-    if bad:
+    if any(p.dtype != dtype for p in model.parameters()):
         model = model.to(dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
@@ -379,12 +378,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", default="def quicksort(arr):\n")
     p.add_argument("--new-tokens", type=int, default=24)
     args = p.parse_args(argv)
-    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    if missing and not args.join_only:
+    needed = ("gguf",) if args.join_only else ("gguf", "accelerate")  # converting needs accelerate too
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
         log(f"bench/models.py needs {' and '.join(missing)}: pip install {' '.join(missing)}")
-        return 2
-    if importlib.util.find_spec("gguf") is None:
-        log("bench/models.py needs the gguf package: pip install gguf")
         return 2
     results = {key: fetch(key, args) for key in args.which}
     log("")
