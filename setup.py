@@ -27,12 +27,18 @@ def _cuda_extensions():
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError as exc:
-        print(f"specdec_kernels: SPECDEC_BUILD_CUDA=1 but torch is not importable ({exc}); "
-              "use `pip install --no-build-isolation`. Building without the CUDA backend.", file=sys.stderr)  # fmt: skip
+        print(
+            f"specdec_kernels: SPECDEC_BUILD_CUDA=1 but torch is not importable ({exc}); "
+            "use `pip install --no-build-isolation`. Building without the CUDA backend.",
+            file=sys.stderr,
+        )
         return [], {}
     if torch.version.cuda is None or CUDA_HOME is None:
-        print(f"specdec_kernels: SPECDEC_BUILD_CUDA=1 but no CUDA toolchain (torch.version.cuda={torch.version.cuda}, "
-              f"CUDA_HOME={CUDA_HOME}). Building without the CUDA backend.", file=sys.stderr)  # fmt: skip
+        print(
+            f"specdec_kernels: SPECDEC_BUILD_CUDA=1 but no CUDA toolchain (torch.version.cuda={torch.version.cuda}, "
+            f"CUDA_HOME={CUDA_HOME}). Building without the CUDA backend.",
+            file=sys.stderr,
+        )
         return [], {}
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")  # read by CUDAExtension; MAX_JOBS by ninja
     flags = ["-O3", "-DSPECDEC_WITH_CUDA"]

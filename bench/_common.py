@@ -26,8 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -178,12 +178,12 @@ def _time_cuda_us(fn: Callable[[], object], rep: int) -> list[float]:
     # idle gap between the events is counted too, which is what a caller would experience.
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    for start, end in zip(starts, ends):
+    for start, end in zip(starts, ends, strict=False):
         start.record()
         fn()
         end.record()
     torch.cuda.synchronize()
-    return [start.elapsed_time(end) * 1e3 for start, end in zip(starts, ends)]
+    return [start.elapsed_time(end) * 1e3 for start, end in zip(starts, ends, strict=False)]
 
 
 def _time_cpu_us(fn: Callable[[], object], rep: int) -> list[float]:
@@ -218,8 +218,9 @@ def time_fn(fn: Callable[[], object], warmup: int, rep: int, device: str | None 
     return summarize_us(samples)
 
 
-def measure_copy_bandwidth(device: str | None = None, nbytes: int | None = None,
-                           warmup: int = 3, rep: int = 10) -> float:
+def measure_copy_bandwidth(
+    device: str | None = None, nbytes: int | None = None, warmup: int = 3, rep: int = 10
+) -> float:
     """Device-to-device copy bandwidth in GB/s: (bytes read + bytes written) / median copy time.
 
     This is the practical ceiling for a kernel that streams its input once, so ``bytes / this``
@@ -230,6 +231,7 @@ def measure_copy_bandwidth(device: str | None = None, nbytes: int | None = None,
     device = str(device or default_device())
     if nbytes is None:
         nbytes = GPU_COPY_BYTES if device.startswith("cuda") else CPU_COPY_BYTES
+
     def time_copy() -> dict:  # the buffers live only while timed (freed before empty_cache)
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         src.fill_(1)  # touch the pages so that the first timed copy does not pay for page faults
@@ -324,7 +326,7 @@ def print_table(rows: Sequence[Mapping], columns: Sequence[str], file=None) -> N
     numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) in (None, "") for r in rows) for c in columns]
 
     def line(values):
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric))
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=False))
 
     print(line(list(columns)), file=file)
     print("  ".join("-" * w for w in widths), file=file)
@@ -374,8 +376,10 @@ def print_run_header(name: str, meta: Mapping, args, copy_gbps: float | None = N
     """The first lines of every run: what, when, which commit, on what; ends with the CPU caveat."""
     print(f"# {name} benchmark  {meta['date']}  commit {meta['commit']}")
     extra = f"  transformers {meta['transformers']}" if "transformers" in meta else ""
-    print(f"# device {meta['device']} ({args.device})  torch {meta['torch']}  triton {meta['triton']}{extra}"
-          f"  TRITON_INTERPRET={meta['triton_interpret']}")  # fmt: skip
+    print(
+        f"# device {meta['device']} ({args.device})  torch {meta['torch']}  triton {meta['triton']}{extra}"
+        f"  TRITON_INTERPRET={meta['triton_interpret']}"
+    )
     if copy_gbps is not None:
         print(f"# copy bandwidth {copy_gbps:.1f} GB/s  warmup {args.warmup}  rep {args.rep}")
 
@@ -386,8 +390,9 @@ def print_cpu_caveat(args) -> None:
     sys.stdout.flush()
 
 
-def save_rows(rows: Sequence[Mapping], args, name: str, meta: Mapping, table_columns: Sequence[str],
-              csv_columns: Sequence[str]) -> None:  # fmt: skip
+def save_rows(
+    rows: Sequence[Mapping], args, name: str, meta: Mapping, table_columns: Sequence[str], csv_columns: Sequence[str]
+) -> None:
     """Print the table, append the rows to the CSV, and write JSON when ``--json`` asks for it."""
     if not rows:
         return

@@ -73,9 +73,9 @@ import sys
 import sysconfig
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -102,20 +102,36 @@ WARMUP_NEW_TOKENS = 16  # max_new_tokens of the untimed warm-up calls
 # Standard-library modules whose first top-level def/class opens a code prompt (in this order;
 # modules missing from an unusual Python are skipped).
 STDLIB_MODULES = (
-    "heapq.py", "bisect.py", "textwrap.py", "fnmatch.py", "shlex.py", "colorsys.py", "glob.py",
-    "string.py", "fractions.py", "statistics.py", "graphlib.py", "difflib.py",
-)  # fmt: skip
+    "heapq.py",
+    "bisect.py",
+    "textwrap.py",
+    "fnmatch.py",
+    "shlex.py",
+    "colorsys.py",
+    "glob.py",
+    "string.py",
+    "fractions.py",
+    "statistics.py",
+    "graphlib.py",
+    "difflib.py",
+)
 
 PROSE_PROMPTS = (
-    ("The harbour town woke slowly on winter mornings. Fishing boats knocked against the pier while the "
-     "gulls argued over scraps, and the baker on the corner lifted the first trays of bread from the oven "
-     "before the sun had cleared the hills. By eight o'clock the market square was full of"),
-    ("Photosynthesis is the process by which green plants turn light into chemical energy. Inside the "
-     "chloroplasts, chlorophyll absorbs mostly red and blue light, and that energy is used to split water "
-     "molecules and release oxygen. The hydrogen that remains is then combined with carbon dioxide to"),
-    ("Dear members of the committee, thank you for the opportunity to present our proposal for the new "
-     "community library. Over the past year we have spoken with parents, teachers and local businesses "
-     "about what they would like the library to offer, and three themes came up again and again. First,"),
+    (
+        "The harbour town woke slowly on winter mornings. Fishing boats knocked against the pier while the "
+        "gulls argued over scraps, and the baker on the corner lifted the first trays of bread from the oven "
+        "before the sun had cleared the hills. By eight o'clock the market square was full of"
+    ),
+    (
+        "Photosynthesis is the process by which green plants turn light into chemical energy. Inside the "
+        "chloroplasts, chlorophyll absorbs mostly red and blue light, and that energy is used to split water "
+        "molecules and release oxygen. The hydrogen that remains is then combined with carbon dioxide to"
+    ),
+    (
+        "Dear members of the committee, thank you for the opportunity to present our proposal for the new "
+        "community library. Over the past year we have spoken with parents, teachers and local businesses "
+        "about what they would like the library to offer, and three themes came up again and again. First,"
+    ),
 )
 
 # Smoke models: tiny random Llama models (the peaked init gives few argmax near-ties in fp32).
@@ -124,18 +140,66 @@ SMOKE_INIT_STD, SMOKE_DRAFT_NOISE = 0.5, 0.01
 SMOKE_BOS, SMOKE_EOS, SMOKE_PAD = 0, 1, 2
 
 CSV_COLUMNS = (
-    "date", "commit", "device", "torch", "triton", "transformers", "target_model", "draft_model", "model_dtype",
-    "mode", "status", "G", "K", "method", "temperature", "top_k", "top_p", "prompt_set", "prompts",
-    "prompt_tokens_mean", "batch_size", "max_new_tokens", "rep", "new_tokens", "wall_s", "tokens_per_s",
-    "speedup_vs_target", "speedup_vs_hf_assisted", "acceptance_rate", "mean_accepted_length",
-    "target_forwards", "draft_forwards", "greedy_equal", "greedy_equal_prompts", "seed", "warmup", "cache",
-    "compiled", "triton_interpret", "cuda", "python",
-)  # fmt: skip
+    "date",
+    "commit",
+    "device",
+    "torch",
+    "triton",
+    "transformers",
+    "target_model",
+    "draft_model",
+    "model_dtype",
+    "mode",
+    "status",
+    "G",
+    "K",
+    "method",
+    "temperature",
+    "top_k",
+    "top_p",
+    "prompt_set",
+    "prompts",
+    "prompt_tokens_mean",
+    "batch_size",
+    "max_new_tokens",
+    "rep",
+    "new_tokens",
+    "wall_s",
+    "tokens_per_s",
+    "speedup_vs_target",
+    "speedup_vs_hf_assisted",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "target_forwards",
+    "draft_forwards",
+    "greedy_equal",
+    "greedy_equal_prompts",
+    "seed",
+    "warmup",
+    "cache",
+    "compiled",
+    "triton_interpret",
+    "cuda",
+    "python",
+)
 TABLE_COLUMNS = (
-    "temperature", "prompt_set", "mode", "G", "K", "new_tokens", "wall_s", "tokens_per_s", "speedup_vs_target",
-    "speedup_vs_hf_assisted", "acceptance_rate", "mean_accepted_length", "target_forwards", "greedy_equal",
-    "greedy_equal_prompts", "status",
-)  # fmt: skip
+    "temperature",
+    "prompt_set",
+    "mode",
+    "G",
+    "K",
+    "new_tokens",
+    "wall_s",
+    "tokens_per_s",
+    "speedup_vs_target",
+    "speedup_vs_hf_assisted",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "target_forwards",
+    "greedy_equal",
+    "greedy_equal_prompts",
+    "status",
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,11 +293,19 @@ def smoke_models(device: str, dtype) -> tuple[object, object]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=SMOKE_VOCAB, hidden_size=SMOKE_HIDDEN, intermediate_size=2 * SMOKE_HIDDEN,
-        num_hidden_layers=SMOKE_LAYERS, num_attention_heads=SMOKE_HEADS, num_key_value_heads=SMOKE_KV_HEADS,
-        max_position_embeddings=512, initializer_range=SMOKE_INIT_STD, bos_token_id=SMOKE_BOS,
-        eos_token_id=SMOKE_EOS, pad_token_id=SMOKE_PAD, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=SMOKE_VOCAB,
+        hidden_size=SMOKE_HIDDEN,
+        intermediate_size=2 * SMOKE_HIDDEN,
+        num_hidden_layers=SMOKE_LAYERS,
+        num_attention_heads=SMOKE_HEADS,
+        num_key_value_heads=SMOKE_KV_HEADS,
+        max_position_embeddings=512,
+        initializer_range=SMOKE_INIT_STD,
+        bos_token_id=SMOKE_BOS,
+        eos_token_id=SMOKE_EOS,
+        pad_token_id=SMOKE_PAD,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     target = LlamaForCausalLM(config).eval()
     draft = copy.deepcopy(target)
@@ -251,9 +323,20 @@ def _eos_list(eos) -> list[int]:
 
 
 NEUTRAL_KEYS = (
-    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
-    "no_repeat_ngram_size", "num_beams", "min_length", "min_new_tokens", "max_length", "max_new_tokens",
-)  # fmt: skip
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "num_beams",
+    "min_length",
+    "min_new_tokens",
+    "max_length",
+    "max_new_tokens",
+)
 
 
 def neutralize_generation_config(model, eos: list[int], pad: int) -> dict:
@@ -268,8 +351,9 @@ def neutralize_generation_config(model, eos: list[int], pad: int) -> dict:
             value = getattr(old, key, None)
             if value is not None and value != getattr(defaults, key, None):
                 dropped[key] = value
-    model.generation_config = GenerationConfig(eos_token_id=eos or None, pad_token_id=pad,
-                                               bos_token_id=getattr(old, "bos_token_id", None))  # fmt: skip
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos or None, pad_token_id=pad, bos_token_id=getattr(old, "bos_token_id", None)
+    )
     return dropped
 
 
@@ -284,8 +368,10 @@ def load_pair(args, dtype) -> Pair:
     if args.smoke:
         target, draft = smoke_models(device, dtype)
         tok = SmokeTokenizer()
-        names = (f"smoke-tiny-llama-V{SMOKE_VOCAB}-L{SMOKE_LAYERS}-h{SMOKE_HIDDEN}",
-                 f"smoke-tiny-llama+noise{SMOKE_DRAFT_NOISE:g}")  # fmt: skip
+        names = (
+            f"smoke-tiny-llama-V{SMOKE_VOCAB}-L{SMOKE_LAYERS}-h{SMOKE_HIDDEN}",
+            f"smoke-tiny-llama+noise{SMOKE_DRAFT_NOISE:g}",
+        )
         eos, pad = [], SMOKE_PAD  # no EOS: a random model would stop at a random point; always max_new_tokens
     elif args.pair == "demo":
         from specdec_kernels.demo import load_demo_pair
@@ -315,8 +401,11 @@ def load_pair(args, dtype) -> Pair:
 
 
 def encode(tokenizer, texts: list[str], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    batch = tokenizer(texts, return_tensors="pt") if isinstance(tokenizer, SmokeTokenizer) else \
-        tokenizer(texts, return_tensors="pt", padding=True)  # fmt: skip
+    batch = (
+        tokenizer(texts, return_tensors="pt")
+        if isinstance(tokenizer, SmokeTokenizer)
+        else tokenizer(texts, return_tensors="pt", padding=True)
+    )
     return batch["input_ids"].to(device), batch["attention_mask"].to(device)
 
 
@@ -378,9 +467,15 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
     eos = set(pair.eos_token_id)
     width = ids.shape[1]
     if mode in ("target_only", "hf_assisted", "hf_prompt_lookup"):
-        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
-                      eos_token_id=pair.eos_token_id or None, pad_token_id=pair.pad_token_id,
-                      repetition_penalty=1.0, **sampling_kwargs_hf(temperature, args))  # fmt: skip
+        kwargs = dict(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            eos_token_id=pair.eos_token_id or None,
+            pad_token_id=pair.pad_token_id,
+            repetition_penalty=1.0,
+            **sampling_kwargs_hf(temperature, args),
+        )
         if mode == "hf_assisted":
             kwargs["assistant_model"] = pair.draft
         elif mode == "hf_prompt_lookup":
@@ -394,13 +489,29 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
 
     s = mode_settings(mode, args)
     use_draft = s["drafter"] == "model"
-    out, wall = timed(lambda: speculative_generate(
-        pair.target, pair.draft if use_draft else None, ids, mask, max_new_tokens=max_new,
-        num_draft_tokens=s["G"], num_drafts=s["K"], method=s["method"] or "kseq", drafter=s["drafter"],
-        temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
-        eos_token_id=pair.eos_token_id, pad_token_id=pair.pad_token_id, vocab_size=pair.vocab_size,
-        cache_implementation=args.cache, compile_target=args.compile,
-    ), args.device)  # fmt: skip
+    out, wall = timed(
+        lambda: speculative_generate(
+            pair.target,
+            pair.draft if use_draft else None,
+            ids,
+            mask,
+            max_new_tokens=max_new,
+            num_draft_tokens=s["G"],
+            num_drafts=s["K"],
+            method=s["method"] or "kseq",
+            drafter=s["drafter"],
+            temperature=temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=seed,
+            eos_token_id=pair.eos_token_id,
+            pad_token_id=pair.pad_token_id,
+            vocab_size=pair.vocab_size,
+            cache_implementation=args.cache,
+            compile_target=args.compile,
+        ),
+        args.device,
+    )
     return Result(new_tokens_per_row(out.sequences, width, eos), wall, out.stats)
 
 
@@ -468,8 +579,9 @@ def warm_up(pair: Pair, modes: list[str], prompts: list[str], args, errors: list
                     traceback.print_exc()
 
 
-def measure_set(pair: Pair, set_name: str, prompts: list[str], temperature: float, modes: list[str], args,
-                errors: list) -> dict[str, Totals]:  # fmt: skip
+def measure_set(
+    pair: Pair, set_name: str, prompts: list[str], temperature: float, modes: list[str], args, errors: list
+) -> dict[str, Totals]:
     totals = {m: Totals() for m in modes}
     greedy = temperature == 0.0
     for bi, texts in enumerate(batches(prompts, args.batch_size)):
@@ -497,42 +609,73 @@ def measure_set(pair: Pair, set_name: str, prompts: list[str], temperature: floa
                     t.compared += len(same)
                     t.equal += sum(same)
                     if not all(same) and args.strict_greedy:
-                        errors.append(f"{label}: greedy output differs from target_only "
-                                      f"({len(same) - sum(same)} of {len(same)} rows)")  # fmt: skip
+                        errors.append(
+                            f"{label}: greedy output differs from target_only "
+                            f"({len(same) - sum(same)} of {len(same)} rows)"
+                        )
                 tps = sum(len(r) for r in result.new_tokens) / result.wall_s if result.wall_s else 0.0
-                print(f"[done] {label}: {sum(len(r) for r in result.new_tokens)} tokens in {result.wall_s:.2f} s "
-                      f"({tps:.1f} tok/s)", file=sys.stderr)  # fmt: skip
+                print(
+                    f"[done] {label}: {sum(len(r) for r in result.new_tokens)} tokens in {result.wall_s:.2f} s "
+                    f"({tps:.1f} tok/s)",
+                    file=sys.stderr,
+                )
     return totals
 
 
-def make_rows(totals: dict[str, Totals], set_name: str, prompts: list[str], prompt_tokens_mean: float,
-              temperature: float, skipped: dict[str, str], args, base: dict) -> list[dict]:  # fmt: skip
+def make_rows(
+    totals: dict[str, Totals],
+    set_name: str,
+    prompts: list[str],
+    prompt_tokens_mean: float,
+    temperature: float,
+    skipped: dict[str, str],
+    args,
+    base: dict,
+) -> list[dict]:
     rows = []
     for mode in args.modes:
         s = mode_settings(mode, args)
         row = {
-            **base, "mode": mode, "G": s["G"], "K": s["K"], "method": s["method"], "temperature": temperature,
-            "top_k": args.top_k, "top_p": args.top_p, "prompt_set": set_name, "prompts": len(prompts),
-            "prompt_tokens_mean": prompt_tokens_mean, "batch_size": args.batch_size,
-            "max_new_tokens": args.max_new_tokens, "rep": args.rep, "seed": args.seed, "warmup": args.warmup,
+            **base,
+            "mode": mode,
+            "G": s["G"],
+            "K": s["K"],
+            "method": s["method"],
+            "temperature": temperature,
+            "top_k": args.top_k,
+            "top_p": args.top_p,
+            "prompt_set": set_name,
+            "prompts": len(prompts),
+            "prompt_tokens_mean": prompt_tokens_mean,
+            "batch_size": args.batch_size,
+            "max_new_tokens": args.max_new_tokens,
+            "rep": args.rep,
+            "seed": args.seed,
+            "warmup": args.warmup,
             "cache": args.cache if mode.startswith("ours") else None,
             "compiled": args.compile if mode.startswith("ours") else None,
-        }  # fmt: skip
+        }
         if mode in skipped:
             rows.append({**row, "status": f"skipped: {skipped[mode]}"})
             continue
         t = totals[mode]
-        row.update(status=t.status, new_tokens=t.new_tokens, wall_s=t.wall_s,
-                   tokens_per_s=t.new_tokens / t.wall_s if t.wall_s and t.status == "ok" else None)  # fmt: skip
+        row.update(
+            status=t.status,
+            new_tokens=t.new_tokens,
+            wall_s=t.wall_s,
+            tokens_per_s=t.new_tokens / t.wall_s if t.wall_s and t.status == "ok" else None,
+        )
         if t.has_stats:
             row.update(
                 acceptance_rate=t.accepted / t.proposed if t.proposed else 0.0,
                 mean_accepted_length=(t.accepted + t.request_steps) / t.request_steps if t.request_steps else 0.0,
-                target_forwards=t.target_forwards, draft_forwards=t.draft_forwards,
-            )  # fmt: skip
+                target_forwards=t.target_forwards,
+                draft_forwards=t.draft_forwards,
+            )
         if temperature == 0.0 and t.compared:
-            row.update(greedy_equal="yes" if t.equal == t.compared else "no",
-                       greedy_equal_prompts=f"{t.equal}/{t.compared}")  # fmt: skip
+            row.update(
+                greedy_equal="yes" if t.equal == t.compared else "no", greedy_equal_prompts=f"{t.equal}/{t.compared}"
+            )
         rows.append(row)
     by_mode = {r["mode"]: r for r in rows if r.get("tokens_per_s")}
     for r in rows:
@@ -579,36 +722,60 @@ def parse_args(argv=None):
     p.add_argument("--draft", help="draft model: a local Hugging Face directory (with --target)")
     p.add_argument("--modes", nargs="+", choices=MODES, help=f"default: {' '.join(DEFAULT_MODES)}")
     p.add_argument("--G", type=int, help=f"draft tokens per chain for ours and hf_prompt_lookup (default {DEFAULT_G})")
-    p.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
-                   help="KV caches of ours (static: StaticCache, needed by --compile)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the target's verification forward in ours (CUDA graphs on GPU; implies --cache static)")
+    p.add_argument(
+        "--cache",
+        choices=["dynamic", "static"],
+        default="dynamic",
+        help="KV caches of ours (static: StaticCache, needed by --compile)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the target's verification forward in ours (CUDA graphs on GPU; implies --cache static)",
+    )
     p.add_argument("--method", default="kseq", help="verification method of ours_k2/ours_k4 (kseq, rrs, rrs_wor)")
-    p.add_argument("--hf-assistant-tokens", type=int,
-                   help="fixed number of assistant tokens for hf_assisted (default: HF's own schedule)")
+    p.add_argument(
+        "--hf-assistant-tokens",
+        type=int,
+        help="fixed number of assistant tokens for hf_assisted (default: HF's own schedule)",
+    )
     p.add_argument("--temperature", type=float, nargs="+", help="0 = greedy (default: 0); e.g. --temperature 0 0.7")
     p.add_argument("--top-k", type=int, default=0, help="sampled runs: top-k (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampled runs: top-p (1 = off)")
     p.add_argument("--max-new-tokens", type=int, help=f"default {DEFAULT_MAX_NEW}; smoke: {SMOKE_MAX_NEW}")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (hf_assisted: 1 only)")
     p.add_argument("--prompts", nargs="+", choices=PROMPT_SETS, help="prompt sets (default: code prose)")
-    p.add_argument("--code-prompts", type=int,
-                   help=f"number of standard-library code prompts (default {DEFAULT_CODE_PROMPTS}; "
-                   f"smoke: {SMOKE_CODE_PROMPTS})")  # fmt: skip
-    p.add_argument("--prose-prompts", type=int,
-                   help=f"number of prose prompts, <= {len(PROSE_PROMPTS)} (default {DEFAULT_PROSE_PROMPTS}; "
-                   f"smoke: {SMOKE_PROSE_PROMPTS})")  # fmt: skip
-    p.add_argument("--prompt-chars", type=int,
-                   help=f"prompt length in characters (default {DEFAULT_PROMPT_CHARS}; smoke: {SMOKE_PROMPT_CHARS})")
+    p.add_argument(
+        "--code-prompts",
+        type=int,
+        help=f"number of standard-library code prompts (default {DEFAULT_CODE_PROMPTS}; smoke: {SMOKE_CODE_PROMPTS})",
+    )
+    p.add_argument(
+        "--prose-prompts",
+        type=int,
+        help=f"number of prose prompts, <= {len(PROSE_PROMPTS)} (default {DEFAULT_PROSE_PROMPTS}; "
+        f"smoke: {SMOKE_PROSE_PROMPTS})",
+    )
+    p.add_argument(
+        "--prompt-chars",
+        type=int,
+        help=f"prompt length in characters (default {DEFAULT_PROMPT_CHARS}; smoke: {SMOKE_PROMPT_CHARS})",
+    )
     p.add_argument("--vocab-size", type=int, help="real token count, if the models pad their vocabularies differently")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="model dtype (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--warmup", type=int, help="untimed rounds of every mode before timing (default 1; smoke: 0)")
     p.add_argument("--rep", type=int, default=1, help="timed calls per batch and mode (default 1)")
-    p.add_argument("--strict-greedy", action="store_true",
-                   help="count a greedy output that differs from target_only as an error (on in --smoke)")
+    p.add_argument(
+        "--strict-greedy",
+        action="store_true",
+        help="count a greedy output that differs from target_only as an error (on in --smoke)",
+    )
     common.add_output_args(p, "e2e", timing=False)
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny random Llama models on CPU, batch 1, 8 new tokens; exits non-zero on any error")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny random Llama models on CPU, batch 1, 8 new tokens; exits non-zero on any error",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
     args = p.parse_args(argv)
     return resolve_defaults(args, p)
@@ -626,10 +793,14 @@ def resolve_defaults(args, parser):
     args.temperature = args.temperature or [0.0]
     args.max_new_tokens = args.max_new_tokens or (SMOKE_MAX_NEW if smoke else DEFAULT_MAX_NEW)
     args.prompts = args.prompts or list(PROMPT_SETS)
-    args.code_prompts = args.code_prompts if args.code_prompts is not None else (
-        SMOKE_CODE_PROMPTS if smoke else DEFAULT_CODE_PROMPTS)  # fmt: skip
-    args.prose_prompts = args.prose_prompts if args.prose_prompts is not None else (
-        SMOKE_PROSE_PROMPTS if smoke else DEFAULT_PROSE_PROMPTS)  # fmt: skip
+    args.code_prompts = (
+        args.code_prompts if args.code_prompts is not None else (SMOKE_CODE_PROMPTS if smoke else DEFAULT_CODE_PROMPTS)
+    )
+    args.prose_prompts = (
+        args.prose_prompts
+        if args.prose_prompts is not None
+        else (SMOKE_PROSE_PROMPTS if smoke else DEFAULT_PROSE_PROMPTS)
+    )
     args.prompt_chars = args.prompt_chars or (SMOKE_PROMPT_CHARS if smoke else DEFAULT_PROMPT_CHARS)
     args.warmup = args.warmup if args.warmup is not None else (0 if smoke else 1)
     args.strict_greedy = args.strict_greedy or smoke
@@ -649,11 +820,15 @@ def resolve_defaults(args, parser):
 
 def print_header(meta: dict, args, pair: Pair, sets: dict) -> None:
     common.print_run_header("e2e", meta, args)
-    print(f"# target {pair.target_name}  draft {pair.draft_name}  {args.dtype}  eos {pair.eos_token_id}  "
-          f"pad {pair.pad_token_id}")  # fmt: skip
-    print(f"# prompts: {', '.join(f'{k} x{len(v)}' for k, v in sets.items())}  batch {args.batch_size}  "
-          f"max_new_tokens {args.max_new_tokens}  G {args.G}  method {args.method}  temperature {args.temperature}  "
-          f"warmup {args.warmup}  rep {args.rep}")  # fmt: skip
+    print(
+        f"# target {pair.target_name}  draft {pair.draft_name}  {args.dtype}  eos {pair.eos_token_id}  "
+        f"pad {pair.pad_token_id}"
+    )
+    print(
+        f"# prompts: {', '.join(f'{k} x{len(v)}' for k, v in sets.items())}  batch {args.batch_size}  "
+        f"max_new_tokens {args.max_new_tokens}  G {args.G}  method {args.method}  temperature {args.temperature}  "
+        f"warmup {args.warmup}  rep {args.rep}"
+    )
     if pair.dropped_generation_settings:
         print(f"# target generation config reset to neutral; dropped: {pair.dropped_generation_settings}")
     common.print_cpu_caveat(args)

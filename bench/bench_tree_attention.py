@@ -79,9 +79,9 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -114,18 +114,69 @@ TARGET_RATIO_VS_NO_MASK = 1.15
 TARGET_SPEEDUP_VS_DENSE = 2.0
 
 CSV_COLUMNS = (
-    "date", "commit", "device", "torch", "triton", "provider", "gqa", "status", "B", "prefix", "N",
-    "Hq", "Hkv", "D", "dtype", "median_us", "p20_us", "p80_us", "GBps", "floor_us", "frac_of_floor",
-    "ratio_vs_sdpa_no_mask", "speedup_vs_dense", "copy_GBps", "bytes_read_once", "check_max_err",
-    "tree_seed", "sliding_window", "warmup", "rep", "triton_interpret", "cuda", "python",
-)  # fmt: skip
+    "date",
+    "commit",
+    "device",
+    "torch",
+    "triton",
+    "provider",
+    "gqa",
+    "status",
+    "B",
+    "prefix",
+    "N",
+    "Hq",
+    "Hkv",
+    "D",
+    "dtype",
+    "median_us",
+    "p20_us",
+    "p80_us",
+    "GBps",
+    "floor_us",
+    "frac_of_floor",
+    "ratio_vs_sdpa_no_mask",
+    "speedup_vs_dense",
+    "copy_GBps",
+    "bytes_read_once",
+    "check_max_err",
+    "tree_seed",
+    "sliding_window",
+    "warmup",
+    "rep",
+    "triton_interpret",
+    "cuda",
+    "python",
+)
 TABLE_COLUMNS = (
-    "provider", "gqa", "B", "prefix", "N", "Hq", "Hkv", "D", "dtype", "median_us", "p20_us", "p80_us",
-    "floor_us", "frac_of_floor", "ratio_vs_sdpa_no_mask", "speedup_vs_dense", "check_max_err", "status",
-)  # fmt: skip
+    "provider",
+    "gqa",
+    "B",
+    "prefix",
+    "N",
+    "Hq",
+    "Hkv",
+    "D",
+    "dtype",
+    "median_us",
+    "p20_us",
+    "p80_us",
+    "floor_us",
+    "frac_of_floor",
+    "ratio_vs_sdpa_no_mask",
+    "speedup_vs_dense",
+    "check_max_err",
+    "status",
+)
 TARGET_TABLE_COLUMNS = (
-    "B", "prefix", "N", "ratio_vs_sdpa_no_mask", "ratio_target", "speedup_vs_dense", "speedup_target",
-)  # fmt: skip
+    "B",
+    "prefix",
+    "N",
+    "ratio_vs_sdpa_no_mask",
+    "ratio_target",
+    "speedup_vs_dense",
+    "speedup_target",
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,8 +338,14 @@ def sdpa_no_mask_provider(inputs: AttentionInputs, args) -> tuple[Callable, str]
     if args.sliding_window is not None:  # only the keys a windowed tree needs: the last W prefix keys + the tree
         prefix = inputs.k.shape[2] - inputs.q.shape[2]
         first = max(0, prefix - args.sliding_window)
-        inputs = AttentionInputs(inputs.q, inputs.k[:, :, first:], inputs.v[:, :, first:], inputs.prefix_lens,
-                                 inputs.parents, inputs.parents_cpu)  # fmt: skip
+        inputs = AttentionInputs(
+            inputs.q,
+            inputs.k[:, :, first:],
+            inputs.v[:, :, first:],
+            inputs.prefix_lens,
+            inputs.parents,
+            inputs.parents_cpu,
+        )
     return _sdpa_call(inputs, None, gqa), gqa
 
 
@@ -339,8 +396,9 @@ def flex_attention_provider(inputs: AttentionInputs, args) -> tuple[Callable, st
                 setattr(dynamo_config, name, max(getattr(dynamo_config, name), 1024))
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
     q, k, v = inputs.q, inputs.k, inputs.v
-    block_mask = flex_block_mask(inputs.parents_cpu, k.shape[2] - q.shape[2], q.shape[1], args.device,
-                                 args.sliding_window)  # untimed  # fmt: skip
+    block_mask = flex_block_mask(
+        inputs.parents_cpu, k.shape[2] - q.shape[2], q.shape[1], args.device, args.sliding_window
+    )  # untimed
     gqa = q.shape[1] != k.shape[1]
     return (lambda: _COMPILED_FLEX(q, k, v, block_mask=block_mask, enable_gqa=gqa)), "native"
 
@@ -408,13 +466,29 @@ def bandwidth_columns(nbytes: int, median_us: float, copy_gbps: float) -> dict:
 
 
 def shape_columns(shape: Shape, args) -> dict:
-    return {"B": shape.B, "prefix": shape.prefix, "N": shape.N, "Hq": shape.Hq, "Hkv": shape.Hkv, "D": shape.D,
-            "dtype": args.dtype, "tree_seed": args.seed, "sliding_window": args.sliding_window}  # fmt: skip
+    return {
+        "B": shape.B,
+        "prefix": shape.prefix,
+        "N": shape.N,
+        "Hq": shape.Hq,
+        "Hkv": shape.Hkv,
+        "D": shape.D,
+        "dtype": args.dtype,
+        "tree_seed": args.seed,
+        "sliding_window": args.sliding_window,
+    }
 
 
 def skipped_row(meta: dict, provider: str, shape: Shape, args, why: str, gqa: str | None = None) -> dict:
-    return {**meta, "provider": provider, "gqa": gqa, "status": f"skipped: {why}", **shape_columns(shape, args),
-            "warmup": args.warmup, "rep": args.rep}  # fmt: skip
+    return {
+        **meta,
+        "provider": provider,
+        "gqa": gqa,
+        "status": f"skipped: {why}",
+        **shape_columns(shape, args),
+        "warmup": args.warmup,
+        "rep": args.rep,
+    }
 
 
 def fill_ratios(rows: list[dict]) -> None:
@@ -482,16 +556,27 @@ def run_shape(shape: Shape, args, copy_gbps: float, meta: dict, errors: list) ->
             continue
         fn = None
         row = {
-            **meta, "provider": provider, "gqa": gqa, "status": "ok", **shape_columns(shape, args),
+            **meta,
+            "provider": provider,
+            "gqa": gqa,
+            "status": "ok",
+            **shape_columns(shape, args),
             **timing,
             **bandwidth_columns(nbytes, timing["median_us"], copy_gbps),
-            "ratio_vs_sdpa_no_mask": None, "speedup_vs_dense": None,
-            "copy_GBps": copy_gbps, "bytes_read_once": nbytes, "check_max_err": check_err,
-            "warmup": args.warmup, "rep": args.rep,
-        }  # fmt: skip
+            "ratio_vs_sdpa_no_mask": None,
+            "speedup_vs_dense": None,
+            "copy_GBps": copy_gbps,
+            "bytes_read_once": nbytes,
+            "check_max_err": check_err,
+            "warmup": args.warmup,
+            "rep": args.rep,
+        }
         rows.append(row)
-        print(f"[done] {provider:15s} {label}: median {row['median_us']:.1f} us, "
-              f"frac_of_floor {row['frac_of_floor']:.3g}", file=sys.stderr)  # fmt: skip
+        print(
+            f"[done] {provider:15s} {label}: median {row['median_us']:.1f} us, "
+            f"frac_of_floor {row['frac_of_floor']:.3g}",
+            file=sys.stderr,
+        )
     fill_ratios(rows)
     rows.sort(key=lambda r: PROVIDERS.index(r["provider"]))
     del inputs, reference
@@ -515,18 +600,26 @@ def target_rows(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r["provider"] != "ours" or r.get("status") != "ok" or r["prefix"] < TARGET_PREFIX:
             continue
-        out.append({
-            "B": r["B"], "prefix": r["prefix"], "N": r["N"],
-            "ratio_vs_sdpa_no_mask": r.get("ratio_vs_sdpa_no_mask"), "ratio_target": f"<= {TARGET_RATIO_VS_NO_MASK}",
-            "speedup_vs_dense": r.get("speedup_vs_dense"), "speedup_target": f">= {TARGET_SPEEDUP_VS_DENSE:g}",
-        })  # fmt: skip
+        out.append(
+            {
+                "B": r["B"],
+                "prefix": r["prefix"],
+                "N": r["N"],
+                "ratio_vs_sdpa_no_mask": r.get("ratio_vs_sdpa_no_mask"),
+                "ratio_target": f"<= {TARGET_RATIO_VS_NO_MASK}",
+                "speedup_vs_dense": r.get("speedup_vs_dense"),
+                "speedup_target": f">= {TARGET_SPEEDUP_VS_DENSE:g}",
+            }
+        )
     return out
 
 
 def print_targets(rows: list[dict], meta: dict) -> None:
-    print(f"\n# issue targets (goals, not claims): at prefix >= {TARGET_PREFIX} on an H100, ours within "
-          f"{TARGET_RATIO_VS_NO_MASK}x of sdpa_no_mask and >= {TARGET_SPEEDUP_VS_DENSE:g}x faster than "
-          "sdpa_dense_mask")  # fmt: skip
+    print(
+        f"\n# issue targets (goals, not claims): at prefix >= {TARGET_PREFIX} on an H100, ours within "
+        f"{TARGET_RATIO_VS_NO_MASK}x of sdpa_no_mask and >= {TARGET_SPEEDUP_VS_DENSE:g}x faster than "
+        "sdpa_dense_mask"
+    )
     if "H100" not in meta["device"]:
         print(f"# this run is on {meta['device']}, not an H100: the targets do not apply to its numbers")
     selected = target_rows(rows)
@@ -547,27 +640,44 @@ def parse_args(argv=None):
         "and specdec_kernels.tree_attention. See the module docstring for the columns.",
     )
     p.add_argument("--B", type=int, nargs="+", help=f"batch sizes (default {list(DEFAULT_B)})")
-    p.add_argument("--sliding-window", type=int, default=None,
-                   help="Mistral-style window W: keys at positions > query position - W (>= every N)")
+    p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="Mistral-style window W: keys at positions > query position - W (>= every N)",
+    )
     p.add_argument("--prefix", type=int, nargs="+", help=f"committed prefix lengths (default {list(DEFAULT_PREFIX)})")
-    p.add_argument("--N", type=int, nargs="+",
-                   help=f"tree nodes per request, <= {MAX_NODES} (default {list(DEFAULT_N)})")  # fmt: skip
+    p.add_argument(
+        "--N", type=int, nargs="+", help=f"tree nodes per request, <= {MAX_NODES} (default {list(DEFAULT_N)})"
+    )
     p.add_argument("--Hq", type=int, help=f"query heads (default {DEFAULT_HQ}; smoke: {SMOKE_HQ})")
     p.add_argument("--Hkv", type=int, help=f"key/value heads (default {DEFAULT_HKV}; smoke: {SMOKE_HKV})")
     p.add_argument("--D", type=int, help=f"head dim (default {DEFAULT_D}; smoke: {SMOKE_D})")
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, help="default: all")
-    p.add_argument("--sdpa-gqa", choices=GQA_MODES, default="auto",
-                   help="GQA in the SDPA providers: auto (default), enable_gqa, repeat (repeat_interleave "
-                   "in every call, as HF's repeat_kv), pre_repeated (expanded once, untimed)")  # fmt: skip
-    p.add_argument("--check", action="store_true",
-                   help="compare ours and flex_attention with sdpa_dense_mask on every shape before timing")
+    p.add_argument(
+        "--sdpa-gqa",
+        choices=GQA_MODES,
+        default="auto",
+        help="GQA in the SDPA providers: auto (default), enable_gqa, repeat (repeat_interleave "
+        "in every call, as HF's repeat_kv), pre_repeated (expanded once, untimed)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="compare ours and flex_attention with sdpa_dense_mask on every shape before timing",
+    )
     p.add_argument("--dtype", choices=tuple(DTYPES), help="q/k/v dtype (default bf16; smoke: fp32)")
     common.add_output_args(p, "tree_attention")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny CPU-friendly run of every provider that runs here, with --check; "
-                   "exits non-zero on any error")  # fmt: skip
-    p.add_argument("--validate", action="store_true",
-                   help="let sk.tree_attention run its host-side value checks (off: as in a serving hot loop)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny CPU-friendly run of every provider that runs here, with --check; exits non-zero on any error",
+    )
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="let sk.tree_attention run its host-side value checks (off: as in a serving hot loop)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random trees and of q/k/v")
     args = p.parse_args(argv)
     return resolve_defaults(args, p)
@@ -597,9 +707,11 @@ def resolve_defaults(args, parser):
 
 def print_header(meta: dict, args, copy_gbps: float) -> None:
     common.print_run_header("tree_attention", meta, args, copy_gbps)
-    print(f"# random trees (seed {args.seed}); dense-mask and block-mask construction not timed; "
-          f"--sdpa-gqa {args.sdpa_gqa} (enable_gqa supported: {sdpa_supports_enable_gqa()}); "
-          f"check {'on' if args.check else 'off'}")  # fmt: skip
+    print(
+        f"# random trees (seed {args.seed}); dense-mask and block-mask construction not timed; "
+        f"--sdpa-gqa {args.sdpa_gqa} (enable_gqa supported: {sdpa_supports_enable_gqa()}); "
+        f"check {'on' if args.check else 'off'}"
+    )
     common.print_cpu_caveat(args)
 
 

@@ -56,9 +56,9 @@ import argparse
 import inspect
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -90,15 +90,49 @@ LOGIT_SCALE = 3.0
 DRAFT_NOISE = 1.0
 
 CSV_COLUMNS = (
-    "date", "commit", "device", "torch", "triton", "provider", "mode", "B", "G", "V", "dtype",
-    "median_us", "p20_us", "p80_us", "GBps", "floor_us", "frac_of_floor", "speedup_vs_eager",
-    "copy_GBps", "bytes_read_once", "mean_accepted", "warmup", "rep", "triton_interpret", "cuda",
+    "date",
+    "commit",
+    "device",
+    "torch",
+    "triton",
+    "provider",
+    "mode",
+    "B",
+    "G",
+    "V",
+    "dtype",
+    "median_us",
+    "p20_us",
+    "p80_us",
+    "GBps",
+    "floor_us",
+    "frac_of_floor",
+    "speedup_vs_eager",
+    "copy_GBps",
+    "bytes_read_once",
+    "mean_accepted",
+    "warmup",
+    "rep",
+    "triton_interpret",
+    "cuda",
     "python",
-)  # fmt: skip
+)
 TABLE_COLUMNS = (
-    "provider", "mode", "B", "G", "V", "dtype", "median_us", "p20_us", "p80_us", "GBps",
-    "floor_us", "frac_of_floor", "speedup_vs_eager", "mean_accepted",
-)  # fmt: skip
+    "provider",
+    "mode",
+    "B",
+    "G",
+    "V",
+    "dtype",
+    "median_us",
+    "p20_us",
+    "p80_us",
+    "GBps",
+    "floor_us",
+    "frac_of_floor",
+    "speedup_vs_eager",
+    "mean_accepted",
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,9 +303,13 @@ def _as_pair(out):
 def eager_provider(inputs: VerifyInputs, mode: Mode, validate: bool) -> Callable:
     def run():
         return eager_verify(
-            inputs.target_logits, inputs.draft_tokens, inputs.draft_logits,
-            temperature=mode.temperature, top_k=mode.top_k, top_p=mode.top_p,
-        )  # fmt: skip
+            inputs.target_logits,
+            inputs.draft_tokens,
+            inputs.draft_logits,
+            temperature=mode.temperature,
+            top_k=mode.top_k,
+            top_p=mode.top_p,
+        )
 
     return run
 
@@ -280,9 +318,7 @@ def reference_provider(inputs: VerifyInputs, mode: Mode, validate: bool) -> Call
     from specdec_kernels.reference import verify_reference  # lazy: --help must work without it
 
     kwargs = _op_kwargs(inputs, mode)
-    return lambda: _as_pair(
-        verify_reference(inputs.target_logits, inputs.draft_tokens, inputs.draft_logits, **kwargs)
-    )
+    return lambda: _as_pair(verify_reference(inputs.target_logits, inputs.draft_tokens, inputs.draft_logits, **kwargs))
 
 
 def _sk_provider(inputs: VerifyInputs, mode: Mode, validate: bool, backend: str) -> Callable:
@@ -319,7 +355,12 @@ def cuda_unavailable(device: str) -> str | None:
     return None
 
 
-PROVIDER_FACTORIES = {"eager": eager_provider, "reference": reference_provider, "ours": ours_provider, "cuda": cuda_provider}
+PROVIDER_FACTORIES = {
+    "eager": eager_provider,
+    "reference": reference_provider,
+    "ours": ours_provider,
+    "cuda": cuda_provider,
+}
 
 
 def reference_too_slow(B: int, G: int, V: int) -> bool:
@@ -384,15 +425,21 @@ def measure_provider(provider: str, inputs: VerifyInputs, mode: Mode, args, copy
     nbytes = bytes_read_once(inputs, mode)
     row = {
         **meta,
-        "provider": provider, "mode": mode.name, "B": B, "G": G, "V": V, "dtype": args.dtype,
+        "provider": provider,
+        "mode": mode.name,
+        "B": B,
+        "G": G,
+        "V": V,
+        "dtype": args.dtype,
         **timing,
         **bandwidth_columns(nbytes, timing["median_us"], copy_gbps),
         "speedup_vs_eager": None,
         "copy_GBps": copy_gbps,
         "bytes_read_once": nbytes,
         "mean_accepted": float(num_accepted.float().mean().item()),
-        "warmup": warmup, "rep": rep,
-    }  # fmt: skip
+        "warmup": warmup,
+        "rep": rep,
+    }
     return row, (tokens, num_accepted)
 
 
@@ -431,8 +478,10 @@ def run_shape(B, G, V, mode: Mode, args, copy_gbps, meta, errors: list) -> list[
     rows, outputs = [], {}
     for provider in args.providers:
         if provider == "reference" and reference_too_slow(B, G, V) and not args.all_providers:
-            print(f"[skip] reference at {label} (B*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}; "
-                  "--all-providers to force)", file=sys.stderr)  # fmt: skip
+            print(
+                f"[skip] reference at {label} (B*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}; --all-providers to force)",
+                file=sys.stderr,
+            )
             continue
         if provider == "cuda" and (why := cuda_unavailable(args.device)):
             print(f"[skip] cuda at {label}: {why}", file=sys.stderr)
@@ -446,8 +495,10 @@ def run_shape(B, G, V, mode: Mode, args, copy_gbps, meta, errors: list) -> list[
             free_device_memory(args.device)
             continue
         rows.append(row)
-        print(f"[done] {provider:9s} {label}: median {row['median_us']:.1f} us, "
-              f"frac_of_floor {row['frac_of_floor']:.3g}", file=sys.stderr)  # fmt: skip
+        print(
+            f"[done] {provider:9s} {label}: median {row['median_us']:.1f} us, frac_of_floor {row['frac_of_floor']:.3g}",
+            file=sys.stderr,
+        )
     if mode.temperature == 0.0:
         errors.extend(f"{msg} at {label}" for msg in greedy_disagreements(outputs))
     fill_speedup_vs_eager(rows)
@@ -480,17 +531,30 @@ def parse_args(argv=None):
     p.add_argument("--G", type=int, nargs="+", help=f"draft lengths (default {list(DEFAULT_G)})")
     p.add_argument("--V", type=int, nargs="+", help=f"vocabulary sizes (default {list(DEFAULT_V)})")
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, help="default: all")
-    p.add_argument("--mode", nargs="+", choices=MODES,
-                   help="stochastic (default) | greedy (temperature 0) | ngram (no draft logits) | "
-                   "topk_topp (top_k=50, top_p=0.9); several may be given")  # fmt: skip
+    p.add_argument(
+        "--mode",
+        nargs="+",
+        choices=MODES,
+        help="stochastic (default) | greedy (temperature 0) | ngram (no draft logits) | "
+        "topk_topp (top_k=50, top_p=0.9); several may be given",
+    )
     p.add_argument("--dtype", choices=tuple(DTYPES), help="logits dtype (default bf16; smoke: fp32)")
     common.add_output_args(p, "verify")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny CPU-friendly run of every provider and mode; exits non-zero on any error")
-    p.add_argument("--all-providers", action="store_true",
-                   help=f"run the reference even where B*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}")
-    p.add_argument("--validate", action="store_true",
-                   help="let sk.verify run its host-side input checks (off: as in a serving hot loop)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny CPU-friendly run of every provider and mode; exits non-zero on any error",
+    )
+    p.add_argument(
+        "--all-providers",
+        action="store_true",
+        help=f"run the reference even where B*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}",
+    )
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="let sk.verify run its host-side input checks (off: as in a serving hot loop)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for the synthetic inputs and eager's RNG")
     args = p.parse_args(argv)
     return resolve_defaults(args, p)

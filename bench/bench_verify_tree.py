@@ -69,9 +69,9 @@ import argparse
 import hashlib
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -110,20 +110,77 @@ OVERLAP_REQUESTS = 256  # root rows the reported (and --overlap-calibrated) over
 ACCEPT_CHUNK_BYTES = 1 << 30  # logits built at once per draft set while measuring acceptance
 
 CSV_COLUMNS = (
-    "date", "commit", "device", "torch", "triton", "provider", "api", "method", "B", "K", "G", "V",
-    "dtype", "sigma", "overlap", "median_us", "p20_us", "p80_us", "GBps", "floor_us", "frac_of_floor",
-    "copy_GBps", "bytes_read_once", "mean_accepted", "accept_len", "accept_len_k1", "accept_gain",
-    "accept_gain_diff", "accept_gain_se", "accept_requests", "accept_provider", "warmup", "rep",
-    "triton_interpret", "cuda", "python",
-)  # fmt: skip
+    "date",
+    "commit",
+    "device",
+    "torch",
+    "triton",
+    "provider",
+    "api",
+    "method",
+    "B",
+    "K",
+    "G",
+    "V",
+    "dtype",
+    "sigma",
+    "overlap",
+    "median_us",
+    "p20_us",
+    "p80_us",
+    "GBps",
+    "floor_us",
+    "frac_of_floor",
+    "copy_GBps",
+    "bytes_read_once",
+    "mean_accepted",
+    "accept_len",
+    "accept_len_k1",
+    "accept_gain",
+    "accept_gain_diff",
+    "accept_gain_se",
+    "accept_requests",
+    "accept_provider",
+    "warmup",
+    "rep",
+    "triton_interpret",
+    "cuda",
+    "python",
+)
 TABLE_COLUMNS = (
-    "provider", "api", "method", "B", "K", "G", "V", "dtype", "sigma", "median_us", "p20_us", "p80_us",
-    "floor_us", "frac_of_floor", "mean_accepted", "accept_len", "accept_gain", "accept_gain_diff",
-)  # fmt: skip
+    "provider",
+    "api",
+    "method",
+    "B",
+    "K",
+    "G",
+    "V",
+    "dtype",
+    "sigma",
+    "median_us",
+    "p20_us",
+    "p80_us",
+    "floor_us",
+    "frac_of_floor",
+    "mean_accepted",
+    "accept_len",
+    "accept_gain",
+    "accept_gain_diff",
+)
 ACCEPT_TABLE_COLUMNS = (
-    "V", "G", "sigma", "overlap", "method", "K", "accept_len", "accept_len_k1", "accept_gain",
-    "accept_gain_diff", "accept_gain_se", "accept_requests",
-)  # fmt: skip
+    "V",
+    "G",
+    "sigma",
+    "overlap",
+    "method",
+    "K",
+    "accept_len",
+    "accept_len_k1",
+    "accept_gain",
+    "accept_gain_diff",
+    "accept_gain_se",
+    "accept_requests",
+)
 
 
 def tree_methods() -> tuple[str, ...]:
@@ -191,12 +248,14 @@ class TreeInputs:
         B, K, G1, V = self.target_logits.shape
         return B, K, G1 - 1, V
 
-    def first_chains(self, K: int) -> "TreeInputs":
+    def first_chains(self, K: int) -> TreeInputs:
         """The same requests with only chains [0, K) (contiguous copies, as an engine would pass)."""
         return TreeInputs(
-            self.target_logits[:, :K].contiguous(), self.draft_logits[:, :K].contiguous(),
-            self.draft_tokens[:, :K].contiguous(), self.seeds,
-        )  # fmt: skip
+            self.target_logits[:, :K].contiguous(),
+            self.draft_logits[:, :K].contiguous(),
+            self.draft_tokens[:, :K].contiguous(),
+            self.seeds,
+        )
 
     def as_tree(self) -> dict:
         """verify_tree arguments for the same chains: node k*G + i is chain k's slot i."""
@@ -207,9 +266,12 @@ class TreeInputs:
         root = self.target_logits[:, 0, :1]
         nodes = self.target_logits[:, :, 1:].reshape(B, N, V)
         return dict(
-            target_logits=torch.cat([root, nodes], dim=1), tree_tokens=self.draft_tokens.reshape(B, N),
-            parents=parents, draft_logits=self.draft_logits.reshape(B, N, V), max_depth=G,
-        )  # fmt: skip
+            target_logits=torch.cat([root, nodes], dim=1),
+            tree_tokens=self.draft_tokens.reshape(B, N),
+            parents=parents,
+            draft_logits=self.draft_logits.reshape(B, N, V),
+            max_depth=G,
+        )
 
 
 def request_seeds(requests: range, seed: int, device: str) -> torch.Tensor:
@@ -348,8 +410,10 @@ def output_problems(out, inputs: TreeInputs) -> list[str]:
     B, K, G, V = inputs.shape
     tokens, n, nodes = out.tokens, out.num_accepted, out.accepted_nodes
     if tuple(tokens.shape) != (B, G + 1) or tuple(n.shape) != (B,) or tuple(nodes.shape) != (B, G):
-        return [f"bad shapes: tokens {tuple(tokens.shape)}, num_accepted {tuple(n.shape)}, "
-                f"accepted_nodes {tuple(nodes.shape)}"]  # fmt: skip
+        return [
+            f"bad shapes: tokens {tuple(tokens.shape)}, num_accepted {tuple(n.shape)}, "
+            f"accepted_nodes {tuple(nodes.shape)}"
+        ]
     tokens, n, nodes = tokens.long().cpu(), n.long().cpu(), nodes.long().cpu()
     if bool(((n < 0) | (n > G)).any()):
         return [f"num_accepted out of [0, {G}]: {n.tolist()}"]
@@ -402,8 +466,9 @@ def measure_provider(provider: str, api: str, method: str, inputs: TreeInputs, a
         "copy_GBps": copy_gbps,
         "bytes_read_once": nbytes,
         "mean_accepted": float(out.num_accepted.float().mean().item()),
-        "warmup": warmup, "rep": rep,
-    }  # fmt: skip
+        "warmup": warmup,
+        "rep": rep,
+    }
 
 
 def free_device_memory(device: str) -> None:
@@ -452,8 +517,10 @@ def measure_acceptance(world: World, G: int, args, dtype, errors: list, label: s
     lengths = {key: torch.cat(v).double() for key, v in lengths.items()}
     k1 = [lengths[m, 1] for m in args.methods]
     if any(not torch.equal(k1[0], other) for other in k1[1:]):
-        print(f"[warn] at {label}: methods accept different lengths at K=1 on the same chain "
-              "(they should agree exactly)", file=sys.stderr)  # fmt: skip
+        print(
+            f"[warn] at {label}: methods accept different lengths at K=1 on the same chain (they should agree exactly)",
+            file=sys.stderr,
+        )
     result = {}
     for (method, K), n in lengths.items():
         base = lengths[method, 1]
@@ -494,8 +561,11 @@ def run_shape(world: World, B: int, G: int, args, dtype, base: dict, acceptance:
                 where = f"{api} {method} K={K} {label}"
                 for provider in args.providers:
                     if provider == "reference" and reference_too_slow(B, K, G, V) and not args.all_providers:
-                        print(f"[skip] reference at {where} (B*K*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}; "
-                              "--all-providers to force)", file=sys.stderr)  # fmt: skip
+                        print(
+                            f"[skip] reference at {where} (B*K*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}; "
+                            "--all-providers to force)",
+                            file=sys.stderr,
+                        )
                         continue
                     try:
                         measured = measure_provider(provider, api, method, inputs, args, copy_gbps)
@@ -505,13 +575,25 @@ def run_shape(world: World, B: int, G: int, args, dtype, base: dict, acceptance:
                         free_device_memory(args.device)
                         continue
                     row = {
-                        **base, "provider": provider, "api": api, "method": method, "B": B, "K": K, "G": G,
-                        "V": V, "dtype": args.dtype, "sigma": world.sigma,
-                        **measured, **acceptance.get((method, K), {}),
-                    }  # fmt: skip
+                        **base,
+                        "provider": provider,
+                        "api": api,
+                        "method": method,
+                        "B": B,
+                        "K": K,
+                        "G": G,
+                        "V": V,
+                        "dtype": args.dtype,
+                        "sigma": world.sigma,
+                        **measured,
+                        **acceptance.get((method, K), {}),
+                    }
                     rows.append(row)
-                    print(f"[done] {provider:9s} {where}: median {row['median_us']:.1f} us, "
-                          f"frac_of_floor {row['frac_of_floor']:.3g}", file=sys.stderr)  # fmt: skip
+                    print(
+                        f"[done] {provider:9s} {where}: median {row['median_us']:.1f} us, "
+                        f"frac_of_floor {row['frac_of_floor']:.3g}",
+                        file=sys.stderr,
+                    )
         del chains
     del sets
     free_device_memory(args.device)
@@ -544,8 +626,9 @@ def run_sweep(args, copy_gbps: float, meta: dict, errors: list) -> tuple[list[di
                 acceptance = measure_acceptance(world, G, args, dtype, errors, label)
                 for (method, K), cols in sorted(acceptance.items()):
                     if K in args.K:
-                        accept_rows.append({"V": V, "G": G, "sigma": sigma, "overlap": overlap,
-                                            "method": method, "K": K, **cols})  # fmt: skip
+                        accept_rows.append(
+                            {"V": V, "G": G, "sigma": sigma, "overlap": overlap, "method": method, "K": K, **cols}
+                        )
                 base = {**meta, "overlap": overlap}
                 for B in args.B:
                     rows += run_shape(world, B, G, args, dtype, base, acceptance, copy_gbps, errors)
@@ -567,27 +650,50 @@ def parse_args(argv=None):
     p.add_argument("--G", type=int, nargs="+", help=f"drafts per chain (default {list(DEFAULT_G)})")
     p.add_argument("--V", type=int, nargs="+", help=f"vocabulary sizes (default {list(DEFAULT_V)})")
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, help="default: all")
-    p.add_argument("--methods", nargs="+",
-                   help="verification methods (default: every one verify_multi supports: kseq, rrs, rrs_wor)")
-    p.add_argument("--api", nargs="+", choices=APIS,
-                   help="multi = verify_multi (default); tree = the same chains through verify_tree")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        help="verification methods (default: every one verify_multi supports: kseq, rrs, rrs_wor)",
+    )
+    p.add_argument(
+        "--api",
+        nargs="+",
+        choices=APIS,
+        help="multi = verify_multi (default); tree = the same chains through verify_tree",
+    )
     knob = p.add_mutually_exclusive_group()
-    knob.add_argument("--sigma", type=float, nargs="+",
-                      help=f"draft logits = target + sigma * N(0, 1) (default {DEFAULT_SIGMA})")
-    knob.add_argument("--overlap", type=float, nargs="+",
-                      help="instead of --sigma: target mean root overlap sum_x min(p, q) in (0, 1]; "
-                      "sigma is calibrated per V")  # fmt: skip
-    p.add_argument("--accept-requests", type=int,
-                   help=f"requests the acceptance columns average over (default {DEFAULT_ACCEPT_REQUESTS}; "
-                   f"smoke: {SMOKE_ACCEPT_REQUESTS}; 0 = skip)")  # fmt: skip
+    knob.add_argument(
+        "--sigma", type=float, nargs="+", help=f"draft logits = target + sigma * N(0, 1) (default {DEFAULT_SIGMA})"
+    )
+    knob.add_argument(
+        "--overlap",
+        type=float,
+        nargs="+",
+        help="instead of --sigma: target mean root overlap sum_x min(p, q) in (0, 1]; sigma is calibrated per V",
+    )
+    p.add_argument(
+        "--accept-requests",
+        type=int,
+        help=f"requests the acceptance columns average over (default {DEFAULT_ACCEPT_REQUESTS}; "
+        f"smoke: {SMOKE_ACCEPT_REQUESTS}; 0 = skip)",
+    )
     p.add_argument("--dtype", choices=tuple(DTYPES), help="logits dtype (default bf16; smoke: fp32)")
     common.add_output_args(p, "verify_tree")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny CPU-friendly run of every provider, api and method; exits non-zero on any error")
-    p.add_argument("--all-providers", action="store_true",
-                   help=f"run the reference even where B*K*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}")
-    p.add_argument("--validate", action="store_true",
-                   help="let the ops run their host-side input checks (off: as in a serving hot loop)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny CPU-friendly run of every provider, api and method; exits non-zero on any error",
+    )
+    p.add_argument(
+        "--all-providers",
+        action="store_true",
+        help=f"run the reference even where B*K*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}",
+    )
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="let the ops run their host-side input checks (off: as in a serving hot loop)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic world and of the verify calls")
     args = p.parse_args(argv)
     return resolve_defaults(args, p)
@@ -633,8 +739,10 @@ def resolve_methods(args) -> str | None:
 def print_header(meta: dict, args, copy_gbps: float) -> None:
     common.print_run_header("verify_tree", meta, args, copy_gbps)
     knob = f"overlap {args.overlap}" if args.overlap else f"sigma {args.sigma}"
-    print(f"# world: target {LOGIT_SCALE:g}*N(0,1), draft = target + sigma*N(0,1), temperature 1; {knob}; "
-          f"acceptance over {args.accept_requests} requests")  # fmt: skip
+    print(
+        f"# world: target {LOGIT_SCALE:g}*N(0,1), draft = target + sigma*N(0,1), temperature 1; {knob}; "
+        f"acceptance over {args.accept_requests} requests"
+    )
     common.print_cpu_caveat(args)
 
 

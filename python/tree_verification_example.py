@@ -65,4 +65,6 @@ for b in range(B):
     keep = slots[b, path]
     k_cache[b, :, prefix_lens[b] : prefix_lens[b] + len(path)] = k_cache[b, :, keep].clone()
     v_cache[b, :, prefix_lens[b] : prefix_lens[b] + len(path)] = v_cache[b, :, keep].clone()
-    print(f"request {b}: kept nodes {path}; committed length {int(prefix_lens[b])} -> {int(prefix_lens[b]) + len(path)}")
+    print(
+        f"request {b}: kept nodes {path}; committed length {int(prefix_lens[b])} -> {int(prefix_lens[b]) + len(path)}"
+    )

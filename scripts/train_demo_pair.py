@@ -117,10 +117,12 @@ def make_config(kind: str, seq_len: int):
     from transformers import LlamaConfig
 
     shapes = {
-        "target": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                       num_key_value_heads=2),
-        "draft": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2),
+        "target": dict(
+            hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2
+        ),
+        "draft": dict(
+            hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        ),
     }[kind]
     return LlamaConfig(
         vocab_size=VOCAB_SIZE,
@@ -225,14 +227,18 @@ def train(kind: str, args, corpus: dict, teacher=None) -> tuple[object, dict]:
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=peak_lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=peak_lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     gen = torch.Generator().manual_seed(seed)
     batches = batch_iter(corpus["train"], args.batch, args.seq_len, gen)
     alpha = 1.0 if teacher is None else args.ce_weight
-    print(f"[{kind}] {count_params(model) / 1e6:.3f}M params, {steps} steps of {args.batch}x{args.seq_len} bytes, "
-          f"peak lr {peak_lr}" + ("" if teacher is None else f", loss = {alpha} CE + {1 - alpha} KL(target||draft)"),
-          flush=True)
+    print(
+        f"[{kind}] {count_params(model) / 1e6:.3f}M params, {steps} steps of {args.batch}x{args.seq_len} bytes, "
+        f"peak lr {peak_lr}" + ("" if teacher is None else f", loss = {alpha} CE + {1 - alpha} KL(target||draft)"),
+        flush=True,
+    )
     t0 = time.monotonic()
     truncated = False
     done = 0
@@ -263,15 +269,26 @@ def train(kind: str, args, corpus: dict, teacher=None) -> tuple[object, dict]:
         smooth = bpb if smooth is None else 0.95 * smooth + 0.05 * bpb
         if done % args.log_every == 0 or done == steps:
             el = time.monotonic() - t0
-            print(f"[{kind}] step {done}/{steps}  train bits/byte {smooth:.3f}  lr {opt.param_groups[0]['lr']:.2e}  "
-                  f"{el:.0f}s ({el / done:.2f}s/step)", flush=True)
+            print(
+                f"[{kind}] step {done}/{steps}  train bits/byte {smooth:.3f}  lr {opt.param_groups[0]['lr']:.2e}  "
+                f"{el:.0f}s ({el / done:.2f}s/step)",
+                flush=True,
+            )
     elapsed = time.monotonic() - t0
     model.eval()
     info = {
         "params": count_params(model),
-        "config": {k: getattr(model.config, k) for k in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads")},
+        "config": {
+            k: getattr(model.config, k)
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+            )
+        },
         "steps": done,
         "steps_planned": steps,
         "truncated": truncated,
@@ -296,8 +313,10 @@ def write_readme(out: Path, record: dict) -> None:
 
     def shape(m):
         c = m["config"]
-        return (f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, MLP {c['intermediate_size']}, "
-                f"{c['num_attention_heads']} query / {c['num_key_value_heads']} KV heads")
+        return (
+            f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, MLP {c['intermediate_size']}, "
+            f"{c['num_attention_heads']} query / {c['num_key_value_heads']} KV heads"
+        )
 
     lines = [
         "# Embedded demo pair",
@@ -358,8 +377,12 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--ce-weight", type=float, default=0.3,
-                   help="draft loss = w * CE + (1 - w) * KL(target || draft); 1 disables distillation")
+    p.add_argument(
+        "--ce-weight",
+        type=float,
+        default=0.3,
+        help="draft loss = w * CE + (1 - w) * KL(target || draft); 1 disables distillation",
+    )
     p.add_argument("--minutes", type=float, default=15.0, help="safety cap on each model's training time")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -376,33 +399,38 @@ def main(argv=None) -> int:
 
     t0 = time.monotonic()
     corpus = load_corpus()
-    print(f"corpus: {corpus['root']}: {corpus['files']['train']} train files ({corpus['train'].numel() / 1e6:.1f} MB), "
-          f"{corpus['files']['heldout']} held-out files ({corpus['heldout'].numel() / 1e6:.2f} MB), "
-          f"loaded in {time.monotonic() - t0:.1f}s", flush=True)
+    print(
+        f"corpus: {corpus['root']}: {corpus['files']['train']} train files ({corpus['train'].numel() / 1e6:.1f} MB), "
+        f"{corpus['files']['heldout']} held-out files ({corpus['heldout'].numel() / 1e6:.2f} MB), "
+        f"loaded in {time.monotonic() - t0:.1f}s",
+        flush=True,
+    )
     windows = eval_windows(corpus["heldout"], args.seq_len, args.eval_windows)
 
     record_path = out / "training.json"
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     record.setdefault("models", {})
-    record.update({
-        "generated_by": "scripts/train_demo_pair.py",
-        "vocab": {"size": VOCAB_SIZE, "bos": BOS_ID, "eos": EOS_ID, "pad": EOS_ID, "bytes": "0..255"},
-        "storage_dtype": "float16",
-        "corpus": {
-            "source": "CPython standard library *.py (sysconfig stdlib path, site-packages excluded)",
-            "python": platform.python_version(),
-            "train_files": corpus["files"]["train"],
-            "train_bytes": corpus["train"].numel(),
-            "heldout_files": corpus["files"]["heldout"],
-            "heldout_bytes": corpus["heldout"].numel(),
-            "heldout_rule": f"int(sha1(relative_path), 16) % 100 < {HELDOUT_PERCENT}",
-        },
-        "eval": {"windows": windows.shape[0], "seq_len": args.seq_len},
-        "threads": args.threads,
-        "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    })
+    record.update(
+        {
+            "generated_by": "scripts/train_demo_pair.py",
+            "vocab": {"size": VOCAB_SIZE, "bos": BOS_ID, "eos": EOS_ID, "pad": EOS_ID, "bytes": "0..255"},
+            "storage_dtype": "float16",
+            "corpus": {
+                "source": "CPython standard library *.py (sysconfig stdlib path, site-packages excluded)",
+                "python": platform.python_version(),
+                "train_files": corpus["files"]["train"],
+                "train_bytes": corpus["train"].numel(),
+                "heldout_files": corpus["files"]["heldout"],
+                "heldout_bytes": corpus["heldout"].numel(),
+                "heldout_rule": f"int(sha1(relative_path), 16) % 100 < {HELDOUT_PERCENT}",
+            },
+            "eval": {"windows": windows.shape[0], "seq_len": args.seq_len},
+            "threads": args.threads,
+            "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
+    )
 
     if args.which in ("both", "target"):
         target, info = train("target", args, corpus)
@@ -429,8 +457,11 @@ def main(argv=None) -> int:
         print(f"draft vs target on held-out: {record['agreement']}", flush=True)
         write_readme(out, record)
     record_path.write_text(json.dumps(record, indent=2) + "\n")
-    total = sum((out / n / "model.safetensors").stat().st_size for n in ("target", "draft")
-                if (out / n / "model.safetensors").is_file())
+    total = sum(
+        (out / n / "model.safetensors").stat().st_size
+        for n in ("target", "draft")
+        if (out / n / "model.safetensors").is_file()
+    )
     print(f"wrote {out}: weights {total / 1e6:.2f} MB in all; total time {(time.monotonic() - t0) / 60:.1f} min")
     return 0
 

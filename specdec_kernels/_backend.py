@@ -18,7 +18,7 @@ All backends return the same tokens for the same seed (same counter-based Philox
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -51,17 +51,30 @@ def _sampling_class(temperature, top_k, top_p) -> tuple:
 def chain_shape_class(args) -> tuple:
     """Shape class of a chain verification (VerifyArgs) for the auto cache."""
     return (
-        "verify", args.target_logits.dtype, args.draft_mode, *_sampling_class(args.temperature, args.top_k, args.top_p),
-        _bucket(args.B), args.G, _bucket(args.V),
-    )  # fmt: skip
+        "verify",
+        args.target_logits.dtype,
+        args.draft_mode,
+        *_sampling_class(args.temperature, args.top_k, args.top_p),
+        _bucket(args.B),
+        args.G,
+        _bucket(args.V),
+    )
 
 
 def tree_shape_class(args) -> tuple:
     """Shape class of a tree / multi-draft verification (TreeArgs) for the auto cache."""
     return (
-        "tree", args.target.dtype, args.draft_mode, args.method, args.parents is None,
-        *_sampling_class(args.temperature, args.top_k, args.top_p), _bucket(args.B), args.K, args.G, _bucket(args.V),
-    )  # fmt: skip
+        "tree",
+        args.target.dtype,
+        args.draft_mode,
+        args.method,
+        args.parents is None,
+        *_sampling_class(args.temperature, args.top_k, args.top_p),
+        _bucket(args.B),
+        args.K,
+        args.G,
+        _bucket(args.V),
+    )
 
 
 def _busy(device: torch.device) -> bool:
@@ -124,9 +137,16 @@ def _chain_reference(args):
     draft_kw = {1: "draft_logits", 2: "draft_probs"}.get(args.draft_mode)
     extra = {draft_kw: args.draft} if draft_kw else {}
     return verify_reference(
-        args.target_logits, args.draft_tokens, **extra, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, num_draft_tokens=args.num_draft_tokens, seed=args.seed, validate=False,
-    )  # fmt: skip
+        args.target_logits,
+        args.draft_tokens,
+        **extra,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        num_draft_tokens=args.num_draft_tokens,
+        seed=args.seed,
+        validate=False,
+    )
 
 
 def run_verify(args, backend: str = "auto", num_chunks: int | None = None, block_v: int | None = None):

@@ -60,11 +60,14 @@ def _interpret_preimported_language() -> None:
             if isinstance(value, JITFunction):
                 if id(value) not in swapped:
                     swapped[id(value)] = InterpretedFunction(
-                        value.fn, version=value.version, do_not_specialize=value.do_not_specialize,
+                        value.fn,
+                        version=value.version,
+                        do_not_specialize=value.do_not_specialize,
                         do_not_specialize_on_alignment=value.do_not_specialize_on_alignment,
-                        debug=getattr(value, "debug", None), noinline=value.noinline,
+                        debug=getattr(value, "debug", None),
+                        noinline=value.noinline,
                         launch_metadata=value.launch_metadata,
-                    )  # fmt: skip
+                    )
                 setattr(module, attr, swapped[id(value)])
 
 
@@ -87,9 +90,7 @@ def _skip_redundant_language_patching() -> None:
 
     def already_patched(fn) -> bool:
         langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
-        return bool(langs) and all(
-            not tl.core.is_builtin(getattr(lang, "program_id", None)) for lang in langs
-        )
+        return bool(langs) and all(not tl.core.is_builtin(getattr(lang, "program_id", None)) for lang in langs)
 
     def patch_lang_once(fn):
         if already_patched(fn):

@@ -14,8 +14,6 @@ explicit ``seed`` (``seed=None`` draws a host random number, also a graph break)
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -40,16 +38,16 @@ def _join(tensor, scalar):
 def verify_chain_op(
     target_logits: Tensor,
     draft_tokens: Tensor,
-    draft: Optional[Tensor],
+    draft: Tensor | None,
     draft_mode: int,
-    temperature_t: Optional[Tensor],
+    temperature_t: Tensor | None,
     temperature: float,
-    top_k_t: Optional[Tensor],
+    top_k_t: Tensor | None,
     top_k: int,
-    top_p_t: Optional[Tensor],
+    top_p_t: Tensor | None,
     top_p: float,
-    num_draft_tokens: Optional[Tensor],
-    seed_t: Optional[Tensor],
+    num_draft_tokens: Tensor | None,
+    seed_t: Tensor | None,
     seed: int,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -57,16 +55,37 @@ def verify_chain_op(
     from ._backend import run_verify
 
     args = VerifyArgs(
-        target_logits, draft_tokens, draft, draft_mode, _join(temperature_t, temperature), _join(top_k_t, top_k),
-        _join(top_p_t, top_p), num_draft_tokens, _join(seed_t, seed),
-    )  # fmt: skip
+        target_logits,
+        draft_tokens,
+        draft,
+        draft_mode,
+        _join(temperature_t, temperature),
+        _join(top_k_t, top_k),
+        _join(top_p_t, top_p),
+        num_draft_tokens,
+        _join(seed_t, seed),
+    )
     out = run_verify(args, backend)
     return out.tokens, out.num_accepted, out.nonfinite
 
 
 @verify_chain_op.register_fake
-def _verify_chain_fake(target_logits, draft_tokens, draft, draft_mode, temperature_t, temperature, top_k_t, top_k,
-                       top_p_t, top_p, num_draft_tokens, seed_t, seed, backend):  # fmt: skip
+def _verify_chain_fake(
+    target_logits,
+    draft_tokens,
+    draft,
+    draft_mode,
+    temperature_t,
+    temperature,
+    top_k_t,
+    top_k,
+    top_p_t,
+    top_p,
+    num_draft_tokens,
+    seed_t,
+    seed,
+    backend,
+):
     B, G1 = target_logits.shape[0], target_logits.shape[1]
     return (
         target_logits.new_empty((B, G1), dtype=torch.int64),
@@ -84,9 +103,21 @@ def call_verify_chain(args: VerifyArgs, backend: str):
     p_t, p = _split(args.top_p)
     s_t, s = _split(args.seed)
     tokens, accepted, nonfinite = verify_chain_op(
-        args.target_logits, args.draft_tokens, args.draft, args.draft_mode, t_t, float(t), k_t, int(k), p_t,
-        float(p), args.num_draft_tokens, s_t, int(s) % (1 << 62), backend,
-    )  # fmt: skip
+        args.target_logits,
+        args.draft_tokens,
+        args.draft,
+        args.draft_mode,
+        t_t,
+        float(t),
+        k_t,
+        int(k),
+        p_t,
+        float(p),
+        args.num_draft_tokens,
+        s_t,
+        int(s) % (1 << 62),
+        backend,
+    )
     return VerifyOutput(tokens, accepted, nonfinite)
 
 
@@ -98,18 +129,18 @@ def call_verify_chain(args: VerifyArgs, backend: str):
 def verify_tree_op(
     target: Tensor,
     tokens: Tensor,
-    parents: Optional[Tensor],
-    draft: Optional[Tensor],
+    parents: Tensor | None,
+    draft: Tensor | None,
     draft_mode: int,
-    temperature_t: Optional[Tensor],
+    temperature_t: Tensor | None,
     temperature: float,
-    top_k_t: Optional[Tensor],
+    top_k_t: Tensor | None,
     top_k: int,
-    top_p_t: Optional[Tensor],
+    top_p_t: Tensor | None,
     top_p: float,
-    seed_t: Optional[Tensor],
+    seed_t: Tensor | None,
     seed: int,
-    num_nodes: Optional[Tensor],
+    num_nodes: Tensor | None,
     method: str,
     max_depth: int,
     backend: str,
@@ -120,16 +151,43 @@ def verify_tree_op(
     from ._backend import run_tree
 
     args = TreeArgs(
-        target, tokens, parents, draft, draft_mode, _join(temperature_t, temperature), _join(top_k_t, top_k),
-        _join(top_p_t, top_p), _join(seed_t, seed), num_nodes, method, max_depth,
-    )  # fmt: skip
+        target,
+        tokens,
+        parents,
+        draft,
+        draft_mode,
+        _join(temperature_t, temperature),
+        _join(top_k_t, top_k),
+        _join(top_p_t, top_p),
+        _join(seed_t, seed),
+        num_nodes,
+        method,
+        max_depth,
+    )
     out = run_tree(args, backend)
     return out.tokens, out.num_accepted, out.accepted_nodes, out.nonfinite
 
 
 @verify_tree_op.register_fake
-def _verify_tree_fake(target, tokens, parents, draft, draft_mode, temperature_t, temperature, top_k_t, top_k, top_p_t,
-                      top_p, seed_t, seed, num_nodes, method, max_depth, backend):  # fmt: skip
+def _verify_tree_fake(
+    target,
+    tokens,
+    parents,
+    draft,
+    draft_mode,
+    temperature_t,
+    temperature,
+    top_k_t,
+    top_k,
+    top_p_t,
+    top_p,
+    seed_t,
+    seed,
+    num_nodes,
+    method,
+    max_depth,
+    backend,
+):
     B = target.shape[0]
     return (
         target.new_empty((B, max_depth + 1), dtype=torch.int64),
@@ -148,7 +206,22 @@ def call_verify_tree(args: TreeArgs, backend: str):
     p_t, p = _split(args.top_p)
     s_t, s = _split(args.seed)
     tokens, accepted, nodes, nonfinite = verify_tree_op(
-        args.target, args.tokens, args.parents, args.draft, args.draft_mode, t_t, float(t), k_t, int(k), p_t,
-        float(p), s_t, int(s) % (1 << 62), args.num_nodes, args.method, args.max_depth, backend,
-    )  # fmt: skip
+        args.target,
+        args.tokens,
+        args.parents,
+        args.draft,
+        args.draft_mode,
+        t_t,
+        float(t),
+        k_t,
+        int(k),
+        p_t,
+        float(p),
+        s_t,
+        int(s) % (1 << 62),
+        args.num_nodes,
+        args.method,
+        args.max_depth,
+        backend,
+    )
     return TreeVerifyOutput(tokens, accepted, nodes, nonfinite)

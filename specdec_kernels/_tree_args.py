@@ -84,9 +84,22 @@ def node_depths(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
 
 
 def check_tree_args(
-    target_logits, tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p, seed,
-    num_nodes, method, max_depth, *, validate: bool = True, multi: bool = False,
-) -> TreeArgs:  # fmt: skip
+    target_logits,
+    tokens,
+    parents,
+    draft_logits,
+    draft_probs,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    num_nodes,
+    method,
+    max_depth,
+    *,
+    validate: bool = True,
+    multi: bool = False,
+) -> TreeArgs:
     _require(isinstance(target_logits, torch.Tensor), "target_logits must be a torch.Tensor", TypeError)
     device = target_logits.device
     tok_name = "draft_tokens" if multi else "tree_tokens"
@@ -94,9 +107,14 @@ def check_tree_args(
         _check_tensor("target_logits", target_logits, 4, FLOAT_DTYPES, device)
         B, K, G1, V = target_logits.shape
         G = G1 - 1
-        _require(K >= 1 and G >= 1, f"target_logits must be [B, K, G+1, V] with K, G >= 1, got {tuple(target_logits.shape)}")
+        _require(
+            K >= 1 and G >= 1, f"target_logits must be [B, K, G+1, V] with K, G >= 1, got {tuple(target_logits.shape)}"
+        )
         _check_tensor(tok_name, tokens, 3, INT_DTYPES, device)
-        _require(tuple(tokens.shape) == (B, K, G), f"draft_tokens must have shape [B, K, G] = [{B}, {K}, {G}], got {tuple(tokens.shape)}")
+        _require(
+            tuple(tokens.shape) == (B, K, G),
+            f"draft_tokens must have shape [B, K, G] = [{B}, {K}, {G}], got {tuple(tokens.shape)}",
+        )
         draft, mode = _check_draft(draft_logits, draft_probs, (B, K, G), V, device)
         target = target_logits
     else:
@@ -105,9 +123,13 @@ def check_tree_args(
         N = N1 - 1
         _require(N >= 0, "target_logits must have N+1 >= 1 rows")
         _check_tensor(tok_name, tokens, 2, INT_DTYPES, device)
-        _require(tuple(tokens.shape) == (B, N), f"tree_tokens must have shape [B, N] = [{B}, {N}], got {tuple(tokens.shape)}")
+        _require(
+            tuple(tokens.shape) == (B, N), f"tree_tokens must have shape [B, N] = [{B}, {N}], got {tuple(tokens.shape)}"
+        )
         _check_tensor("parents", parents, 2, INT_DTYPES, device)
-        _require(tuple(parents.shape) == (B, N), f"parents must have shape [B, N] = [{B}, {N}], got {tuple(parents.shape)}")
+        _require(
+            tuple(parents.shape) == (B, N), f"parents must have shape [B, N] = [{B}, {N}], got {tuple(parents.shape)}"
+        )
         draft, mode = _check_draft(draft_logits, draft_probs, (B, N), V, device)
         target, tokens = target_logits[:, None], tokens[:, None]
         draft = draft[:, None] if draft is not None else None
@@ -120,13 +142,26 @@ def check_tree_args(
         _check_tensor("num_nodes", num_nodes, 1, INT_DTYPES, device)
         _require(num_nodes.shape[0] == B, f"num_nodes must have shape [B={B}], got {tuple(num_nodes.shape)}")
     if max_depth is not None:
-        _require(isinstance(max_depth, int) and 0 <= max_depth <= MAX_DEPTH, f"max_depth must be an int in [0, {MAX_DEPTH}], got {max_depth!r}")
+        _require(
+            isinstance(max_depth, int) and 0 <= max_depth <= MAX_DEPTH,
+            f"max_depth must be an int in [0, {MAX_DEPTH}], got {max_depth!r}",
+        )
     tokens = _last_dim_contiguous(tokens)  # the walk indexes slots with stride 1
     parents = _last_dim_contiguous(parents) if parents is not None else None
     args = TreeArgs(
-        _last_dim_contiguous(target), tokens, parents, draft, mode, temperature, top_k, top_p, seed,
-        num_nodes, method, max_depth if max_depth is not None else (G if multi else K * G),
-    )  # fmt: skip
+        _last_dim_contiguous(target),
+        tokens,
+        parents,
+        draft,
+        mode,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        num_nodes,
+        method,
+        max_depth if max_depth is not None else (G if multi else K * G),
+    )
     if validate and not _capturing(device) and B > 0:
         depth = _validate_tree_values(args, tok_name)
         if max_depth is None and not multi:

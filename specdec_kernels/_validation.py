@@ -98,10 +98,17 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def _per_request(name, value, B, device, kind):
     """Check a scalar-or-[B]-tensor parameter; return it unchanged (no copy, no launch)."""
     if isinstance(value, torch.Tensor):
-        _require(value.dim() == 1 and value.shape[0] == B, f"{name} must be a scalar or a [B={B}] tensor, got shape {tuple(value.shape)}")
+        _require(
+            value.dim() == 1 and value.shape[0] == B,
+            f"{name} must be a scalar or a [B={B}] tensor, got shape {tuple(value.shape)}",
+        )
         _require(value.device == device, f"{name} is on {value.device} but target_logits is on {device}")
         if kind is int:
-            _require(value.dtype in INT_DTYPES, f"{name} must be an integer tensor (int32/int64), got {value.dtype}", TypeError)
+            _require(
+                value.dtype in INT_DTYPES,
+                f"{name} must be an integer tensor (int32/int64), got {value.dtype}",
+                TypeError,
+            )
         else:
             _require(value.dtype in FLOAT_DTYPES + INT_DTYPES, f"{name} has unsupported dtype {value.dtype}", TypeError)
         return value
@@ -130,18 +137,34 @@ def _check_seed(seed, B: int, device):
     if seed is None:
         return int(torch.randint(0, 1 << 62, (1,)))
     if isinstance(seed, torch.Tensor):
-        _require(seed.dim() == 1 and seed.shape[0] == B, f"seed must be an int or a [B={B}] tensor, got shape {tuple(seed.shape)}")
+        _require(
+            seed.dim() == 1 and seed.shape[0] == B,
+            f"seed must be an int or a [B={B}] tensor, got shape {tuple(seed.shape)}",
+        )
         _require(seed.dtype in INT_DTYPES, f"seed must be an integer tensor, got {seed.dtype}", TypeError)
         _require(seed.device == device, f"seed is on {seed.device} but target_logits is on {device}")
         return seed
-    _require(isinstance(seed, int) and not isinstance(seed, bool), f"seed must be None, an int or a [B] tensor, got {seed!r}", TypeError)
+    _require(
+        isinstance(seed, int) and not isinstance(seed, bool),
+        f"seed must be None, an int or a [B] tensor, got {seed!r}",
+        TypeError,
+    )
     return seed
 
 
 def check_verify_args(
-    target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p,
-    num_draft_tokens, seed, *, validate: bool = True,
-) -> VerifyArgs:  # fmt: skip
+    target_logits,
+    draft_tokens,
+    draft_logits,
+    draft_probs,
+    temperature,
+    top_k,
+    top_p,
+    num_draft_tokens,
+    seed,
+    *,
+    validate: bool = True,
+) -> VerifyArgs:
     _require(isinstance(target_logits, torch.Tensor), "target_logits must be a torch.Tensor", TypeError)
     device = target_logits.device
     _check_tensor("target_logits", target_logits, 3, FLOAT_DTYPES, device)
@@ -152,17 +175,28 @@ def check_verify_args(
     _check_tensor("draft_tokens", draft_tokens, 2, INT_DTYPES, device)
     _require(
         tuple(draft_tokens.shape) == (B, G),
-        f"draft_tokens must have shape [B, G] = [{B}, {G}] to match target_logits {tuple(target_logits.shape)}, got {tuple(draft_tokens.shape)}",
+        f"draft_tokens must have shape [B, G] = [{B}, {G}] to match target_logits "
+        f"{tuple(target_logits.shape)}, got {tuple(draft_tokens.shape)}",
     )
     draft, mode = _check_draft(draft_logits, draft_probs, (B, G), V, device)
     temperature, top_k, top_p, seed = _check_sampling(temperature, top_k, top_p, seed, B, device)
     if num_draft_tokens is not None:
         _check_tensor("num_draft_tokens", num_draft_tokens, 1, INT_DTYPES, device)
-        _require(num_draft_tokens.shape[0] == B, f"num_draft_tokens must have shape [B={B}], got {tuple(num_draft_tokens.shape)}")
+        _require(
+            num_draft_tokens.shape[0] == B,
+            f"num_draft_tokens must have shape [B={B}], got {tuple(num_draft_tokens.shape)}",
+        )
     args = VerifyArgs(
-        _last_dim_contiguous(target_logits), draft_tokens, draft, mode,
-        temperature, top_k, top_p, num_draft_tokens, seed,
-    )  # fmt: skip
+        _last_dim_contiguous(target_logits),
+        draft_tokens,
+        draft,
+        mode,
+        temperature,
+        top_k,
+        top_p,
+        num_draft_tokens,
+        seed,
+    )
     if validate and not _capturing(device) and B > 0:
         _validate_values(args)
     return args

@@ -6,8 +6,9 @@
 * ``specdec generate --target PATH --draft PATH --prompt TEXT``: streams text as it is committed
   and ends with a stats table (local model directories only; ``--target demo`` uses the embedded pair).
 * ``specdec verify-demo``: the kernels alone on random distributions against theory. It draws
-  random target/draft distributions with a chosen closeness, samples genuine drafts from the draft, verifies them with ``sk.verify`` and
-``sk.verify_multi`` (K-SEQ), and prints measured acceptance next to its theoretical value:
+  random target/draft distributions with a chosen closeness, samples genuine drafts from the draft,
+  verifies them with ``sk.verify`` and ``sk.verify_multi`` (K-SEQ), and prints measured acceptance
+  next to its theoretical value:
   first-draft acceptance  alpha = sum_x min(p(x), q(x))
   tokens per step         E = sum_{k=0..G} prod_{i<k} alpha_i   (chain; exact for sampled drafts)
   K-SEQ acceptance        1 - (1 - beta(rho*))^K
@@ -89,7 +90,7 @@ def _print_table(rows: list[dict]) -> None:
     cells = [[c] + [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for r in rows] for c in cols]
     widths = [max(len(x) for x in col) for col in cells]
     for i in range(len(rows) + 1):
-        print("  ".join(col[i].rjust(w) for col, w in zip(cells, widths)))
+        print("  ".join(col[i].rjust(w) for col, w in zip(cells, widths, strict=False)))
 
 
 def verify_demo(args: argparse.Namespace) -> int:
@@ -192,13 +193,26 @@ def generate_command(args: argparse.Namespace) -> int:
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     sys.stdout.write(args.prompt)
     out = speculative_generate(
-        target, draft if drafter == "model" else None, ids, mask, max_new_tokens=args.max_new_tokens,
-        num_draft_tokens=args.num_draft_tokens, num_drafts=args.num_drafts, method=args.method, drafter=drafter,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        eos_token_id=getattr(tok, "eos_token_id", None), pad_token_id=getattr(tok, "pad_token_id", None),
-        streamer=_PrintStreamer(tok), vocab_size=args.vocab_size,
-        cache_implementation="static" if args.compile else args.cache, compile_target=args.compile,
-    )  # fmt: skip
+        target,
+        draft if drafter == "model" else None,
+        ids,
+        mask,
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        num_drafts=args.num_drafts,
+        method=args.method,
+        drafter=drafter,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=getattr(tok, "eos_token_id", None),
+        pad_token_id=getattr(tok, "pad_token_id", None),
+        streamer=_PrintStreamer(tok),
+        vocab_size=args.vocab_size,
+        cache_implementation="static" if args.compile else args.cache,
+        compile_target=args.compile,
+    )
     print()
     print(out.stats.table())
     return 0
@@ -234,28 +248,55 @@ def demo(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         if kwargs is None:
             with torch.no_grad():
-                seqs = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+                seqs = target.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=tok.pad_token_id,
+                    eos_token_id=tok.eos_token_id,
+                )
             seconds = time.perf_counter() - start
             reference = seqs
             made = int((seqs.shape[1] - ids.shape[1]) * len(prompts))
-            rows.append(dict(mode=name, tokens=made, seconds=seconds, tok_per_s=made / seconds, acceptance="-",
-                             mean_accepted="1.00", target_forwards=int(seqs.shape[1] - ids.shape[1]), greedy_match="(reference)"))  # fmt: skip
+            rows.append(
+                dict(
+                    mode=name,
+                    tokens=made,
+                    seconds=seconds,
+                    tok_per_s=made / seconds,
+                    acceptance="-",
+                    mean_accepted="1.00",
+                    target_forwards=int(seqs.shape[1] - ids.shape[1]),
+                    greedy_match="(reference)",
+                )
+            )
             continue
         out = speculative_generate(target, draft, ids, mask, **common, **kwargs)
         st = out.stats
         greedy = "temperature" not in kwargs
         match = str(bool(torch.equal(out.sequences, reference))) if greedy else "n/a (sampled)"
-        rows.append(dict(mode=name, tokens=st.new_tokens, seconds=st.wall_time_s, tok_per_s=st.tokens_per_s,
-                         acceptance=f"{st.acceptance_rate:.3f}", mean_accepted=f"{st.mean_accepted_length:.2f}",
-                         target_forwards=st.target_forwards, greedy_match=match))  # fmt: skip
+        rows.append(
+            dict(
+                mode=name,
+                tokens=st.new_tokens,
+                seconds=st.wall_time_s,
+                tok_per_s=st.tokens_per_s,
+                acceptance=f"{st.acceptance_rate:.3f}",
+                mean_accepted=f"{st.mean_accepted_length:.2f}",
+                target_forwards=st.target_forwards,
+                greedy_match=match,
+            )
+        )
     print()
     _print_table(rows)
     if device != "cuda":
         best = min(rows[1:], key=lambda r: r["target_forwards"])
-        print(f"\nOn CPU, Python and the interpreted kernels dominate these tiny models: read target_forwards.\n"
-              f"{best['mode'].strip()}: {best['target_forwards']} target forwards where the target alone needed "
-              f"{rows[0]['target_forwards']}; with a large target on a GPU, those forwards are the cost.")  # fmt: skip
+        print(
+            f"\nOn CPU, Python and the interpreted kernels dominate these tiny models: read target_forwards.\n"
+            f"{best['mode'].strip()}: {best['target_forwards']} target forwards where the target alone needed "
+            f"{rows[0]['target_forwards']}; with a large target on a GPU, those forwards are the cost."
+        )
     print("\nfirst prompt, target's greedy continuation:")
     print(tok.decode(reference[0].tolist()))
     return 0 if all(r["greedy_match"] in ("True", "(reference)", "n/a (sampled)") for r in rows) else 1
@@ -289,8 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--vocab-size", type=int, default=None, help="real token count if embeddings are padded")
     p_gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     p_gen.add_argument("--cache", choices=["dynamic", "static"], default="dynamic", help="KV cache of both models")
-    p_gen.add_argument("--compile", action="store_true",
-                       help="torch.compile the target's verification forward (CUDA graphs on GPU; implies --cache static)")
+    p_gen.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the target's verification forward (CUDA graphs on GPU; implies --cache static)",
+    )
     p_gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
 
     p_vd = sub.add_parser("verify-demo", help="verification kernels on random distributions vs theory")

@@ -13,7 +13,24 @@ def test_no_command_prints_help(capsys):
 
 def test_verify_demo_agrees_with_theory(capsys):
     B = 384
-    assert main(["verify-demo", "--batch", str(B), "--vocab", "32", "--num-draft-tokens", "3", "--num-drafts", "2", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "verify-demo",
+                "--batch",
+                str(B),
+                "--vocab",
+                "32",
+                "--num-draft-tokens",
+                "3",
+                "--num-drafts",
+                "2",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "greedy: accepted tokens equal the target argmax chain" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s*(close|medium|far)\s", line)]
@@ -45,8 +62,24 @@ def test_demo_runs_and_greedy_rows_match_the_target(capsys):
 
 def test_generate_streams_with_the_embedded_pair(capsys):
     prompt = "def add(a, b):\n    "
-    assert main(["generate", "--target", "demo", "--prompt", prompt, "--max-new-tokens", "10", "--num-drafts", "2",
-                 "--device", "cpu"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                "demo",
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "10",
+                "--num-drafts",
+                "2",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith(prompt)
     assert "acceptance" in out.lower()

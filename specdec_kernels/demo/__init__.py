@@ -21,8 +21,8 @@ Loading needs ``transformers`` (and ``safetensors``) but no network::
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
@@ -45,7 +45,7 @@ VOCAB_SIZE = 258
 DEMO_PROMPTS: tuple[str, ...] = (
     "import os\nimport sys\n\n\ndef main():\n    ",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        ",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n    ",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n    ',
     "    for i in range(len(",
     "if __name__ == '__main__':\n    ",
     "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__, ",

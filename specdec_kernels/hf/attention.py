@@ -33,10 +33,10 @@ from ..ops.tree_metadata import tree_metadata
 
 ATTN_NAME = "specdec_tree"
 
-_ACTIVE: contextvars.ContextVar["TreeAttentionMetadata | None"] = contextvars.ContextVar("specdec_tree", default=None)
+_ACTIVE: contextvars.ContextVar[TreeAttentionMetadata | None] = contextvars.ContextVar("specdec_tree", default=None)
 # Dynamo cannot trace ContextVar.get: while torch.compile traces, the mask builder and the attention
 # layers read this plain mirror instead (set and restored together with _ACTIVE).
-_TRACE_MIRROR: list["TreeAttentionMetadata | None"] = [None]
+_TRACE_MIRROR: list[TreeAttentionMetadata | None] = [None]
 
 
 @dataclass
@@ -123,7 +123,9 @@ def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0
     if meta is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     unsupported = [name for name in _UNSUPPORTED_FEATURES if kwargs.get(name) is not None]
     if unsupported:  # silently ignoring them would give wrong attention (Gemma 2 softcaps, gpt-oss sinks)
         raise NotImplementedError(f"specdec_tree attention does not support {', '.join(unsupported)} yet")
@@ -133,9 +135,17 @@ def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0
     use_kernel = meta.backend == "triton" or (meta.backend == "auto" and query.device.type == "cuda")
     attend = tree_attention_from_masks if use_kernel else tree_attention_torch
     out = attend(
-        query, key, value, meta.key_start, meta.prefix_end, meta.tree_start, meta.query_masks, scaling,
-        tree_slots=meta.tree_slots, window_lo=window_lo,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        meta.key_start,
+        meta.prefix_end,
+        meta.tree_start,
+        meta.query_masks,
+        scaling,
+        tree_slots=meta.tree_slots,
+        window_lo=window_lo,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

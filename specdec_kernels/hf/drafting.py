@@ -27,8 +27,15 @@ def draft_distribution(logits: torch.Tensor, temperature: float, top_k: int, top
     return probs
 
 
-def sample_first_tokens(probs: torch.Tensor, logits: torch.Tensor, K: int, *, greedy: bool, distinct: bool,
-                        generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
+def sample_first_tokens(
+    probs: torch.Tensor,
+    logits: torch.Tensor,
+    K: int,
+    *,
+    greedy: bool,
+    distinct: bool,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
     """[B, K] first draft tokens of K chains from the root distribution [B, V].
 
     greedy: the K most likely tokens (distinct, so the chains differ). distinct: without replacement
@@ -39,8 +46,9 @@ def sample_first_tokens(probs: torch.Tensor, logits: torch.Tensor, K: int, *, gr
     return torch.multinomial(probs, K, replacement=not distinct, generator=generator)
 
 
-def sample_next_tokens(probs: torch.Tensor, logits: torch.Tensor, *, greedy: bool,
-                       generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
+def sample_next_tokens(
+    probs: torch.Tensor, logits: torch.Tensor, *, greedy: bool, generator: torch.Generator | None
+) -> torch.Tensor:
     """[...] one token per row of [..., V]."""
     if greedy:
         return logits.float().argmax(dim=-1)

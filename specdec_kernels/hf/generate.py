@@ -179,8 +179,22 @@ def speculative_generate(
         raise ValueError(f"cache_implementation must be one of {CACHE_IMPLEMENTATIONS}, got {cache_implementation!r}")
     if compile_target and cache_implementation != "static":
         raise ValueError("compile_target needs cache_implementation='static' (fixed cache buffers)")
-    V = _check_inputs(target, draft, input_ids, attention_mask, G, K, method, drafter, temperature, top_k, top_p,
-                      max_new_tokens, vocab_size, streamer)  # fmt: skip
+    V = _check_inputs(
+        target,
+        draft,
+        input_ids,
+        attention_mask,
+        G,
+        K,
+        method,
+        drafter,
+        temperature,
+        top_k,
+        top_p,
+        max_new_tokens,
+        vocab_size,
+        streamer,
+    )
     device = input_ids.device
     B, T = input_ids.shape
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
@@ -205,10 +219,21 @@ def speculative_generate(
         # Occupancy bound: committed (<= prompt + max_new) - 1 + the 1 + K*G tree (target), or
         # committed - u + u + (G-1)*K drafted (draft, u <= 2).
         static_len = max(len(p) for p in prompts) + max_new_tokens + K * G + 2
-        session = _Session.start(target, draft if use_draft else None, prompts, device, G, K, V, method, sampling,
-                                 generator, attention_backend,
-                                 static_len if cache_implementation == "static" else None,
-                                 _compiled_forward(target, compile_target, device))  # fmt: skip
+        session = _Session.start(
+            target,
+            draft if use_draft else None,
+            prompts,
+            device,
+            G,
+            K,
+            V,
+            method,
+            sampling,
+            generator,
+            attention_backend,
+            static_len if cache_implementation == "static" else None,
+            _compiled_forward(target, compile_target, device),
+        )
         batch = session.batch
         done = [max_new_tokens == 0] * B
         session.drop_finished(done)
@@ -263,13 +288,33 @@ class _Session:
     target_forward: object = None  # a compiled target.forward, or None (eager)
 
     @classmethod
-    def start(cls, target, draft, prompts, device, G, K, V, method, sampling, generator, attention_backend,
-              static_len=None, target_forward=None):  # fmt: skip
+    def start(
+        cls,
+        target,
+        draft,
+        prompts,
+        device,
+        G,
+        K,
+        V,
+        method,
+        sampling,
+        generator,
+        attention_backend,
+        static_len=None,
+        target_forward=None,
+    ):
         t_cache = _prefill(target, prompts, device, static_len)
         d_cache = _prefill(draft, prompts, device, static_len) if draft is not None else None
         lens = torch.tensor([len(p) for p in prompts], device=device)
-        batch = _Batch(list(range(len(prompts))), [list(p) for p in prompts], lens - 1, lens - 1,
-                       torch.ones_like(lens), attention_backend)  # fmt: skip
+        batch = _Batch(
+            list(range(len(prompts))),
+            [list(p) for p in prompts],
+            lens - 1,
+            lens - 1,
+            torch.ones_like(lens),
+            attention_backend,
+        )
         return cls(target, draft, t_cache, d_cache, batch, G, K, V, method, sampling, generator, target_forward)
 
     def step(self) -> list[tuple[int, list[int], int, int]]:
@@ -281,15 +326,29 @@ class _Session:
         batch, G, K = self.batch, self.G, self.K
         device = batch.target_cached.device
         if self.draft is not None:
-            drafts, probs, fed = _draft_chains(self.draft, self.d_cache, batch, G, K, self.V, self.method,
-                                               self.sampling, self.generator)  # fmt: skip
+            drafts, probs, fed = _draft_chains(
+                self.draft, self.d_cache, batch, G, K, self.V, self.method, self.sampling, self.generator
+            )
             n_drafts = None
         else:
             drafts, n_drafts = _lookup_drafts(batch, G, device)
             probs = fed = None
         tree_start = cache_length(self.t_cache)
-        out, path = _verify(self.target, self.t_cache, batch, drafts, probs, n_drafts, G, K, self.V, self.method,
-                            self.sampling, self.generator, self.target_forward)  # fmt: skip
+        out, path = _verify(
+            self.target,
+            self.t_cache,
+            batch,
+            drafts,
+            probs,
+            n_drafts,
+            G,
+            K,
+            self.V,
+            self.method,
+            self.sampling,
+            self.generator,
+            self.target_forward,
+        )
         accepted = out.num_accepted.long()
         _commit_target(self.t_cache, batch, tree_start, path, accepted)
         if self.draft is not None:
@@ -329,8 +388,13 @@ def _prefill(model, prompts: list[list[int]], device, static_len: int | None = N
         ids[b, : len(p) - 1] = torch.tensor(p[:-1])
         mask[b, : len(p) - 1] = 1
     positions = torch.arange(width).expand(len(prompts), width)
-    model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-          past_key_values=cache, use_cache=True)  # fmt: skip
+    model(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=positions.to(device),
+        past_key_values=cache,
+        use_cache=True,
+    )
     return cache
 
 
@@ -339,8 +403,9 @@ def _forward(model, cache, ids: torch.Tensor, meta: TreeAttentionMetadata, V: in
         if compiled is None:
             out = model(input_ids=ids, position_ids=meta.position_ids, past_key_values=cache, use_cache=True)
         else:  # the metadata as an argument: its tensors become graph inputs (the context is not traceable)
-            out = compiled(input_ids=ids, position_ids=meta.position_ids, past_key_values=cache, use_cache=True,
-                           specdec_tree=meta)  # fmt: skip
+            out = compiled(
+                input_ids=ids, position_ids=meta.position_ids, past_key_values=cache, use_cache=True, specdec_tree=meta
+            )
     return out.logits[..., :V]
 
 
@@ -375,8 +440,14 @@ def _draft_chains(draft, cache, batch: _Batch, G, K, V, method, sampling, genera
     logits0 = _forward(draft, cache, ids0.to(device), meta0, V)
     root_logits = logits0[torch.arange(A, device=device), u - 1]  # [A, V]
     root_probs = None if greedy else draft_distribution(root_logits, **sampling)
-    first = sample_first_tokens(root_probs, root_logits, K, greedy=greedy, distinct=method == "rrs_wor" and K > 1,
-                                generator=_gen_for(generator, device))  # fmt: skip
+    first = sample_first_tokens(
+        root_probs,
+        root_logits,
+        K,
+        greedy=greedy,
+        distinct=method == "rrs_wor" and K > 1,
+        generator=_gen_for(generator, device),
+    )
     tokens = [first]  # [A, K] per depth
     probs = [None if greedy else root_probs[:, None, :].expand(A, K, V)]
     # Forwards 1..G-1: the K depth-t tokens, each seeing the root chain and its own chain.
@@ -413,8 +484,7 @@ def _lookup_drafts(batch: _Batch, G: int, device):
     return drafts.to(device), n
 
 
-def _verify(target, cache, batch: _Batch, drafts, probs, n_drafts, G, K, V, method, sampling, generator,
-            compiled=None):  # fmt: skip
+def _verify(target, cache, batch: _Batch, drafts, probs, n_drafts, G, K, V, method, sampling, generator, compiled=None):
     """One target forward over root + K*G drafts, then the fused verification; returns (out, path)
     with path [A, G] the accepted nodes' tree indices (1 + chain*G + slot), -1 padding."""
     device = batch.target_cached.device
@@ -432,8 +502,15 @@ def _verify(target, cache, batch: _Batch, drafts, probs, n_drafts, G, K, V, meth
     # validate=False: every input here is built by the driver (ids < V, probabilities normalised),
     # and value checks would synchronise with the GPU once per step.
     if K == 1:
-        out = ops.verify(logits, drafts[:, 0], draft_probs=None if probs is None else probs[:, 0],
-                         num_draft_tokens=n_drafts, seed=seeds, validate=False, **sampling)  # fmt: skip
+        out = ops.verify(
+            logits,
+            drafts[:, 0],
+            draft_probs=None if probs is None else probs[:, 0],
+            num_draft_tokens=n_drafts,
+            seed=seeds,
+            validate=False,
+            **sampling,
+        )
         slots = torch.arange(1, G + 1, device=device).expand(A, G)
         path = torch.where(slots <= out.num_accepted.long()[:, None], slots, -1)
         return out, path
@@ -498,8 +575,22 @@ def _vocab_rows(model) -> int:
     return emb.weight.shape[0] if emb is not None else model.config.vocab_size
 
 
-def _check_inputs(target, draft, input_ids, attention_mask, G, K, method, drafter, temperature, top_k, top_p,
-                  max_new_tokens, vocab_size, streamer) -> int:  # fmt: skip
+def _check_inputs(
+    target,
+    draft,
+    input_ids,
+    attention_mask,
+    G,
+    K,
+    method,
+    drafter,
+    temperature,
+    top_k,
+    top_p,
+    max_new_tokens,
+    vocab_size,
+    streamer,
+) -> int:
     """Validate everything up front; returns the vocabulary size the verifier sees."""
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of {DRAFTERS}, got {drafter!r}")

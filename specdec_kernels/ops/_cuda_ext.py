@@ -59,9 +59,15 @@ def _load(name: str, sources, cflags, cuda: bool, verbose: bool):
     if cuda:
         kwargs["extra_cuda_cflags"] = ["-O3"]
     return load(
-        name=name, sources=[str(CSRC / s) for s in sources], extra_cflags=cflags, extra_include_paths=[str(CSRC)],
-        build_directory=str(build_dir(name)), with_cuda=cuda, verbose=verbose, **kwargs,
-    )  # fmt: skip
+        name=name,
+        sources=[str(CSRC / s) for s in sources],
+        extra_cflags=cflags,
+        extra_include_paths=[str(CSRC)],
+        build_directory=str(build_dir(name)),
+        with_cuda=cuda,
+        verbose=verbose,
+        **kwargs,
+    )
 
 
 def load_cpu_core(verbose: bool = False):
@@ -96,7 +102,9 @@ def load_cuda_extension(verbose: bool = False):
     ext = _prebuilt()
     if ext is None:
         if os.environ.get("SPECDEC_NO_JIT", "0") not in ("", "0"):
-            raise RuntimeError("the CUDA extension specdec_kernels._csrc_cuda is not built and SPECDEC_NO_JIT is set. " + _HOW_TO_BUILD)
+            raise RuntimeError(
+                "the CUDA extension specdec_kernels._csrc_cuda is not built and SPECDEC_NO_JIT is set. " + _HOW_TO_BUILD
+            )
         from torch.utils.cpp_extension import CUDA_HOME
 
         if CUDA_HOME is None or shutil.which("ninja") is None:
@@ -139,10 +147,24 @@ def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int
     s_t, s = split(args.seed)
     stream = torch.cuda.current_stream(target.device).cuda_stream if target.device.type == "cuda" else 0
     tokens, accepted, nonfinite = ext.verify_chain(
-        target, args.draft_tokens, args.draft, args.draft_mode, args.num_draft_tokens, t_t, float(t), k_t,
-        min(int(k), 2**31 - 1), p_t, float(p), s_t, mix_seed(int(s)), bool(args.has_filter), int(num_chunks),
-        int(threads), stream,
-    )  # fmt: skip
+        target,
+        args.draft_tokens,
+        args.draft,
+        args.draft_mode,
+        args.num_draft_tokens,
+        t_t,
+        float(t),
+        k_t,
+        min(int(k), 2**31 - 1),
+        p_t,
+        float(p),
+        s_t,
+        mix_seed(int(s)),
+        bool(args.has_filter),
+        int(num_chunks),
+        int(threads),
+        stream,
+    )
     return VerifyOutput(tokens, accepted, nonfinite)
 
 
@@ -162,10 +184,26 @@ def run_tree(ext, args, threads: int = 256):
     s_t, s = split(args.seed)
     stream = torch.cuda.current_stream(target.device).cuda_stream if target.device.type == "cuda" else 0
     tokens, accepted, nodes, nonfinite = ext.verify_tree(
-        target, args.tokens, args.parents, args.draft, args.draft_mode, args.num_nodes, t_t, float(t), k_t,
-        min(int(k), 2**31 - 1), p_t, float(p), s_t, mix_seed(int(s)), bool(args.has_filter), METHODS[args.method],
-        int(args.max_depth), int(threads), stream,
-    )  # fmt: skip
+        target,
+        args.tokens,
+        args.parents,
+        args.draft,
+        args.draft_mode,
+        args.num_nodes,
+        t_t,
+        float(t),
+        k_t,
+        min(int(k), 2**31 - 1),
+        p_t,
+        float(p),
+        s_t,
+        mix_seed(int(s)),
+        bool(args.has_filter),
+        METHODS[args.method],
+        int(args.max_depth),
+        int(threads),
+        stream,
+    )
     return TreeVerifyOutput(tokens, accepted, nodes, nonfinite)
 
 

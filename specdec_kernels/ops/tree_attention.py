@@ -250,8 +250,9 @@ def window_start(key_start: torch.Tensor, positions: torch.Tensor, window: int) 
     return (key_start[:, None] + (positions - window + 1).clamp_min(0)).to(torch.int32)
 
 
-def tree_attention_torch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale=None, *, tree_slots=MAX_NODES,
-                         window_lo=None):  # fmt: skip
+def tree_attention_torch(
+    q, k, v, key_start, prefix_end, tree_start, query_masks, scale=None, *, tree_slots=MAX_NODES, window_lo=None
+):
     """Same contract as :func:`tree_attention_from_masks` in plain PyTorch (builds the dense mask).
 
     For CPU runs, where Triton only has its (slow) interpreter: the Hugging Face backend uses it for
@@ -362,23 +363,59 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
     else:
         part_acc = part_ml = out  # unused
     _tree_attention_kernel[(B * Hkv, m_tiles, splits)](
-        q, k, v, key_start, prefix_end, tree_start, query_masks,
-        query_masks if window_lo is None else window_lo, out, part_acc, part_ml,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        Hkv, Nq, S, split_len, scale * _LOG2E,
-        GROUP=group, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        q,
+        k,
+        v,
+        key_start,
+        prefix_end,
+        tree_start,
+        query_masks,
+        query_masks if window_lo is None else window_lo,
+        out,
+        part_acc,
+        part_ml,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        Hkv,
+        Nq,
+        S,
+        split_len,
+        scale * _LOG2E,
+        GROUP=group,
+        D=D,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         TREE_SPAN=max(16, _next_pow2(tree_slots)),
-        NUM_SPLITS=splits, HAS_WINDOW=window_lo is not None, DOT_DTYPE=_dot_dtype(q.dtype),
+        NUM_SPLITS=splits,
+        HAS_WINDOW=window_lo is not None,
+        DOT_DTYPE=_dot_dtype(q.dtype),
         num_warps=8 if block_d > 128 else 4,
-    )  # fmt: skip
+    )
     if splits > 1:
         _tree_attention_combine_kernel[(B * Hq * Nq,)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), out.stride(2), Hq, Nq,
-            D=D, BLOCK_D=block_d, NUM_SPLITS=splits,
-        )  # fmt: skip
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            Hq,
+            Nq,
+            D=D,
+            BLOCK_D=block_d,
+            NUM_SPLITS=splits,
+        )
     return out
 
 
@@ -428,8 +465,10 @@ def tree_attention(
     B, _, N, _ = q.shape
     if validate and B and not _capturing(q.device):
         _check_attention_values(k.shape[2], N, prefix_lens, parents, num_nodes)
-    _require(sliding_window is None or int(sliding_window) >= N,
-             f"sliding_window must be >= N={N} (the window must cover the tree), got {sliding_window}")  # fmt: skip
+    _require(
+        sliding_window is None or int(sliding_window) >= N,
+        f"sliding_window must be >= N={N} (the window must cover the tree), got {sliding_window}",
+    )
     meta = tree_metadata(parents, num_nodes)
     prefix_end = prefix_lens.to(torch.int32)
     key_start = torch.zeros_like(prefix_end)
@@ -438,9 +477,18 @@ def tree_attention(
         positions = prefix_end[:, None] + meta.depth - 1
         window_lo = window_start(key_start, positions, int(sliding_window))
     return tree_attention_from_masks(
-        q, k, v, key_start, prefix_end, prefix_end, meta.ancestor_mask, scale, tree_slots=N, window_lo=window_lo,
+        q,
+        k,
+        v,
+        key_start,
+        prefix_end,
+        prefix_end,
+        meta.ancestor_mask,
+        scale,
+        tree_slots=N,
+        window_lo=window_lo,
         _num_splits=_num_splits,
-    )  # fmt: skip
+    )
 
 
 def _check_attention_args(q, k, v, prefix_lens, parents, num_nodes) -> None:
@@ -455,15 +503,32 @@ def _check_attention_args(q, k, v, prefix_lens, parents, num_nodes) -> None:
     Hkv = k.shape[1]
     _require(Hkv > 0 and Hq % Hkv == 0, f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     _require(q.dtype in FLOAT_DTYPES, f"q has dtype {q.dtype}; supported: fp32, fp16, bf16", TypeError)
-    _require(k.dtype == q.dtype and v.dtype == q.dtype, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}", TypeError)
+    _require(
+        k.dtype == q.dtype and v.dtype == q.dtype,
+        f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}",
+        TypeError,
+    )
     _require(N <= MAX_NODES, f"at most {MAX_NODES} tree nodes are supported, got N={N}")
-    _require(parents.dim() == 2 and tuple(parents.shape) == (B, N), f"parents must have shape [B={B}, N={N}], got {tuple(parents.shape)}")
-    _require(prefix_lens.dim() == 1 and prefix_lens.shape[0] == B, f"prefix_lens must have shape [B={B}], got {tuple(prefix_lens.shape)}")
-    ints = [("prefix_lens", prefix_lens), ("parents", parents)] + ([("num_nodes", num_nodes)] if num_nodes is not None else [])
+    _require(
+        parents.dim() == 2 and tuple(parents.shape) == (B, N),
+        f"parents must have shape [B={B}, N={N}], got {tuple(parents.shape)}",
+    )
+    _require(
+        prefix_lens.dim() == 1 and prefix_lens.shape[0] == B,
+        f"prefix_lens must have shape [B={B}], got {tuple(prefix_lens.shape)}",
+    )
+    ints = [("prefix_lens", prefix_lens), ("parents", parents)] + (
+        [("num_nodes", num_nodes)] if num_nodes is not None else []
+    )
     for name, t in ints:
-        _require(isinstance(t, torch.Tensor) and t.dtype in INT_DTYPES, f"{name} must be an int32/int64 tensor", TypeError)
+        _require(
+            isinstance(t, torch.Tensor) and t.dtype in INT_DTYPES, f"{name} must be an int32/int64 tensor", TypeError
+        )
     if num_nodes is not None:
-        _require(num_nodes.dim() == 1 and num_nodes.shape[0] == B, f"num_nodes must have shape [B={B}], got {tuple(num_nodes.shape)}")
+        _require(
+            num_nodes.dim() == 1 and num_nodes.shape[0] == B,
+            f"num_nodes must have shape [B={B}], got {tuple(num_nodes.shape)}",
+        )
     for name, t in [("k", k), ("v", v)] + ints:
         _require(t.device == q.device, f"{name} is on {t.device} but q is on {q.device}")
 

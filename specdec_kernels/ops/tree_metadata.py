@@ -98,8 +98,16 @@ def tree_metadata(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) 
     cap = 1024 if (interpreter_requested() or parents.device.type != "cuda") else 16
     block_b = max(1, min(_next_pow2(B), cap))
     _tree_metadata_kernel[(triton.cdiv(B, block_b),)](
-        parents, num_nodes if num_nodes is not None else parents, depth, mask,
-        parents.stride(0), depth.stride(0), B, N,
-        PER_REQ_N=num_nodes is not None, BLOCK_B=block_b, NP2=np2,
-    )  # fmt: skip
+        parents,
+        num_nodes if num_nodes is not None else parents,
+        depth,
+        mask,
+        parents.stride(0),
+        depth.stride(0),
+        B,
+        N,
+        PER_REQ_N=num_nodes is not None,
+        BLOCK_B=block_b,
+        NP2=np2,
+    )
     return TreeMetadata(depth, mask)

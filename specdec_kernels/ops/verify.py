@@ -168,7 +168,9 @@ def _verify_row_stats_kernel(
             bonus_key -= (safe_max(m_t) - safe_max(m_prev)) * inv_t
             logits = (x - safe_max(m_t)[:, None]) * inv_t[:, None]
             noise = race_noise(seed[:, None], start, i[:, None], PURPOSE_BONUS, BLOCK_V)
-            keys = tl.where((x >= thr_t[:, None]) & (x > float("-inf")) & need_bonus[:, None], logits + noise, float("-inf"))
+            keys = tl.where(
+                (x >= thr_t[:, None]) & (x > float("-inf")) & need_bonus[:, None], logits + noise, float("-inf")
+            )
             bonus_key, bonus_idx = first_argmax_update(bonus_key, bonus_idx, keys, cols)
         if DRAFT_MODE == 1:
             xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk)
@@ -286,7 +288,9 @@ def _verify_accept_kernel(
         cz_q = tl.load(stats_ptr + rec + 3, mask=row_ok, other=0.0)
         c_gmax = tl.load(stats_ptr + rec + 4, mask=row_ok, other=float("-inf"))
         c_bkey = tl.load(stats_ptr + rec + 5, mask=row_ok, other=float("-inf"))
-        bad += tl.load(stats_ptr + rec + 6, mask=row_ok, other=0.0) + tl.load(stats_ptr + rec + 7, mask=row_ok, other=0.0)
+        bad += tl.load(stats_ptr + rec + 6, mask=row_ok, other=0.0) + tl.load(
+            stats_ptr + rec + 7, mask=row_ok, other=0.0
+        )
         c_gidx = tl.load(idx_ptr + irec + 0, mask=row_ok, other=0)
         c_bidx = tl.load(idx_ptr + irec + 1, mask=row_ok, other=0)
         take = c_gmax > g_max  # strict: the earlier chunk keeps ties (lowest index)
@@ -306,7 +310,9 @@ def _verify_accept_kernel(
     if HAS_FILTER:
         thr_t = tl.load(thr_ptr + rows * 2, mask=row_ok & ~greedy[:, None], other=float("-inf"))
         if DRAFT_MODE == 1:
-            thr_q = tl.load(thr_ptr + rows * 2 + 1, mask=row_ok & (i < n_b[:, None]) & ~greedy[:, None], other=float("-inf"))
+            thr_q = tl.load(
+                thr_ptr + rows * 2 + 1, mask=row_ok & (i < n_b[:, None]) & ~greedy[:, None], other=float("-inf")
+            )
 
     # ---- accept test of every draft, first rejection j
     is_draft = b_ok[:, None] & (i < n_b[:, None])
@@ -537,35 +543,104 @@ def _launch(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None
     s_val = mix_seed(s_val)
 
     _verify_row_stats_kernel[(triton.cdiv(rows, plan.block_r), C)](
-        target, draft, n_ptr, t_ptr, k_ptr, p_ptr, s_ptr,
-        stats, idx, thr,
-        target.stride(0), 0, target.stride(1), stride_db, 0, stride_dg,
-        B, 1, G, V, plan.chunk_size, C,
-        float(t_val), int(k_val), float(p_val), s_val,
-        PER_REQ_N=per_req_n, PER_REQ_T=per_req_t, PER_REQ_K=per_req_k, PER_REQ_P=per_req_p,
-        PER_REQ_SEED=per_req_s, DRAFT_MODE=args.draft_mode, HAS_FILTER=has_filter, BONUS_IN_PASS=True,
-        BLOCK_R=plan.block_r, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
-    )  # fmt: skip
+        target,
+        draft,
+        n_ptr,
+        t_ptr,
+        k_ptr,
+        p_ptr,
+        s_ptr,
+        stats,
+        idx,
+        thr,
+        target.stride(0),
+        0,
+        target.stride(1),
+        stride_db,
+        0,
+        stride_dg,
+        B,
+        1,
+        G,
+        V,
+        plan.chunk_size,
+        C,
+        float(t_val),
+        int(k_val),
+        float(p_val),
+        s_val,
+        PER_REQ_N=per_req_n,
+        PER_REQ_T=per_req_t,
+        PER_REQ_K=per_req_k,
+        PER_REQ_P=per_req_p,
+        PER_REQ_SEED=per_req_s,
+        DRAFT_MODE=args.draft_mode,
+        HAS_FILTER=has_filter,
+        BONUS_IN_PASS=True,
+        BLOCK_R=plan.block_r,
+        BLOCK_V=plan.block_v,
+        num_warps=plan.num_warps,
+    )
     _verify_accept_kernel[(triton.cdiv(B, plan.block_b), C)](
-        target, draft, draft_tokens, n_ptr, t_ptr, s_ptr,
-        stats, idx, thr, first_reject, direct_token, nonfinite, race_key, race_idx,
-        target.stride(0), target.stride(1), stride_db, stride_dg, draft_tokens.stride(0),
-        B, G, V, plan.chunk_size, C,
-        float(t_val), s_val,
-        PER_REQ_N=per_req_n, PER_REQ_T=per_req_t, PER_REQ_SEED=per_req_s,
-        DRAFT_MODE=args.draft_mode, HAS_FILTER=has_filter,
-        BLOCK_B=plan.block_b, ROWS=rows_p2, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
-    )  # fmt: skip
+        target,
+        draft,
+        draft_tokens,
+        n_ptr,
+        t_ptr,
+        s_ptr,
+        stats,
+        idx,
+        thr,
+        first_reject,
+        direct_token,
+        nonfinite,
+        race_key,
+        race_idx,
+        target.stride(0),
+        target.stride(1),
+        stride_db,
+        stride_dg,
+        draft_tokens.stride(0),
+        B,
+        G,
+        V,
+        plan.chunk_size,
+        C,
+        float(t_val),
+        s_val,
+        PER_REQ_N=per_req_n,
+        PER_REQ_T=per_req_t,
+        PER_REQ_SEED=per_req_s,
+        DRAFT_MODE=args.draft_mode,
+        HAS_FILTER=has_filter,
+        BLOCK_B=plan.block_b,
+        ROWS=rows_p2,
+        BLOCK_V=plan.block_v,
+        num_warps=plan.num_warps,
+    )
     block_b3 = min(_next_pow2(B), 128)
     _verify_finalize_kernel[(triton.cdiv(B, block_b3),)](
-        draft_tokens, n_ptr, t_ptr, first_reject, direct_token,
-        race_key, race_idx, tokens, num_accepted,
-        draft_tokens.stride(0), tokens.stride(0),
-        B, G, V, C,
+        draft_tokens,
+        n_ptr,
+        t_ptr,
+        first_reject,
+        direct_token,
+        race_key,
+        race_idx,
+        tokens,
+        num_accepted,
+        draft_tokens.stride(0),
+        tokens.stride(0),
+        B,
+        G,
+        V,
+        C,
         float(t_val),
-        PER_REQ_N=per_req_n, PER_REQ_T=per_req_t,
-        BLOCK_B=block_b3, ROWS=rows_p2,
-    )  # fmt: skip
+        PER_REQ_N=per_req_n,
+        PER_REQ_T=per_req_t,
+        BLOCK_B=block_b3,
+        ROWS=rows_p2,
+    )
     return VerifyOutput(tokens, num_accepted, nonfinite)
 
 
@@ -625,9 +700,17 @@ def verify(
     """
     backend = _backend.check_backend(backend)
     args = check_verify_args(
-        target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p,
-        num_draft_tokens, seed, validate=validate,
-    )  # fmt: skip
+        target_logits,
+        draft_tokens,
+        draft_logits,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        num_draft_tokens,
+        seed,
+        validate=validate,
+    )
     if torch.compiler.is_compiling():  # one opaque custom op in the graph (see _library)
         return _library.call_verify_chain(args, backend)
     return _backend.run_verify(args, backend, _num_chunks, _block_v)

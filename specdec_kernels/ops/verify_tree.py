@@ -85,7 +85,9 @@ def _pick(vals, cols, j):
 
 
 @triton.jit
-def _position_tiles(t_row, d_row, cols, lane, lane_q, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE: tl.constexpr):
+def _position_tiles(
+    t_row, d_row, cols, lane, lane_q, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE: tl.constexpr
+):
     """(target logits, p, q) on a [BB, BLOCK_V] tile of the position's target and draft rows
     (the draft row is read where lane_q holds)."""
     xt, _bad_t = load_logits(t_row[:, None] + cols, lane)
@@ -307,7 +309,9 @@ def _tree_walk_kernel(
                     beta_hi = tl.where(search, new_beta, beta_hi)
             rho = tl.where(search, hi, 1.0)
             pow_k = tl.exp(kf * tl.log(tl.maximum(1.0 - beta_hi, 0.0)))
-            scale = tl.where(search, tl.where(beta_hi > 0.0, (1.0 - pow_k) / tl.where(beta_hi > 0.0, beta_hi, 1.0), kf), 1.0)
+            scale = tl.where(
+                search, tl.where(beta_hi > 0.0, (1.0 - pow_k) / tl.where(beta_hi > 0.0, beta_hi, 1.0), kf), 1.0
+            )
             accept = cand & (p_c > 0.0) & (u * rho[:, None] * q_c <= p_c)
         else:
             # RRS: test candidates in rank order; each rejection renormalises the residual (one pass)
@@ -366,7 +370,19 @@ def _tree_walk_kernel(
                 cols = start + vcols
                 lane = race[:, None] & (cols < V)
                 xt, pv, qv = _position_tiles(
-                    t_row, d_row, cols, lane, lane & has_cand[:, None], m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE
+                    t_row,
+                    d_row,
+                    cols,
+                    lane,
+                    lane & has_cand[:, None],
+                    m_t,
+                    z_t,
+                    thr_t,
+                    m_q,
+                    z_q,
+                    thr_q,
+                    inv_t,
+                    DRAFT_MODE,
                 )
                 if DRAFT_MODE == 0:
                     gone = (cols < 0) & lane
@@ -456,29 +472,90 @@ def _launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput
     # Rows past a ragged tree's last node are skipped: "n_b" of the row pass is the node count
     # (row i of a single chain belongs to node i - 1); chains of verify_multi are never ragged.
     _verify_row_stats_kernel[(triton.cdiv(rows, block_r), 1)](
-        target, draft, n_ptr, t_ptr, k_ptr, p_ptr, s_ptr,
-        stats, idx, thr,
-        target.stride(0), target.stride(1), target.stride(2), *d_strides,
-        B, K, G, V, triton.cdiv(V, block_v) * block_v, 1,
-        float(t_val), int(k_val), float(p_val), s_val,
-        PER_REQ_N=per_req_n, PER_REQ_T=per_req_t, PER_REQ_K=per_req_k, PER_REQ_P=per_req_p,
-        PER_REQ_SEED=per_req_s, DRAFT_MODE=args.draft_mode, HAS_FILTER=has_filter, BONUS_IN_PASS=False,
-        BLOCK_R=block_r, BLOCK_V=block_v, num_warps=4,
-    )  # fmt: skip
+        target,
+        draft,
+        n_ptr,
+        t_ptr,
+        k_ptr,
+        p_ptr,
+        s_ptr,
+        stats,
+        idx,
+        thr,
+        target.stride(0),
+        target.stride(1),
+        target.stride(2),
+        *d_strides,
+        B,
+        K,
+        G,
+        V,
+        triton.cdiv(V, block_v) * block_v,
+        1,
+        float(t_val),
+        int(k_val),
+        float(p_val),
+        s_val,
+        PER_REQ_N=per_req_n,
+        PER_REQ_T=per_req_t,
+        PER_REQ_K=per_req_k,
+        PER_REQ_P=per_req_p,
+        PER_REQ_SEED=per_req_s,
+        DRAFT_MODE=args.draft_mode,
+        HAS_FILTER=has_filter,
+        BONUS_IN_PASS=False,
+        BLOCK_R=block_r,
+        BLOCK_V=block_v,
+        num_warps=4,
+    )
     parents = args.parents if args.parents is not None else target
     _tree_walk_kernel[(triton.cdiv(B, block_b),)](
-        target, draft, args.tokens, parents, n_ptr, t_ptr, s_ptr,
-        stats, idx, thr, tokens, nodes, num_accepted, nonfinite,
-        target.stride(0), target.stride(1), target.stride(2), *d_strides,
-        args.tokens.stride(0), args.tokens.stride(1),
-        parents.stride(0) if args.parents is not None else 0, tokens.stride(0), nodes.stride(0) if D > 0 else 0,
-        B, K, G, V, N, D,
-        float(t_val), s_val,
-        PER_REQ_N=per_req_n, PER_REQ_T=per_req_t, PER_REQ_SEED=per_req_s, CHAINS=args.parents is None,
-        DRAFT_MODE=args.draft_mode, HAS_FILTER=has_filter, METHOD=METHODS[args.method],
-        BLOCK_B=block_b, NP2=np2, DP2=_next_pow2(D + 1), BLOCK_V=block_v,
-        RHO_P=RHO_POINTS, RHO_R=RHO_ROUNDS, num_warps=4,
-    )  # fmt: skip
+        target,
+        draft,
+        args.tokens,
+        parents,
+        n_ptr,
+        t_ptr,
+        s_ptr,
+        stats,
+        idx,
+        thr,
+        tokens,
+        nodes,
+        num_accepted,
+        nonfinite,
+        target.stride(0),
+        target.stride(1),
+        target.stride(2),
+        *d_strides,
+        args.tokens.stride(0),
+        args.tokens.stride(1),
+        parents.stride(0) if args.parents is not None else 0,
+        tokens.stride(0),
+        nodes.stride(0) if D > 0 else 0,
+        B,
+        K,
+        G,
+        V,
+        N,
+        D,
+        float(t_val),
+        s_val,
+        PER_REQ_N=per_req_n,
+        PER_REQ_T=per_req_t,
+        PER_REQ_SEED=per_req_s,
+        CHAINS=args.parents is None,
+        DRAFT_MODE=args.draft_mode,
+        HAS_FILTER=has_filter,
+        METHOD=METHODS[args.method],
+        BLOCK_B=block_b,
+        NP2=np2,
+        DP2=_next_pow2(D + 1),
+        BLOCK_V=block_v,
+        RHO_P=RHO_POINTS,
+        RHO_R=RHO_ROUNDS,
+        num_warps=4,
+    )
     return TreeVerifyOutput(tokens, num_accepted, nodes, nonfinite)
 
 
@@ -534,9 +611,20 @@ def verify_tree(
     """
     backend = _backend.check_backend(backend)
     args = check_tree_args(
-        target_logits, tree_tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p,
-        seed, num_nodes, method, max_depth, validate=validate,
-    )  # fmt: skip
+        target_logits,
+        tree_tokens,
+        parents,
+        draft_logits,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        num_nodes,
+        method,
+        max_depth,
+        validate=validate,
+    )
     if torch.compiler.is_compiling():  # one opaque custom op in the graph (see _library)
         return _library.call_verify_tree(args, backend)
     return _backend.run_tree(args, backend, _block_v)
@@ -572,9 +660,21 @@ def verify_multi(
     """
     backend = _backend.check_backend(backend)
     args = check_tree_args(
-        target_logits, draft_tokens, None, draft_logits, draft_probs, temperature, top_k, top_p,
-        seed, None, method, None, validate=validate, multi=True,
-    )  # fmt: skip
+        target_logits,
+        draft_tokens,
+        None,
+        draft_logits,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        None,
+        method,
+        None,
+        validate=validate,
+        multi=True,
+    )
     if torch.compiler.is_compiling():  # one opaque custom op in the graph (see _library)
         return _library.call_verify_tree(args, backend)
     return _backend.run_tree(args, backend, _block_v)

@@ -39,8 +39,9 @@ def tree_attention_mask(prefix_lens, parents, S: int, num_nodes=None, sliding_wi
     return mask
 
 
-def tree_attention_reference(q, k, v, prefix_lens, parents, *, num_nodes=None, scale=None,
-                             sliding_window=None) -> torch.Tensor:  # fmt: skip
+def tree_attention_reference(
+    q, k, v, prefix_lens, parents, *, num_nodes=None, scale=None, sliding_window=None
+) -> torch.Tensor:
     """[B, Hq, N, D] in q's dtype, computed in fp64 on the CPU from the dense mask."""
     B, Hq, N, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]

@@ -24,14 +24,31 @@ from .sampling import (
 
 
 def verify_reference(
-    target_logits, draft_tokens, draft_logits=None, *, draft_probs=None, temperature=1.0,
-    top_k=0, top_p=1.0, num_draft_tokens=None, seed=None, validate=True,
-) -> VerifyOutput:  # fmt: skip
+    target_logits,
+    draft_tokens,
+    draft_logits=None,
+    *,
+    draft_probs=None,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    num_draft_tokens=None,
+    seed=None,
+    validate=True,
+) -> VerifyOutput:
     """Same contract as :func:`specdec_kernels.verify`; see its docstring."""
     args = check_verify_args(
-        target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p,
-        num_draft_tokens, seed, validate=validate,
-    )  # fmt: skip
+        target_logits,
+        draft_tokens,
+        draft_logits,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        num_draft_tokens,
+        seed,
+        validate=validate,
+    )
     B, G, V = args.B, args.G, args.V
     cpu = {k: v.cpu() for k, v in vars(args).items() if isinstance(v, torch.Tensor)}
     cpu.update(args.per_request_cpu())

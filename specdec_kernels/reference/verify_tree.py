@@ -64,7 +64,7 @@ def solve_rho(p: torch.Tensor, q: torch.Tensor, k: int) -> tuple[float, float]:
         points = [lo + (hi - lo) * m / RHO_POINTS for m in range(1, RHO_POINTS + 1)]
         points[-1] = hi
         betas = [kseq_beta(p, q, rho) for rho in points]
-        f = [1.0 - (1.0 - beta) ** k - rho * beta for rho, beta in zip(points, betas)]
+        f = [1.0 - (1.0 - beta) ** k - rho * beta for rho, beta in zip(points, betas, strict=False)]
         # the first point with f <= 0 (the last point, the old hi, if rounding says none)
         m = next((i for i, v in enumerate(f) if v <= 0.0), RHO_POINTS - 1)
         lo = points[m - 1] if m > 0 else lo
@@ -82,26 +82,70 @@ def kseq_scale(beta: float, k: int) -> float:
 
 
 def verify_tree_reference(
-    target_logits, tree_tokens, parents, draft_logits=None, *, draft_probs=None, temperature=1.0,
-    top_k=0, top_p=1.0, seed=None, num_nodes=None, method="kseq", max_depth=None, validate=True,
-):  # fmt: skip
+    target_logits,
+    tree_tokens,
+    parents,
+    draft_logits=None,
+    *,
+    draft_probs=None,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    seed=None,
+    num_nodes=None,
+    method="kseq",
+    max_depth=None,
+    validate=True,
+):
     """Same contract as :func:`specdec_kernels.verify_tree`; see its docstring."""
     args = check_tree_args(
-        target_logits, tree_tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p,
-        seed, num_nodes, method, max_depth, validate=validate,
-    )  # fmt: skip
+        target_logits,
+        tree_tokens,
+        parents,
+        draft_logits,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        num_nodes,
+        method,
+        max_depth,
+        validate=validate,
+    )
     return _walk_all(args)
 
 
 def verify_multi_reference(
-    target_logits, draft_tokens, draft_logits=None, *, draft_probs=None, temperature=1.0, top_k=0,
-    top_p=1.0, seed=None, method="kseq", validate=True,
-):  # fmt: skip
+    target_logits,
+    draft_tokens,
+    draft_logits=None,
+    *,
+    draft_probs=None,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    seed=None,
+    method="kseq",
+    validate=True,
+):
     """Same contract as :func:`specdec_kernels.verify_multi`; see its docstring."""
     args = check_tree_args(
-        target_logits, draft_tokens, None, draft_logits, draft_probs, temperature, top_k, top_p,
-        seed, None, method, None, validate=validate, multi=True,
-    )  # fmt: skip
+        target_logits,
+        draft_tokens,
+        None,
+        draft_logits,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        None,
+        method,
+        None,
+        validate=validate,
+        multi=True,
+    )
     return _walk_all(args)
 
 
@@ -120,15 +164,21 @@ def _walk_all(args):
     nonfinite = torch.zeros(B, dtype=torch.bool)
     for b in range(B):
         path, token, flagged = _walk(
-            tree=_Tree(target[b], draft[b] if draft is not None else None, tokens_all[b], parents_all[b],
-                       int(params["num_nodes"][b]), args.G),
+            tree=_Tree(
+                target[b],
+                draft[b] if draft is not None else None,
+                tokens_all[b],
+                parents_all[b],
+                int(params["num_nodes"][b]),
+                args.G,
+            ),
             mode=args.draft_mode,
             method=args.method,
             temperature=float(params["temperature"][b]),
             top_k=int(params["top_k"][b]),
             top_p=float(params["top_p"][b]),
             seed=int(params["seed"][b]),
-        )  # fmt: skip
+        )
         n = len(path)
         out_nodes[b, :n] = torch.tensor(path, dtype=torch.int64)
         out_tokens[b, :n] = tokens_all[b][path] if n else out_tokens[b, :0]
@@ -177,7 +227,7 @@ def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed):
         toks = [int(tree.tokens[c]) for c in cands]
         if greedy:
             best = int(torch.argmax(x_row))
-            match = [c for c, t in zip(cands, toks) if t == best]
+            match = [c for c, t in zip(cands, toks, strict=False) if t == best]
             if not match:
                 return _path_to(tree, accepted_node), best, flagged
             current, accepted_node = match, match[0]
@@ -197,7 +247,7 @@ def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed):
                 token = max(exponential_race(safe_log(p), seed, r, PURPOSE_RECOVER), 0)
             return _path_to(tree, accepted_node), token, flagged
         accepted_node = cands[chosen]
-        current = [c for c, t in zip(cands, toks) if t == toks[chosen]]
+        current = [c for c, t in zip(cands, toks, strict=False) if t == toks[chosen]]
         path_tokens += 1
 
 

@@ -14,7 +14,6 @@ from transformers import DynamicCache  # noqa: E402
 from specdec_kernels.hf import speculative_generate, using_tree_attention  # noqa: E402
 from specdec_kernels.hf.cache import cache_length  # noqa: E402
 from specdec_kernels.hf.generate import _Session  # noqa: E402
-
 from specdec_kernels.reference.sampling import processed_probs  # noqa: E402
 
 from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue  # noqa: E402
@@ -47,8 +46,9 @@ def pair():
 
 
 def _greedy_reference(target, ids, mask, new, eos=None):
-    return target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                           eos_token_id=eos, pad_token_id=PAD)  # fmt: skip
+    return target.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=PAD
+    )
 
 
 @pytest.mark.parametrize("K", [1, 3])
@@ -56,8 +56,9 @@ def test_greedy_equals_target_generate(pair, K):
     target, draft = pair
     ids, mask = _ragged_prompts()
     expected = _greedy_reference(target, ids, mask, 10)
-    out = speculative_generate(target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=3, num_drafts=K,
-                               eos_token_id=[], pad_token_id=PAD)  # fmt: skip
+    out = speculative_generate(
+        target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=3, num_drafts=K, eos_token_id=[], pad_token_id=PAD
+    )
     assert torch.equal(out.sequences, expected)
     assert out.stats.accepted > 0  # the near-copy draft gets drafts accepted: the fast path is exercised
     assert out.stats.target_forwards < 10 * 1  # fewer target forwards than tokens
@@ -69,8 +70,18 @@ def test_greedy_qwen2_triton_attention_kernel():
     draft = _near_copy(target, 0.3, seed=6)
     ids, mask = _ragged_prompts(lens=(2, 6, 4), seed=1)
     expected = _greedy_reference(target, ids, mask, 6)
-    out = speculative_generate(target, draft, ids, mask, max_new_tokens=6, num_draft_tokens=2, num_drafts=2,
-                               eos_token_id=[], pad_token_id=PAD, attention_backend="triton")  # fmt: skip
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        max_new_tokens=6,
+        num_draft_tokens=2,
+        num_drafts=2,
+        eos_token_id=[],
+        pad_token_id=PAD,
+        attention_backend="triton",
+    )
     assert torch.equal(out.sequences, expected)
 
 
@@ -84,9 +95,19 @@ def test_greedy_mistral_sliding_window(window):
     ids, mask = _ragged_prompts(seed=7)
     expected = _greedy_reference(target, ids, mask, 10)
     for cache, attention in (("dynamic", "auto"), ("static", "auto"), ("dynamic", "triton")):
-        out = speculative_generate(target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=3, num_drafts=2,
-                                   eos_token_id=[], pad_token_id=PAD, cache_implementation=cache,
-                                   attention_backend=attention)  # fmt: skip
+        out = speculative_generate(
+            target,
+            draft,
+            ids,
+            mask,
+            max_new_tokens=10,
+            num_draft_tokens=3,
+            num_drafts=2,
+            eos_token_id=[],
+            pad_token_id=PAD,
+            cache_implementation=cache,
+            attention_backend=attention,
+        )
         assert torch.equal(out.sequences, expected), (cache, attention)
     if window == 9:  # and the window matters: full attention would continue differently
         full = tiny_model("mistral", seed=7, sliding_window=None)
@@ -100,8 +121,17 @@ def test_greedy_prompt_lookup(pair):
     target, _ = pair
     ids, mask = _ragged_prompts(seed=2)
     expected = _greedy_reference(target, ids, mask, 10)
-    out = speculative_generate(target, None, ids, mask, max_new_tokens=10, num_draft_tokens=3, drafter="prompt_lookup",
-                               eos_token_id=[], pad_token_id=PAD)  # fmt: skip
+    out = speculative_generate(
+        target,
+        None,
+        ids,
+        mask,
+        max_new_tokens=10,
+        num_draft_tokens=3,
+        drafter="prompt_lookup",
+        eos_token_id=[],
+        pad_token_id=PAD,
+    )
     assert torch.equal(out.sequences, expected)
     assert out.stats.draft_forwards == 0
 
@@ -113,8 +143,9 @@ def test_eos_mid_batch(pair):
     free = _greedy_reference(target, ids, mask, 10)
     eos = int(free[1, ids.shape[1] + 2])  # request 1's third generated token becomes "EOS"
     expected = _greedy_reference(target, ids, mask, 10, eos=eos)
-    out = speculative_generate(target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=3, eos_token_id=eos,
-                               pad_token_id=PAD)  # fmt: skip
+    out = speculative_generate(
+        target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=3, eos_token_id=eos, pad_token_id=PAD
+    )
     assert torch.equal(out.sequences, expected)
     assert (out.sequences[1, ids.shape[1] + 3 :] == PAD).all()
 
@@ -132,8 +163,20 @@ def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft, static_len):
     prompts = [ids[b][mask[b].bool()].tolist() for b in range(3)]
     sampling = dict(temperature=0.0, top_k=0, top_p=1.0)
     with torch.no_grad(), using_tree_attention(target), using_tree_attention(draft):
-        session = _Session.start(target, draft, prompts, "cpu", 3, 2, 97, "kseq", sampling,
-                                 torch.Generator().manual_seed(0), "auto", static_len)  # fmt: skip
+        session = _Session.start(
+            target,
+            draft,
+            prompts,
+            "cpu",
+            3,
+            2,
+            97,
+            "kseq",
+            sampling,
+            torch.Generator().manual_seed(0),
+            "auto",
+            static_len,
+        )
         addresses = None
         for _ in range(2):
             results = session.step()
@@ -142,8 +185,10 @@ def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft, static_len):
             for b, new, _, _ in results:
                 session.batch.history[b].extend(new)
             batch = session.batch
-            for model, cache, cached in ((target, session.t_cache, batch.target_cached),
-                                         (draft, session.d_cache, batch.draft_cached)):  # fmt: skip
+            for model, cache, cached in (
+                (target, session.t_cache, batch.target_cached),
+                (draft, session.d_cache, batch.draft_cached),
+            ):
                 assert cache_length(cache) == int(cached.max())
                 for b in range(3):
                     n = int(cached[b])
@@ -151,7 +196,9 @@ def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft, static_len):
                     model(input_ids=torch.tensor([batch.history[b][:n]]), past_key_values=fresh)
                     for layer, fresh_layer in zip(cache.layers, fresh.layers):
                         torch.testing.assert_close(layer.keys[b : b + 1, :, :n], fresh_layer.keys, atol=1e-5, rtol=1e-5)
-                        torch.testing.assert_close(layer.values[b : b + 1, :, :n], fresh_layer.values, atol=1e-5, rtol=1e-5)
+                        torch.testing.assert_close(
+                            layer.values[b : b + 1, :, :n], fresh_layer.values, atol=1e-5, rtol=1e-5
+                        )
             if static_len is not None:
                 now = [(layer.keys.data_ptr(), layer.keys.shape[2]) for layer in session.t_cache.layers]
                 assert all(length == static_len for _, length in now)
@@ -166,13 +213,37 @@ def test_static_cache_gives_the_same_tokens(pair):
     target, draft = pair
     ids, mask = _ragged_prompts(seed=4)
     expected = _greedy_reference(target, ids, mask, 8)
-    out = speculative_generate(target, draft, ids, mask, max_new_tokens=8, num_draft_tokens=3, num_drafts=3,
-                               eos_token_id=[], pad_token_id=PAD, cache_implementation="static")  # fmt: skip
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        max_new_tokens=8,
+        num_draft_tokens=3,
+        num_drafts=3,
+        eos_token_id=[],
+        pad_token_id=PAD,
+        cache_implementation="static",
+    )
     assert torch.equal(out.sequences, expected)
     eos = int(expected[1, ids.shape[1] + 2])
-    runs = [speculative_generate(target, draft, ids, mask, max_new_tokens=8, num_draft_tokens=2, num_drafts=2,
-                                 temperature=0.8, seed=3, eos_token_id=eos, pad_token_id=PAD,
-                                 cache_implementation=impl) for impl in ("dynamic", "static")]  # fmt: skip
+    runs = [
+        speculative_generate(
+            target,
+            draft,
+            ids,
+            mask,
+            max_new_tokens=8,
+            num_draft_tokens=2,
+            num_drafts=2,
+            temperature=0.8,
+            seed=3,
+            eos_token_id=eos,
+            pad_token_id=PAD,
+            cache_implementation=impl,
+        )
+        for impl in ("dynamic", "static")
+    ]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     assert runs[0].stats.accepted == runs[1].stats.accepted
 
@@ -189,9 +260,20 @@ def test_compiled_target_forward_is_one_graph(pair, attention_backend, compiler)
     expected = _greedy_reference(target, ids, mask, 6)
     torch._dynamo.reset()
     counters.clear()
-    out = speculative_generate(target, draft, ids, mask, max_new_tokens=6, num_draft_tokens=2, num_drafts=2,
-                               eos_token_id=[], pad_token_id=PAD, cache_implementation="static",
-                               attention_backend=attention_backend, compile_target={"backend": compiler})  # fmt: skip
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        max_new_tokens=6,
+        num_draft_tokens=2,
+        num_drafts=2,
+        eos_token_id=[],
+        pad_token_id=PAD,
+        cache_implementation="static",
+        attention_backend=attention_backend,
+        compile_target={"backend": compiler},
+    )
     assert torch.equal(out.sequences, expected)
     graphs = counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= 3 < out.stats.target_forwards, (graphs, out.stats.target_forwards)
@@ -244,8 +326,18 @@ def test_sampled_output_follows_the_target(K, method, sampling):
     resample_from_p = torch.minimum(p1, q1) + (1 - torch.minimum(p1, q1).sum()) * p1
     assert chi_square_power(p1, resample_from_p, n) > 0.99
     ids = torch.tensor([prompt] * n)
-    out = speculative_generate(target, draft, ids, max_new_tokens=2, num_draft_tokens=2, num_drafts=K, method=method,
-                               seed=1, eos_token_id=[], **sampling)  # fmt: skip
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        max_new_tokens=2,
+        num_draft_tokens=2,
+        num_drafts=K,
+        method=method,
+        seed=1,
+        eos_token_id=[],
+        **sampling,
+    )
     pairs = out.sequences[:, len(prompt) :]
     assert 0 < out.stats.acceptance_rate < 0.95  # both accept and reject paths ran
     assert chi_square_pvalue(pairs[:, 0] * V + pairs[:, 1], expected.flatten()) > ALPHA
@@ -292,7 +384,17 @@ def test_greedy_on_cuda(pair, cache, compile_target):
     ids, mask = (t.cuda() for t in _ragged_prompts(seed=9))
     expected = _greedy_reference(target, ids, mask, 10)
     for _ in range(2 if compile_target else 1):  # the second run replays the captured graphs
-        out = speculative_generate(target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=3, num_drafts=3,
-                                   eos_token_id=[], pad_token_id=PAD, cache_implementation=cache,
-                                   compile_target=compile_target)  # fmt: skip
+        out = speculative_generate(
+            target,
+            draft,
+            ids,
+            mask,
+            max_new_tokens=10,
+            num_draft_tokens=3,
+            num_drafts=3,
+            eos_token_id=[],
+            pad_token_id=PAD,
+            cache_implementation=cache,
+            compile_target=compile_target,
+        )
         assert torch.equal(out.sequences, expected)

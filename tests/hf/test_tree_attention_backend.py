@@ -65,7 +65,9 @@ def test_tree_forward_matches_dense_mask(kind, backend):
         ours = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=cache).logits
     mask = _dense_tree_mask(lens, parents, T, N)
     with torch.no_grad():
-        dense = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=dense_cache, attention_mask=mask).logits
+        dense = model(
+            input_ids=tokens, position_ids=meta.position_ids, past_key_values=dense_cache, attention_mask=mask
+        ).logits
     torch.testing.assert_close(ours, dense, atol=2e-5, rtol=2e-5)
     assert torch.equal(meta.position_ids[1], torch.arange(9, 15))  # a chain continues its sequence
 
@@ -111,18 +113,29 @@ def test_static_cache_tree_forward_matches_dense_mask():
     for use_tree in (True, False):
         cache = StaticCache(config=model.config, max_cache_len=max_len)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask2d, past_key_values=cache, position_ids=torch.arange(T).expand(B, T),
-                  cache_position=torch.arange(T))  # fmt: skip
+            model(
+                input_ids=ids,
+                attention_mask=mask2d,
+                past_key_values=cache,
+                position_ids=torch.arange(T).expand(B, T),
+                cache_position=torch.arange(T),
+            )
             position = torch.arange(T, T + N)
             if use_tree:
                 with using_tree_attention(model), tree_attention_context(meta):
-                    out = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=cache,
-                                cache_position=position)  # fmt: skip
+                    out = model(
+                        input_ids=tokens, position_ids=meta.position_ids, past_key_values=cache, cache_position=position
+                    )
             else:
                 dense = torch.zeros(B, 1, N, max_len, dtype=torch.bool)
                 dense[..., : T + N] = _dense_tree_mask(lens, parents, T, N)
-                out = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=cache,
-                            cache_position=position, attention_mask=dense)  # fmt: skip
+                out = model(
+                    input_ids=tokens,
+                    position_ids=meta.position_ids,
+                    past_key_values=cache,
+                    cache_position=position,
+                    attention_mask=dense,
+                )
         logits.append(out.logits)
     torch.testing.assert_close(logits[0], logits[1], atol=2e-5, rtol=2e-5)
 
@@ -134,8 +147,17 @@ def test_attention_features_it_does_not_implement_are_errors():
 
     from specdec_kernels.hf.attention import _tree_attention_forward
 
-    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16))  # fmt: skip
+    gemma = Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
+    )
     with pytest.raises(NotImplementedError, match="softcaps"):
         with using_tree_attention(gemma):
             pass
@@ -164,6 +186,7 @@ def test_tree_forward_on_cuda_matches_dense_mask(dtype):
         ours = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=cache).logits
     mask = _dense_tree_mask(lens, parents.cpu(), T, N).cuda()
     with torch.no_grad():
-        dense = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=dense_cache, attention_mask=mask).logits
+        dense = model(
+            input_ids=tokens, position_ids=meta.position_ids, past_key_values=dense_cache, attention_mask=mask
+        ).logits
     torch.testing.assert_close(ours.float(), dense.float(), atol=3e-2, rtol=3e-2)
-

@@ -13,7 +13,8 @@ import sys
 os.environ["TRITON_INTERPRET"] = "0"
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, compile as triton_compile  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler import compile as triton_compile
 
 TARGETS = [GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)]
 
@@ -44,9 +45,19 @@ def verify_kernels():
         per_req = block > 1  # one variant with [B] tensors, one with scalar parameters
         flags = dict(PER_REQ_N=per_req, PER_REQ_T=per_req, PER_REQ_SEED=per_req)
         types.update(temperature="fp32", top_k="i32", top_p="fp32", seed="i64")
-        yield v._verify_row_stats_kernel, types, dict(
-            flags, PER_REQ_K=per_req, PER_REQ_P=per_req, DRAFT_MODE=mode, HAS_FILTER=has_filter, BONUS_IN_PASS=not per_req,
-            BLOCK_R=block, BLOCK_V=bv
+        yield (
+            v._verify_row_stats_kernel,
+            types,
+            dict(
+                flags,
+                PER_REQ_K=per_req,
+                PER_REQ_P=per_req,
+                DRAFT_MODE=mode,
+                HAS_FILTER=has_filter,
+                BONUS_IN_PASS=not per_req,
+                BLOCK_R=block,
+                BLOCK_V=bv,
+            ),
         )
         types2 = dict(
             types,
@@ -56,8 +67,10 @@ def verify_kernels():
             nonfinite_ptr="*i1",
             race_idx_ptr="*i32",
         )
-        yield v._verify_accept_kernel, types2, dict(
-            flags, DRAFT_MODE=mode, HAS_FILTER=has_filter, BLOCK_B=block, ROWS=8, BLOCK_V=bv
+        yield (
+            v._verify_accept_kernel,
+            types2,
+            dict(flags, DRAFT_MODE=mode, HAS_FILTER=has_filter, BLOCK_B=block, ROWS=8, BLOCK_V=bv),
         )
     types3 = {
         "draft_tokens_ptr": "*i64",
@@ -97,9 +110,24 @@ def tree_kernels():
         (2, 2, True, True),
     ]:
         t = dict(types, draft_ptr="*bf16" if mode == 1 else "*fp32")
-        yield v._tree_walk_kernel, t, dict(
-            PER_REQ_N=not chains, PER_REQ_T=True, PER_REQ_SEED=True, CHAINS=chains, DRAFT_MODE=mode,
-            HAS_FILTER=has_filter, METHOD=method, BLOCK_B=1, NP2=64, DP2=32, BLOCK_V=1024, RHO_P=16, RHO_R=4,
+        yield (
+            v._tree_walk_kernel,
+            t,
+            dict(
+                PER_REQ_N=not chains,
+                PER_REQ_T=True,
+                PER_REQ_SEED=True,
+                CHAINS=chains,
+                DRAFT_MODE=mode,
+                HAS_FILTER=has_filter,
+                METHOD=method,
+                BLOCK_B=1,
+                NP2=64,
+                DP2=32,
+                BLOCK_V=1024,
+                RHO_P=16,
+                RHO_R=4,
+            ),
         )
 
 
@@ -113,8 +141,14 @@ def attention_kernels():
     import triton.language as tl
 
     v = importlib.import_module("specdec_kernels.ops.tree_attention")
-    ints = {"key_start_ptr": "*i32", "prefix_end_ptr": "*i32", "tree_start_ptr": "*i32", "anc_ptr": "*i64",
-            "window_lo_ptr": "*i32", "qk_scale": "fp32"}  # fmt: skip
+    ints = {
+        "key_start_ptr": "*i32",
+        "prefix_end_ptr": "*i32",
+        "tree_start_ptr": "*i32",
+        "anc_ptr": "*i64",
+        "window_lo_ptr": "*i32",
+        "qk_scale": "fp32",
+    }
     for dtype, dot, D, block_d, block_m, splits, window in [
         ("*bf16", tl.bfloat16, 128, 128, 64, 1, False),
         ("*fp16", tl.float16, 80, 128, 16, 4, True),
@@ -122,15 +156,31 @@ def attention_kernels():
         ("*fp32", tl.float32, 64, 64, 32, 1, True),
     ]:
         types = dict(ints, q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, out_ptr=dtype)
-        yield v._tree_attention_kernel, types, dict(
-            GROUP=4, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32 if block_d > 128 else 64, TREE_SPAN=64,
-            NUM_SPLITS=splits, HAS_WINDOW=window, DOT_DTYPE=dot,
+        yield (
+            v._tree_attention_kernel,
+            types,
+            dict(
+                GROUP=4,
+                D=D,
+                BLOCK_D=block_d,
+                BLOCK_M=block_m,
+                BLOCK_N=32 if block_d > 128 else 64,
+                TREE_SPAN=64,
+                NUM_SPLITS=splits,
+                HAS_WINDOW=window,
+                DOT_DTYPE=dot,
+            ),
         )
         if splits > 1:
             yield v._tree_attention_combine_kernel, dict(out_ptr=dtype), dict(D=D, BLOCK_D=block_d, NUM_SPLITS=splits)
 
 
-FAMILIES = {"verify": verify_kernels, "tree": tree_kernels, "metadata": metadata_kernels, "attention": attention_kernels}
+FAMILIES = {
+    "verify": verify_kernels,
+    "tree": tree_kernels,
+    "metadata": metadata_kernels,
+    "attention": attention_kernels,
+}
 
 
 def main(families=None) -> int:

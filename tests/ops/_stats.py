@@ -65,7 +65,9 @@ def sample_rows(probs: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tens
     return torch.multinomial(probs.double(), n, replacement=True, generator=gen).T.contiguous()
 
 
-def simulate_chain(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, gen: torch.Generator, *, variant: str):
+def simulate_chain(
+    p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, gen: torch.Generator, *, variant: str
+):
     """Vectorised chain verification with a pluggable (possibly wrong) rule, for power checks.
 
     p: [G+1, V], q: [G, V] or None for one-hot drafts, drafts [N, G]

@@ -18,8 +18,19 @@ def tree_parents(shape: str, N: int, gen: torch.Generator) -> torch.Tensor:
     return parents
 
 
-def make_tree_problem(B, N, V, *, shape="random", dtype=torch.float32, device="cpu", seed=0,
-                      closeness=0.6, without_replacement=False, num_nodes=None):  # fmt: skip
+def make_tree_problem(
+    B,
+    N,
+    V,
+    *,
+    shape="random",
+    dtype=torch.float32,
+    device="cpu",
+    seed=0,
+    closeness=0.6,
+    without_replacement=False,
+    num_nodes=None,
+):
     """target [B, N+1, V], tokens [B, N], parents [B, N], draft logits [B, N, V].
 
     Every position (root or node) has its own target and draft rows; node i's draft row is the

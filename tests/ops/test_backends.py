@@ -31,8 +31,12 @@ TREE_FIELDS = ("tokens", "num_accepted", "accepted_nodes", "nonfinite")
 def test_verify_torch_and_triton_backends_agree(mode, device):
     B, G, V = 5, 3, 200
     target, tokens, draft = make_problem(B, G, V, device=device, seed=4)
-    kw = {"greedy": {"draft_logits": draft, "temperature": 0.0}, "logits": {"draft_logits": draft, "top_p": 0.9},
-          "probs": {"draft_probs": torch.softmax(draft, -1)}, "ngram": {"top_k": 30}}[mode]  # fmt: skip
+    kw = {
+        "greedy": {"draft_logits": draft, "temperature": 0.0},
+        "logits": {"draft_logits": draft, "top_p": 0.9},
+        "probs": {"draft_probs": torch.softmax(draft, -1)},
+        "ngram": {"top_k": 30},
+    }[mode]
     seeds = torch.arange(B, device=device) + 100
     outs = {name: sk.verify(target, tokens, **kw, seed=seeds, backend=name) for name in ("triton", "torch", "auto")}
     _same(outs["triton"], outs["torch"])
@@ -105,10 +109,16 @@ def _op_args(device, per_request=True):
     B, G, V = 3, 2, 16
     target, tokens, draft = make_problem(B, G, V, device=device, seed=1)
     args = check_verify_args(
-        target, tokens, draft, None, torch.full((B,), 0.8, device=device) if per_request else 0.8, 0,
-        torch.full((B,), 0.9, device=device) if per_request else 1.0, None,
+        target,
+        tokens,
+        draft,
+        None,
+        torch.full((B,), 0.8, device=device) if per_request else 0.8,
+        0,
+        torch.full((B,), 0.9, device=device) if per_request else 1.0,
+        None,
         torch.arange(B, device=device) if per_request else 7,
-    )  # fmt: skip
+    )
     t_t, t = _library._split(args.temperature)
     p_t, p = _library._split(args.top_p)
     s_t, s = _library._split(args.seed)
@@ -118,15 +128,33 @@ def _op_args(device, per_request=True):
 @pytest.mark.parametrize("per_request", [True, False])
 def test_verify_chain_op_passes_opcheck(per_request, device):
     torch.library.opcheck(
-        torch.ops.specdec.verify_chain.default, _op_args(device, per_request),
+        torch.ops.specdec.verify_chain.default,
+        _op_args(device, per_request),
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
-    )  # fmt: skip
+    )
 
 
 def test_verify_tree_op_passes_opcheck(device):
     t, x, p, d = make_tree_problem(2, 4, 16, device=device, seed=3)
-    args = (t[:, None], x[:, None], p, d[:, None], 1, None, 0.9, None, 0, None, 1.0, torch.arange(2, device=device), 0,
-            None, "rrs", 4, "triton")  # fmt: skip
+    args = (
+        t[:, None],
+        x[:, None],
+        p,
+        d[:, None],
+        1,
+        None,
+        0.9,
+        None,
+        0,
+        None,
+        1.0,
+        torch.arange(2, device=device),
+        0,
+        None,
+        "rrs",
+        4,
+        "triton",
+    )
     torch.library.opcheck(torch.ops.specdec.verify_tree.default, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -145,7 +173,11 @@ def test_verify_inside_torch_compile(device):
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     got = compiled(target, tokens, draft, seeds)
     want = sk.verify(target, tokens, draft, temperature=temperature, top_p=0.95, seed=seeds)
-    assert torch.equal(got[0], want.tokens) and torch.equal(got[1], want.num_accepted) and torch.equal(got[2], want.nonfinite)
+    assert (
+        torch.equal(got[0], want.tokens)
+        and torch.equal(got[1], want.num_accepted)
+        and torch.equal(got[2], want.nonfinite)
+    )
 
 
 def test_verify_tree_inside_torch_compile(device):
@@ -184,9 +216,13 @@ def test_cuda_backend_matches_triton_and_reference(dtype, mode, B, G, V):
     from specdec_kernels.reference import verify_reference
 
     target, tokens, draft = make_problem(B, G, V, dtype=dtype, device="cuda", seed=B + V)
-    kw = {"greedy": {"draft_logits": draft, "temperature": 0.0}, "logits": {"draft_logits": draft},
-          "probs": {"draft_probs": torch.softmax(draft.float(), -1)}, "ngram": {},
-          "filtered": {"draft_logits": draft, "top_k": 50, "top_p": torch.full((B,), 0.9, device="cuda")}}[mode]  # fmt: skip
+    kw = {
+        "greedy": {"draft_logits": draft, "temperature": 0.0},
+        "logits": {"draft_logits": draft},
+        "probs": {"draft_probs": torch.softmax(draft.float(), -1)},
+        "ngram": {},
+        "filtered": {"draft_logits": draft, "top_k": 50, "top_p": torch.full((B,), 0.9, device="cuda")},
+    }[mode]
     seeds = torch.arange(B, device="cuda") * 31 + 5
     cuda_out = sk.verify(target, tokens, **kw, seed=seeds, backend="cuda")
     _same(cuda_out, sk.verify(target, tokens, **kw, seed=seeds, backend="triton"))
@@ -203,9 +239,15 @@ def test_cuda_backend_matches_triton_and_reference(dtype, mode, B, G, V):
 @pytest.mark.parametrize("B, N, V", [(4, 8, 1000), (2, 16, 32000)])
 def test_cuda_tree_backend_matches_triton_and_reference(method, mode, B, N, V):
     _cuda_ready()
-    target, tokens, parents, draft = make_tree_problem(B, N, V, device="cuda", seed=N + V, without_replacement=method == "rrs_wor")
-    kw = {"greedy": {"draft_logits": draft, "temperature": 0.0}, "logits": {"draft_logits": draft, "top_p": 0.95},
-          "probs": {"draft_probs": torch.softmax(draft.float(), -1)}, "onehot": {}}[mode]  # fmt: skip
+    target, tokens, parents, draft = make_tree_problem(
+        B, N, V, device="cuda", seed=N + V, without_replacement=method == "rrs_wor"
+    )
+    kw = {
+        "greedy": {"draft_logits": draft, "temperature": 0.0},
+        "logits": {"draft_logits": draft, "top_p": 0.95},
+        "probs": {"draft_probs": torch.softmax(draft.float(), -1)},
+        "onehot": {},
+    }[mode]
     kw.update(seed=torch.arange(B, device="cuda") * 3 + 1, method=method)
     out = sk.verify_tree(target, tokens, parents, **kw, backend="cuda")
     _same(out, sk.verify_tree(target, tokens, parents, **kw, backend="triton"), TREE_FIELDS)

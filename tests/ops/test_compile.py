@@ -15,7 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_kernels_compile_for_sm80_and_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     result = subprocess.run(
-        [sys.executable, "-m", "tests.ops._compile_kernels"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "tests.ops._compile_kernels"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "compiled" in result.stdout

@@ -41,8 +41,20 @@ def test_cu_compiles_for_sm80_and_sm90(source, tmp_path):
     if nvcc is None:
         pytest.skip("nvcc not found")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
-    cmd = [nvcc, "-c", "-std=c++17", "-O3", f"-I{CSRC}", "-DSPECDEC_WITH_CUDA", *gencode, "-t", "2",
-           str(CSRC / source), "-o", str(tmp_path / "out.o")]  # fmt: skip
+    cmd = [
+        nvcc,
+        "-c",
+        "-std=c++17",
+        "-O3",
+        f"-I{CSRC}",
+        "-DSPECDEC_WITH_CUDA",
+        *gencode,
+        "-t",
+        "2",
+        str(CSRC / source),
+        "-o",
+        str(tmp_path / "out.o"),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     cuobjdump = shutil.which("cuobjdump") or str(Path(nvcc).with_name("cuobjdump"))
@@ -63,9 +75,18 @@ def test_binding_compiles_with_cuda_flag():
     includes = include_paths()
     if not any((Path(p) / "torch" / "extension.h").is_file() for p in includes):
         pytest.skip("torch C++ headers missing")
-    cmd = [cxx, "-std=c++17", "-fsyntax-only", "-DSPECDEC_WITH_CUDA", "-DTORCH_EXTENSION_NAME=specdec_check",
-           "-DTORCH_API_INCLUDE_EXTENSION_H", *(f"-I{p}" for p in includes), f"-I{sysconfig.get_paths()['include']}",
-           f"-I{CSRC}", str(CSRC / "binding.cpp")]  # fmt: skip
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-fsyntax-only",
+        "-DSPECDEC_WITH_CUDA",
+        "-DTORCH_EXTENSION_NAME=specdec_check",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *(f"-I{p}" for p in includes),
+        f"-I{sysconfig.get_paths()['include']}",
+        f"-I{CSRC}",
+        str(CSRC / "binding.cpp"),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if result.returncode != 0 and "-std=c++17" in result.stderr:  # newer torch headers may need C++20
         cmd[1] = "-std=c++20"

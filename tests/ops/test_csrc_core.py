@@ -34,9 +34,16 @@ def _run_core(core, target, tokens, draft_logits=None, *, num_chunks=1, **kw):
     from specdec_kernels.ops import _cuda_ext
 
     args = check_verify_args(
-        target, tokens, draft_logits, kw.get("draft_probs"), kw.get("temperature", 1.0), kw.get("top_k", 0),
-        kw.get("top_p", 1.0), kw.get("num_draft_tokens"), kw.get("seed"),
-    )  # fmt: skip
+        target,
+        tokens,
+        draft_logits,
+        kw.get("draft_probs"),
+        kw.get("temperature", 1.0),
+        kw.get("top_k", 0),
+        kw.get("top_p", 1.0),
+        kw.get("num_draft_tokens"),
+        kw.get("seed"),
+    )
     return _cuda_ext.run_chain(core, args, num_chunks=num_chunks)
 
 
@@ -49,7 +56,9 @@ def _mode_kwargs(mode, draft):
 
 
 def _assert_same(out, ref):
-    assert out.tokens.dtype == torch.int64 and out.num_accepted.dtype == torch.int32 and out.nonfinite.dtype == torch.bool
+    assert (
+        out.tokens.dtype == torch.int64 and out.num_accepted.dtype == torch.int32 and out.nonfinite.dtype == torch.bool
+    )
     assert torch.equal(out.num_accepted, ref.num_accepted.cpu())
     assert torch.equal(out.tokens, ref.tokens.cpu())
     assert torch.equal(out.nonfinite, ref.nonfinite.cpu())
@@ -91,7 +100,9 @@ def test_core_dtypes_filters_ragged_per_request(core, dtype, mode):
     _assert_same(_run_core(core, target, tokens, **kw), sk.verify(target, tokens, **kw, backend="triton"))
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=0.8, top_p=0.9, seed=5), dict(temperature=1.1, top_k=20, seed=123456789123)])
+@pytest.mark.parametrize(
+    "kw", [dict(temperature=0.8, top_p=0.9, seed=5), dict(temperature=1.1, top_k=20, seed=123456789123)]
+)
 @pytest.mark.parametrize("mode", ["logits", "ngram"])
 def test_core_scalar_parameters_and_mixed_seeds(core, kw, mode):
     """Scalar seeds are mixed per request in the kernels: the core must mix them identically."""
@@ -128,8 +139,10 @@ def test_core_empty_batch_and_no_drafts(core):
     assert out.tokens.shape == (0, 3)
     target = torch.randn(3, 1, 50)
     kw = dict(temperature=0.7, seed=torch.arange(3))
-    _assert_same(_run_core(core, target, torch.zeros(3, 0, dtype=torch.int64), **kw),
-                 sk.verify(target, torch.zeros(3, 0, dtype=torch.int64), **kw, backend="triton"))  # fmt: skip
+    _assert_same(
+        _run_core(core, target, torch.zeros(3, 0, dtype=torch.int64), **kw),
+        sk.verify(target, torch.zeros(3, 0, dtype=torch.int64), **kw, backend="triton"),
+    )
 
 
 def test_core_strided_target(core):

@@ -46,10 +46,20 @@ def _core_tree(core, target, tokens, parents, multi=False, **kw):
     from specdec_kernels.ops import _cuda_ext
 
     args = check_tree_args(
-        target, tokens, parents, kw.get("draft_logits"), kw.get("draft_probs"), kw.get("temperature", 1.0),
-        kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("seed"), kw.get("num_nodes"), kw.get("method", "kseq"),
-        kw.get("max_depth"), multi=multi,
-    )  # fmt: skip
+        target,
+        tokens,
+        parents,
+        kw.get("draft_logits"),
+        kw.get("draft_probs"),
+        kw.get("temperature", 1.0),
+        kw.get("top_k", 0),
+        kw.get("top_p", 1.0),
+        kw.get("seed"),
+        kw.get("num_nodes"),
+        kw.get("method", "kseq"),
+        kw.get("max_depth"),
+        multi=multi,
+    )
     return _cuda_ext.run_tree(core, args)
 
 
@@ -58,9 +68,13 @@ def _core_tree(core, target, tokens, parents, multi=False, **kw):
 @pytest.mark.parametrize("shape", ["random", "star", "chain"])
 def test_tree_walk_matches_triton(core, method, mode, shape):
     B, N, V = 4, 8, 300
-    target, tokens, parents, draft = make_tree_problem(B, N, V, shape=shape, seed=N + V, without_replacement=method == "rrs_wor")
+    target, tokens, parents, draft = make_tree_problem(
+        B, N, V, shape=shape, seed=N + V, without_replacement=method == "rrs_wor"
+    )
     kw = dict(_draft_kwargs(mode, draft), seed=torch.arange(B) * 17 + 3, method=method)
-    _same(_core_tree(core, target, tokens, parents, **kw), sk.verify_tree(target, tokens, parents, **kw, backend="triton"))
+    _same(
+        _core_tree(core, target, tokens, parents, **kw), sk.verify_tree(target, tokens, parents, **kw, backend="triton")
+    )
 
 
 @pytest.mark.parametrize("method", ["kseq", "rrs"])
@@ -68,10 +82,18 @@ def test_tree_ragged_filters_dtypes(core, method):
     B, N, V = 4, 7, 500
     num_nodes = torch.tensor([7, 3, 0, 5])
     target, tokens, parents, draft = make_tree_problem(B, N, V, seed=5, num_nodes=num_nodes, dtype=torch.bfloat16)
-    kw = dict(draft_logits=draft, seed=torch.arange(B), method=method, num_nodes=num_nodes,
-              temperature=torch.tensor([0.8, 1.0, 1.2, 0.0]), top_k=torch.tensor([0, 40, 5, 0]),
-              top_p=torch.tensor([0.9, 1.0, 0.8, 1.0]))  # fmt: skip
-    _same(_core_tree(core, target, tokens, parents, **kw), sk.verify_tree(target, tokens, parents, **kw, backend="triton"))
+    kw = dict(
+        draft_logits=draft,
+        seed=torch.arange(B),
+        method=method,
+        num_nodes=num_nodes,
+        temperature=torch.tensor([0.8, 1.0, 1.2, 0.0]),
+        top_k=torch.tensor([0, 40, 5, 0]),
+        top_p=torch.tensor([0.9, 1.0, 0.8, 1.0]),
+    )
+    _same(
+        _core_tree(core, target, tokens, parents, **kw), sk.verify_tree(target, tokens, parents, **kw, backend="triton")
+    )
 
 
 @pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
@@ -84,4 +106,7 @@ def test_multi_matches_triton(core, method, mode):
     if method == "rrs_wor":
         method = "rrs_wor" if mode == "onehot" else "rrs"
     kw = dict(_draft_kwargs(mode, draft), seed=torch.arange(B) + 40, method=method, temperature=0.9)
-    _same(_core_tree(core, target, tokens, None, multi=True, **kw), sk.verify_multi(target, tokens, **kw, backend="triton"))
+    _same(
+        _core_tree(core, target, tokens, None, multi=True, **kw),
+        sk.verify_multi(target, tokens, **kw, backend="triton"),
+    )

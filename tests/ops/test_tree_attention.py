@@ -31,8 +31,9 @@ def _problem(B, Hq, Hkv, N, D, *, shape="random", dtype=torch.float32, seed=0, m
 
 def _check(q, k, v, prefix, parents, num_nodes, **kw):
     out = sk.tree_attention(q, k, v, prefix, parents, num_nodes=num_nodes, **kw)
-    ref = tree_attention_reference(q, k, v, prefix, parents, num_nodes=num_nodes, scale=kw.get("scale"),
-                                   sliding_window=kw.get("sliding_window"))  # fmt: skip
+    ref = tree_attention_reference(
+        q, k, v, prefix, parents, num_nodes=num_nodes, scale=kw.get("scale"), sliding_window=kw.get("sliding_window")
+    )
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[q.dtype], rtol=TOL[q.dtype])
     return out

@@ -65,7 +65,9 @@ def test_dtypes_ragged_and_per_request_params(dtype, mode, device):
     top_k = torch.tensor([0, 5, 50, 0, 1, 999, 2000, 0], device=device)
     top_p = torch.tensor([1.0, 0.9, 0.5, 1.0, 1.0, 0.3, 0.95, 0.01], device=device)
     seeds = torch.arange(B, dtype=torch.int64, device=device) + 11
-    kw = dict(_mode_kwargs(mode, draft), temperature=temperature, top_k=top_k, top_p=top_p, num_draft_tokens=n, seed=seeds)
+    kw = dict(
+        _mode_kwargs(mode, draft), temperature=temperature, top_k=top_k, top_p=top_p, num_draft_tokens=n, seed=seeds
+    )
     out = sk.verify(target, tokens, **kw)
     _check_tokens_well_formed(out, B, G, V)
     assert (out.num_accepted.cpu() <= n.cpu()).all()
@@ -175,10 +177,26 @@ def _base(device):
         (lambda t, x, d: (t, x, d, {"top_k": -1}), ValueError, "top_k must be >= 0"),
         (lambda t, x, d: (t, x, d, {"top_k": torch.tensor([3, -2])}), ValueError, "top_k must be >= 0"),
         (lambda t, x, d: (t, x, d, {"top_k": torch.tensor([1.0, 2.0])}), TypeError, "top_k must be an integer tensor"),
-        (lambda t, x, d: (t, x, d, {"temperature": torch.ones(3)}), ValueError, r"temperature must be a scalar or a \[B=2\]"),
-        (lambda t, x, d: (t, x, d, {"num_draft_tokens": torch.tensor([1, 4])}), ValueError, r"num_draft_tokens must be in \[0, G=3\]"),
-        (lambda t, x, d: (t, x, d, {"num_draft_tokens": torch.tensor([-1, 2])}), ValueError, r"num_draft_tokens must be in \[0, G=3\]"),
-        (lambda t, x, d: (t, x, d, {"num_draft_tokens": torch.tensor([1.0, 2.0])}), TypeError, "num_draft_tokens has dtype"),
+        (
+            lambda t, x, d: (t, x, d, {"temperature": torch.ones(3)}),
+            ValueError,
+            r"temperature must be a scalar or a \[B=2\]",
+        ),
+        (
+            lambda t, x, d: (t, x, d, {"num_draft_tokens": torch.tensor([1, 4])}),
+            ValueError,
+            r"num_draft_tokens must be in \[0, G=3\]",
+        ),
+        (
+            lambda t, x, d: (t, x, d, {"num_draft_tokens": torch.tensor([-1, 2])}),
+            ValueError,
+            r"num_draft_tokens must be in \[0, G=3\]",
+        ),
+        (
+            lambda t, x, d: (t, x, d, {"num_draft_tokens": torch.tensor([1.0, 2.0])}),
+            TypeError,
+            "num_draft_tokens has dtype",
+        ),
         (lambda t, x, d: (t, x, d, {"draft_probs": d}), ValueError, "not both"),
         (lambda t, x, d: (t, x, d, {"seed": 1.5}), TypeError, "seed must be"),
         (lambda t, x, d: (t, x, d, {"seed": torch.tensor([1, 2, 3])}), ValueError, r"seed must be an int or a \[B=2\]"),

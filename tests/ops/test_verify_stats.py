@@ -82,7 +82,12 @@ def test_verify_is_target_distributed(mode, temperature, top_k, top_p, wrong, pr
         drafts = sample_rows(q, N, gen)
         accept_prob = float(torch.minimum(p[0], q[0]).sum())
 
-    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=torch.arange(N, dtype=torch.int64, device=device) * 7 + 1)
+    kw = dict(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=torch.arange(N, dtype=torch.int64, device=device) * 7 + 1,
+    )
     if mode == "logits":
         kw["draft_logits"] = draft_logits.expand(N, G, V).contiguous().to(device)
     elif mode == "probs":

@@ -90,7 +90,9 @@ def test_multi_with_one_chain_is_verify(mode, method, device):
     assert torch.equal(multi.tokens, chain.tokens)
     assert torch.equal(multi.num_accepted, chain.num_accepted)
     n = chain.num_accepted
-    expected_nodes = torch.where(torch.arange(G, device=device)[None, :] < n[:, None], torch.arange(G, device=device)[None, :], -1)
+    expected_nodes = torch.where(
+        torch.arange(G, device=device)[None, :] < n[:, None], torch.arange(G, device=device)[None, :], -1
+    )
     assert torch.equal(multi.accepted_nodes, expected_nodes)
 
 
@@ -141,10 +143,18 @@ def _tree_base(device):
 @pytest.mark.parametrize(
     "edit, error, match",
     [
-        (lambda t, x, p, d: (t, x, p.clone().fill_(0), d, {}), ValueError, r"parents must be topological.*parents\[0, 0\] = 0"),
+        (
+            lambda t, x, p, d: (t, x, p.clone().fill_(0), d, {}),
+            ValueError,
+            r"parents must be topological.*parents\[0, 0\] = 0",
+        ),
         (lambda t, x, p, d: (t, x, torch.tensor([[1, 0, 1, 2], [-1, 0, 1, 2]]), d, {}), ValueError, "no cycles"),
         (lambda t, x, p, d: (t, x, p - 5, d, {}), ValueError, "parents must be topological"),
-        (lambda t, x, p, d: (t, x, p, d, {"num_nodes": torch.tensor([5, 1])}), ValueError, r"num_nodes must be in \[0, N=4\]"),
+        (
+            lambda t, x, p, d: (t, x, p, d, {"num_nodes": torch.tensor([5, 1])}),
+            ValueError,
+            r"num_nodes must be in \[0, N=4\]",
+        ),
         (lambda t, x, p, d: (t, x + 20, p, d, {}), ValueError, r"tree_tokens must be in \[0, V=20\)"),
         (lambda t, x, p, d: (t, x, p[:, :3], d, {}), ValueError, r"parents must have shape \[B, N\]"),
         (lambda t, x, p, d: (t, x, p, d[..., :7], {}), ValueError, "V=7 but target_logits has V=20"),
@@ -154,7 +164,13 @@ def _tree_base(device):
         (lambda t, x, p, d: (t, x, p, d, {"max_depth": 2}), ValueError, "4 deep but max_depth=2"),
         (lambda t, x, p, d: (t, x.fill_(3), p.fill_(-1), d, {"method": "rrs_wor"}), ValueError, "distinct tokens"),
         (
-            lambda t, x, p, d: (torch.randn(2, 66, 20), torch.zeros(2, 65, dtype=torch.int64), torch.full((2, 65), -1), None, {}),
+            lambda t, x, p, d: (
+                torch.randn(2, 66, 20),
+                torch.zeros(2, 65, dtype=torch.int64),
+                torch.full((2, 65), -1),
+                None,
+                {},
+            ),
             ValueError,
             "at most 64 tree nodes",
         ),

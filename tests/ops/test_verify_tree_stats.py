@@ -48,8 +48,12 @@ def _probs(logits, temperature, top_k, top_p):
 
 def _sample(probs, n, gen, wor):
     """n samples of K from each row of probs [R, V] (R = 1 or n) -> [n, K]."""
-    return torch.multinomial(probs.expand(n, V) if probs.shape[0] == 1 else probs, K_CHILD if wor is None else wor[1],
-                             replacement=not wor[0], generator=gen)  # fmt: skip
+    return torch.multinomial(
+        probs.expand(n, V) if probs.shape[0] == 1 else probs,
+        K_CHILD if wor is None else wor[1],
+        replacement=not wor[0],
+        generator=gen,
+    )
 
 
 def _build(model, mode, method, temperature, top_k, top_p, gen):
@@ -104,7 +108,9 @@ def _simulate_root(p, q, toks, method, variant, gen):
             out[acc] = x[acc]
             undecided &= ~acc
         c = (1 - (1 - beta) ** k) / beta
-        residual = (p - q).clamp(min=0) if variant == "chain_residual" else (p - c * torch.minimum(q, p / rho)).clamp(min=0)
+        residual = (
+            (p - q).clamp(min=0) if variant == "chain_residual" else (p - c * torch.minimum(q, p / rho)).clamp(min=0)
+        )
         residual = residual.expand(n, V)
     else:  # rrs, rrs_wor, onehot: per-sample p_j, q_j
         pj = p.expand(n, V).clone()
@@ -161,10 +167,16 @@ def test_tree_is_target_distributed(mode, method, temperature, top_k, top_p, wro
             row_of[:, K_ROOT + K_CHILD * c : K_ROOT + K_CHILD * (c + 1)] = 1 + tokens[:, c : c + 1]
         kw["draft_probs"] = table[row_of]
     out = sk.verify_tree(
-        target.to(device), tokens.to(device), parents.to(device), method=method, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=torch.arange(N_SAMPLES, device=device) * 3 + 7,
+        target.to(device),
+        tokens.to(device),
+        parents.to(device),
+        method=method,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=torch.arange(N_SAMPLES, device=device) * 3 + 7,
         **{k: v.to(device) for k, v in kw.items()},
-    )  # fmt: skip
+    )
     toks, accepted = out.tokens.cpu(), out.num_accepted.cpu()
     first, second = toks[:, 0], toks[:, 1].clone()
     need = accepted == 0  # complete the pair as the next decoding step would
@@ -201,6 +213,8 @@ def test_kseq_accepts_at_least_as_often_as_one_draft(device):
     target = model["t0"].expand(n, K_ROOT + 1, V).contiguous()
     draft = model["d0"].expand(n, K_ROOT, V).contiguous()
     seeds = torch.arange(n, device=device)
-    star = sk.verify_tree(target.to(device), root.to(device), torch.full((n, K_ROOT), -1, device=device), draft.to(device), seed=seeds)
+    star = sk.verify_tree(
+        target.to(device), root.to(device), torch.full((n, K_ROOT), -1, device=device), draft.to(device), seed=seeds
+    )
     single = sk.verify(target[:, :2].to(device), root[:, :1].to(device), draft[:, :1].to(device), seed=seeds)
     assert (star.num_accepted >= 1).float().mean() > (single.num_accepted >= 1).float().mean()
