@@ -8,16 +8,9 @@ from ._interpreter import use_interpreter_without_cuda
 
 use_interpreter_without_cuda()
 
-from .ops import (  # noqa: E402
-    TreeMetadata,
-    TreeVerifyOutput,
-    VerifyOutput,
-    tree_attention,
-    tree_metadata,
-    verify,
-    verify_multi,
-    verify_tree,
-)
+from ._types import TreeMetadata, TreeVerifyOutput, VerifyOutput  # noqa: E402
+from .api import verify, verify_multi, verify_tree  # noqa: E402
+from .ops import tree_attention, tree_metadata  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

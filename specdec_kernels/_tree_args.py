@@ -14,23 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
+from ._params import FLOAT_DTYPES, INT_DTYPES, SamplingParams
+from ._types import DRAFT_NONE, MAX_DEPTH, MAX_NODES, METHODS
 from ._validation import (
-    FLOAT_DTYPES,
-    INT_DTYPES,
     _capturing,
     _check_draft,
     _check_ids,
-    _check_sampling,
-    _check_sampling_values,
     _check_tensor,
     _last_dim_contiguous,
     _require,
-    per_request_cpu,
+    check_counts,
+    counts_cpu,
 )
-
-METHODS = {"kseq": 0, "rrs": 1, "rrs_wor": 2}
-MAX_NODES = 64  # the walk keeps node sets as 64-bit masks
-MAX_DEPTH = 64
 
 
 @dataclass
@@ -40,11 +35,8 @@ class TreeArgs:
     parents: torch.Tensor | None  # [B, N] int (verify_tree) or None (chains of verify_multi)
     draft: torch.Tensor | None  # [B, K, G, V]
     draft_mode: int
-    temperature: torch.Tensor | float
-    top_k: torch.Tensor | int
-    top_p: torch.Tensor | float
-    seed: torch.Tensor | int
-    num_nodes: torch.Tensor | None  # [B] int, None = N
+    sampling: SamplingParams
+    num_nodes: torch.Tensor | None  # [B] int (contiguous), None = N
     method: str
     max_depth: int  # D: accepted tokens per request at most (output width D + 1)
 
@@ -56,12 +48,12 @@ class TreeArgs:
 
     @property
     def has_filter(self) -> bool:
-        k, p = self.top_k, self.top_p
-        return isinstance(k, torch.Tensor) or 0 < k < self.V or isinstance(p, torch.Tensor) or p < 1.0
+        return self.sampling.has_filter(self.V)
 
     def per_request_cpu(self) -> dict[str, torch.Tensor]:
-        n = self.num_nodes if self.num_nodes is not None else self.N
-        return per_request_cpu(self.B, self.temperature, self.top_k, self.top_p, self.seed, num_nodes=n)
+        params = self.sampling.per_request_cpu(self.B)
+        params["num_nodes"] = counts_cpu(self.num_nodes, self.B, self.N)
+        return params
 
     def parents_cpu(self) -> torch.Tensor:
         """[B, N] parents; chains get i - 1 within a chain and -1 at each chain's first slot."""
@@ -137,10 +129,8 @@ def check_tree_args(
     _require(V >= 1, "target_logits has an empty vocabulary dimension")
     _require(K * G <= MAX_NODES, f"at most {MAX_NODES} tree nodes are supported, got {K * G}")
     _require(method in METHODS, f"method must be one of {sorted(METHODS)}, got {method!r}")
-    temperature, top_k, top_p, seed = _check_sampling(temperature, top_k, top_p, seed, B, device)
-    if num_nodes is not None:
-        _check_tensor("num_nodes", num_nodes, 1, INT_DTYPES, device)
-        _require(num_nodes.shape[0] == B, f"num_nodes must have shape [B={B}], got {tuple(num_nodes.shape)}")
+    sampling = SamplingParams.check(B, device, temperature, top_k, top_p, seed)
+    num_nodes = check_counts("num_nodes", num_nodes, B, device)
     if max_depth is not None:
         _require(
             isinstance(max_depth, int) and 0 <= max_depth <= MAX_DEPTH,
@@ -154,10 +144,7 @@ def check_tree_args(
         parents,
         draft,
         mode,
-        temperature,
-        top_k,
-        top_p,
-        seed,
+        sampling,
         num_nodes,
         method,
         max_depth if max_depth is not None else (G if multi else K * G),
@@ -172,7 +159,7 @@ def check_tree_args(
 def _validate_tree_values(args: TreeArgs, tok_name: str) -> int:
     """Value checks (one host synchronisation); returns the deepest tree's depth."""
     params = args.per_request_cpu()
-    _check_sampling_values(params)
+    SamplingParams.check_values(params)
     B, N, V = args.B, args.N, args.V
     n = params["num_nodes"]
     bad_n = (n < 0) | (n > N)
@@ -193,7 +180,7 @@ def _validate_tree_values(args: TreeArgs, tok_name: str) -> int:
     depth = node_depths(parents, n)
     deepest = int(depth.max()) if depth.numel() else 0
     _require(deepest <= args.max_depth, f"a tree is {deepest} deep but max_depth={args.max_depth}")
-    if args.method == "rrs_wor" and args.draft_mode != 0:
+    if args.method == "rrs_wor" and args.draft_mode != DRAFT_NONE:
         same_parent = parents[:, :, None] == parents[:, None, :]
         same_token = tokens[:, :, None] == tokens[:, None, :]
         both = used[:, :, None] & used[:, None, :] & ~torch.eye(N, dtype=torch.bool)[None]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import ops
+from .. import api as ops
 from .._tree_args import MAX_NODES
 from .attention import (
     TreeAttentionMetadata,

@@ -1,17 +1,6 @@
-"""Fused Triton ops, one file per op."""
+"""Kernels and their launchers, one file per op (the public verification functions are in ``api``)."""
 
 from .tree_attention import tree_attention
-from .tree_metadata import TreeMetadata, tree_metadata
-from .verify import VerifyOutput, verify
-from .verify_tree import TreeVerifyOutput, verify_multi, verify_tree
+from .tree_metadata import tree_metadata
 
-__all__ = [
-    "TreeMetadata",
-    "TreeVerifyOutput",
-    "VerifyOutput",
-    "tree_attention",
-    "tree_metadata",
-    "verify",
-    "verify_multi",
-    "verify_tree",
-]
+__all__ = ["tree_attention", "tree_metadata"]

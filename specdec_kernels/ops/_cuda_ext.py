@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .._validation import VerifyArgs, mix_seed
-from .verify import VerifyOutput
+from .._types import METHODS, TreeVerifyOutput, VerifyOutput
+from .._validation import VerifyArgs
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES_CPU = ("binding.cpp", "verify_cpu.cpp")
@@ -138,13 +138,7 @@ def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int
     if num_chunks is None:
         num_chunks = _num_chunks(args, threads) if target.device.type == "cuda" else 1
 
-    def split(v):
-        return (v, 0) if isinstance(v, torch.Tensor) else (None, v)
-
-    t_t, t = split(args.temperature)
-    k_t, k = split(args.top_k)
-    p_t, p = split(args.top_p)
-    s_t, s = split(args.seed)
+    (t_t, k_t, p_t), (t, k, p), s_t, s = args.sampling.op_args()
     stream = torch.cuda.current_stream(target.device).cuda_stream if target.device.type == "cuda" else 0
     tokens, accepted, nonfinite = ext.verify_chain(
         target,
@@ -155,11 +149,11 @@ def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int
         t_t,
         float(t),
         k_t,
-        min(int(k), 2**31 - 1),
+        int(k),
         p_t,
         float(p),
         s_t,
-        mix_seed(int(s)),
+        int(s),
         bool(args.has_filter),
         int(num_chunks),
         int(threads),
@@ -170,18 +164,9 @@ def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int
 
 def run_tree(ext, args, threads: int = 256):
     """Call ``ext.verify_tree`` (CPU core or CUDA extension) on checked TreeArgs."""
-    from .._tree_args import METHODS
-    from .verify_tree import TreeVerifyOutput
-
     target = args.target
 
-    def split(v):
-        return (v, 0) if isinstance(v, torch.Tensor) else (None, v)
-
-    t_t, t = split(args.temperature)
-    k_t, k = split(args.top_k)
-    p_t, p = split(args.top_p)
-    s_t, s = split(args.seed)
+    (t_t, k_t, p_t), (t, k, p), s_t, s = args.sampling.op_args()
     stream = torch.cuda.current_stream(target.device).cuda_stream if target.device.type == "cuda" else 0
     tokens, accepted, nodes, nonfinite = ext.verify_tree(
         target,
@@ -193,11 +178,11 @@ def run_tree(ext, args, threads: int = 256):
         t_t,
         float(t),
         k_t,
-        min(int(k), 2**31 - 1),
+        int(k),
         p_t,
         float(p),
         s_t,
-        mix_seed(int(s)),
+        int(s),
         bool(args.has_filter),
         METHODS[args.method],
         int(args.max_depth),

@@ -15,6 +15,13 @@ Conventions (shared with ``specdec_kernels.reference``):
 import triton
 import triton.language as tl
 
+from .. import _types
+
+# Draft modes as kernel constants (values from specdec_kernels._types).
+DRAFT_NONE = tl.constexpr(_types.DRAFT_NONE)
+DRAFT_LOGITS = tl.constexpr(_types.DRAFT_LOGITS)
+DRAFT_PROBS = tl.constexpr(_types.DRAFT_PROBS)
+
 # Purposes: third Philox counter word. Different purposes never share a random number.
 PURPOSE_ACCEPT = tl.constexpr(0)
 PURPOSE_RECOVER = tl.constexpr(1)
@@ -188,3 +195,8 @@ def inverse_temperature(temperature):
     """(greedy, 1 / T) per request; greedy rows (T = 0) get 1 so no division by zero happens."""
     greedy = temperature == 0.0
     return greedy, tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1): Triton block shapes must be powers of two."""
+    return 1 << max(0, int(n) - 1).bit_length()

@@ -34,10 +34,11 @@ import triton
 import triton.language as tl
 
 from .._interpreter import interpreter_requested
-from .._tree_args import MAX_NODES
-from .._validation import FLOAT_DTYPES, INT_DTYPES, _capturing, _require
+from .._params import FLOAT_DTYPES, INT_DTYPES
+from .._types import MAX_NODES
+from .._validation import _capturing, _require
+from ._triton_helpers import next_pow2
 from .tree_metadata import tree_metadata
-from .verify import _next_pow2
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -231,7 +232,7 @@ def _choose_splits(programs: int, S: int, block_n: int, device: torch.device) ->
         return 1
     want = triton.cdiv(2 * _num_sms(device), max(programs, 1))
     most = max(1, S // 512)
-    return max(1, min(_next_pow2(want), 64, _next_pow2(most + 1) // 2))
+    return max(1, min(next_pow2(want), 64, next_pow2(most + 1) // 2))
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -349,12 +350,12 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
     if window_lo is not None:
         window_lo = window_lo.to(torch.int32).contiguous()
     group = Hq // Hkv
-    block_d = max(16, _next_pow2(D))
+    block_d = max(16, next_pow2(D))
     block_n = 32 if block_d > 128 else 64
-    block_m = max(16, min(64, _next_pow2(group * Nq)))
+    block_m = max(16, min(64, next_pow2(group * Nq)))
     m_tiles = triton.cdiv(group * Nq, block_m)
     splits = _num_splits or _choose_splits(B * Hkv * m_tiles, S, block_n, q.device)
-    splits = _next_pow2(splits)
+    splits = next_pow2(splits)
     split_len = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if splits > 1:
@@ -396,7 +397,7 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
         BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        TREE_SPAN=max(16, _next_pow2(tree_slots)),
+        TREE_SPAN=max(16, next_pow2(tree_slots)),
         NUM_SPLITS=splits,
         HAS_WINDOW=window_lo is not None,
         DOT_DTYPE=_dot_dtype(q.dtype),

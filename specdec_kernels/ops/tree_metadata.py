@@ -6,28 +6,15 @@ first, so one sweep suffices) keeping the masks in registers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from .._interpreter import interpreter_requested
-from .._tree_args import MAX_NODES
-from .._validation import INT_DTYPES, _check_tensor, _require
-from .verify import _next_pow2
-
-
-@dataclass
-class TreeMetadata:
-    """depth:          [B, N] int32: 1 for children of the root, d for nodes d deep; 0 for padding.
-                       position_ids of tree tokens = prefix_len + depth - 1.
-    ancestor_mask:  [B, N] int64: bit j set iff node j is node i or one of its ancestors
-                       (the tree-attention mask row of node i); 0 for padding.
-    """
-
-    depth: torch.Tensor
-    ancestor_mask: torch.Tensor
+from .._params import INT_DTYPES
+from .._types import MAX_NODES, TreeMetadata
+from .._validation import _check_tensor, _require
+from ._triton_helpers import next_pow2
 
 
 @triton.jit
@@ -94,9 +81,9 @@ def tree_metadata(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) 
     mask = torch.empty((B, N), dtype=torch.int64, device=parents.device)
     if B == 0 or N == 0:
         return TreeMetadata(depth, mask)
-    np2 = max(2, _next_pow2(N))
+    np2 = max(2, next_pow2(N))
     cap = 1024 if (interpreter_requested() or parents.device.type != "cuda") else 16
-    block_b = max(1, min(_next_pow2(B), cap))
+    block_b = max(1, min(next_pow2(B), cap))
     _tree_metadata_kernel[(triton.cdiv(B, block_b),)](
         parents,
         num_nodes if num_nodes is not None else parents,

@@ -22,10 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _backend, _library
 from .._interpreter import interpreter_requested
-from .._validation import VerifyArgs, check_verify_args, mix_seed
+from .._types import VerifyOutput
+from .._validation import VerifyArgs
 from ._triton_helpers import (
+    DRAFT_LOGITS,
+    DRAFT_PROBS,
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
@@ -33,6 +35,7 @@ from ._triton_helpers import (
     first_argmax_update,
     inverse_temperature,
     load_logits,
+    next_pow2,
     online_softmax_update,
     per_request,
     race_noise,
@@ -41,38 +44,36 @@ from ._triton_helpers import (
     uniform_open,
 )
 
-# Draft modes (constexpr): how q is given.
-DRAFT_NONE = 0  # one-hot q on the draft token (n-gram / prompt-lookup / greedy drafters)
-DRAFT_LOGITS = 1  # raw draft logits, processed like the target
-DRAFT_PROBS = 2  # the exact probabilities the draft sampled from
-
-# Row statistics written by kernel 1, one record per (row, chunk).
-STAT_M_T, STAT_Z_T, STAT_M_Q, STAT_Z_Q, STAT_GMAX, STAT_BONUS_KEY, STAT_BAD_T, STAT_BAD_Q = range(8)
+# Row statistics written by kernel 1: one fp32 record of NUM_STATS values per (row, chunk) ...
+STAT_M_T = tl.constexpr(0)  # running max of the target's processed logits
+STAT_Z_T = tl.constexpr(1)  # sum-exp of the target relative to STAT_M_T
+STAT_M_Q = tl.constexpr(2)  # the same two for the draft (DRAFT_LOGITS)
+STAT_Z_Q = tl.constexpr(3)
+STAT_GMAX = tl.constexpr(4)  # greedy max (raw logit)
+STAT_BONUS_KEY = tl.constexpr(5)  # best bonus-race key, relative to STAT_M_T
+STAT_BAD_T = tl.constexpr(6)  # count of NaN/+inf target logits
+STAT_BAD_Q = tl.constexpr(7)  # count of NaN/+inf draft logits
 NUM_STATS_HOST = 8
 NUM_STATS = tl.constexpr(NUM_STATS_HOST)
-IDX_GREEDY, IDX_BONUS = range(2)
-
-
-@dataclass
-class VerifyOutput:
-    """Result of :func:`verify`.
-
-    tokens:       [B, G+1] int64: accepted drafts, then one recovered-or-bonus token, then -1.
-    num_accepted: [B] int32: number of accepted drafts (the emitted token sits at this index).
-    nonfinite:    [B] bool: the request met a NaN/+inf logit (treated as -inf) or a row with no
-                  finite logit in a row it used; its tokens are valid ids but you may want to abort it.
-    """
-
-    tokens: torch.Tensor
-    num_accepted: torch.Tensor
-    nonfinite: torch.Tensor
+# ... and one int32 record of NUM_IDX indices.
+IDX_GREEDY = tl.constexpr(0)  # greedy argmax (lowest index on ties)
+IDX_BONUS = tl.constexpr(1)  # winner of the bonus race
+NUM_IDX = tl.constexpr(2)
+# Race records of kernel 2, per (request, chunk): key and index of two races.
+RACE_RESIDUAL = tl.constexpr(0)  # over the residual max(p - q, 0) of the rejected row
+RACE_TARGET = tl.constexpr(1)  # over p itself (the fallback when the residual is empty)
+NUM_RACES = tl.constexpr(2)
+# Top-k/top-p thresholds per row (raw-logit units), written by kernel 1 when filtering.
+THR_T = tl.constexpr(0)  # target
+THR_Q = tl.constexpr(1)  # draft (DRAFT_LOGITS)
+NUM_THR = tl.constexpr(2)
 
 
 @triton.jit
 def _verify_row_stats_kernel(
     # pointers
     target_ptr,  # [B, (K,) G+1, V] fp32/fp16/bf16 raw target logits
-    draft_ptr,  # [B, (K,) G, V] raw draft logits (DRAFT_MODE == 1), otherwise unused
+    draft_ptr,  # [B, (K,) G, V] raw draft logits (DRAFT_MODE == DRAFT_LOGITS), otherwise unused
     num_draft_ptr,  # [B] int: n_b (PER_REQ_N), else every request uses G
     temperature_ptr,  # [B] float: 0 = greedy (PER_REQ_T), else the scalar `temperature`
     top_k_ptr,  # [B] int: 0 = off (PER_REQ_K), else the scalar `top_k`
@@ -136,10 +137,10 @@ def _verify_row_stats_kernel(
         top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int32)
         top_p = per_request(top_p_ptr, top_p, b, row_ok, PER_REQ_P).to(tl.float32)
         thr_t = filter_threshold(t_rows, row_ok & ~greedy, V, inv_t, top_k, top_p, BLOCK_V)
-        tl.store(thr_ptr + rows * 2, thr_t, mask=row_ok)
-        if DRAFT_MODE == 1:
+        tl.store(thr_ptr + rows * NUM_THR + THR_T, thr_t, mask=row_ok)
+        if DRAFT_MODE == DRAFT_LOGITS:
             thr_q = filter_threshold(d_rows, draft_ok & ~greedy, V, inv_t, top_k, top_p, BLOCK_V)
-            tl.store(thr_ptr + rows * 2 + 1, thr_q, mask=draft_ok)
+            tl.store(thr_ptr + rows * NUM_THR + THR_Q, thr_q, mask=draft_ok)
 
     m_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
     z_t = tl.zeros([BLOCK_R], tl.float32)
@@ -172,23 +173,23 @@ def _verify_row_stats_kernel(
                 (x >= thr_t[:, None]) & (x > float("-inf")) & need_bonus[:, None], logits + noise, float("-inf")
             )
             bonus_key, bonus_idx = first_argmax_update(bonus_key, bonus_idx, keys, cols)
-        if DRAFT_MODE == 1:
+        if DRAFT_MODE == DRAFT_LOGITS:
             xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk)
             bad_q += tl.sum(xd_bad.to(tl.int32), axis=1)
             m_q, z_q = online_softmax_update(m_q, z_q, xd, xd >= thr_q[:, None], inv_t)
 
     rec = (rows * num_chunks + chunk) * NUM_STATS
-    tl.store(stats_ptr + rec + 0, m_t, mask=row_ok)
-    tl.store(stats_ptr + rec + 1, z_t, mask=row_ok)
-    tl.store(stats_ptr + rec + 2, m_q, mask=row_ok)
-    tl.store(stats_ptr + rec + 3, z_q, mask=row_ok)
-    tl.store(stats_ptr + rec + 4, g_max, mask=row_ok)
-    tl.store(stats_ptr + rec + 5, bonus_key, mask=row_ok)
-    tl.store(stats_ptr + rec + 6, bad.to(tl.float32), mask=row_ok)
-    tl.store(stats_ptr + rec + 7, bad_q.to(tl.float32), mask=row_ok)
-    irec = (rows * num_chunks + chunk) * 2
-    tl.store(idx_ptr + irec + 0, g_idx, mask=row_ok)
-    tl.store(idx_ptr + irec + 1, bonus_idx, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_M_T, m_t, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_Z_T, z_t, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_M_Q, m_q, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_Z_Q, z_q, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_GMAX, g_max, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_BONUS_KEY, bonus_key, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_BAD_T, bad.to(tl.float32), mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_BAD_Q, bad_q.to(tl.float32), mask=row_ok)
+    irec = (rows * num_chunks + chunk) * NUM_IDX
+    tl.store(idx_ptr + irec + IDX_GREEDY, g_idx, mask=row_ok)
+    tl.store(idx_ptr + irec + IDX_BONUS, bonus_idx, mask=row_ok)
 
 
 @triton.jit
@@ -281,18 +282,18 @@ def _verify_accept_kernel(
     bad = tl.zeros([BLOCK_B, ROWS], tl.float32)
     for c in range(0, num_chunks):
         rec = (rows * num_chunks + c) * NUM_STATS
-        irec = (rows * num_chunks + c) * 2
-        cm_t = tl.load(stats_ptr + rec + 0, mask=row_ok, other=float("-inf"))
-        cz_t = tl.load(stats_ptr + rec + 1, mask=row_ok, other=0.0)
-        cm_q = tl.load(stats_ptr + rec + 2, mask=row_ok, other=float("-inf"))
-        cz_q = tl.load(stats_ptr + rec + 3, mask=row_ok, other=0.0)
-        c_gmax = tl.load(stats_ptr + rec + 4, mask=row_ok, other=float("-inf"))
-        c_bkey = tl.load(stats_ptr + rec + 5, mask=row_ok, other=float("-inf"))
-        bad += tl.load(stats_ptr + rec + 6, mask=row_ok, other=0.0) + tl.load(
-            stats_ptr + rec + 7, mask=row_ok, other=0.0
+        irec = (rows * num_chunks + c) * NUM_IDX
+        cm_t = tl.load(stats_ptr + rec + STAT_M_T, mask=row_ok, other=float("-inf"))
+        cz_t = tl.load(stats_ptr + rec + STAT_Z_T, mask=row_ok, other=0.0)
+        cm_q = tl.load(stats_ptr + rec + STAT_M_Q, mask=row_ok, other=float("-inf"))
+        cz_q = tl.load(stats_ptr + rec + STAT_Z_Q, mask=row_ok, other=0.0)
+        c_gmax = tl.load(stats_ptr + rec + STAT_GMAX, mask=row_ok, other=float("-inf"))
+        c_bkey = tl.load(stats_ptr + rec + STAT_BONUS_KEY, mask=row_ok, other=float("-inf"))
+        bad += tl.load(stats_ptr + rec + STAT_BAD_T, mask=row_ok, other=0.0) + tl.load(
+            stats_ptr + rec + STAT_BAD_Q, mask=row_ok, other=0.0
         )
-        c_gidx = tl.load(idx_ptr + irec + 0, mask=row_ok, other=0)
-        c_bidx = tl.load(idx_ptr + irec + 1, mask=row_ok, other=0)
+        c_gidx = tl.load(idx_ptr + irec + IDX_GREEDY, mask=row_ok, other=0)
+        c_bidx = tl.load(idx_ptr + irec + IDX_BONUS, mask=row_ok, other=0)
         take = c_gmax > g_max  # strict: the earlier chunk keeps ties (lowest index)
         g_max = tl.where(take, c_gmax, g_max)
         g_idx = tl.where(take, c_gidx, g_idx)
@@ -308,10 +309,12 @@ def _verify_accept_kernel(
     thr_t = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
     thr_q = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
     if HAS_FILTER:
-        thr_t = tl.load(thr_ptr + rows * 2, mask=row_ok & ~greedy[:, None], other=float("-inf"))
-        if DRAFT_MODE == 1:
+        thr_t = tl.load(thr_ptr + rows * NUM_THR + THR_T, mask=row_ok & ~greedy[:, None], other=float("-inf"))
+        if DRAFT_MODE == DRAFT_LOGITS:
             thr_q = tl.load(
-                thr_ptr + rows * 2 + 1, mask=row_ok & (i < n_b[:, None]) & ~greedy[:, None], other=float("-inf")
+                thr_ptr + rows * NUM_THR + THR_Q,
+                mask=row_ok & (i < n_b[:, None]) & ~greedy[:, None],
+                other=float("-inf"),
             )
 
     # ---- accept test of every draft, first rejection j
@@ -323,10 +326,10 @@ def _verify_accept_kernel(
     d_rows = draft_ptr + b[:, None] * stride_db + i.to(tl.int64) * stride_dg
     x_t, _bad_t = load_logits(t_rows + tok_safe, is_draft)
     p_tok = _prob_of(x_t, m_t, z_t, thr_t, inv_t2)
-    if DRAFT_MODE == 1:
+    if DRAFT_MODE == DRAFT_LOGITS:
         x_q, _bad_q = load_logits(d_rows + tok_safe, is_draft)
         q_tok = _prob_of(x_q, m_q, z_q, thr_q, inv_t2)
-    elif DRAFT_MODE == 2:
+    elif DRAFT_MODE == DRAFT_PROBS:
         q_tok = tl.load(d_rows + tok_safe, mask=is_draft, other=0.0).to(tl.float32)
     else:
         q_tok = tl.full([BLOCK_B, ROWS], 1.0, tl.float32)
@@ -372,11 +375,11 @@ def _verify_accept_kernel(
             lane_ok = need[:, None] & (cols < end_col)
             x, _bad_x = load_logits(tj_row + cols, lane_ok)
             p = _prob_of(x, mj_t[:, None], zj_t[:, None], thrj_t[:, None], inv_t[:, None])
-            if DRAFT_MODE == 1:
+            if DRAFT_MODE == DRAFT_LOGITS:
                 xd, _bad_d = load_logits(dj_row + cols, lane_ok)
                 q = _prob_of(xd, mj_q[:, None], zj_q[:, None], thrj_q[:, None], inv_t[:, None])
                 residual = tl.maximum(p - q, 0.0)
-            elif DRAFT_MODE == 2:
+            elif DRAFT_MODE == DRAFT_PROBS:
                 q = tl.load(dj_row + cols, mask=lane_ok, other=0.0).to(tl.float32)
                 residual = tl.where(q == q, tl.maximum(p - q, 0.0), p)  # NaN q counts as 0
             else:
@@ -387,11 +390,11 @@ def _verify_accept_kernel(
             keys_p = tl.where(lane_ok & (p > 0.0), log_p + noise, float("-inf"))
             res_key, res_idx = first_argmax_update(res_key, res_idx, keys_r, cols)
             p_key, p_idx = first_argmax_update(p_key, p_idx, keys_p, cols)
-    rec = (b * num_chunks + chunk) * 2
-    tl.store(race_key_ptr + rec + 0, res_key, mask=b_ok)
-    tl.store(race_key_ptr + rec + 1, p_key, mask=b_ok)
-    tl.store(race_idx_ptr + rec + 0, res_idx, mask=b_ok)
-    tl.store(race_idx_ptr + rec + 1, p_idx, mask=b_ok)
+    rec = (b * num_chunks + chunk) * NUM_RACES
+    tl.store(race_key_ptr + rec + RACE_RESIDUAL, res_key, mask=b_ok)
+    tl.store(race_key_ptr + rec + RACE_TARGET, p_key, mask=b_ok)
+    tl.store(race_idx_ptr + rec + RACE_RESIDUAL, res_idx, mask=b_ok)
+    tl.store(race_idx_ptr + rec + RACE_TARGET, p_idx, mask=b_ok)
 
 
 @triton.jit
@@ -435,13 +438,13 @@ def _verify_finalize_kernel(
     p_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
     p_idx = tl.zeros([BLOCK_B], tl.int32)
     for c in range(0, num_chunks):
-        rec = (b * num_chunks + c) * 2
-        k_r = tl.load(race_key_ptr + rec + 0, mask=need, other=float("-inf"))
-        k_p = tl.load(race_key_ptr + rec + 1, mask=need, other=float("-inf"))
+        rec = (b * num_chunks + c) * NUM_RACES
+        k_r = tl.load(race_key_ptr + rec + RACE_RESIDUAL, mask=need, other=float("-inf"))
+        k_p = tl.load(race_key_ptr + rec + RACE_TARGET, mask=need, other=float("-inf"))
         take_r = k_r > res_key
         take_p = k_p > p_key
-        res_idx = tl.where(take_r, tl.load(race_idx_ptr + rec + 0, mask=need, other=0), res_idx)
-        p_idx = tl.where(take_p, tl.load(race_idx_ptr + rec + 1, mask=need, other=0), p_idx)
+        res_idx = tl.where(take_r, tl.load(race_idx_ptr + rec + RACE_RESIDUAL, mask=need, other=0), res_idx)
+        p_idx = tl.where(take_p, tl.load(race_idx_ptr + rec + RACE_TARGET, mask=need, other=0), p_idx)
         res_key = tl.where(take_r, k_r, res_key)
         p_key = tl.where(take_p, k_p, p_key)
     # An empty residual (p == q to fp32 precision) cannot really be hit; fall back to p.
@@ -460,10 +463,6 @@ def _verify_finalize_kernel(
 # launcher
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 @dataclass(frozen=True)
 class _LaunchPlan:
     block_v: int
@@ -479,10 +478,10 @@ def _plan(args: VerifyArgs, has_filter: bool, num_chunks: int | None, block_v: i
     interpreted = interpreter_requested() or args.target_logits.device.type != "cuda"
     # The interpreter pays per operation, not per element: give it big tiles.
     max_block_v, tile, max_block_b = (8192, 1 << 16, 4096) if interpreted else (2048, 4096, 64)
-    block_v = max(4, min(_next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
+    block_v = max(4, min(next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * (G + 1)
-    block_r = max(1, min(_next_pow2(rows), tile // block_v))
-    block_b = max(1, min(_next_pow2(B), tile // block_v, max_block_b))
+    block_r = max(1, min(next_pow2(rows), tile // block_v))
+    block_b = max(1, min(next_pow2(B), tile // block_v, max_block_b))
     blocks = triton.cdiv(V, block_v)
     if has_filter:
         num_chunks = 1  # the bisection needs whole rows
@@ -501,14 +500,10 @@ def _plan(args: VerifyArgs, has_filter: bool, num_chunks: int | None, block_v: i
     return _LaunchPlan(block_v, block_r, block_b, num_chunks, chunk_size, num_warps)
 
 
-def _tensor_or_scalar(value, dummy: torch.Tensor):
-    """(pointer, scalar, per-request flag) for a parameter that is a [B] tensor or a scalar."""
-    if isinstance(value, torch.Tensor):
-        return value, 0, True
-    return dummy, value, False
+def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None = None) -> VerifyOutput:
+    """Run the three kernels on checked arguments (``_validation.check_verify_args``).
 
-
-def _launch(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None = None) -> VerifyOutput:
+    num_chunks / block_v override the launch plan (tests use them to split small vocabularies)."""
     B, G, V = args.B, args.G, args.V
     dev = args.target_logits.device
     tokens = torch.empty((B, G + 1), dtype=torch.int64, device=dev)
@@ -534,13 +529,14 @@ def _launch(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None
     draft = args.draft if args.draft is not None else target  # never read in mode 0
     draft_tokens = args.draft_tokens if G > 0 else torch.empty((B, 1), dtype=torch.int64, device=dev)
     stride_db, stride_dg = (draft.stride(0), draft.stride(1)) if args.draft is not None else (0, 0)
-    rows_p2 = _next_pow2(G + 1)
-    n_ptr, _, per_req_n = _tensor_or_scalar(args.num_draft_tokens, target)
-    t_ptr, t_val, per_req_t = _tensor_or_scalar(args.temperature, target)
-    k_ptr, k_val, per_req_k = _tensor_or_scalar(args.top_k, target)
-    p_ptr, p_val, per_req_p = _tensor_or_scalar(args.top_p, target)
-    s_ptr, s_val, per_req_s = _tensor_or_scalar(args.seed, target)
-    s_val = mix_seed(s_val)
+    rows_p2 = next_pow2(G + 1)
+    per_req_n = args.num_draft_tokens is not None
+    n_ptr = args.num_draft_tokens if per_req_n else target
+    params = args.sampling.kernel_args(target)
+    t_ptr, t_val, per_req_t = params["temperature"]
+    k_ptr, k_val, per_req_k = params["top_k"]
+    p_ptr, p_val, per_req_p = params["top_p"]
+    s_ptr, s_val, per_req_s = params["seed"]
 
     _verify_row_stats_kernel[(triton.cdiv(rows, plan.block_r), C)](
         target,
@@ -618,7 +614,7 @@ def _launch(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None
         BLOCK_V=plan.block_v,
         num_warps=plan.num_warps,
     )
-    block_b3 = min(_next_pow2(B), 128)
+    block_b3 = min(next_pow2(B), 128)
     _verify_finalize_kernel[(triton.cdiv(B, block_b3),)](
         draft_tokens,
         n_ptr,
@@ -642,75 +638,3 @@ def _launch(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None
         ROWS=rows_p2,
     )
     return VerifyOutput(tokens, num_accepted, nonfinite)
-
-
-def verify(
-    target_logits: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    draft_logits: torch.Tensor | None = None,
-    *,
-    draft_probs: torch.Tensor | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    top_k: int | torch.Tensor = 0,
-    top_p: float | torch.Tensor = 1.0,
-    num_draft_tokens: torch.Tensor | None = None,
-    seed: int | torch.Tensor | None = None,
-    validate: bool = True,
-    backend: str = "auto",
-    _num_chunks: int | None = None,
-    _block_v: int | None = None,
-) -> VerifyOutput:
-    """Verify one draft chain per request; the emitted tokens are exactly target-distributed.
-
-    Shapes and dtypes:
-        target_logits:    [B, G+1, V] fp32 | fp16 | bf16 raw target logits; row i scores the token
-                          after draft i-1 (row 0: after the committed prefix); row n_b is the bonus row.
-        draft_tokens:     [B, G] int32 | int64.
-        draft_logits:     [B, G, V] raw draft logits; q = the same processing as the target's.
-        draft_probs:      [B, G, V] float, instead of draft_logits: the probabilities the draft
-                          sampled from, used as given. Neither: one-hot q (n-gram drafters).
-        temperature:      float or [B] tensor; 0 = greedy for that request.
-        top_k:            int or [B] tensor; 0 = off. top_p: float or [B] tensor in (0, 1]; 1 = off.
-        num_draft_tokens: [B] int; request b verifies drafts [0, n_b) and draws its bonus from row n_b.
-        seed:             int (per-request seeds derived from (seed, b)) or [B] int64 tensor (results
-                          independent of batch composition). Use a new seed for every call.
-        validate:         check tensor values (ids in range, temperature >= 0, ...) on the host. Skipped
-                          automatically during CUDA-graph capture; the kernels stay memory-safe either way.
-        backend:          "auto" (default: on a GPU the fastest available backend, measured once per
-                          shape class; on CPU triton), "triton" (fused Triton kernels), "cuda" (the
-                          CUDA C++ kernels of csrc/; RuntimeError if no GPU or the extension cannot be
-                          built) or "torch" (the plain-PyTorch reference; slow). All return the same
-                          tokens for the same seed.
-
-    Math (p = target, q = draft; processing = temperature, then top-k, then top-p, ties kept):
-        accept x_i iff u_i * q_i(x_i) <= p_i(x_i) with u_i in (0, 1), in order; at the first rejection j
-        emit y ~ norm(max(p_j - q_j, 0)) (one-hot q: p_j without x_j); if all n_b are accepted emit
-        y ~ p_{n_b}. Greedy: accept while x_i == argmax(row i) (lowest index on ties); emit the argmax.
-        Sampling uses the exponential race argmax_x log r(x) - log E_x, E_x ~ Exp(1).
-
-    Non-finite logits: NaN and +inf are treated as -inf (never accepted or sampled) and the
-    request is flagged in ``nonfinite``; a row with no finite logit emits token 0, flagged.
-
-    Returns:
-        VerifyOutput(tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool).
-
-    Example:
-        >>> out = sk.verify(target_logits, draft_tokens, draft_logits, temperature=0.7, seed=seeds)
-        >>> n = out.num_accepted  # commit out.tokens[b, : n[b] + 1]
-    """
-    backend = _backend.check_backend(backend)
-    args = check_verify_args(
-        target_logits,
-        draft_tokens,
-        draft_logits,
-        draft_probs,
-        temperature,
-        top_k,
-        top_p,
-        num_draft_tokens,
-        seed,
-        validate=validate,
-    )
-    if torch.compiler.is_compiling():  # one opaque custom op in the graph (see _library)
-        return _library.call_verify_chain(args, backend)
-    return _backend.run_verify(args, backend, _num_chunks, _block_v)

@@ -17,50 +17,50 @@ specified by ``specdec_kernels.reference.verify_tree``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from .. import _backend, _library
 from .._interpreter import interpreter_requested
-from .._tree_args import METHODS, TreeArgs, check_tree_args
-from .._validation import mix_seed
+from .._tree_args import TreeArgs
+from .._types import METHODS, TreeVerifyOutput
 from ._triton_helpers import (
+    DRAFT_LOGITS,
+    DRAFT_NONE,
+    DRAFT_PROBS,
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
     first_argmax_update,
     inverse_temperature,
     load_logits,
+    next_pow2,
     per_request,
     race_noise,
     request_seed,
     safe_max,
     uniform_open,
 )
-from .verify import NUM_STATS, NUM_STATS_HOST, _next_pow2, _prob_of, _tensor_or_scalar, _verify_row_stats_kernel
+from .verify import (
+    IDX_GREEDY,
+    NUM_IDX,
+    NUM_STATS,
+    NUM_STATS_HOST,
+    NUM_THR,
+    STAT_BAD_Q,
+    STAT_BAD_T,
+    STAT_M_Q,
+    STAT_M_T,
+    STAT_Z_Q,
+    STAT_Z_T,
+    THR_Q,
+    THR_T,
+    _prob_of,
+    _verify_row_stats_kernel,
+)
 
 RHO_POINTS = 16  # must match reference.verify_tree
 RHO_ROUNDS = 4
-
-
-@dataclass
-class TreeVerifyOutput:
-    """Result of :func:`verify_tree` / :func:`verify_multi`.
-
-    tokens:         [B, D+1] int64: accepted path tokens, one recovered-or-bonus token, then -1.
-    num_accepted:   [B] int32: length of the accepted path.
-    accepted_nodes: [B, D] int64: node index of each accepted token (a root-to-node path), -1 padding;
-                    for verify_multi node = chain * G + slot. Use it to compact the KV cache.
-    nonfinite:      [B] bool: the request met NaN/+inf logits (treated as -inf) or an empty row.
-    """
-
-    tokens: torch.Tensor
-    num_accepted: torch.Tensor
-    accepted_nodes: torch.Tensor
-    nonfinite: torch.Tensor
 
 
 @triton.jit
@@ -92,10 +92,10 @@ def _position_tiles(
     (the draft row is read where lane_q holds)."""
     xt, _bad_t = load_logits(t_row[:, None] + cols, lane)
     pv = _prob_of(xt, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None])
-    if DRAFT_MODE == 1:
+    if DRAFT_MODE == DRAFT_LOGITS:
         xq, _bad_q = load_logits(d_row[:, None] + cols, lane_q)
         qv = _prob_of(xq, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None])
-    elif DRAFT_MODE == 2:
+    elif DRAFT_MODE == DRAFT_PROBS:
         qv = tl.load(d_row[:, None] + cols, mask=lane_q, other=0.0).to(tl.float32)
         qv = tl.where(qv == qv, qv, 0.0)
     else:
@@ -228,13 +228,13 @@ def _tree_walk_kernel(
 
         # target row of the position: statistics from the row pass
         rec_t = _record(b, rep, K, G, 1)
-        m_t = tl.load(stats_ptr + rec_t * NUM_STATS + 0, mask=active, other=0.0)
-        z_t = tl.load(stats_ptr + rec_t * NUM_STATS + 1, mask=active, other=0.0)
-        bad_t = tl.load(stats_ptr + rec_t * NUM_STATS + 6, mask=active, other=0.0)
-        g_idx = tl.load(idx_ptr + rec_t * 2 + 0, mask=active, other=0).to(tl.int64)
+        m_t = tl.load(stats_ptr + rec_t * NUM_STATS + STAT_M_T, mask=active, other=0.0)
+        z_t = tl.load(stats_ptr + rec_t * NUM_STATS + STAT_Z_T, mask=active, other=0.0)
+        bad_t = tl.load(stats_ptr + rec_t * NUM_STATS + STAT_BAD_T, mask=active, other=0.0)
+        g_idx = tl.load(idx_ptr + rec_t * NUM_IDX + IDX_GREEDY, mask=active, other=0).to(tl.int64)
         thr_t = tl.full([BLOCK_B], float("-inf"), tl.float32)
         if HAS_FILTER:
-            thr_t = tl.load(thr_ptr + rec_t * 2, mask=stochastic, other=float("-inf"))
+            thr_t = tl.load(thr_ptr + rec_t * NUM_THR + THR_T, mask=stochastic, other=float("-inf"))
         flagged = flagged | (active & (bad_t > 0.0)) | (stochastic & (z_t == 0.0))
         t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)
         x_c, _bad_c = load_logits(t_row[:, None] + tl.maximum(tok, 0), cand)
@@ -244,17 +244,17 @@ def _tree_walk_kernel(
         first_safe = tl.where(has_cand, first, 0)
         rec_q = _record(b, first_safe, K, G, 0)
         d_row = _row_ptr(draft_ptr, b, first_safe, stride_db, stride_dk, stride_dg, G, 0)
-        m_q = tl.load(stats_ptr + rec_q * NUM_STATS + 2, mask=stochastic & has_cand, other=0.0)
-        z_q = tl.load(stats_ptr + rec_q * NUM_STATS + 3, mask=stochastic & has_cand, other=0.0)
+        m_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_M_Q, mask=stochastic & has_cand, other=0.0)
+        z_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_Z_Q, mask=stochastic & has_cand, other=0.0)
         thr_q = tl.full([BLOCK_B], float("-inf"), tl.float32)
-        if DRAFT_MODE == 1:
-            bad_q = tl.load(stats_ptr + rec_q * NUM_STATS + 7, mask=stochastic & has_cand, other=0.0)
+        if DRAFT_MODE == DRAFT_LOGITS:
+            bad_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_BAD_Q, mask=stochastic & has_cand, other=0.0)
             flagged = flagged | (stochastic & has_cand & (bad_q > 0.0))
             if HAS_FILTER:
-                thr_q = tl.load(thr_ptr + rec_q * 2 + 1, mask=stochastic & has_cand, other=float("-inf"))
+                thr_q = tl.load(thr_ptr + rec_q * NUM_THR + THR_Q, mask=stochastic & has_cand, other=float("-inf"))
             xq_c, _bad_qc = load_logits(d_row[:, None] + tl.maximum(tok, 0), cand)
             q_c = _prob_of(xq_c, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None])
-        elif DRAFT_MODE == 2:
+        elif DRAFT_MODE == DRAFT_PROBS:
             q_c = tl.load(d_row[:, None] + tl.maximum(tok, 0), mask=cand, other=0.0).to(tl.float32)
             q_c = tl.where(q_c == q_c, q_c, 0.0)
         else:
@@ -268,7 +268,7 @@ def _tree_walk_kernel(
         ds = tl.zeros([BLOCK_B, NP2], tl.float32) + tl.where(nodes == 0, 1.0, 0.0)  # RRS-WOR q mass
         xs = tl.full([BLOCK_B, NP2], -1, tl.int64)  # RRS candidate token by rank
         steps = tl.zeros([BLOCK_B], tl.int32)  # RRS rejections so far
-        if DRAFT_MODE == 0:
+        if DRAFT_MODE == DRAFT_NONE:
             # one-hot drafts: p_j = p without the earlier (distinct) rejected tokens, renormalised
             earlier = nodes[:, :, None] > nodes[:, None, :]
             same = (tok[:, :, None] == tok[:, None, :]) & cand[:, None, :] & earlier
@@ -384,7 +384,7 @@ def _tree_walk_kernel(
                     inv_t,
                     DRAFT_MODE,
                 )
-                if DRAFT_MODE == 0:
+                if DRAFT_MODE == DRAFT_NONE:
                     gone = (cols < 0) & lane
                     for j in range(0, tl.max(k, axis=0)):
                         x_j = tl.sum(tl.where(cand & (rank == j), tok, 0), axis=1)
@@ -437,7 +437,8 @@ def _tree_walk_kernel(
 # launcher
 
 
-def _launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput:
+def launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput:
+    """Run the row-statistics pass and the walk on checked arguments (``_tree_args.check_tree_args``)."""
     B, K, G, V, N, D = args.B, args.K, args.G, args.V, args.N, args.max_depth
     dev = args.target.device
     tokens = torch.empty((B, D + 1), dtype=torch.int64, device=dev)
@@ -449,12 +450,12 @@ def _launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput
 
     interpreted = interpreter_requested() or dev.type != "cuda"
     max_block_v, tile = (8192, 1 << 16) if interpreted else (1024, 4096)
-    block_v = max(4, min(_next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
+    block_v = max(4, min(next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * K * (G + 1)
-    block_r = max(1, min(_next_pow2(rows), tile // block_v))
-    np2 = max(2, _next_pow2(N))
+    block_r = max(1, min(next_pow2(rows), tile // block_v))
+    np2 = max(2, next_pow2(N))
     # The walk holds [BLOCK_B, NP2, NP2] and [BLOCK_B, RHO_POINTS, BLOCK_V] tiles.
-    block_b = max(1, min(_next_pow2(B), tile // max(block_v * RHO_POINTS, np2 * np2, 1))) if interpreted else 1
+    block_b = max(1, min(next_pow2(B), tile // max(block_v * RHO_POINTS, np2 * np2, 1))) if interpreted else 1
     has_filter = args.has_filter
 
     stats = torch.empty((rows, 1, NUM_STATS_HOST), dtype=torch.float32, device=dev)
@@ -463,12 +464,13 @@ def _launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput
     target = args.target
     draft = args.draft if args.draft is not None else target
     d_strides = (draft.stride(0), draft.stride(1), draft.stride(2)) if args.draft is not None else (0, 0, 0)
-    n_ptr, _, per_req_n = _tensor_or_scalar(args.num_nodes, target)
-    t_ptr, t_val, per_req_t = _tensor_or_scalar(args.temperature, target)
-    k_ptr, k_val, per_req_k = _tensor_or_scalar(args.top_k, target)
-    p_ptr, p_val, per_req_p = _tensor_or_scalar(args.top_p, target)
-    s_ptr, s_val, per_req_s = _tensor_or_scalar(args.seed, target)
-    s_val = mix_seed(s_val)
+    per_req_n = args.num_nodes is not None
+    n_ptr = args.num_nodes if per_req_n else target
+    params = args.sampling.kernel_args(target)
+    t_ptr, t_val, per_req_t = params["temperature"]
+    k_ptr, k_val, per_req_k = params["top_k"]
+    p_ptr, p_val, per_req_p = params["top_p"]
+    s_ptr, s_val, per_req_s = params["seed"]
     # Rows past a ragged tree's last node are skipped: "n_b" of the row pass is the node count
     # (row i of a single chain belongs to node i - 1); chains of verify_multi are never ragged.
     _verify_row_stats_kernel[(triton.cdiv(rows, block_r), 1)](
@@ -550,131 +552,10 @@ def _launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput
         METHOD=METHODS[args.method],
         BLOCK_B=block_b,
         NP2=np2,
-        DP2=_next_pow2(D + 1),
+        DP2=next_pow2(D + 1),
         BLOCK_V=block_v,
         RHO_P=RHO_POINTS,
         RHO_R=RHO_ROUNDS,
         num_warps=4,
     )
     return TreeVerifyOutput(tokens, num_accepted, nodes, nonfinite)
-
-
-def verify_tree(
-    target_logits: torch.Tensor,
-    tree_tokens: torch.Tensor,
-    parents: torch.Tensor,
-    draft_logits: torch.Tensor | None = None,
-    *,
-    draft_probs: torch.Tensor | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    top_k: int | torch.Tensor = 0,
-    top_p: float | torch.Tensor = 1.0,
-    seed: int | torch.Tensor | None = None,
-    num_nodes: torch.Tensor | None = None,
-    method: str = "kseq",
-    max_depth: int | None = None,
-    validate: bool = True,
-    backend: str = "auto",
-    _block_v: int | None = None,
-) -> TreeVerifyOutput:
-    """Verify a token tree of drafts per request; the emitted tokens are exactly target-distributed.
-
-    Shapes and dtypes:
-        target_logits: [B, N+1, V] fp32 | fp16 | bf16: row 0 scores the token after the committed
-                       prefix (the root), row i+1 the token after node i.
-        tree_tokens:   [B, N] int: token of each node. parents: [B, N] int, -1 for children of the
-                       root, else parents[b, i] < i (topological; N <= 64).
-        draft_logits:  [B, N, V]: the draft distribution node i was sampled from (the one at its
-                       parent; siblings share it - the first sibling's row is used). Or draft_probs
-                       [B, N, V]; neither = one-hot drafts (deterministic top-k trees, EAGLE/Medusa).
-        temperature, top_k, top_p, seed: as for :func:`verify`. num_nodes: [B] int, ragged trees.
-        method:        "kseq" (SpecTr K-SEQ), "rrs" (recursive rejection sampling), "rrs_wor"
-                       (without replacement; siblings must be distinct).
-        max_depth:     output width D; default: the deepest tree (found while validating, a host
-                       sync) or N when validate=False. Pass it to stay sync-free (CUDA graphs).
-        backend:       "auto" | "triton" | "cuda" | "torch" (reference), as for :func:`verify`.
-
-    Math: walk from the root; at each position the children are samples from the draft's q there;
-    K-SEQ accepts child X_i (first in order) w.p. min(1, p(X_i) / (rho* q(X_i))) with rho* solving
-    1 - (1 - beta)^k = rho beta, beta = sum_x min(q, p / rho), and otherwise draws from
-    norm(p - c min(q, p/rho*)); RRS tests children with min(1, p_j / q) and renormalises
-    max(p_j - q, 0) after each rejection. At a leaf the bonus token is drawn from p. Greedy follows
-    the child equal to argmax p. Siblings with equal tokens act as one position with multiplicity.
-    The full specification is ``specdec_kernels.reference.verify_tree``.
-
-    Returns:
-        TreeVerifyOutput(tokens [B, D+1], num_accepted [B], accepted_nodes [B, D], nonfinite [B]).
-
-    Example:
-        >>> out = sk.verify_tree(logits, tokens, parents, draft_logits, temperature=0.8, seed=seeds)
-        >>> keep = out.accepted_nodes[b, : out.num_accepted[b]]  # KV rows to keep, in order
-    """
-    backend = _backend.check_backend(backend)
-    args = check_tree_args(
-        target_logits,
-        tree_tokens,
-        parents,
-        draft_logits,
-        draft_probs,
-        temperature,
-        top_k,
-        top_p,
-        seed,
-        num_nodes,
-        method,
-        max_depth,
-        validate=validate,
-    )
-    if torch.compiler.is_compiling():  # one opaque custom op in the graph (see _library)
-        return _library.call_verify_tree(args, backend)
-    return _backend.run_tree(args, backend, _block_v)
-
-
-def verify_multi(
-    target_logits: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    draft_logits: torch.Tensor | None = None,
-    *,
-    draft_probs: torch.Tensor | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    top_k: int | torch.Tensor = 0,
-    top_p: float | torch.Tensor = 1.0,
-    seed: int | torch.Tensor | None = None,
-    method: str = "kseq",
-    validate: bool = True,
-    backend: str = "auto",
-    _block_v: int | None = None,
-) -> TreeVerifyOutput:
-    """Verify K independent draft chains per request (SpecTr multi-draft).
-
-    Shapes: target_logits [B, K, G+1, V] (row [k, i] scores the token after chain k's first i
-    drafts; row [0, 0] is used for the shared root), draft_tokens [B, K, G], draft_logits or
-    draft_probs [B, K, G, V]. The chains are verified as one tree in which chains sharing a
-    prefix are merged with multiplicity: at each depth the candidates are the next drafts of every
-    chain that agrees with the accepted prefix. Options (backend included) as :func:`verify_tree`.
-    With K = 1 this is exactly :func:`verify` (same tokens for the same seeds). accepted_nodes
-    index chain * G + slot.
-
-    Example:
-        >>> out = sk.verify_multi(logits, drafts, draft_logits, method="kseq", seed=seeds)
-    """
-    backend = _backend.check_backend(backend)
-    args = check_tree_args(
-        target_logits,
-        draft_tokens,
-        None,
-        draft_logits,
-        draft_probs,
-        temperature,
-        top_k,
-        top_p,
-        seed,
-        None,
-        method,
-        None,
-        validate=validate,
-        multi=True,
-    )
-    if torch.compiler.is_compiling():  # one opaque custom op in the graph (see _library)
-        return _library.call_verify_tree(args, backend)
-    return _backend.run_tree(args, backend, _block_v)

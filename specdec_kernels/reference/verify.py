@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .._types import DRAFT_LOGITS, DRAFT_NONE, DRAFT_PROBS, VerifyOutput
 from .._validation import check_verify_args
-from ..ops.verify import VerifyOutput
 from .sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
@@ -49,6 +49,11 @@ def verify_reference(
         seed,
         validate=validate,
     )
+    return verify_checked(args)
+
+
+def verify_checked(args) -> VerifyOutput:
+    """The reference on checked arguments (``_validation.VerifyArgs``); the torch backend."""
     B, G, V = args.B, args.G, args.V
     cpu = {k: v.cpu() for k, v in vars(args).items() if isinstance(v, torch.Tensor)}
     cpu.update(args.per_request_cpu())
@@ -72,7 +77,7 @@ def verify_reference(
         tokens[b, accepted] = token
         num_accepted[b] = accepted
         nonfinite[b] = flagged
-    dev = target_logits.device
+    dev = args.target_logits.device
     return VerifyOutput(tokens.to(dev), num_accepted.to(dev), nonfinite.to(dev))
 
 
@@ -83,7 +88,7 @@ def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, s
     for i in range(n + 1):
         x, bad = sanitize_logits(target[i])
         flagged |= bad
-        if mode == 1 and i < n:
+        if mode == DRAFT_LOGITS and i < n:
             flagged |= sanitize_logits(draft[i])[1]
         if greedy:
             best = int(torch.argmax(x))  # NaN already -inf; first index on ties
@@ -99,9 +104,9 @@ def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, s
         if not 0 <= tok < V:
             q = None
             flagged = True
-        elif mode == 1:
+        elif mode == DRAFT_LOGITS:
             q = processed_probs(draft[i], temperature, top_k, top_p)
-        elif mode == 2:
+        elif mode == DRAFT_PROBS:
             q = draft[i].double()
             q = torch.where(torch.isnan(q), torch.zeros_like(q), q)
         else:
@@ -113,7 +118,7 @@ def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, s
             if p_tok > 0 and u * q_tok <= p_tok:
                 continue
         residual = torch.clamp(p - q, min=0) if q is not None and mode != 0 else p.clone()
-        if mode == 0 and 0 <= tok < V:
+        if mode == DRAFT_NONE and 0 <= tok < V:
             residual[tok] = 0.0
         token = exponential_race(safe_log(residual), seed, i, PURPOSE_RECOVER)
         if token < 0:  # empty residual (p == q to rounding): fall back to p, as the kernel does

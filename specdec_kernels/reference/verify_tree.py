@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .._tree_args import check_tree_args
+from .._types import DRAFT_LOGITS, DRAFT_PROBS, TreeMetadata, TreeVerifyOutput
 from .sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
@@ -113,7 +114,7 @@ def verify_tree_reference(
         max_depth,
         validate=validate,
     )
-    return _walk_all(args)
+    return verify_tree_checked(args)
 
 
 def verify_multi_reference(
@@ -146,12 +147,11 @@ def verify_multi_reference(
         validate=validate,
         multi=True,
     )
-    return _walk_all(args)
+    return verify_tree_checked(args)
 
 
-def _walk_all(args):
-    from ..ops.verify_tree import TreeVerifyOutput
-
+def verify_tree_checked(args) -> TreeVerifyOutput:
+    """The reference on checked arguments (``_tree_args.TreeArgs``); the torch backend."""
     B, D = args.B, args.max_depth
     params = args.per_request_cpu()
     target = args.target.cpu()
@@ -238,7 +238,7 @@ def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed):
         if not cands:  # leaf: bonus token
             return _path_to(tree, accepted_node), max(exponential_race(safe_log(p), seed, r, PURPOSE_BONUS), 0), flagged
         q = _draft_q(tree, cands[0], mode, temperature, top_k, top_p)
-        if mode == 1:
+        if mode == DRAFT_LOGITS:
             flagged |= sanitize_logits(tree.draft_row(cands[0]))[1]
         chosen, residual = _choose(p, q, toks, method, seed, r)
         if chosen is None:
@@ -260,9 +260,9 @@ def _path_to(tree: _Tree, node) -> list[int]:
 
 
 def _draft_q(tree, node, mode, temperature, top_k, top_p):
-    if mode == 1:
+    if mode == DRAFT_LOGITS:
         return processed_probs(tree.draft_row(node), temperature, top_k, top_p)
-    if mode == 2:
+    if mode == DRAFT_PROBS:
         q = tree.draft_row(node).double()
         return torch.where(torch.isnan(q), torch.zeros_like(q), q)
     return None
@@ -311,8 +311,6 @@ def _choose(p, q, toks, method, seed, r):
 
 def tree_metadata_reference(parents: torch.Tensor, num_nodes: torch.Tensor | None = None):
     """Depths ([B, N] int32) and ancestor-or-self bitmasks ([B, N] int64) by walking up parents."""
-    from ..ops.tree_metadata import TreeMetadata
-
     B, N = parents.shape
     par = parents.cpu().tolist()
     n = num_nodes.cpu().tolist() if num_nodes is not None else [N] * B

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import specdec_kernels as sk
-from specdec_kernels import _backend, _library
+from specdec_kernels import _dispatch
 from specdec_kernels._validation import check_verify_args
 
 from ._inputs import make_problem
@@ -87,16 +87,19 @@ def test_cuda_backend_for_trees_without_gpu_says_how_to_build():
 
 def test_auto_on_cpu_is_triton():
     calls = []
-    chosen = _backend.resolve("auto", torch.device("cpu"), ("k",), {"triton": lambda: calls.append(1), "cuda": None})
+    chosen = _dispatch.resolve("auto", torch.device("cpu"), ("k",), {"triton": lambda: calls.append(1), "cuda": None})
     assert chosen == "triton" and not calls  # nothing measured on CPU
-    assert _backend.resolve("torch", torch.device("cpu"), ("k",), {"triton": None}) == "torch"
+    assert _dispatch.resolve("torch", torch.device("cpu"), ("k",), {"triton": None}) == "torch"
 
 
 def test_shape_classes_bucket_sizes():
     t1, x1, d1 = make_problem(5, 3, 1000)
     t2, x2, d2 = make_problem(7, 3, 900)
     t3, x3, d3 = make_problem(9, 3, 1000)
-    key = lambda t, x, d, **kw: _backend.chain_shape_class(check_verify_args(t, x, d, None, 1.0, 0, 1.0, None, 1, **kw))  # noqa: E731
+
+    def key(t, x, d):
+        return _dispatch.chain_shape_class(check_verify_args(t, x, d, None, 1.0, 0, 1.0, None, 1))
+
     assert key(t1, x1, d1) == key(t2, x2, d2)  # B 5 and 7 -> 8, V 1000 and 900 -> 1024
     assert key(t1, x1, d1) != key(t3, x3, d3)  # B 9 -> 16
 
@@ -119,10 +122,8 @@ def _op_args(device, per_request=True):
         None,
         torch.arange(B, device=device) if per_request else 7,
     )
-    t_t, t = _library._split(args.temperature)
-    p_t, p = _library._split(args.top_p)
-    s_t, s = _library._split(args.seed)
-    return (target, tokens, draft, 1, t_t, float(t), None, 0, p_t, float(p), None, s_t, int(s), "triton")
+    tensors, scalars, seed_t, seed = args.sampling.op_args()
+    return (target, tokens, draft, 1, tensors, scalars, seed_t, seed, None, "triton")
 
 
 @pytest.mark.parametrize("per_request", [True, False])
@@ -142,12 +143,8 @@ def test_verify_tree_op_passes_opcheck(device):
         p,
         d[:, None],
         1,
-        None,
-        0.9,
-        None,
-        0,
-        None,
-        1.0,
+        [None, None, None],
+        [0.9, 0.0, 1.0],
         torch.arange(2, device=device),
         0,
         None,
@@ -229,7 +226,8 @@ def test_cuda_backend_matches_triton_and_reference(dtype, mode, B, G, V):
     if B * (G + 1) * V <= 2_000_000:
         _same(cuda_out, verify_reference(target, tokens, **kw, seed=seeds))
     for chunks in (1, 3, 16):
-        _same(sk.verify(target, tokens, **kw, seed=seeds, backend="cuda", _num_chunks=chunks), cuda_out)
+        with _dispatch.launch_overrides(num_chunks=chunks):
+            _same(sk.verify(target, tokens, **kw, seed=seeds, backend="cuda"), cuda_out)
     _same(sk.verify(target, tokens, **kw, seed=seeds, backend="auto"), cuda_out)
 
 

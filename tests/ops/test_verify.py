@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import specdec_kernels as sk
+from specdec_kernels._dispatch import launch_overrides
 from specdec_kernels.reference import verify_reference
 
 from ._inputs import make_problem
@@ -83,8 +84,9 @@ def test_vocab_split_across_programs(mode, num_chunks, device):
     seeds = torch.arange(B, dtype=torch.int64, device=device) * 3
     kw = dict(_mode_kwargs(mode, draft), temperature=0.0 if mode == "greedy" else 0.8, seed=seeds)
     ref = verify_reference(target, tokens, **kw)
-    _assert_same(sk.verify(target, tokens, **kw, _num_chunks=num_chunks, _block_v=128), ref)
-    _assert_same(sk.verify(target, tokens, **kw, _num_chunks=1, _block_v=128), ref)
+    for chunks in (num_chunks, 1):
+        with launch_overrides(num_chunks=chunks, block_v=128):
+            _assert_same(sk.verify(target, tokens, **kw), ref)
 
 
 def test_greedy_ties_break_to_lowest_index(device):

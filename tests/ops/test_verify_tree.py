@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import specdec_kernels as sk
+from specdec_kernels._dispatch import launch_overrides
 from specdec_kernels.reference import verify_multi_reference, verify_tree_reference
 
 from ._inputs import make_problem
@@ -74,7 +75,8 @@ def test_ragged_trees_filters_and_small_blocks(method, dtype, device):
     )
     ref = verify_tree_reference(target, tokens, parents, **kw)
     _assert_same(sk.verify_tree(target, tokens, parents, **kw), ref)
-    _assert_same(sk.verify_tree(target, tokens, parents, **kw, _block_v=32), ref)
+    with launch_overrides(block_v=32):
+        _assert_same(sk.verify_tree(target, tokens, parents, **kw), ref)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1,0 +1,314 @@
+"""The dispatch layer of the verification ops: backend choice and ``torch.library`` registration.
+
+Below it: argument checking (``_validation``, ``_tree_args``, ``_params``), the kernels and their
+launchers (``ops/``), the csrc loader (``ops/_cuda_ext``) and the references (``reference/``). Above
+it: the public functions (``api``), which check their arguments and call :func:`run_verify` /
+:func:`run_tree` here.
+
+Backends, ``backend="auto" | "triton" | "cuda" | "torch"``:
+
+* ``"triton"``: the fused Triton kernels (``ops/verify.py``, ``ops/verify_tree.py``); on CPU they run
+  in Triton's interpreter.
+* ``"cuda"``:   the CUDA C++ kernels of ``csrc/`` (chain and tree verification). Needs a GPU and the
+  compiled extension: built by ``SPECDEC_BUILD_CUDA=1 pip install -e .`` or just in time on first use
+  (see :mod:`specdec_kernels.ops._cuda_ext`). Without them: a RuntimeError that says how to build.
+* ``"torch"``:  the plain-PyTorch references of ``specdec_kernels.reference`` (float64 loops; slow,
+  the specification).
+* ``"auto"``:   on CPU, triton. On a GPU, the fastest of the compiled backends available (triton, and
+  cuda when its extension is already built: auto never starts a multi-minute JIT compile), measured
+  once per (device, op, shape class) on the caller's own inputs and cached for the process. During
+  CUDA-graph capture or torch.compile tracing nothing is measured: a cached choice or triton.
+
+All backends return the same tokens for the same seed (same counter-based Philox stream).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import statistics
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ._params import SamplingParams
+from ._tree_args import TreeArgs
+from ._types import BACKENDS, TreeVerifyOutput, VerifyOutput
+from ._validation import VerifyArgs
+from .ops import _cuda_ext
+from .ops.verify import launch_verify
+from .ops.verify_tree import launch_tree
+from .reference.verify import verify_checked as reference_verify
+from .reference.verify_tree import verify_tree_checked as reference_tree
+
+# Launch-plan overrides for tests (vocab chunks, block size); see launch_overrides.
+_OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("specdec_launch_overrides", default=None)
+
+# (op, device index, shape class) -> backend name chosen by measurement.
+_AUTO_CACHE: dict[tuple, str] = {}
+
+
+@contextlib.contextmanager
+def launch_overrides(num_chunks: int | None = None, block_v: int | None = None):
+    """Force the vocabulary split and block size of the verification launches inside the block.
+
+    For tests and benchmarks: ``num_chunks`` splits rows across programs (Triton and cuda),
+    ``block_v`` sets the Triton tile width. Not part of the public functions' signatures."""
+    token = _OVERRIDES.set({"num_chunks": num_chunks, "block_v": block_v})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def check_backend(backend) -> str:
+    """The backend name, or ValueError / TypeError naming the allowed values."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, one of {BACKENDS}, got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def _bucket(n: int) -> int:
+    """Power-of-two bucket of a size: shapes within a factor of two share a measurement."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def chain_shape_class(args) -> tuple:
+    """Shape class of a chain verification (VerifyArgs) for the auto cache."""
+    return (
+        "verify",
+        args.target_logits.dtype,
+        args.draft_mode,
+        *args.sampling.shape_class(args.V),
+        _bucket(args.B),
+        args.G,
+        _bucket(args.V),
+    )
+
+
+def tree_shape_class(args) -> tuple:
+    """Shape class of a tree / multi-draft verification (TreeArgs) for the auto cache."""
+    return (
+        "tree",
+        args.target.dtype,
+        args.draft_mode,
+        args.method,
+        args.parents is None,
+        *args.sampling.shape_class(args.V),
+        _bucket(args.B),
+        args.K,
+        args.G,
+        _bucket(args.V),
+    )
+
+
+def _busy(device: torch.device) -> bool:
+    """No measuring while capturing a CUDA graph or tracing for torch.compile."""
+    if torch.compiler.is_compiling():
+        return True
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _time_us(fn: Callable[[], object], reps: int = 5) -> float:
+    fn()  # warm-up: compiles / autotunes
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def resolve(backend: str, device: torch.device, key: tuple, candidates: dict[str, Callable[[], object]]) -> str:
+    """The concrete backend for a call. ``candidates``: name -> zero-argument runner of this call,
+    in order of preference (the first is used when nothing can be measured)."""
+    if backend != "auto":
+        return backend
+    names = list(candidates)
+    if device.type != "cuda" or len(names) == 1:
+        return names[0]
+    cache_key = (device.index if device.index is not None else torch.cuda.current_device(), key)
+    chosen = _AUTO_CACHE.get(cache_key)
+    if chosen is not None:
+        return chosen
+    if _busy(device):
+        return names[0]
+    timings = {name: _time_us(run) for name, run in candidates.items()}
+    chosen = min(timings, key=timings.get)
+    _AUTO_CACHE[cache_key] = chosen
+    return chosen
+
+
+def auto_choices() -> dict[tuple, str]:
+    """A copy of the measured auto choices, {(device index, shape class): backend}."""
+    return dict(_AUTO_CACHE)
+
+
+def clear_auto_cache() -> None:
+    _AUTO_CACHE.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# chain verification
+
+
+def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
+    """Run chain verification (checked VerifyArgs) on the requested backend."""
+    overrides = _OVERRIDES.get() or {}
+    num_chunks, block_v = overrides.get("num_chunks"), overrides.get("block_v")
+    device = args.target_logits.device
+    if backend == "torch":
+        return reference_verify(args)
+    if backend == "cuda":
+        return _cuda_ext.verify_chain(args, num_chunks=num_chunks)
+    candidates = {"triton": lambda: launch_verify(args, num_chunks, block_v)}
+    if backend == "auto" and device.type == "cuda" and _cuda_ext.cuda_extension_ready():
+        candidates["cuda"] = lambda: _cuda_ext.verify_chain(args, num_chunks=num_chunks)
+    chosen = resolve(backend, device, chain_shape_class(args), candidates)
+    return candidates[chosen]()
+
+
+# --------------------------------------------------------------------------------------------
+# tree / multi-draft verification
+
+
+def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
+    """Run tree / multi-draft verification (checked TreeArgs)."""
+    block_v = (_OVERRIDES.get() or {}).get("block_v")
+    if backend == "torch":
+        return reference_tree(args)
+    if backend == "cuda":
+        return _cuda_ext.verify_tree(args)
+    candidates = {"triton": lambda: launch_tree(args, block_v)}
+    if backend == "auto" and args.target.device.type == "cuda" and _cuda_ext.cuda_extension_ready():
+        candidates["cuda"] = lambda: _cuda_ext.verify_tree(args)
+    chosen = resolve(backend, args.target.device, tree_shape_class(args), candidates)
+    return candidates[chosen]()
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom ops (torch.compile / CUDA graphs)
+#
+# ``specdec::verify_chain`` and ``specdec::verify_tree`` take the *checked* arguments with the
+# sampling parameters flattened (``SamplingParams.op_args``) and return plain tensors. Each has a
+# fake (meta) implementation giving the output shapes, so a ``torch.compile`` graph holds the op as
+# one opaque node (no graph break inside the Triton launcher, which dynamo cannot trace), and
+# ``mode="reduce-overhead"`` can capture it in a CUDA graph. The public functions call the op only
+# while torch.compile traces them; eager calls go to :func:`run_verify` / :func:`run_tree` directly
+# (same implementation, less dispatch overhead). Under torch.compile pass ``validate=False`` (value
+# checks read tensors, a graph break) and an explicit ``seed`` (``seed=None`` draws a host random
+# number, also a graph break).
+
+
+@torch.library.custom_op("specdec::verify_chain", mutates_args=())
+def verify_chain_op(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    draft: Tensor | None,
+    draft_mode: int,
+    sampling_tensors: list[Tensor | None],
+    sampling_scalars: list[float],
+    seed_t: Tensor | None,
+    seed: int,
+    num_draft_tokens: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool (see ``sk.verify``)."""
+    sampling = SamplingParams.from_op_args(sampling_tensors, sampling_scalars, seed_t, seed)
+    args = VerifyArgs(target_logits, draft_tokens, draft, draft_mode, sampling, num_draft_tokens)
+    out = run_verify(args, backend)
+    return out.tokens, out.num_accepted, out.nonfinite
+
+
+@verify_chain_op.register_fake
+def _verify_chain_fake(target_logits, draft_tokens, draft, draft_mode, *_):
+    B, G1 = target_logits.shape[0], target_logits.shape[1]
+    return (
+        target_logits.new_empty((B, G1), dtype=torch.int64),
+        target_logits.new_empty((B,), dtype=torch.int32),
+        target_logits.new_empty((B,), dtype=torch.bool),
+    )
+
+
+def call_verify_chain(args: VerifyArgs, backend: str) -> VerifyOutput:
+    """Run the custom op on checked arguments."""
+    tensors, scalars, seed_t, seed = args.sampling.op_args()
+    tokens, accepted, nonfinite = verify_chain_op(
+        args.target_logits,
+        args.draft_tokens,
+        args.draft,
+        args.draft_mode,
+        tensors,
+        scalars,
+        seed_t,
+        seed,
+        args.num_draft_tokens,
+        backend,
+    )
+    return VerifyOutput(tokens, accepted, nonfinite)
+
+
+@torch.library.custom_op("specdec::verify_tree", mutates_args=())
+def verify_tree_op(
+    target: Tensor,
+    tokens: Tensor,
+    parents: Tensor | None,
+    draft: Tensor | None,
+    draft_mode: int,
+    sampling_tensors: list[Tensor | None],
+    sampling_scalars: list[float],
+    seed_t: Tensor | None,
+    seed: int,
+    num_nodes: Tensor | None,
+    method: str,
+    max_depth: int,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """tokens [B, D+1] int64, num_accepted [B] int32, accepted_nodes [B, D] int64, nonfinite [B] bool.
+
+    target [B, K, G+1, V], tokens [B, K, G] (the K-chains view of ``_tree_args``)."""
+    sampling = SamplingParams.from_op_args(sampling_tensors, sampling_scalars, seed_t, seed)
+    args = TreeArgs(target, tokens, parents, draft, draft_mode, sampling, num_nodes, method, max_depth)
+    out = run_tree(args, backend)
+    return out.tokens, out.num_accepted, out.accepted_nodes, out.nonfinite
+
+
+@verify_tree_op.register_fake
+def _verify_tree_fake(
+    target, tokens, parents, draft, draft_mode, st, ss, seed_t, seed, num_nodes, method, max_depth, _
+):
+    B = target.shape[0]
+    return (
+        target.new_empty((B, max_depth + 1), dtype=torch.int64),
+        target.new_empty((B,), dtype=torch.int32),
+        target.new_empty((B, max_depth), dtype=torch.int64),
+        target.new_empty((B,), dtype=torch.bool),
+    )
+
+
+def call_verify_tree(args: TreeArgs, backend: str) -> TreeVerifyOutput:
+    """Run the custom op on checked arguments."""
+    tensors, scalars, seed_t, seed = args.sampling.op_args()
+    tokens, accepted, nodes, nonfinite = verify_tree_op(
+        args.target,
+        args.tokens,
+        args.parents,
+        args.draft,
+        args.draft_mode,
+        tensors,
+        scalars,
+        seed_t,
+        seed,
+        args.num_nodes,
+        args.method,
+        args.max_depth,
+        backend,
+    )
+    return TreeVerifyOutput(tokens, accepted, nodes, nonfinite)

@@ -1,0 +1,204 @@
+"""``SamplingParams``: the sampling parameters of a verification call, normalised once.
+
+Every parameter is a scalar (the same for every request) or a ``[B]`` tensor (one value per
+request). Scalars stay Python numbers all the way to the kernels, which take them as arguments
+(a call with plain parameters launches no fill kernels); tensors stay on the device. Every backend
+(Triton, csrc, the reference) and the Hugging Face driver read the parameters from here, so a new
+sampling parameter touches this type, the kernels, the reference and csrc only.
+
+Value rules (checked for scalars always, for tensors when ``validate=True``):
+
+* ``temperature``: 0 = greedy; otherwise a finite float32 >= 2**-126 (the smallest normal float32).
+  Smaller positive values would overflow ``1 / T`` and are rejected; with ``validate=False`` the
+  kernels treat them as greedy (the limit T -> 0, lowest index on ties).
+* ``top_k``: 0 = off; values >= V keep the whole vocabulary (also off). Any int64 is honoured.
+* ``top_p``: in (0, 1]; 1 = off.
+* ``seed``: an int (per-request keys are mixed from (seed, b)) or a [B] int tensor of keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INT_DTYPES = (torch.int32, torch.int64)
+
+# Smallest positive temperature (the smallest normal float32): 1/T stays finite in float32.
+MIN_TEMPERATURE = 2.0**-126
+MAX_FLOAT32 = float(torch.finfo(torch.float32).max)
+
+# Mixing constants for deriving per-request seeds from one integer seed (splitmix64-style).
+_SEED_MUL = 0x5851F42D4C957F2D  # odd, < 2**63
+_SEED_STEP = 0x14057B7EF767814F
+
+
+def _fail(message: str, exc: type[Exception] = ValueError):
+    raise exc(message)
+
+
+def mix_seed(seed: int) -> int:
+    """The scalar seed as the kernels take it (in [0, 2**62))."""
+    return seed % (1 << 62)
+
+
+def per_request_seeds(seed, B: int, device) -> torch.Tensor:
+    """[B] int64 Philox keys: a [B] tensor as given, or mixed from (int seed, batch index) exactly
+    as the kernels' ``request_seed`` does (int64 arithmetic wraps modulo 2**64)."""
+    if isinstance(seed, torch.Tensor):
+        return seed.to(device=device, dtype=torch.int64)
+    index = torch.arange(B, dtype=torch.int64) + mix_seed(seed)
+    mixed = index * torch.tensor(_SEED_MUL, dtype=torch.int64) + _SEED_STEP
+    return (mixed ^ (mixed >> 29)).to(device)
+
+
+def check_temperature_value(t: float, name: str = "temperature") -> float:
+    """A scalar temperature, or ValueError naming it (used by the ops, the driver and the CLI)."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        _fail(f"{name} must be a float, got {t!r}", TypeError)
+    t = float(t)
+    if math.isnan(t) or t < 0:
+        _fail(f"{name} must be >= 0 (0 = greedy), got {t}")
+    if t > MAX_FLOAT32:
+        _fail(f"{name} must be finite in float32 (at most {MAX_FLOAT32:.4g}), got {t}")
+    if 0 < t < MIN_TEMPERATURE:
+        _fail(f"{name} must be 0 (greedy) or >= 2**-126 (1/T overflows float32 below), got {t}")
+    return t
+
+
+def _per_request(name: str, value, B: int, device, kind: type):
+    """Check a scalar-or-[B]-tensor parameter. Tensors keep their values (no launch) and are made
+    contiguous: the kernels read them at ``ptr + b``."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.shape[0] != B:
+            _fail(f"{name} must be a scalar or a [B={B}] tensor, got shape {tuple(value.shape)}")
+        if value.device != device:
+            _fail(f"{name} is on {value.device} but target_logits is on {device}")
+        allowed = INT_DTYPES if kind is int else FLOAT_DTYPES + INT_DTYPES
+        if value.dtype not in allowed:
+            what = "an integer tensor (int32/int64)" if kind is int else "a float or integer tensor"
+            _fail(f"{name} must be {what}, got {value.dtype}", TypeError)
+        return value.contiguous()
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int))
+    if not ok:
+        _fail(f"{name} must be a {kind.__name__} or a [B] tensor, got {value!r}", TypeError)
+    return kind(value)
+
+
+@dataclass
+class SamplingParams:
+    """Checked per-request sampling parameters (scalars or contiguous [B] tensors on the device)."""
+
+    temperature: torch.Tensor | float
+    top_k: torch.Tensor | int
+    top_p: torch.Tensor | float
+    seed: torch.Tensor | int
+
+    @classmethod
+    def check(cls, B: int, device, temperature=1.0, top_k=0, top_p=1.0, seed=None) -> SamplingParams:
+        """Type/shape checks of everything and value checks of the scalars (no host sync)."""
+        temperature = _per_request("temperature", temperature, B, device, float)
+        top_k = _per_request("top_k", top_k, B, device, int)
+        top_p = _per_request("top_p", top_p, B, device, float)
+        if not isinstance(temperature, torch.Tensor):
+            temperature = check_temperature_value(temperature)
+        if not isinstance(top_k, torch.Tensor) and top_k < 0:
+            _fail(f"top_k must be >= 0 (0 = off), got {top_k}")
+        if not isinstance(top_p, torch.Tensor) and not (0.0 < top_p <= 1.0):
+            _fail(f"top_p must be in (0, 1], got {top_p}")
+        return cls(temperature, top_k, top_p, _check_seed(seed, B, device))
+
+    # ---- properties decided without reading tensors
+
+    def has_filter(self, V: int) -> bool:
+        """Top-k or top-p may be active for some request."""
+        k, p = self.top_k, self.top_p
+        return isinstance(k, torch.Tensor) or 0 < k < V or isinstance(p, torch.Tensor) or p < 1.0
+
+    def shape_class(self, V: int) -> tuple:
+        """(greedy or "tensor", filtered) for the auto backend's measurement cache."""
+        t = self.temperature
+        return ("tensor" if isinstance(t, torch.Tensor) else t == 0.0), self.has_filter(V)
+
+    # ---- host copies and value checks (one synchronisation)
+
+    def per_request_cpu(self, B: int) -> dict[str, torch.Tensor]:
+        """Every parameter as a [B] CPU tensor, seeds mixed as the kernels mix them."""
+
+        def full(v, dtype):
+            return v.cpu().to(dtype) if isinstance(v, torch.Tensor) else torch.full((B,), v, dtype=dtype)
+
+        return {
+            "temperature": full(self.temperature, torch.float32),
+            "top_k": full(self.top_k, torch.int64),
+            "top_p": full(self.top_p, torch.float32),
+            "seed": per_request_seeds(self.seed, B, "cpu"),
+        }
+
+    @staticmethod
+    def check_values(params: dict[str, torch.Tensor]) -> None:
+        """Value checks of host copies (``per_request_cpu``); ValueError naming the parameter."""
+        t, k, p = params["temperature"], params["top_k"], params["top_p"]
+        bad_t = ~((t == 0) | ((t >= MIN_TEMPERATURE) & (t <= MAX_FLOAT32)))  # NaN fails both
+        bad_k = k < 0
+        bad_p = ~((p > 0) & (p <= 1))
+        if bool(bad_t.any()):
+            _fail(
+                "temperature must be >= 0 (0 = greedy), finite in float32 and not in (0, 2**-126) where 1/T "
+                f"overflows; got {t[bad_t][:4].tolist()}"
+            )
+        if bool(bad_k.any()):
+            _fail(f"top_k must be >= 0 (0 = off); got {k[bad_k][:4].tolist()}")
+        if bool(bad_p.any()):
+            _fail(f"top_p must be in (0, 1]; got {p[bad_p][:4].tolist()}")
+
+    # ---- how the backends take them
+
+    def kernel_args(self, dummy: torch.Tensor) -> dict[str, tuple]:
+        """name -> (pointer, scalar, per-request flag) for the kernels: a [B] tensor is passed as
+        the pointer (scalar unused), a scalar as the value (pointer unused). The seed scalar is
+        already mixed into [0, 2**62); top_k scalars are clamped to int32 (>= V means off)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f.name] = (value, 0, True)
+            elif f.name == "seed":
+                out[f.name] = (dummy, mix_seed(value), False)
+            elif f.name == "top_k":
+                out[f.name] = (dummy, min(value, 2**31 - 1), False)
+            else:
+                out[f.name] = (dummy, value, False)
+        return out
+
+    def op_args(self) -> tuple[list[torch.Tensor | None], list[float], torch.Tensor | None, int]:
+        """Flat form for the torch.library custom ops: (tensors, float scalars, seed tensor, seed int)."""
+        scalars = [getattr(self, n) for n in ("temperature", "top_k", "top_p")]
+        tensors = [v if isinstance(v, torch.Tensor) else None for v in scalars]
+        floats = [0.0 if isinstance(v, torch.Tensor) else float(min(v, 2**31 - 1)) for v in scalars]
+        seed_t = self.seed if isinstance(self.seed, torch.Tensor) else None
+        return tensors, floats, seed_t, (0 if seed_t is not None else mix_seed(self.seed))
+
+    @classmethod
+    def from_op_args(cls, tensors, floats, seed_t, seed) -> SamplingParams:
+        t, k, p = (tensor if tensor is not None else value for tensor, value in zip(tensors, floats, strict=True))
+        return cls(t, k if isinstance(k, torch.Tensor) else int(k), p, seed_t if seed_t is not None else seed)
+
+
+def _check_seed(seed, B: int, device):
+    """None -> a fresh random int (drawn on the host: no device work); int or [B] int tensor."""
+    if seed is None:
+        return int(torch.randint(0, 1 << 62, (1,)))
+    if isinstance(seed, torch.Tensor):
+        if seed.dim() != 1 or seed.shape[0] != B:
+            _fail(f"seed must be an int or a [B={B}] tensor, got shape {tuple(seed.shape)}")
+        if seed.dtype not in INT_DTYPES:
+            _fail(f"seed must be an integer tensor, got {seed.dtype}", TypeError)
+        if seed.device != device:
+            _fail(f"seed is on {seed.device} but target_logits is on {device}")
+        return seed.contiguous()
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        _fail(f"seed must be None, an int or a [B] tensor, got {seed!r}", TypeError)
+    return seed

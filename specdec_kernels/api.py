@@ -1,0 +1,207 @@
+"""The public verification functions: ``sk.verify``, ``sk.verify_tree``, ``sk.verify_multi``.
+
+Each checks its arguments (``_validation`` / ``_tree_args``; errors name the argument) and hands the
+checked arguments to the dispatch layer (``_dispatch``), which picks the backend. While
+``torch.compile`` traces a caller, the call becomes one opaque ``torch.library`` custom op instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _dispatch
+from ._tree_args import check_tree_args
+from ._types import TreeVerifyOutput, VerifyOutput
+from ._validation import check_verify_args
+
+
+def verify(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_logits: torch.Tensor | None = None,
+    *,
+    draft_probs: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+    num_draft_tokens: torch.Tensor | None = None,
+    seed: int | torch.Tensor | None = None,
+    validate: bool = True,
+    backend: str = "auto",
+) -> VerifyOutput:
+    """Verify one draft chain per request; the emitted tokens are exactly target-distributed.
+
+    Shapes and dtypes:
+        target_logits:    [B, G+1, V] fp32 | fp16 | bf16 raw target logits; row i scores the token
+                          after draft i-1 (row 0: after the committed prefix); row n_b is the bonus row.
+        draft_tokens:     [B, G] int32 | int64.
+        draft_logits:     [B, G, V] raw draft logits; q = the same processing as the target's.
+        draft_probs:      [B, G, V] float, instead of draft_logits: the probabilities the draft
+                          sampled from, used as given. Neither: one-hot q (n-gram drafters).
+        temperature:      float or [B] tensor; 0 = greedy for that request.
+        top_k:            int or [B] tensor; 0 = off. top_p: float or [B] tensor in (0, 1]; 1 = off.
+        num_draft_tokens: [B] int; request b verifies drafts [0, n_b) and draws its bonus from row n_b.
+        seed:             int (per-request seeds derived from (seed, b)) or [B] int64 tensor (results
+                          independent of batch composition). Use a new seed for every call.
+        validate:         check tensor values (ids in range, temperature >= 0, ...) on the host. Skipped
+                          automatically during CUDA-graph capture; the kernels stay memory-safe either way.
+        backend:          "auto" (default: on a GPU the fastest available backend, measured once per
+                          shape class; on CPU triton), "triton" (fused Triton kernels), "cuda" (the
+                          CUDA C++ kernels of csrc/; RuntimeError if no GPU or the extension cannot be
+                          built) or "torch" (the plain-PyTorch reference; slow). All return the same
+                          tokens for the same seed.
+
+    Math (p = target, q = draft; processing = temperature, then top-k, then top-p, ties kept):
+        accept x_i iff u_i * q_i(x_i) <= p_i(x_i) with u_i in (0, 1), in order; at the first rejection j
+        emit y ~ norm(max(p_j - q_j, 0)) (one-hot q: p_j without x_j); if all n_b are accepted emit
+        y ~ p_{n_b}. Greedy: accept while x_i == argmax(row i) (lowest index on ties); emit the argmax.
+        Sampling uses the exponential race argmax_x log r(x) - log E_x, E_x ~ Exp(1).
+
+    Non-finite logits: NaN and +inf are treated as -inf (never accepted or sampled) and the
+    request is flagged in ``nonfinite``; a row with no finite logit emits token 0, flagged.
+
+    Returns:
+        VerifyOutput(tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool).
+
+    Example:
+        >>> out = sk.verify(target_logits, draft_tokens, draft_logits, temperature=0.7, seed=seeds)
+        >>> n = out.num_accepted  # commit out.tokens[b, : n[b] + 1]
+    """
+    backend = _dispatch.check_backend(backend)
+    args = check_verify_args(
+        target_logits,
+        draft_tokens,
+        draft_logits,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        num_draft_tokens,
+        seed,
+        validate=validate,
+    )
+    if torch.compiler.is_compiling():  # one opaque custom op in the graph
+        return _dispatch.call_verify_chain(args, backend)
+    return _dispatch.run_verify(args, backend)
+
+
+def verify_tree(
+    target_logits: torch.Tensor,
+    tree_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    draft_logits: torch.Tensor | None = None,
+    *,
+    draft_probs: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+    seed: int | torch.Tensor | None = None,
+    num_nodes: torch.Tensor | None = None,
+    method: str = "kseq",
+    max_depth: int | None = None,
+    validate: bool = True,
+    backend: str = "auto",
+) -> TreeVerifyOutput:
+    """Verify a token tree of drafts per request; the emitted tokens are exactly target-distributed.
+
+    Shapes and dtypes:
+        target_logits: [B, N+1, V] fp32 | fp16 | bf16: row 0 scores the token after the committed
+                       prefix (the root), row i+1 the token after node i.
+        tree_tokens:   [B, N] int: token of each node. parents: [B, N] int, -1 for children of the
+                       root, else parents[b, i] < i (topological; N <= 64).
+        draft_logits:  [B, N, V]: the draft distribution node i was sampled from (the one at its
+                       parent; siblings share it - the first sibling's row is used). Or draft_probs
+                       [B, N, V]; neither = one-hot drafts (deterministic top-k trees, EAGLE/Medusa).
+        temperature, top_k, top_p, seed: as for :func:`verify`. num_nodes: [B] int, ragged trees.
+        method:        "kseq" (SpecTr K-SEQ), "rrs" (recursive rejection sampling), "rrs_wor"
+                       (without replacement; siblings must be distinct).
+        max_depth:     output width D; default: the deepest tree (found while validating, a host
+                       sync) or N when validate=False. Pass it to stay sync-free (CUDA graphs).
+        backend:       "auto" | "triton" | "cuda" | "torch" (reference), as for :func:`verify`.
+
+    Math: walk from the root; at each position the children are samples from the draft's q there;
+    K-SEQ accepts child X_i (first in order) w.p. min(1, p(X_i) / (rho* q(X_i))) with rho* solving
+    1 - (1 - beta)^k = rho beta, beta = sum_x min(q, p / rho), and otherwise draws from
+    norm(p - c min(q, p/rho*)); RRS tests children with min(1, p_j / q) and renormalises
+    max(p_j - q, 0) after each rejection. At a leaf the bonus token is drawn from p. Greedy follows
+    the child equal to argmax p. Siblings with equal tokens act as one position with multiplicity.
+    The full specification is ``specdec_kernels.reference.verify_tree``.
+
+    Returns:
+        TreeVerifyOutput(tokens [B, D+1], num_accepted [B], accepted_nodes [B, D], nonfinite [B]).
+
+    Example:
+        >>> out = sk.verify_tree(logits, tokens, parents, draft_logits, temperature=0.8, seed=seeds)
+        >>> keep = out.accepted_nodes[b, : out.num_accepted[b]]  # KV rows to keep, in order
+    """
+    return _run_tree(
+        backend,
+        target_logits,
+        tree_tokens,
+        parents,
+        draft_logits,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        num_nodes,
+        method,
+        max_depth,
+        validate=validate,
+    )
+
+
+def verify_multi(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_logits: torch.Tensor | None = None,
+    *,
+    draft_probs: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+    seed: int | torch.Tensor | None = None,
+    method: str = "kseq",
+    validate: bool = True,
+    backend: str = "auto",
+) -> TreeVerifyOutput:
+    """Verify K independent draft chains per request (SpecTr multi-draft).
+
+    Shapes: target_logits [B, K, G+1, V] (row [k, i] scores the token after chain k's first i
+    drafts; row [0, 0] is used for the shared root), draft_tokens [B, K, G], draft_logits or
+    draft_probs [B, K, G, V]. The chains are verified as one tree in which chains sharing a
+    prefix are merged with multiplicity: at each depth the candidates are the next drafts of every
+    chain that agrees with the accepted prefix. Options (backend included) as :func:`verify_tree`.
+    With K = 1 this is exactly :func:`verify` (same tokens for the same seeds). accepted_nodes
+    index chain * G + slot.
+
+    Example:
+        >>> out = sk.verify_multi(logits, drafts, draft_logits, method="kseq", seed=seeds)
+    """
+    return _run_tree(
+        backend,
+        target_logits,
+        draft_tokens,
+        None,  # chains: implicit parents
+        draft_logits,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        None,
+        method,
+        None,
+        validate=validate,
+        multi=True,
+    )
+
+
+def _run_tree(backend, *tree_args, validate: bool, multi: bool = False) -> TreeVerifyOutput:
+    """verify_tree and verify_multi: one check (``check_tree_args``), one dispatch."""
+    backend = _dispatch.check_backend(backend)
+    args = check_tree_args(*tree_args, validate=validate, multi=multi)
+    if torch.compiler.is_compiling():  # one opaque custom op in the graph
+        return _dispatch.call_verify_tree(args, backend)
+    return _dispatch.run_tree(args, backend)
