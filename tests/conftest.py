@@ -13,6 +13,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# One torch thread per test process: `pytest -n 2` on two cores would otherwise run 2 x N threads,
+# and on a machine busy with other work oversubscription made the HF tests 4-6x slower.
+torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
+
 import specdec_kernels  # noqa: E402,F401  (applies the interpreter set-up)
 
 HAS_CUDA = torch.cuda.is_available()

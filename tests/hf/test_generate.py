@@ -85,6 +85,7 @@ def test_greedy_qwen2_triton_attention_kernel():
     assert torch.equal(out.sequences, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [4096, 9])
 def test_greedy_mistral_sliding_window(window):
     """Mistral's sliding-window layers (4096 by default): with a tiny window of 9, prompts plus output

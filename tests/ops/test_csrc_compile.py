@@ -5,8 +5,14 @@
   build of it is compiled and run by test_csrc_core.py) - skipped without a C++ compiler or torch
   headers;
 * the host build of the core is warning-free under -Wall -Wextra.
+
+Compiles are cached by a hash of the command, the compiler's version and every csrc source and
+header (``build/compile_checks/``): a test compiles again only when something it depends on changed,
+so nvcc runs once per change, not once per test session. The .cu compile is slow (tens of seconds
+per architecture, many minutes on a busy machine) and runs under ``-m slow``.
 """
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -31,10 +37,36 @@ def _nvcc():
     return None
 
 
+CACHE = ROOT / "build" / "compile_checks"
+
+
+def _fingerprint(cmd: list[str]) -> str:
+    """Hash of a compile command, the compiler's version and every csrc file it may include."""
+    digest = hashlib.sha256("\0".join(cmd).encode())
+    version = subprocess.run([cmd[0], "--version"], capture_output=True, text=True).stdout
+    digest.update(version.encode())
+    for path in sorted(CSRC.glob("*")):
+        if path.suffix in (".h", ".cu", ".cpp", ".cuh"):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:24]
+
+
+def _compiled_before(cmd: list[str]) -> Path | None:
+    """The marker of a successful earlier run of this exact compile, if any."""
+    marker = CACHE / _fingerprint(cmd)
+    return marker if marker.is_file() else None
+
+
+def _remember(cmd: list[str], note: str) -> None:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    (CACHE / _fingerprint(cmd)).write_text(note)
+
+
 def _cxx():
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cu")))
 def test_cu_compiles_for_sm80_and_sm90(source, tmp_path):
     nvcc = _nvcc()
@@ -53,15 +85,18 @@ def test_cu_compiles_for_sm80_and_sm90(source, tmp_path):
         "2",
         str(CSRC / source),
         "-o",
-        str(tmp_path / "out.o"),
+        "OUT.o",
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if _compiled_before(cmd):
+        return
+    result = subprocess.run([*cmd[:-1], str(tmp_path / "out.o")], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     cuobjdump = shutil.which("cuobjdump") or str(Path(nvcc).with_name("cuobjdump"))
     if Path(cuobjdump).is_file():
         listing = subprocess.run([cuobjdump, "--list-elf", str(tmp_path / "out.o")], capture_output=True, text=True)
         for arch in ARCHS:
             assert f"sm_{arch}" in listing.stdout, listing.stdout
+    _remember(cmd, result.stderr)
 
 
 def test_binding_compiles_with_cuda_flag():
@@ -87,11 +122,17 @@ def test_binding_compiles_with_cuda_flag():
         f"-I{CSRC}",
         str(CSRC / "binding.cpp"),
     ]
+    import torch
+
+    key = [*cmd, f"torch=={torch.__version__}"]  # the headers change with torch
+    if _compiled_before(key):
+        return
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if result.returncode != 0 and "-std=c++17" in result.stderr:  # newer torch headers may need C++20
         cmd[1] = "-std=c++20"
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
+    _remember(key, result.stderr)
 
 
 def test_host_core_is_warning_free():
