@@ -12,9 +12,11 @@ from .attention import (
     using_tree_attention,
 )
 from .generate import SpeculativeOutput, SpeculativeStats, speculative_generate
+from .integration import CUSTOM_GENERATE
 
 __all__ = [
     "ATTN_NAME",
+    "CUSTOM_GENERATE",
     "SpeculativeOutput",
     "SpeculativeStats",
     "TreeAttentionMetadata",
