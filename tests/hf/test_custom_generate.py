@@ -5,7 +5,7 @@ import torch
 
 from specdec_kernels.hf import CUSTOM_GENERATE, speculative_generate
 
-from ..ops._stats import ALPHA, chi_square_pvalue, chi_square_power
+from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue
 from ._models import tiny_model
 
 pytest.importorskip("transformers")
