@@ -7,7 +7,7 @@
 // Arguments are the checked ones of specdec_kernels._validation (shapes, dtypes and devices are
 // not re-checked beyond what memory safety needs). Per-request tensors are cast to the canonical
 // dtypes (a no-op when they already have them); `seed` is the scalar already reduced by mix_seed.
-// CPU tensors run the sequential build of the core (verify_cpu.cpp); CUDA tensors the kernels of
+// CPU tensors run the OpenMP build of the core (verify_cpu.cpp, backend="cpu"); CUDA tensors the kernels of
 // verify_cuda.cu on `stream` (the caller's current cudaStream_t as an integer), when this module
 // was built with SPECDEC_WITH_CUDA. No CUDA header is included here, so this file compiles (and is
 // tested) identically in the CPU-only build.
@@ -76,7 +76,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   at::Tensor nonfinite = at::empty({B}, opts.dtype(at::kBool));
   if (B == 0) return {tokens, accepted, nonfinite};
 
-  if (has_filter) num_chunks = 1;  // thresholds need whole rows
+  if (has_filter && !dev.is_cpu()) num_chunks = 1;  // the GPU bisection needs whole rows
   const int64_t quads = (V + 3) / 4;
   num_chunks = std::max<int64_t>(1, std::min(num_chunks, quads));
   const int64_t chunk_size = (quads + num_chunks - 1) / num_chunks * 4;
@@ -253,6 +253,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "specdec_kernels csrc backend: exact chain verification (CPU build of the core, CUDA kernels)";
   m.def("verify_chain", &verify_chain, "Chain verification (see csrc/binding.cpp)");
   m.def("verify_tree", &verify_tree, "Tree / multi-draft verification (see csrc/binding.cpp)");
+  m.def("cpu_threads", &sk::cpu_threads, "OpenMP threads of the CPU programs");
 #ifdef SPECDEC_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

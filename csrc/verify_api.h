@@ -23,8 +23,10 @@ void dispatch_dtypes(int target_dtype, int draft_dtype, F&& f) {
   }
 }
 
-// Sequential CPU run of the three programs (tests the shared core without a GPU).
+// CPU run of the three programs, spread over OpenMP threads (backend="cpu"). With has_filter the
+// thresholds are found by selection first, so any num_chunks works.
 void verify_chain_cpu(const ChainParams& P, int target_dtype, int draft_dtype);
+int cpu_threads();  // OpenMP threads the CPU programs use (torch.set_num_threads sets them)
 
 // CUDA launches on `stream` (a cudaStream_t) of device `device`: 3 kernels, or 2 when
 // num_chunks == 1. Returns nullptr, or the CUDA error string of a failed launch.

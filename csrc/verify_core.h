@@ -337,6 +337,7 @@ struct ChainParams {
   int64_t n_max = 0;  // bound of num_draft / num_nodes: G (chains) or N = K * G (trees)
   int64_t num_chunks, chunk_size;  // vocab split; chunk_size % 4 == 0; 1 chunk with filters
   bool has_filter;
+  bool thresholds_given = false;  // thr holds every row's thresholds before the row pass
   // workspaces
   float* stats;    // [B*(G+1), C, NUM_STATS]
   int32_t* g_idx;  // [B*(G+1), C]
@@ -397,12 +398,17 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
   const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg;
   const bool draft_row = P.draft_mode == DRAFT_LOGITS && i < rq.n && i < P.G && !rq.greedy;
   float thr_t = neg_inf(), thr_q = neg_inf();
-  if (P.has_filter && !rq.greedy) {  // launched with one chunk: the program owns the whole row
-    thr_t = filter_threshold(red, t_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
-    if (draft_row) thr_q = filter_threshold(red, d_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
-    if (red.rank() == 0) {
-      P.thr[row * 2 + 0] = thr_t;
-      P.thr[row * 2 + 1] = thr_q;
+  if (P.has_filter && !rq.greedy) {
+    if (P.thresholds_given) {  // computed beforehand (the CPU build: by selection, any chunking)
+      thr_t = P.thr[row * 2 + 0];
+      thr_q = P.thr[row * 2 + 1];
+    } else {  // launched with one chunk: the program owns the whole row
+      thr_t = filter_threshold(red, t_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
+      if (draft_row) thr_q = filter_threshold(red, d_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
+      if (red.rank() == 0) {
+        P.thr[row * 2 + 0] = thr_t;
+        P.thr[row * 2 + 1] = thr_q;
+      }
     }
   }
   const int64_t start = chunk * P.chunk_size;
@@ -415,6 +421,7 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
       const int64_t x = q * 4 + e;
       const float v = load_logit(t_row, x, bad);
       g.add(v, x);
+      if (rq.greedy) continue;  // greedy needs the argmax only
       st.add(v >= thr_t ? v : neg_inf(), rq.inv_t);
       if (draft_row) {
         const float d = load_logit(d_row, x, bad_q);

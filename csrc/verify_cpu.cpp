@@ -1,7 +1,22 @@
-// Chain verification on the CPU: the programs of verify_core.h run one after another, each by a
-// single "thread" (every reduction is the identity). Same code as the CUDA kernels; used to test
-// them token for token against the Triton kernels on machines without a GPU.
+// Chain and tree verification on the CPU (backend="cpu"): the programs of verify_core.h and
+// verify_tree_core.h, each run by one thread ("programs" of one lane: every reduction is the
+// identity), spread over the cores with OpenMP: row statistics over (row, vocab chunk), accept
+// programs over (request, chunk), the tree walk over requests. Same code, same Philox stream and
+// hence the same tokens as the CUDA kernels, the Triton kernels and the reference.
+//
+// Top-k / top-p thresholds are found before the row pass by selection on each row (nth_element
+// and a sort of the kept logits, the reference's own definition in double precision) instead of
+// the GPU's 64 bisection passes; the row pass can then split filtered rows into chunks too.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <vector>
+
 #include "verify_api.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace sk {
 namespace {
@@ -15,31 +30,122 @@ struct SeqReducer {
   void argmax(float&, int32_t&) const {}
 };
 
+// Threshold of one sanitised row, as reference/sampling.py's filter_threshold defines it:
+// top-k keeps logits >= the k-th largest finite one; top-p then keeps the smallest set of the
+// highest logits whose mass exp((x - max) / T) (float64, in descending order) reaches top_p of
+// the kept mass, ties at the boundary kept. -inf: nothing filtered. `buf` is scratch.
+template <class T>
+float selected_threshold(const T* row, int64_t V, float temperature, int32_t top_k, float top_p,
+                         std::vector<float>& buf) {
+  buf.clear();
+  int unused = 0;
+  for (int64_t x = 0; x < V; ++x) {
+    const float v = load_logit(row, x, unused);
+    if (v > neg_inf()) buf.push_back(v);
+  }
+  float thr = neg_inf();
+  const auto descending = std::greater<float>();
+  if (top_k > 0 && top_k < V && int64_t(buf.size()) >= top_k) {
+    std::nth_element(buf.begin(), buf.begin() + (top_k - 1), buf.end(), descending);
+    thr = buf[top_k - 1];
+  }
+  if (top_p < 1.0f) {
+    auto kept_end = std::partition(buf.begin(), buf.end(), [thr](float v) { return v >= thr; });
+    if (kept_end == buf.begin()) return thr;
+    std::sort(buf.begin(), kept_end, descending);
+    const int64_t n = kept_end - buf.begin();
+    const double top = buf[0];
+    std::vector<double> mass(n);
+    double total = 0.0;
+    for (int64_t e = 0; e < n; ++e) {
+      total += std::exp((double(buf[e]) - top) / double(temperature));
+      mass[e] = total;
+    }
+    const double goal = double(top_p) * total;
+    const int64_t first = std::lower_bound(mass.begin(), mass.end(), goal) - mass.begin();
+    thr = buf[first < n ? first : n - 1];
+  }
+  return thr;
+}
+
+// Thresholds of every row the row pass reads (rows i <= n of sampled requests), into P.thr.
+template <class TT, class TD>
+void thresholds_by_selection(const ChainParams& P, int64_t rows) {
+#pragma omp parallel
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t bk = row / (P.G + 1), i = row % (P.G + 1);
+      const int64_t b = bk / P.K, k = bk % P.K;
+      const Request rq = load_request(P, b);
+      P.thr[row * 2 + 0] = neg_inf();
+      P.thr[row * 2 + 1] = neg_inf();
+      if (i > rq.n || rq.greedy) continue;
+      const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
+      P.thr[row * 2 + 0] = selected_threshold(t_row, P.V, rq.temperature, rq.top_k, rq.top_p, buf);
+      if (P.draft_mode == DRAFT_LOGITS && i < rq.n && i < P.G) {
+        const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg;
+        P.thr[row * 2 + 1] = selected_threshold(d_row, P.V, rq.temperature, rq.top_k, rq.top_p, buf);
+      }
+    }
+  }
+}
+
+template <class TT, class TD>
+void row_pass(ChainParams& P, int64_t rows) {
+  if (P.has_filter) {
+    thresholds_by_selection<TT, TD>(P, rows);
+    P.thresholds_given = true;
+  }
+  const int64_t C = P.num_chunks;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t item = 0; item < rows * C; ++item) {
+    SeqReducer red;
+    row_stats_program<SeqReducer, TT, TD>(P, item / C, item % C, red);
+  }
+}
+
 }  // namespace
 
-void verify_chain_cpu(const ChainParams& P, int target_dtype, int draft_dtype) {
+int cpu_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dtype) {
+  ChainParams P = params;
   dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
     using TT = decltype(tt);
     using TD = decltype(td);
-    SeqReducer red;
-    const int64_t rows = P.B * (P.G + 1);
-    for (int64_t row = 0; row < rows; ++row)
-      for (int64_t c = 0; c < P.num_chunks; ++c) row_stats_program<SeqReducer, TT, TD>(P, row, c, red);
-    for (int64_t b = 0; b < P.B; ++b)
-      for (int64_t c = 0; c < P.num_chunks; ++c) accept_program<SeqReducer, TT, TD>(P, b, c, red);
-    if (P.num_chunks > 1)
+    row_pass<TT, TD>(P, P.B * (P.G + 1));
+    const int64_t C = P.num_chunks;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t item = 0; item < P.B * C; ++item) {
+      SeqReducer red;
+      accept_program<SeqReducer, TT, TD>(P, item / C, item % C, red);
+    }
+    if (C > 1) {
+#pragma omp parallel for
       for (int64_t b = 0; b < P.B; ++b) finalize_request(P, b);
+    }
   });
 }
 
-void verify_tree_cpu(const ChainParams& P, int target_dtype, int draft_dtype) {
+void verify_tree_cpu(const ChainParams& params, int target_dtype, int draft_dtype) {
+  ChainParams P = params;
   dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
     using TT = decltype(tt);
     using TD = decltype(td);
-    SeqReducer red;
-    const int64_t rows = P.B * P.K * (P.G + 1);
-    for (int64_t row = 0; row < rows; ++row) row_stats_program<SeqReducer, TT, TD>(P, row, 0, red);
-    for (int64_t b = 0; b < P.B; ++b) tree_walk_program<SeqReducer, TT, TD>(P, b, red);
+    row_pass<TT, TD>(P, P.B * P.K * (P.G + 1));
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t b = 0; b < P.B; ++b) {
+      SeqReducer red;
+      tree_walk_program<SeqReducer, TT, TD>(P, b, red);
+    }
   });
 }
 

@@ -5,19 +5,24 @@ launchers (``ops/``), the csrc loader (``ops/_cuda_ext``) and the references (``
 it: the public functions (``api``), which check their arguments and call :func:`run_verify` /
 :func:`run_tree` here.
 
-Backends, ``backend="auto" | "triton" | "cuda" | "torch"``:
+Backends, ``backend="auto" | "triton" | "cuda" | "cpu" | "torch"``:
 
-* ``"triton"``: the fused Triton kernels (``ops/verify.py``, ``ops/verify_tree.py``); on CPU they run
-  in Triton's interpreter.
+* ``"triton"``: the fused Triton kernels (``ops/verify.py``, ``ops/verify_tree.py``); on CPU tensors
+  they run in Triton's interpreter (slow; tests ask for it explicitly).
 * ``"cuda"``:   the CUDA C++ kernels of ``csrc/`` (chain and tree verification). Needs a GPU and the
   compiled extension: built by ``SPECDEC_BUILD_CUDA=1 pip install -e .`` or just in time on first use
   (see :mod:`specdec_kernels.ops._cuda_ext`). Without them: a RuntimeError that says how to build.
+* ``"cpu"``:    the same csrc core compiled for the host (-O3, OpenMP over rows and vocab chunks), for
+  CPU tensors; built just in time on first use (about a minute, cached) or by
+  ``SPECDEC_BUILD_CPU=1 pip install -e .``.
 * ``"torch"``:  the plain-PyTorch references of ``specdec_kernels.reference`` (float64 loops; slow,
   the specification).
-* ``"auto"``:   on CPU, triton. On a GPU, the fastest of the compiled backends available (triton, and
-  cuda when its extension is already built: auto never starts a multi-minute JIT compile), measured
-  once per (device, op, shape class) on the caller's own inputs and cached for the process. During
-  CUDA-graph capture or torch.compile tracing nothing is measured: a cached choice or triton.
+* ``"auto"``:   on CPU tensors ``"cpu"``, or ``"torch"`` if the CPU build cannot be compiled (said once,
+  with the reason); never the interpreter. On a GPU, the fastest of the compiled backends available
+  (triton, and cuda when its extension is already built: auto never starts a multi-minute JIT
+  compile), measured once per (device, op, shape class) on the caller's own inputs and cached for the
+  process. During CUDA-graph capture or torch.compile tracing nothing is measured: a cached choice or
+  triton.
 
 All backends return the same tokens for the same seed (same counter-based Philox stream).
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import statistics
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -159,11 +165,35 @@ def clear_auto_cache() -> None:
 # chain verification
 
 
+def cpu_auto_backend() -> str:
+    """What ``backend="auto"`` runs on CPU tensors: the CPU build of csrc, else the reference."""
+    global _CPU_AUTO
+    if _CPU_AUTO is None:
+        if _cuda_ext.cpu_backend_ready():
+            _CPU_AUTO = "cpu"
+        else:
+            _CPU_AUTO = "torch"
+            reason = str(_cuda_ext.cpu_failure() or "unknown reason")
+            warnings.warn(
+                f"specdec_kernels: backend='auto' on CPU uses the PyTorch reference (slow): {reason}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return _CPU_AUTO
+
+
+_CPU_AUTO: str | None = None
+
+
 def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     """Run chain verification (checked VerifyArgs) on the requested backend."""
     overrides = _OVERRIDES.get() or {}
     num_chunks, block_v = overrides.get("num_chunks"), overrides.get("block_v")
     device = args.target_logits.device
+    if backend == "auto" and device.type == "cpu":
+        backend = cpu_auto_backend()
+    if backend == "cpu":
+        return _cuda_ext.verify_chain_cpu(args, num_chunks)
     if backend == "torch":
         return reference_verify(args)
     if backend == "cuda":
@@ -182,6 +212,10 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
 def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
     """Run tree / multi-draft verification (checked TreeArgs)."""
     block_v = (_OVERRIDES.get() or {}).get("block_v")
+    if backend == "auto" and args.target.device.type == "cpu":
+        backend = cpu_auto_backend()
+    if backend == "cpu":
+        return _cuda_ext.verify_tree_cpu(args)
     if backend == "torch":
         return reference_tree(args)
     if backend == "cuda":

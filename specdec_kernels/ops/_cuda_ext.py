@@ -7,16 +7,20 @@ Two builds of the same sources:
   ``specdec_kernels._csrc_cuda``) or compiled just in time on first use with
   ``torch.utils.cpp_extension.load`` (ninja + nvcc; honours ``TORCH_CUDA_ARCH_LIST`` and ``MAX_JOBS``;
   set ``SPECDEC_NO_JIT=1`` to forbid it). The JIT needs a source checkout (``csrc/`` next to the package).
-* the CPU build of the core (:func:`load_cpu_core`): ``binding.cpp`` + ``verify_cpu.cpp`` compiled by the
-  host C++ compiler. It runs the very per-row code of the CUDA kernels (``csrc/verify_core.h``, all
-  ``__host__ __device__``) sequentially, so the CUDA math is tested token for token on machines with
-  no GPU. Not a public backend.
+* the CPU build (``backend="cpu"``, :func:`load_cpu_core`): ``binding.cpp`` + ``verify_cpu.cpp`` compiled
+  by the host C++ compiler with -O3 and OpenMP. It runs the very per-row code of the CUDA kernels
+  (``csrc/verify_core.h``, all ``__host__ __device__``) spread over the cores, so it is both the fast
+  CPU backend and the token-for-token test of the CUDA math on machines with no GPU. Built just in
+  time on first use (about a minute; ninja) or ahead of time by ``SPECDEC_BUILD_CPU=1 pip install -e .``.
+
+Sources and flags of both builds are declared once, in ``csrc/build.json`` (setup.py reads it too).
 
 Builds are cached under ``$SPECDEC_BUILD_DIR`` (default ``<repo>/build/torch_extensions``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -28,9 +32,13 @@ from .._types import METHODS, TreeVerifyOutput, VerifyOutput
 from .._validation import VerifyArgs
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES_CPU = ("binding.cpp", "verify_cpu.cpp")
-SOURCES_CUDA = SOURCES_CPU + ("verify_cuda.cu",)
-HEADERS = ("verify_core.h", "verify_tree_core.h", "verify_api.h")
+
+
+def build_config() -> dict:
+    """csrc/build.json: sources, headers and flags of the CPU and CUDA builds (empty without csrc/)."""
+    path = CSRC / "build.json"
+    return json.loads(path.read_text()) if path.is_file() else {"headers": [], "cpu": {}, "cuda": {}}
+
 
 _HOW_TO_BUILD = (
     "Build it with `SPECDEC_BUILD_CUDA=1 pip install -e .` (CUDA toolkit matching torch, ninja; "
@@ -49,33 +57,79 @@ def build_dir(name: str) -> Path:
     return path
 
 
-def _load(name: str, sources, cflags, cuda: bool, verbose: bool):
+def _load(kind: str, verbose: bool):
+    """Compile (or load the cached build of) the "cpu" or "cuda" build declared in csrc/build.json."""
     from torch.utils.cpp_extension import load
 
-    missing = [s for s in sources + HEADERS if not (CSRC / s).is_file()]
+    config = build_config()
+    build = config.get(kind) or {}
+    sources = build.get("sources", [])
+    missing = [s for s in sources + config["headers"] if not (CSRC / s).is_file()] or (
+        [] if sources else ["build.json"]
+    )
     if missing:
         raise RuntimeError(f"csrc sources not found ({', '.join(missing)} under {CSRC}); a source checkout is needed")
-    kwargs = {}
-    if cuda:
-        kwargs["extra_cuda_cflags"] = ["-O3"]
+    kwargs = {"extra_cuda_cflags": build["cuda_cflags"]} if kind == "cuda" else {}
     return load(
-        name=name,
+        name=build["name"],
         sources=[str(CSRC / s) for s in sources],
-        extra_cflags=cflags,
+        extra_cflags=build["cflags"],
+        extra_ldflags=build.get("ldflags", []),
         extra_include_paths=[str(CSRC)],
-        build_directory=str(build_dir(name)),
-        with_cuda=cuda,
+        build_directory=str(build_dir(build["name"])),
+        with_cuda=kind == "cuda",
         verbose=verbose,
         **kwargs,
     )
 
 
+def _prebuilt_cpu():
+    try:
+        from .. import _csrc_cpu  # built by setup.py with SPECDEC_BUILD_CPU=1
+
+        return _csrc_cpu
+    except ImportError:
+        return None
+
+
+_CPU_FAILURE: str | None = None
+
+
 def load_cpu_core(verbose: bool = False):
-    """The CPU build of the csrc core (compiled once, then cached). Raises if no compiler works."""
-    global _cpu_core
-    if _cpu_core is None:
-        _cpu_core = _load("specdec_csrc_cpu", SOURCES_CPU, ["-O2"], cuda=False, verbose=verbose)
-    return _cpu_core
+    """The CPU build of the csrc core: prebuilt, or compiled once just in time and cached.
+
+    Raises RuntimeError if it cannot be built; the failure is remembered for the process."""
+    global _cpu_core, _CPU_FAILURE
+    if _cpu_core is not None:
+        return _cpu_core
+    if _CPU_FAILURE is not None:
+        raise RuntimeError(_CPU_FAILURE)
+    ext = _prebuilt_cpu()
+    if ext is None:
+        if os.environ.get("SPECDEC_NO_JIT", "0") not in ("", "0"):
+            _CPU_FAILURE = "the CPU build specdec_kernels._csrc_cpu is not built and SPECDEC_NO_JIT is set"
+            raise RuntimeError(_CPU_FAILURE)
+        try:
+            ext = _load("cpu", verbose)
+        except Exception as exc:  # no compiler, no ninja, no sources: say why, once
+            _CPU_FAILURE = f"building the CPU backend failed: {str(exc).strip().splitlines()[-1][:300]}"
+            raise RuntimeError(_CPU_FAILURE) from exc
+    _cpu_core = ext
+    return ext
+
+
+def cpu_failure() -> str | None:
+    """Why the CPU build could not be loaded (None if it loaded or was never tried)."""
+    return _CPU_FAILURE
+
+
+def cpu_backend_ready() -> bool:
+    """The CPU build loads (compiling it on first call if needed)."""
+    try:
+        load_cpu_core()
+        return True
+    except RuntimeError:
+        return False
 
 
 def _prebuilt():
@@ -113,7 +167,7 @@ def load_cuda_extension(verbose: bool = False):
                 f"(CUDA_HOME={CUDA_HOME}, ninja={'found' if shutil.which('ninja') else 'missing'}). " + _HOW_TO_BUILD
             )
         try:
-            ext = _load("specdec_csrc_cuda", SOURCES_CUDA, ["-O3", "-DSPECDEC_WITH_CUDA"], cuda=True, verbose=verbose)
+            ext = _load("cuda", verbose)
         except Exception as exc:  # compiler errors: keep the log, say how to build
             raise RuntimeError(f"compiling the CUDA extension just in time failed: {exc}\n" + _HOW_TO_BUILD) from exc
     _cuda_ext = ext
@@ -130,13 +184,22 @@ def _num_chunks(args: VerifyArgs, threads: int) -> int:
     return max(1, min(math.ceil(args.V / per_block), math.ceil(4 * sms / max(rows, 1)), 64))
 
 
+def _cpu_chunks(args: VerifyArgs) -> int:
+    """Vocab chunks per row on the CPU: enough (row, chunk) items for every thread, chunks >= 8k entries."""
+    threads = torch.get_num_threads()
+    rows = args.B * (args.G + 1)
+    if threads <= 1 or rows >= 2 * threads:
+        return 1
+    return max(1, min(math.ceil(2 * threads / rows), args.V // 8192))
+
+
 def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int | None = None) -> VerifyOutput:
     """Call ``ext.verify_chain`` (CPU core or CUDA extension) on checked arguments."""
     target = args.target_logits
     if threads is None:
         threads = 512 if args.has_filter else 256
     if num_chunks is None:
-        num_chunks = _num_chunks(args, threads) if target.device.type == "cuda" else 1
+        num_chunks = _num_chunks(args, threads) if target.device.type == "cuda" else _cpu_chunks(args)
 
     (t_t, k_t, p_t), (t, k, p), s_t, s = args.sampling.op_args()
     stream = torch.cuda.current_stream(target.device).cuda_stream if target.device.type == "cuda" else 0
@@ -212,3 +275,20 @@ def verify_tree(args):
     """backend='cuda' for ``sk.verify_tree`` / ``sk.verify_multi`` (checked TreeArgs)."""
     _require_cuda_tensors(args.target.device)
     return run_tree(load_cuda_extension(), args)
+
+
+def _require_cpu_tensors(device) -> None:
+    if device.type != "cpu":
+        raise RuntimeError(f"backend='cpu' needs CPU tensors, got target_logits on {device}")
+
+
+def verify_chain_cpu(args: VerifyArgs, num_chunks: int | None = None) -> VerifyOutput:
+    """backend='cpu' for ``sk.verify``."""
+    _require_cpu_tensors(args.target_logits.device)
+    return run_chain(load_cpu_core(), args, num_chunks)
+
+
+def verify_tree_cpu(args) -> TreeVerifyOutput:
+    """backend='cpu' for ``sk.verify_tree`` / ``sk.verify_multi``."""
+    _require_cpu_tensors(args.target.device)
+    return run_tree(load_cpu_core(), args)
