@@ -68,6 +68,7 @@ def tree_attention_metadata(
     num_nodes: torch.Tensor | None = None,
     key_start: torch.Tensor | None = None,
     backend: str = "auto",
+    validate: bool = True,
 ) -> TreeAttentionMetadata:
     """Metadata for a forward whose N input tokens are the nodes of a tree (parents as in ``sk.verify_tree``).
 
@@ -78,13 +79,14 @@ def tree_attention_metadata(
         num_nodes:   [B] int, ragged trees (trailing nodes are padding).
         key_start:   [B] int, first real cache slot (left padding), default 0.
         backend:     see :class:`TreeAttentionMetadata`.
+        validate:    check parents / num_nodes values (a host sync); the driver, which builds them, skips it.
 
     position_ids = prefix_lens - key_start + depth - 1: node positions continue each request's own
     sequence, whatever the cache's padding.
     """
     B, N = parents.shape
     device = parents.device
-    meta = tree_metadata(parents, num_nodes)
+    meta = tree_metadata(parents, num_nodes, validate=validate)
     prefix_end = prefix_lens.to(device=device, dtype=torch.int32)
     start = torch.zeros_like(prefix_end) if key_start is None else key_start.to(device=device, dtype=torch.int32)
     tree_start = torch.as_tensor(cache_len, device=device, dtype=torch.int32).expand(B).contiguous()

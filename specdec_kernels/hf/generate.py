@@ -34,7 +34,7 @@ from .attention import (
     tree_attention_metadata,
     using_tree_attention,
 )
-from .cache import cache_length, commit_paths, select_requests
+from .cache import commit_paths, select_requests
 from .drafting import (
     chains_tree_parents,
     draft_distribution,
@@ -48,9 +48,18 @@ DRAFTERS = ("model", "prompt_lookup")
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
+PHASES = ("draft", "target", "verify", "commit", "other")
+
+
 @dataclass
 class SpeculativeStats:
-    """Counters of one ``speculative_generate`` call (per-request arrays indexed like the batch)."""
+    """Counters of one ``speculative_generate`` call.
+
+    ``time_s`` splits the wall time into draft forwards (and draft sampling), the target's
+    verification forward, verification, cache commit (with the step's one host synchronisation) and
+    everything else. On a GPU the phases are timed without extra synchronisation, so asynchronous
+    work is attributed to the phase that waits for it (``exact_timing=True`` synchronises instead).
+    """
 
     num_draft_tokens: int
     num_drafts: int
@@ -63,6 +72,8 @@ class SpeculativeStats:
     new_tokens: int = 0
     wall_time_s: float = 0.0
     accepted_length_histogram: torch.Tensor = field(default=None)  # [B, G+1]: steps with a accepted drafts
+    time_s: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    draft_length_histogram: dict = field(default_factory=dict)  # drafts per step (adaptive) -> steps
 
     @property
     def acceptance_rate(self) -> float:
@@ -77,7 +88,13 @@ class SpeculativeStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_time_s if self.wall_time_s else 0.0
 
+    def breakdown(self) -> dict[str, float]:
+        """Share of wall time per phase (draft, target, verify, commit, other)."""
+        total = self.wall_time_s or 1.0
+        return {phase: t / total for phase, t in self.time_s.items()}
+
     def table(self) -> str:
+        lengths = ", ".join(f"{g}: {n}" for g, n in sorted(self.draft_length_histogram.items()))
         rows = [
             ("new tokens", f"{self.new_tokens}"),
             ("wall time", f"{self.wall_time_s:.2f} s"),
@@ -86,6 +103,10 @@ class SpeculativeStats:
             ("draft forwards", f"{self.draft_forwards}"),
             ("acceptance rate", f"{self.acceptance_rate:.3f}"),
             ("mean accepted length", f"{self.mean_accepted_length:.2f} tokens/step"),
+            ("drafts per step", lengths or "-"),
+        ]
+        rows += [
+            (f"time: {phase}", f"{self.time_s[phase]:.3f} s ({share:.0%})") for phase, share in self.breakdown().items()
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -99,24 +120,109 @@ class SpeculativeOutput:
 
 @dataclass
 class _Batch:
-    """State of the active requests (position a <-> original request rows[a])."""
+    """The active requests: position a of every [A] tensor is original request ``rows[a]``."""
 
     rows: list[int]
-    history: list[list[int]]  # committed tokens per original request (prompt + output)
+    index: torch.Tensor  # [A] int64 on the device: rows
     target_cached: torch.Tensor  # [A] int64: committed tokens in the target cache (= len - 1)
     draft_cached: torch.Tensor  # [A] int64: committed tokens in the draft cache (= len - uncached)
-    uncached: torch.Tensor  # [A] int64: 1 or 2
+    uncached: torch.Tensor  # [A] int64: 1 or 2 committed tokens the draft has not fed yet
+    uncached_host: list[int]  # the same on the host (known from the last step's transfer)
     attention_backend: str = "auto"
 
     def keep(self, positions: list[int], caches) -> None:
         index = torch.tensor(positions, dtype=torch.long, device=self.target_cached.device)
         self.rows = [self.rows[p] for p in positions]
+        self.index = self.index[index]
         self.target_cached = self.target_cached[index]
         self.draft_cached = self.draft_cached[index]
         self.uncached = self.uncached[index]
+        self.uncached_host = [self.uncached_host[p] for p in positions]
         for cache in caches:
             if cache is not None:
                 select_requests(cache, index)
+
+
+@dataclass
+class _Tokens:
+    """Committed tokens of every original request, on the device: seq[b, :length[b]] = prompt + output."""
+
+    seq: torch.Tensor  # [B, W] int64
+    length: torch.Tensor  # [B] int64
+    generated: torch.Tensor  # [B] int64: output tokens so far
+    history: list[list[int]] | None  # host copies, kept only where a host-side drafter needs them
+
+    @classmethod
+    def start(cls, prompts: list[list[int]], room: int, device, keep_history: bool) -> _Tokens:
+        lengths = [len(p) for p in prompts]
+        seq = torch.zeros(len(prompts), max(lengths) + room, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            seq[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        history = [list(p) for p in prompts] if keep_history else None
+        length = torch.tensor(lengths, dtype=torch.long)
+        return cls(seq.to(device), length.to(device), torch.zeros_like(length).to(device), history)
+
+    def output(self, pad: int) -> torch.Tensor:
+        """[B, max generated] the generated tokens of every request, pad after its end."""
+        width = int(self.generated.max()) if self.generated.numel() else 0
+        cols = torch.arange(width, device=self.seq.device)
+        out = self.seq.gather(1, ((self.length - self.generated)[:, None] + cols).clamp_max(self.seq.shape[1] - 1))
+        return torch.where(cols < self.generated[:, None], out, pad)
+
+    def last(self, index: torch.Tensor, n: int) -> torch.Tensor:
+        """[A, n]: the last n committed tokens of requests ``index`` (left part clamped to slot 0)."""
+        cols = self.length[index][:, None] - n + torch.arange(n, device=index.device)
+        return self.seq[index].gather(1, cols.clamp_min(0))
+
+
+@dataclass
+class _StepResult:
+    """What the host learns from one step (one transfer): per active row, in batch order."""
+
+    accepted: list[int]
+    emitted: list[int]  # tokens committed after the max_new_tokens / EOS cut
+    finished: list[bool]
+    offered: list[int]
+    tokens: list[list[int]] | None  # the emitted tokens (streamer / host-side drafter only)
+
+
+class _PhaseTimer:
+    """Adds wall time per phase to ``stats.time_s``; ``sync`` makes GPU attribution exact."""
+
+    def __init__(self, stats: SpeculativeStats, sync: bool):
+        self.stats, self.sync = stats, sync
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        if self.sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync:
+                torch.cuda.synchronize()
+            self.stats.time_s[phase] += time.perf_counter() - start
+
+
+def _choose_draft_length(stats: SpeculativeStats, G_max: int, forward_times: dict) -> int:
+    """Drafts per step maximising expected tokens per unit of time for the running acceptance.
+
+    A chain of g drafts with per-draft acceptance a commits (1 - a^(g+1)) / (1 - a) tokens per target
+    forward and costs one target forward plus g draft forwards (c each, relative to the target's,
+    measured in this call). Decided on the host from past steps only (no synchronisation), so the
+    output stays exact: the number of drafts never depends on the drafts it would propose.
+    """
+    a = (stats.accepted + 0.6 * 4) / (stats.proposed + 4)  # prior: 0.6, worth 4 proposals
+    a = min(max(a, 0.01), 0.99)
+    draft_t, target_t = forward_times.get("draft"), forward_times.get("target")
+    c = draft_t / target_t if draft_t and target_t else 0.1
+    best, best_rate = 1, 0.0
+    for g in range(1, G_max + 1):
+        rate = (1 - a ** (g + 1)) / (1 - a) / (1 + g * c)
+        if rate > best_rate * (1 + 1e-3):  # prefer shorter drafts on near-ties
+            best, best_rate = g, rate
+    return best
 
 
 def speculative_generate(
@@ -141,6 +247,9 @@ def speculative_generate(
     attention_backend: str = "auto",
     cache_implementation: str = "dynamic",
     compile_target: bool | dict = False,
+    adaptive_draft: bool = True,
+    draft_confidence: float = 0.3,
+    exact_timing: bool = False,
 ) -> SpeculativeOutput:
     """Generate with a draft model (or prompt lookup) and exact verification by the target.
 
@@ -148,9 +257,10 @@ def speculative_generate(
         target, draft: ``transformers`` causal LMs sharing a vocabulary; ``draft=None`` with
             ``drafter="prompt_lookup"``.
         input_ids:      [B, T] int64 prompts, left-padded when ragged (as for ``generate``).
-        attention_mask: [B, T], 1 for real tokens.
-        num_draft_tokens: G, drafts per chain and step. num_drafts: K chains (K > 1: a tree, verified
-            with ``method`` "kseq" (SpecTr K-SEQ), "rrs" or "rrs_wor"). 1 + K*G <= 64.
+        attention_mask: [B, T], 1 for real tokens; 0s only on the left (left padding).
+        num_draft_tokens: G, drafts per chain and step (the maximum when ``adaptive_draft``).
+            num_drafts: K chains (K > 1: a tree, verified with ``method`` "kseq" (SpecTr K-SEQ),
+            "rrs" or "rrs_wor"). 1 + K*G <= 64.
         temperature, top_k, top_p: the target's sampling; temperature 0 = greedy (output identical to
             ``target.generate(do_sample=False)``). Sampled output is exactly target-distributed.
         seed: makes sampling reproducible. eos_token_id / pad_token_id: default from the target's
@@ -165,7 +275,14 @@ def speculative_generate(
         compile_target: ``torch.compile`` the target's verification forward as one graph
             (``fullgraph=True``; on CUDA ``mode="reduce-overhead"``, i.e. CUDA graphs). True for those
             defaults, or a dict of ``torch.compile`` keyword arguments. Needs
-            ``cache_implementation="static"``. A new graph is captured per active batch size.
+            ``cache_implementation="static"`` (and fixes the draft length: one graph per shape).
+        adaptive_draft: chains (K = 1, draft model) choose the drafts per step from the running
+            acceptance and the measured draft/target cost, and each request stops drafting where the
+            draft's most likely next token has probability below ``draft_confidence`` (a property of
+            the draft's distribution, not of its sample, so sampled output stays exact).
+        exact_timing: synchronise the GPU around each phase of ``stats.time_s`` (slower; CPU: no-op).
+
+    Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
 
     Returns:
         ``SpeculativeOutput(sequences [B, T + new], stats)``.
@@ -174,11 +291,16 @@ def speculative_generate(
         >>> out = speculative_generate(target, draft, ids, mask, max_new_tokens=64, num_drafts=2, temperature=0.7)
         >>> print(out.stats.table())
     """
-    G, K = int(num_draft_tokens), int(num_drafts)
+    G, K = _as_int("num_draft_tokens", num_draft_tokens), _as_int("num_drafts", num_drafts)
+    max_new_tokens = _as_int("max_new_tokens", max_new_tokens)
     if cache_implementation not in CACHE_IMPLEMENTATIONS:
         raise ValueError(f"cache_implementation must be one of {CACHE_IMPLEMENTATIONS}, got {cache_implementation!r}")
     if compile_target and cache_implementation != "static":
         raise ValueError("compile_target needs cache_implementation='static' (fixed cache buffers)")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64):
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    if not (isinstance(draft_confidence, (int, float)) and 0.0 <= draft_confidence <= 1.0):
+        raise ValueError(f"draft_confidence must be in [0, 1], got {draft_confidence!r}")
     V = _check_inputs(
         target,
         draft,
@@ -203,10 +325,13 @@ def speculative_generate(
     eos = _as_set(eos_token_id if eos_token_id is not None else getattr(gen_cfg, "eos_token_id", None))
     pad = pad_token_id if pad_token_id is not None else getattr(gen_cfg, "pad_token_id", None)
     pad = pad if pad is not None else (min(eos) if eos else 0)
-    generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+    seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,)))
+    generator = torch.Generator().manual_seed(seed % 2**63)
     stats = SpeculativeStats(G, K, accepted_length_histogram=torch.zeros(B, G + 1, dtype=torch.long))
     sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
     use_draft = drafter == "model"
+    adaptive = adaptive_draft and use_draft and K == 1 and not compile_target
+    timer = _PhaseTimer(stats, exact_timing and torch.device(device).type == "cuda")
 
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -233,36 +358,40 @@ def speculative_generate(
             attention_backend,
             static_len if cache_implementation == "static" else None,
             _compiled_forward(target, compile_target, device),
+            max_new_tokens=max_new_tokens,
+            eos=eos,
+            timer=timer,
+            keep_history=not use_draft or streamer is not None,
+            draft_confidence=draft_confidence if adaptive else 0.0,
         )
-        batch = session.batch
-        done = [max_new_tokens == 0] * B
-        session.drop_finished(done)
-        while batch.rows:
-            results = session.step()
+        session.drop_finished([max_new_tokens == 0] * len(prompts))
+        forward_times: dict[str, float] = {}
+        while session.batch.rows:
+            g = _choose_draft_length(stats, G, forward_times) if adaptive else G
+            result = session.step(g)
             stats.target_forwards += 1
-            stats.draft_forwards += G if use_draft else 0
+            stats.draft_forwards += g if use_draft else 0
             stats.steps += 1
-            for b, new, acc, offered in results:
-                stats.proposed += offered
-                stats.accepted += acc
-                stats.request_steps += 1
-                stats.accepted_length_histogram[b, acc] += 1
-                new, finished = _truncate(new, len(batch.history[b]) - len(prompts[b]), max_new_tokens, eos)
-                batch.history[b].extend(new)
-                stats.new_tokens += len(new)
-                done[b] = finished
-                if streamer is not None and new:
-                    streamer.put(torch.tensor(new))
-            session.drop_finished(done)
+            stats.draft_length_histogram[g] = stats.draft_length_histogram.get(g, 0) + 1
+            with timer("other"):
+                acc = torch.tensor(result.accepted)
+                stats.proposed += sum(result.offered)
+                stats.accepted += int(acc.sum())
+                stats.request_steps += len(result.accepted)
+                stats.new_tokens += sum(result.emitted)
+                stats.accepted_length_histogram.index_put_(
+                    (torch.tensor(session.batch.rows), acc), torch.ones_like(acc), accumulate=True
+                )
+                if streamer is not None and result.tokens[0]:
+                    streamer.put(torch.tensor(result.tokens[0]))
+                if use_draft and stats.steps >= 1:
+                    forward_times = session.forward_times()
+                session.drop_finished_rows(result.finished)
     stats.wall_time_s = time.perf_counter() - start
+    stats.time_s["other"] = max(0.0, stats.wall_time_s - sum(v for k, v in stats.time_s.items() if k != "other"))
     if streamer is not None:
         streamer.end()
-    generated = [batch.history[b][len(prompts[b]) :] for b in range(B)]
-    width = max((len(g) for g in generated), default=0)
-    tail = torch.full((B, width), pad, dtype=torch.long)
-    for b, g in enumerate(generated):
-        tail[b, : len(g)] = torch.tensor(g, dtype=torch.long)
-    return SpeculativeOutput(torch.cat([input_ids.long(), tail.to(device)], dim=1), stats)
+    return SpeculativeOutput(torch.cat([input_ids.long(), session.tokens.output(pad)], dim=1), stats)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +407,10 @@ class _Session:
     draft: object | None  # None: prompt lookup
     t_cache: object
     d_cache: object | None
+    t_len: int  # slots in use in each cache (tracked on the host: no reads of cache counters)
+    d_len: int
     batch: _Batch
+    tokens: _Tokens
     G: int
     K: int
     V: int
@@ -286,6 +418,11 @@ class _Session:
     sampling: dict
     generator: torch.Generator
     target_forward: object = None  # a compiled target.forward, or None (eager)
+    max_new_tokens: int = 2**62
+    eos: torch.Tensor | None = None  # [E] int64 on the device
+    timer: object = None
+    draft_confidence: float = 0.0
+    forward_calls: dict = field(default_factory=lambda: {"draft": 0, "target": 0})
 
     @classmethod
     def start(
@@ -303,65 +440,233 @@ class _Session:
         attention_backend,
         static_len=None,
         target_forward=None,
+        *,
+        max_new_tokens: int = 2**62,
+        eos=(),
+        timer=None,
+        keep_history: bool = True,
+        draft_confidence: float = 0.0,
     ):
         t_cache = _prefill(target, prompts, device, static_len)
         d_cache = _prefill(draft, prompts, device, static_len) if draft is not None else None
+        width = max(0, max(len(p) for p in prompts) - 1)
         lens = torch.tensor([len(p) for p in prompts], device=device)
+        A = len(prompts)
         batch = _Batch(
-            list(range(len(prompts))),
-            [list(p) for p in prompts],
+            list(range(A)),
+            torch.arange(A, device=device),
             lens - 1,
             lens - 1,
             torch.ones_like(lens),
+            [1] * A,
             attention_backend,
         )
-        return cls(target, draft, t_cache, d_cache, batch, G, K, V, method, sampling, generator, target_forward)
-
-    def step(self) -> list[tuple[int, list[int], int, int]]:
-        """One speculative step for every active request: [(request, new tokens, accepted, offered)].
-
-        Both caches are committed before returning; the caller appends the tokens to the history
-        (after truncating them at EOS / max_new_tokens) and drops finished requests.
-        """
-        batch, G, K = self.batch, self.G, self.K
-        device = batch.target_cached.device
-        if self.draft is not None:
-            drafts, probs, fed = _draft_chains(
-                self.draft, self.d_cache, batch, G, K, self.V, self.method, self.sampling, self.generator
-            )
-            n_drafts = None
-        else:
-            drafts, n_drafts = _lookup_drafts(batch, G, device)
-            probs = fed = None
-        tree_start = cache_length(self.t_cache)
-        out, path = _verify(
-            self.target,
-            self.t_cache,
+        tokens = _Tokens.start(prompts, min(max_new_tokens, 2**20) + K * G + 2, device, keep_history)
+        eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=device)
+        return cls(
+            target,
+            draft,
+            t_cache,
+            d_cache,
+            width,
+            width if draft is not None else 0,
             batch,
-            drafts,
-            probs,
-            n_drafts,
+            tokens,
             G,
             K,
-            self.V,
-            self.method,
-            self.sampling,
-            self.generator,
-            self.target_forward,
+            V,
+            method,
+            sampling,
+            generator,
+            target_forward,
+            max_new_tokens,
+            eos_t,
+            timer or _PhaseTimer(SpeculativeStats(G, K), False),
+            draft_confidence,
         )
-        accepted = out.num_accepted.long()
-        _commit_target(self.t_cache, batch, tree_start, path, accepted)
-        if self.draft is not None:
-            _commit_draft(self.d_cache, batch, fed, path, accepted, G, K)
-        tokens = out.tokens.cpu().tolist()
-        acc = accepted.cpu().tolist()
-        offered = n_drafts.cpu().tolist() if n_drafts is not None else [G] * len(acc)
-        return [(b, tokens[a][: acc[a] + 1], acc[a], offered[a]) for a, b in enumerate(batch.rows)]
 
-    def drop_finished(self, done: list[bool]) -> None:
-        keep = [a for a, b in enumerate(self.batch.rows) if not done[b]]
+    def forward_times(self) -> dict[str, float]:
+        """Mean wall time of one draft forward and of one target forward so far."""
+        stats, calls = self.timer.stats, self.forward_calls
+        return {
+            phase: stats.time_s[phase] / calls[phase]
+            for phase in ("draft", "target")
+            if calls[phase] and stats.time_s[phase]
+        }
+
+    def step(self, g: int | None = None) -> _StepResult:
+        """One speculative step with ``g`` drafts per chain (default G) for every active request.
+
+        Both caches are committed and the tokens (cut at EOS / max_new_tokens) appended before
+        returning; the caller drops finished requests (``drop_finished_rows``).
+        """
+        batch, K = self.batch, self.K
+        g = self.G if g is None else g
+        with self.timer("draft"):
+            if self.draft is not None:
+                drafts, draft_rows, fed, n_drafts = self._draft_chains(g)
+                self.forward_calls["draft"] += g
+            else:
+                drafts, n_drafts = _lookup_drafts(self.tokens.history, batch.rows, g, batch.index.device)
+                draft_rows = fed = None
+        with self.timer("target"):
+            tree_start = self.t_len
+            logits = self._target_forward(drafts, n_drafts, g)
+            self.forward_calls["target"] += 1
+        with self.timer("verify"):
+            out, path = _verify(logits, drafts, draft_rows, n_drafts, g, K, self.method, self.sampling, self.generator)
+        with self.timer("commit"):
+            return self._commit(out, path, tree_start, fed, n_drafts, g)
+
+    # ---- drafting
+
+    def _draft_chains(self, g: int):
+        """K chains of g draft tokens per request: drafts [A, K, g], the rows the verifier needs as q
+        (raw logits, or probabilities when top-k/top-p shape the draft's sampling; None when greedy),
+        the cache slots the draft fed (for the commit), and ragged draft counts [A] or None."""
+        batch, K, V, sampling = self.batch, self.K, self.V, self.sampling
+        device = batch.index.device
+        A = len(batch.rows)
+        greedy = sampling["temperature"] == 0.0
+        filtered = sampling["top_k"] > 0 or sampling["top_p"] < 1.0
+        u = batch.uncached
+        U = max(batch.uncached_host)  # known on the host: no synchronisation
+        S = self.d_len
+        # Forward 0: the uncached committed tokens (1 or 2 per request), right-aligned; the last is the root.
+        ids0 = self.tokens.last(batch.index, U)  # right-aligned; left-align the u real ones (the rest is padding)
+        ids0 = ids0.gather(1, (torch.arange(U, device=device) + U - u[:, None]) % U)
+        parents0 = torch.arange(U, device=device).expand(A, U) - 1
+        meta0 = tree_attention_metadata(
+            parents0, batch.draft_cached, S, num_nodes=u, backend=batch.attention_backend, validate=False
+        )
+        logits0 = _forward(self.draft, self.d_cache, ids0, meta0, V)
+        self.d_len = S + U
+        root_logits = logits0[torch.arange(A, device=device), u - 1]  # [A, V]
+        gen = _gen_for(self.generator, device)
+        probs = None if greedy else draft_distribution(root_logits, **sampling)
+        first = sample_first_tokens(
+            probs, root_logits, K, greedy=greedy, distinct=self.method == "rrs_wor" and K > 1, generator=gen
+        )
+        tokens, rows = [first], [(probs if filtered else root_logits)[:, None].expand(A, K, V)]
+        confident = [self._confident(root_logits, probs)]
+        # Forwards 1..g-1: the K depth-t tokens, each seeing the root chain and its own chain.
+        root_bits = (torch.ones_like(u) << u) - 1  # [A]
+        chain_bits = torch.zeros(K, dtype=torch.int64, device=device)
+        for t in range(1, g):
+            slots = U + (t - 1) * K + torch.arange(K, device=device)
+            chain_bits = chain_bits | (torch.ones(K, dtype=torch.int64, device=device) << slots)
+            masks = root_bits[:, None] | chain_bits[None, :]
+            positions = (batch.draft_cached + u - 1 + t)[:, None].expand(A, K)
+            meta = TreeAttentionMetadata(
+                meta0.key_start, meta0.prefix_end, meta0.tree_start, masks, positions, U + (g - 1) * K, meta0.backend
+            )
+            logits = _forward(self.draft, self.d_cache, tokens[-1], meta, V)  # [A, K, V]
+            self.d_len += K
+            probs = None if greedy else draft_distribution(logits, **sampling)
+            tokens.append(sample_next_tokens(probs, logits, greedy=greedy, generator=gen))
+            rows.append(probs if filtered else logits)
+            confident.append(self._confident(logits[:, 0], None if probs is None else probs[:, 0]))
+        drafts = torch.stack(tokens, dim=2)  # [A, K, g]
+        draft_rows = None if greedy else torch.stack(rows, dim=2)  # [A, K, g, V]
+        n_drafts = None
+        if self.draft_confidence > 0.0:  # chains only: drafts up to the first unsure position
+            n_drafts = torch.stack(confident, dim=1).long().cumprod(dim=1).sum(dim=1)
+        return drafts, draft_rows, (S, U), n_drafts
+
+    def _confident(self, logits: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        """[A] bool: the draft's distribution at this position has a token of probability >= the
+        threshold (decided before looking at the sampled token, which keeps sampling exact)."""
+        if self.draft_confidence <= 0.0:
+            return torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        p = probs if probs is not None else torch.softmax(logits.float(), dim=-1)
+        return p.max(dim=-1).values >= self.draft_confidence
+
+    # ---- verification forward
+
+    def _target_forward(self, drafts, n_drafts, g):
+        """The target scores root + K*g drafts in one forward: logits [A, 1 + K*g, V]."""
+        batch = self.batch
+        device = batch.index.device
+        A, K = len(batch.rows), self.K
+        N = 1 + K * g
+        root = self.tokens.last(batch.index, 1)
+        ids = torch.cat([root, drafts.reshape(A, K * g)], dim=1)
+        parents = chains_tree_parents(K, g, device).expand(A, N)
+        num_nodes = None if n_drafts is None else 1 + n_drafts
+        meta = tree_attention_metadata(
+            parents,
+            batch.target_cached,
+            self.t_len,
+            num_nodes=num_nodes,
+            backend=batch.attention_backend,
+            validate=False,
+        )
+        logits = _forward(self.target, self.t_cache, ids, meta, self.V, self.target_forward)
+        self.t_len += N
+        return logits
+
+    # ---- commit: one host synchronisation per step
+
+    def _commit(self, out, path, tree_start: int, fed, n_drafts, g: int) -> _StepResult:
+        batch, tokens, K = self.batch, self.tokens, self.K
+        device = batch.index.device
+        A = len(batch.rows)
+        accepted = out.num_accepted.long()
+        # Tokens this step commits, cut at max_new_tokens and after the first EOS.
+        new = out.tokens[:, : g + 1]
+        col = torch.arange(g + 1, device=device)
+        room = self.max_new_tokens - tokens.generated[batch.index]
+        emitted = torch.minimum(accepted + 1, room)
+        is_eos = torch.isin(new, self.eos) & (col < emitted[:, None])
+        first_eos = torch.where(is_eos, col, g + 1).min(dim=1).values
+        emitted = torch.minimum(emitted, first_eos + 1)
+        finished = (emitted >= room) | (first_eos <= g)
+        # Cache commits: the target keeps root + accepted path, the draft what it fed of it.
+        t_lengths = 1 + accepted
+        t_src = torch.cat([torch.zeros_like(path[:, :1]), path.clamp_min(0)], dim=1) + tree_start
+        d_src = d_kept = None
+        if self.draft is not None:
+            d_src, d_kept = _draft_commit_slots(fed, path, accepted, batch, g, K)
+        offered = n_drafts if n_drafts is not None else torch.full((A,), g, dtype=torch.long, device=device)
+        lens = [batch.target_cached + t_lengths] + ([batch.draft_cached + d_kept] if d_kept is not None else [])
+        packed = [accepted, emitted, finished.long(), offered, torch.stack([x.max() for x in lens])]
+        with_tokens = tokens.history is not None
+        flat = torch.cat([x.reshape(-1) for x in packed] + ([new.reshape(-1)] if with_tokens else []))
+        host = flat.tolist()  # the step's one host synchronisation
+        acc_h, emit_h, fin_h, off_h = (host[i * A : (i + 1) * A] for i in range(4))
+        new_lens = host[4 * A : 4 * A + len(lens)]
+        # Committed tokens: seq[b, length[b] + j] = new[a, j] for j < emitted[a].
+        rows = batch.index[:, None].expand(A, g + 1)
+        dst = (tokens.length[batch.index][:, None] + col).clamp_max(tokens.seq.shape[1] - 1)
+        keep_old = tokens.seq[rows, dst]
+        tokens.seq[rows, dst] = torch.where(col < emitted[:, None], new, keep_old)
+        tokens.length[batch.index] += emitted
+        tokens.generated[batch.index] += emitted
+        commit_paths(self.t_cache, t_src, batch.target_cached, t_lengths, new_lens[0])
+        self.t_len = new_lens[0]
+        batch.target_cached = batch.target_cached + t_lengths
+        if self.draft is not None:
+            commit_paths(self.d_cache, d_src, batch.draft_cached, d_kept, new_lens[1])
+            self.d_len = new_lens[1]
+            batch.draft_cached = batch.draft_cached + d_kept
+            batch.uncached = torch.where(accepted == g, 2, 1)
+            batch.uncached_host = [2 if a == g else 1 for a in acc_h]
+        step_tokens = None
+        if with_tokens:
+            flat_new = host[4 * A + len(lens) :]
+            step_tokens = [flat_new[a * (g + 1) : a * (g + 1) + emit_h[a]] for a in range(A)]
+            for b, t in zip(batch.rows, step_tokens, strict=True):
+                tokens.history[b].extend(t)
+        return _StepResult(acc_h, emit_h, [bool(f) for f in fin_h], off_h, step_tokens)
+
+    def drop_finished_rows(self, finished: list[bool]) -> None:
+        keep = [a for a, done in enumerate(finished) if not done]
         if len(keep) < len(self.batch.rows):
             self.batch.keep(keep, (self.t_cache, self.d_cache))
+
+    def drop_finished(self, done: list[bool]) -> None:
+        """Drop requests by original index (before the first step)."""
+        self.drop_finished_rows([done[b] for b in self.batch.rows])
 
 
 def _prefill(model, prompts: list[list[int]], device, static_len: int | None = None):
@@ -421,145 +726,62 @@ def _compiled_forward(model, compile_target: bool | dict, device):
     return torch.compile(model.forward, **options)
 
 
-def _draft_chains(draft, cache, batch: _Batch, G, K, V, method, sampling, generator):
-    """K chains of G draft tokens per request: drafts [A, K, G], probs [A, K, G, V] or None (greedy),
-    and the cache slots of the draft's fed tokens (for the commit)."""
-    device = batch.target_cached.device
-    A = len(batch.rows)
-    greedy = sampling["temperature"] == 0.0
-    u = batch.uncached
-    U = int(u.max())
-    S = cache_length(cache)
-    # Forward 0: the uncached committed tokens (1 or 2 per request) as a chain; the last one is the root.
-    ids0 = torch.zeros(A, U, dtype=torch.long)
-    for a, b in enumerate(batch.rows):
-        n = int(u[a])
-        ids0[a, :n] = torch.tensor(batch.history[b][-n:])
-    parents0 = torch.arange(U, device=device).expand(A, U) - 1
-    meta0 = tree_attention_metadata(parents0, batch.draft_cached, S, num_nodes=u, backend=batch.attention_backend)
-    logits0 = _forward(draft, cache, ids0.to(device), meta0, V)
-    root_logits = logits0[torch.arange(A, device=device), u - 1]  # [A, V]
-    root_probs = None if greedy else draft_distribution(root_logits, **sampling)
-    first = sample_first_tokens(
-        root_probs,
-        root_logits,
-        K,
-        greedy=greedy,
-        distinct=method == "rrs_wor" and K > 1,
-        generator=_gen_for(generator, device),
-    )
-    tokens = [first]  # [A, K] per depth
-    probs = [None if greedy else root_probs[:, None, :].expand(A, K, V)]
-    # Forwards 1..G-1: the K depth-t tokens, each seeing the root chain and its own chain.
-    root_bits = (torch.ones_like(u) << u) - 1  # [A]
-    slot_of = lambda t: U + (t - 1) * K + torch.arange(K, device=device)  # noqa: E731  (tree slots of depth t)
-    chain_bits = torch.zeros(K, dtype=torch.int64, device=device)
-    for t in range(1, G):
-        chain_bits = chain_bits | (torch.ones(K, dtype=torch.int64, device=device) << slot_of(t))
-        masks = root_bits[:, None] | chain_bits[None, :]
-        positions = (batch.draft_cached + u - 1 + t)[:, None].expand(A, K)
-        meta = TreeAttentionMetadata(
-            meta0.key_start, meta0.prefix_end, meta0.tree_start, masks, positions, U + (G - 1) * K, meta0.backend
-        )
-        logits = _forward(draft, cache, tokens[-1].to(device), meta, V)  # [A, K, V]
-        step_probs = None if greedy else draft_distribution(logits, **sampling)
-        tokens.append(sample_next_tokens(step_probs, logits, greedy=greedy, generator=_gen_for(generator, device)))
-        probs.append(step_probs)
-    drafts = torch.stack(tokens, dim=2)  # [A, K, G]
-    stacked = None if greedy else torch.stack(probs, dim=2)  # [A, K, G, V]
-    return drafts, stacked, (S, U)
-
-
 def _gen_for(generator: torch.Generator, device) -> torch.Generator | None:
     """torch.multinomial needs a generator on the tensor's device; CPU runs use the seeded one."""
     return generator if torch.device(device).type == "cpu" else None
 
 
-def _lookup_drafts(batch: _Batch, G: int, device):
-    proposals = prompt_lookup([batch.history[b] for b in batch.rows], G)
+def _lookup_drafts(history: list[list[int]], rows: list[int], G: int, device):
+    """Prompt-lookup drafts [A, 1, G] and their counts [A] (an n-gram search in each request's own
+    tokens: host work on the histories the step transfer keeps)."""
+    proposals = prompt_lookup([history[b] for b in rows], G)
     drafts = torch.zeros(len(proposals), 1, G, dtype=torch.long)
     for a, p in enumerate(proposals):
         drafts[a, 0, : len(p)] = torch.tensor(p, dtype=torch.long)
-    n = torch.tensor([len(p) for p in proposals], dtype=torch.long, device=device)
-    return drafts.to(device), n
+    n = torch.tensor([len(p) for p in proposals], dtype=torch.long)
+    return drafts.to(device), n.to(device)
 
 
-def _verify(target, cache, batch: _Batch, drafts, probs, n_drafts, G, K, V, method, sampling, generator, compiled=None):
-    """One target forward over root + K*G drafts, then the fused verification; returns (out, path)
-    with path [A, G] the accepted nodes' tree indices (1 + chain*G + slot), -1 padding."""
-    device = batch.target_cached.device
-    A = len(batch.rows)
-    N = 1 + K * G
-    root = torch.tensor([batch.history[b][-1] for b in batch.rows], dtype=torch.long, device=device)
-    ids = torch.cat([root[:, None], drafts.reshape(A, K * G)], dim=1)
-    parents = chains_tree_parents(K, G, device).expand(A, N)
-    num_nodes = None if n_drafts is None else 1 + n_drafts
-    meta = tree_attention_metadata(
-        parents, batch.target_cached, cache_length(cache), num_nodes=num_nodes, backend=batch.attention_backend
-    )
-    logits = _forward(target, cache, ids, meta, V, compiled)  # [A, N, V]
+def _verify(logits, drafts, draft_rows, n_drafts, G, K, method, sampling, generator):
+    """The fused verification of the target's logits [A, 1 + K*G, V]; returns (out, path) with path
+    [A, G] the accepted nodes' tree indices (1 + chain*G + slot), -1 padding.
+
+    draft_rows are raw draft logits (the kernels process them like the target's) unless top-k/top-p
+    shaped the draft's sampling, then the exact probabilities it sampled from; None when greedy."""
+    A, N, V = logits.shape
+    device = logits.device
     seeds = torch.randint(0, 2**62, (A,), generator=generator).to(device)
+    filtered = sampling["top_k"] > 0 or sampling["top_p"] < 1.0
+    draft_kw = {} if draft_rows is None else {("draft_probs" if filtered else "draft_logits"): draft_rows}
     # validate=False: every input here is built by the driver (ids < V, probabilities normalised),
     # and value checks would synchronise with the GPU once per step.
     if K == 1:
+        draft_kw = {name: rows[:, 0] for name, rows in draft_kw.items()}
         out = ops.verify(
-            logits,
-            drafts[:, 0],
-            draft_probs=None if probs is None else probs[:, 0],
-            num_draft_tokens=n_drafts,
-            seed=seeds,
-            validate=False,
-            **sampling,
+            logits, drafts[:, 0], **draft_kw, num_draft_tokens=n_drafts, seed=seeds, validate=False, **sampling
         )
         slots = torch.arange(1, G + 1, device=device).expand(A, G)
         path = torch.where(slots <= out.num_accepted.long()[:, None], slots, -1)
         return out, path
     rows = torch.cat([logits[:, :1, None, :].expand(A, K, 1, V), logits[:, 1:].reshape(A, K, G, V)], dim=2)
-    out = ops.verify_multi(rows, drafts, draft_probs=probs, seed=seeds, method=method, validate=False, **sampling)
+    out = ops.verify_multi(rows, drafts, **draft_kw, seed=seeds, method=method, validate=False, **sampling)
     path = torch.where(out.accepted_nodes >= 0, out.accepted_nodes + 1, -1)
     return out, path
 
 
-def _commit_target(cache, batch: _Batch, tree_start: int, path, accepted) -> None:
-    """Keep root + accepted path: slots tree_start + [0, path...] -> [C, C + 1 + a)."""
-    src = torch.cat([torch.zeros_like(path[:, :1]), path.clamp_min(0)], dim=1) + tree_start
-    lengths = 1 + accepted
-    new_len = int((batch.target_cached + lengths).max())
-    commit_paths(cache, src, batch.target_cached, lengths, new_len)
-    batch.target_cached = batch.target_cached + lengths
-
-
-def _commit_draft(cache, batch: _Batch, fed_slots, path, accepted, G: int, K: int) -> None:
-    """Keep the committed tokens fed in forward 0 (u per request) and the accepted drafts the draft
-    fed itself (depths 1..min(a, G-1) of the accepted chain); the rest of the drafted tree goes."""
-    S, U = fed_slots
-    u = batch.uncached.tolist()
-    acc = accepted.tolist()
-    nodes = path.tolist()
-    rows = []
-    for a in range(len(u)):
-        slots = [S + i for i in range(u[a])]
-        for t in range(1, min(acc[a], G - 1) + 1):
-            chain = (nodes[a][t - 1] - 1) // G  # any chain through this prefix holds the same KV
-            slots.append(S + U + (t - 1) * K + chain)
-        rows.append(slots)
-    width = max(len(r) for r in rows)
-    src = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=accepted.device)
-    kept = torch.tensor([len(r) for r in rows], dtype=torch.long, device=accepted.device)
-    new_len = int((batch.draft_cached + kept).max())
-    commit_paths(cache, src, batch.draft_cached, kept, new_len)
-    batch.draft_cached = batch.draft_cached + kept
-    batch.uncached = torch.where(accepted == G, 2, 1)
-
-
-def _truncate(new: list[int], generated: int, max_new: int, eos: set[int]) -> tuple[list[int], bool]:
-    """Cut the step's tokens at max_new_tokens and after the first EOS; returns (tokens, finished)."""
-    room = max_new - generated
-    new = new[:room]
-    for i, tok in enumerate(new):
-        if tok in eos:
-            return new[: i + 1], True
-    return new, generated + len(new) >= max_new
+def _draft_commit_slots(fed, path, accepted, batch: _Batch, G: int, K: int):
+    """Draft-cache slots to keep, [A, U + G - 1] (left-aligned), and their counts [A]: the committed
+    tokens fed in forward 0 (u per request) and the accepted drafts the draft fed itself (depths
+    1..min(a, G-1) of the accepted chain; any chain through that prefix holds the same KV)."""
+    S, U = fed
+    device = accepted.device
+    u = batch.uncached
+    j = torch.arange(U + G - 1, device=device)[None, :]
+    t = (j - u[:, None] + 1).clamp(1, max(G - 1, 1))  # depth of the j-th kept draft slot
+    chain = (path.gather(1, (t - 1).clamp_max(G - 1)) - 1).clamp_min(0) // G
+    src = torch.where(j < u[:, None], S + j, S + U + (t - 1) * K + chain)
+    kept = u + torch.clamp(accepted, max=G - 1)
+    return src, kept
 
 
 def _as_set(eos) -> set[int]:
@@ -568,6 +790,12 @@ def _as_set(eos) -> set[int]:
     if isinstance(eos, int):
         return {eos}
     return {int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else eos)}
+
+
+def _as_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return value
 
 
 def _vocab_rows(model) -> int:

@@ -470,7 +470,7 @@ def tree_attention(
         sliding_window is None or int(sliding_window) >= N,
         f"sliding_window must be >= N={N} (the window must cover the tree), got {sliding_window}",
     )
-    meta = tree_metadata(parents, num_nodes)
+    meta = tree_metadata(parents, num_nodes, validate=False)  # checked above when validate
     prefix_end = prefix_lens.to(torch.int32)
     key_start = torch.zeros_like(prefix_end)
     window_lo = None

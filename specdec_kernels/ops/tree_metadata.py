@@ -13,7 +13,7 @@ import triton.language as tl
 from .._interpreter import interpreter_requested
 from .._params import INT_DTYPES
 from .._types import MAX_NODES, TreeMetadata
-from .._validation import _check_tensor, _require
+from .._validation import _capturing, _check_tensor, _require
 from ._triton_helpers import next_pow2
 
 
@@ -57,12 +57,22 @@ def _tree_metadata_kernel(
     tl.store(mask_ptr + out, anc, mask=b_ok[:, None] & (nodes < N))
 
 
-def tree_metadata(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) -> TreeMetadata:
+def tree_metadata(
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
+    backend: str = "auto",
+) -> TreeMetadata:
     """Depths and ancestor bitmasks of token trees (same parents convention as :func:`verify_tree`).
 
     Args:
         parents:   [B, N] int32 | int64, -1 for children of the root, else parents[b, i] < i; N <= 64.
         num_nodes: [B] int, ragged trees (nodes >= num_nodes[b] are padding: depth 0, mask 0).
+        validate:  check the values (parents in [-1, i), 0 <= num_nodes <= N; one host sync). With
+                   validate=False the caller is trusted: an out-of-range parent is read as -1.
+        backend:   "auto" (the Triton kernel on CUDA tensors, vectorised PyTorch on CPU tensors),
+                   "triton" (the kernel; on CPU through Triton's interpreter) or "torch".
 
     Example:
         >>> meta = sk.tree_metadata(parents)
@@ -73,10 +83,16 @@ def tree_metadata(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) 
     _check_tensor("parents", parents, 2, INT_DTYPES, parents.device)
     B, N = parents.shape
     _require(N <= MAX_NODES, f"at most {MAX_NODES} tree nodes are supported, got {N}")
+    _require(backend in ("auto", "triton", "torch"), f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if num_nodes is not None:
         _check_tensor("num_nodes", num_nodes, 1, INT_DTYPES, parents.device)
         _require(num_nodes.shape[0] == B, f"num_nodes must have shape [B={B}], got {tuple(num_nodes.shape)}")
+        num_nodes = num_nodes.contiguous()  # the kernel reads num_nodes[b] at ptr + b
     parents = parents if parents.stride(-1) == 1 else parents.contiguous()
+    if validate and B > 0 and N > 0 and not _capturing(parents.device):
+        check_parents(parents, num_nodes)
+    if backend == "torch" or (backend == "auto" and parents.device.type != "cuda"):
+        return _tree_metadata_torch(parents, num_nodes)
     depth = torch.empty((B, N), dtype=torch.int32, device=parents.device)
     mask = torch.empty((B, N), dtype=torch.int64, device=parents.device)
     if B == 0 or N == 0:
@@ -98,3 +114,40 @@ def tree_metadata(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) 
         NP2=np2,
     )
     return TreeMetadata(depth, mask)
+
+
+def check_parents(parents: torch.Tensor, num_nodes: torch.Tensor | None) -> None:
+    """ValueError unless every real node's parent is -1 or an earlier node, and 0 <= num_nodes <= N."""
+    B, N = parents.shape
+    par = parents.cpu().long()
+    n = num_nodes.cpu().long() if num_nodes is not None else torch.full((B,), N)
+    bad_n = (n < 0) | (n > N)
+    _require(not bool(bad_n.any()), f"num_nodes must be in [0, N={N}]; got {n[bad_n][:4].tolist()}")
+    idx = torch.arange(N)[None, :]
+    bad = (idx < n[:, None]) & ((par < -1) | (par >= idx))
+    if bool(bad.any()):
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            "parents must be -1 (a child of the root) or an earlier node (parents[b, i] < i, so no cycles): "
+            f"parents[{b}, {i}] = {int(par[b, i])}"
+        )
+
+
+def _tree_metadata_torch(parents: torch.Tensor, num_nodes: torch.Tensor | None) -> TreeMetadata:
+    """The kernel's result by pointer jumping: after round r every node knows its ancestors up to
+    2^r - 1 steps up and its 2^r-th ancestor; at most log2(64) = 6 rounds, vectorised over requests."""
+    B, N = parents.shape
+    device = parents.device
+    nodes = torch.arange(N, device=device)[None, :]
+    real = (nodes < (num_nodes.long()[:, None] if num_nodes is not None else N)).expand(B, N)
+    up = parents.long()
+    up = torch.where(real & (up >= 0) & (up < nodes), up, -1)  # as the kernel reads untrusted parents
+    anc = torch.where(real, torch.ones_like(up) << nodes, 0)
+    depth = real.long()
+    for _ in range(max(1, N).bit_length()):
+        has_up = up >= 0
+        at = up.clamp_min(0)
+        anc = torch.where(has_up, anc | anc.gather(1, at), anc)
+        depth = torch.where(has_up, depth + depth.gather(1, at), depth)
+        up = torch.where(has_up, up.gather(1, at), up)
+    return TreeMetadata(depth.to(torch.int32), anc)
