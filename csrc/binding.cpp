@@ -45,7 +45,10 @@ void set_sampling(sk::ChainParams& P, int64_t B, const at::Tensor& like, std::ve
                   double top_p, const c10::optional<at::Tensor>& seed_t, int64_t seed) {
   P.temperature = per_request<float>(temperature_t, at::kFloat, B, like, keep);
   P.temperature_s = float(temperature);
-  P.top_k = per_request<int32_t>(top_k_t, at::kInt, B, like, keep);
+  // top_k at full width: int64 values past INT32_MAX keep the whole row (>= V), not wrap around.
+  const c10::optional<at::Tensor> top_k_32 =
+      top_k_t.has_value() ? c10::optional<at::Tensor>(top_k_t->clamp_max(INT32_MAX)) : c10::nullopt;
+  P.top_k = per_request<int32_t>(top_k_32, at::kInt, B, like, keep);
   P.top_k_s = int32_t(std::min<int64_t>(top_k, INT32_MAX));
   P.top_p = per_request<float>(top_p_t, at::kFloat, B, like, keep);
   P.top_p_s = float(top_p);
@@ -119,6 +122,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   P.n_max = G;
   P.num_chunks = num_chunks;
   P.chunk_size = chunk_size;
+  P.placeholders_end = true;
   P.has_filter = has_filter;
   P.stats = stats.data_ptr<float>();
   P.g_idx = g_idx.data_ptr<int32_t>();

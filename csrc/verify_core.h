@@ -131,7 +131,11 @@ SK_HD float key_to_float(int64_t key) {
 }
 
 // (greedy, 1 / T): greedy rows (T = 0) get 1 so that nothing divides by zero.
-SK_HD float inverse_temperature(float temperature) { return temperature == 0.0f ? 1.0f : 1.0f / temperature; }
+// T below the smallest normal float (1/T overflows; validation rejects it) and NaN act as greedy.
+SK_HD bool greedy_temperature(float temperature) { return !(temperature >= 1.17549435e-38f); }
+SK_HD float inverse_temperature(float temperature) {
+  return greedy_temperature(temperature) ? 1.0f : 1.0f / temperature;
+}
 
 // ------------------------------------------------------------------------------------------
 // random numbers
@@ -338,6 +342,7 @@ struct ChainParams {
   int64_t num_chunks, chunk_size;  // vocab split; chunk_size % 4 == 0; 1 chunk with filters
   bool has_filter;
   bool thresholds_given = false;  // thr holds every row's thresholds before the row pass
+  bool placeholders_end = false;  // chains: a draft id outside [0, V) ends the draft there
   // workspaces
   float* stats;    // [B*(G+1), C, NUM_STATS]
   int32_t* g_idx;  // [B*(G+1), C]
@@ -375,8 +380,17 @@ SK_HD Request load_request(const ChainParams& P, int64_t b) {
   Request r;
   const int64_t n = P.num_draft ? P.num_draft[b] : P.n_max;
   r.n = n < 0 ? 0 : (n > P.n_max ? P.n_max : n);  // validated by the caller; clamped for memory safety
+  if (P.placeholders_end) {  // a placeholder (e.g. -1) ends the draft: that position draws the bonus from p
+    for (int64_t i = 0; i < r.n; ++i) {
+      const int64_t tok = P.draft_tokens[b * P.stride_xb + i];
+      if (tok < 0 || tok >= P.V) {
+        r.n = i;
+        break;
+      }
+    }
+  }
   r.temperature = P.temperature ? P.temperature[b] : P.temperature_s;
-  r.greedy = r.temperature == 0.0f;
+  r.greedy = greedy_temperature(r.temperature);
   r.inv_t = inverse_temperature(r.temperature);
   r.top_k = P.top_k ? P.top_k[b] : P.top_k_s;
   r.top_p = P.top_p ? P.top_p[b] : P.top_p_s;
@@ -513,16 +527,13 @@ SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red
   const int64_t G1 = P.G + 1;
   int unused = 0;
   bool flagged = false;
-  for (int64_t i = 0; i < rq.n; ++i) {  // invalid ids (validate=False) are rejected, and flagged
-    const int64_t tok = P.draft_tokens[b * P.stride_xb + i];
-    flagged |= tok < 0 || tok >= P.V;
-  }
   int64_t j = 0;
   RowStats s;
   int64_t tok_j = 0;
   for (;; ++j) {
     s = combine_row(P, b * G1 + j, rq);
-    flagged |= s.bad > 0.0f || (s.t.z == 0.0f && !rq.greedy);  // every row used up to j
+    // every row used up to j; a row with nothing to sample (greedy or not) flags the request
+    flagged |= s.bad > 0.0f || (rq.greedy ? s.g_max == neg_inf() : s.t.z == 0.0f);
     if (j == rq.n) break;
     const int64_t tok = P.draft_tokens[b * P.stride_xb + j];
     const bool tok_ok = tok >= 0 && tok < P.V;

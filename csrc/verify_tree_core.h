@@ -82,8 +82,7 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red) {
     const bool node_ok = n < rq.n;
     int64_t t = node_ok ? P.draft_tokens[b * P.stride_xb + (n / P.G) * P.stride_xk + n % P.G] : -1;
     const bool ok = t >= 0 && t < V;
-    flagged |= node_ok && !ok;
-    tok[n] = ok ? t : -1;  // out-of-range ids (validate=False) never become candidates
+    tok[n] = ok ? t : -1;  // placeholder ids (outside [0, V)) never become candidates; no error
     int p = P.parents ? int(node_ok ? P.parents[b * P.stride_pb + n] : -1) : (n % P.G == 0 ? -1 : int(n - 1));
     par[n] = node_ok ? p : -2;  // padding nodes are nobody's children
   }

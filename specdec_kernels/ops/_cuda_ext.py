@@ -188,7 +188,7 @@ def _cpu_chunks(args: VerifyArgs) -> int:
     """Vocab chunks per row on the CPU: enough (row, chunk) items for every thread, chunks >= 8k entries."""
     threads = torch.get_num_threads()
     rows = args.B * (args.G + 1)
-    if threads <= 1 or rows >= 2 * threads:
+    if threads <= 1 or rows == 0 or rows >= 2 * threads:
         return 1
     return max(1, min(math.ceil(2 * threads / rows), args.V // 8192))
 

@@ -193,7 +193,9 @@ def request_seed(ptr, value, b, mask, PER_REQUEST: tl.constexpr):
 @triton.jit
 def inverse_temperature(temperature):
     """(greedy, 1 / T) per request; greedy rows (T = 0) get 1 so no division by zero happens."""
-    greedy = temperature == 0.0
+    # T below the smallest normal float32 (1/T would overflow; validation rejects it) and NaN act as
+    # greedy, the limit T -> 0: never inf or NaN in the softmax.
+    greedy = ~(temperature >= 1.1754943508222875e-38)
     return greedy, tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
 
 

@@ -74,6 +74,7 @@ def _verify_row_stats_kernel(
     # pointers
     target_ptr,  # [B, (K,) G+1, V] fp32/fp16/bf16 raw target logits
     draft_ptr,  # [B, (K,) G, V] raw draft logits (DRAFT_MODE == DRAFT_LOGITS), otherwise unused
+    draft_tokens_ptr,  # [B, G] int (PLACEHOLDERS_END), otherwise unused
     num_draft_ptr,  # [B] int: n_b (PER_REQ_N), else every request uses G
     temperature_ptr,  # [B] float: 0 = greedy (PER_REQ_T), else the scalar `temperature`
     top_k_ptr,  # [B] int: 0 = off (PER_REQ_K), else the scalar `top_k`
@@ -89,6 +90,7 @@ def _verify_row_stats_kernel(
     stride_db,
     stride_dk,
     stride_dg,
+    stride_xb,
     # sizes
     B,
     K,  # chains per request (1 for verify; tree ops view a tree as K chains of G slots)
@@ -110,6 +112,8 @@ def _verify_row_stats_kernel(
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
     BONUS_IN_PASS: tl.constexpr,  # sample the bonus token of row n_b in this pass (chains)
+    PLACEHOLDERS_END: tl.constexpr,  # a draft id outside [0, V) ends the draft (chains)
+    GP2: tl.constexpr,  # next power of two >= G (PLACEHOLDERS_END)
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -122,19 +126,23 @@ def _verify_row_stats_kernel(
     i = (rows % (G + 1)).to(tl.int32)
     in_batch = rows < B * K * (G + 1)
     n_b = per_request(num_draft_ptr, G, b, in_batch, PER_REQ_N).to(tl.int32)
+    if PLACEHOLDERS_END:
+        n_b = _drafted(draft_tokens_ptr, stride_xb, b, in_batch, n_b, V, GP2)
     row_ok = in_batch & (i <= n_b)  # rows past the bonus row are never read
     temperature = per_request(temperature_ptr, temperature, b, row_ok, PER_REQ_T).to(tl.float32)
     greedy, inv_t = inverse_temperature(temperature)
     draft_ok = row_ok & (i < n_b) & ~greedy  # draft rows are read only in DRAFT_MODE 1, never for greedy
     seed = request_seed(seed_ptr, seed, b, row_ok, PER_REQ_SEED)
-    need_bonus = row_ok & (i == n_b) & (temperature > 0.0) & BONUS_IN_PASS
+    need_bonus = row_ok & (i == n_b) & ~greedy & BONUS_IN_PASS
 
     t_rows = target_ptr + b[:, None] * stride_tb + k[:, None] * stride_tk + i[:, None].to(tl.int64) * stride_tg
     d_rows = draft_ptr + b[:, None] * stride_db + k[:, None] * stride_dk + i[:, None].to(tl.int64) * stride_dg
     thr_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
     thr_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
     if HAS_FILTER:  # launched with a single chunk: each program owns whole rows
-        top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int32)
+        # top_k at full width: values >= V (int64 included) keep the whole row, i.e. no top-k.
+        top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int64)
+        top_k = tl.where(top_k >= V, 0, top_k).to(tl.int32)
         top_p = per_request(top_p_ptr, top_p, b, row_ok, PER_REQ_P).to(tl.float32)
         thr_t = filter_threshold(t_rows, row_ok & ~greedy, V, inv_t, top_k, top_p, BLOCK_V)
         tl.store(thr_ptr + rows * NUM_THR + THR_T, thr_t, mask=row_ok)
@@ -190,6 +198,18 @@ def _verify_row_stats_kernel(
     irec = (rows * num_chunks + chunk) * NUM_IDX
     tl.store(idx_ptr + irec + IDX_GREEDY, g_idx, mask=row_ok)
     tl.store(idx_ptr + irec + IDX_BONUS, bonus_idx, mask=row_ok)
+
+
+@triton.jit
+def _drafted(draft_tokens_ptr, stride_xb, b, mask, n_b, V, GP2: tl.constexpr):
+    """n_b cut at the first placeholder id (outside [0, V), e.g. vLLM's -1 padding): the draft ends
+    there, so that position draws the bonus token from p, masking nothing (as a tree walk does when
+    a node has no valid child)."""
+    t = tl.arange(0, GP2)[None, :]
+    in_draft = mask[:, None] & (t < n_b[:, None])
+    tok = tl.load(draft_tokens_ptr + b[:, None] * stride_xb + t, mask=in_draft, other=0)
+    placeholder = in_draft & ((tok < 0) | (tok >= V))
+    return tl.minimum(n_b, tl.min(tl.where(placeholder, t, GP2), axis=1))
 
 
 @triton.jit
@@ -262,6 +282,7 @@ def _verify_accept_kernel(
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     b_ok = b < B
     n_b = per_request(num_draft_ptr, G, b, b_ok, PER_REQ_N).to(tl.int32)
+    n_b = _drafted(draft_tokens_ptr, stride_xb, b, b_ok, n_b, V, ROWS)
     temperature = per_request(temperature_ptr, temperature, b, b_ok, PER_REQ_T).to(tl.float32)
     greedy, inv_t = inverse_temperature(temperature)
     seed = request_seed(seed_ptr, seed, b, b_ok, PER_REQ_SEED)
@@ -342,9 +363,9 @@ def _verify_accept_kernel(
 
     # ---- outputs that need no second pass: greedy token / bonus token; the nonfinite flag
     used = row_ok & (i <= j[:, None])
-    empty = used & (z_t == 0.0) & ~greedy[:, None]
+    # A used row with nothing to sample (no finite logit; greedy or not) flags the request.
+    empty = used & tl.where(greedy[:, None], g_max == float("-inf"), z_t == 0.0)
     flagged = tl.sum(tl.where(used & (bad > 0.0), 1, 0) + empty.to(tl.int32), axis=1) > 0
-    flagged = flagged | (tl.sum((is_draft & ~tok_ok).to(tl.int32), axis=1) > 0)
     direct = tl.where(greedy, _select_row(g_idx, i, j), _select_row(bonus_idx, i, j))
     if chunk == 0:
         tl.store(first_reject_ptr + b, j, mask=b_ok)
@@ -429,10 +450,12 @@ def _verify_finalize_kernel(
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     b_ok = b < B
     n_b = per_request(num_draft_ptr, G, b, b_ok, PER_REQ_N).to(tl.int32)
+    n_b = _drafted(draft_tokens_ptr, stride_xb, b, b_ok, n_b, V, ROWS)
     temperature = per_request(temperature_ptr, temperature, b, b_ok, PER_REQ_T).to(tl.float32)
+    greedy, _inv_t = inverse_temperature(temperature)
     j = tl.load(first_reject_ptr + b, mask=b_ok, other=0)
     token = tl.load(token_ptr + b, mask=b_ok, other=0)
-    need = b_ok & (temperature > 0.0) & (j < n_b)
+    need = b_ok & ~greedy & (j < n_b)
     res_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
     res_idx = tl.zeros([BLOCK_B], tl.int32)
     p_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
@@ -541,6 +564,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
     _verify_row_stats_kernel[(triton.cdiv(rows, plan.block_r), C)](
         target,
         draft,
+        draft_tokens,
         n_ptr,
         t_ptr,
         k_ptr,
@@ -555,6 +579,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         stride_db,
         0,
         stride_dg,
+        draft_tokens.stride(0),
         B,
         1,
         G,
@@ -573,6 +598,8 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         DRAFT_MODE=args.draft_mode,
         HAS_FILTER=has_filter,
         BONUS_IN_PASS=True,
+        PLACEHOLDERS_END=True,
+        GP2=next_pow2(max(G, 1)),
         BLOCK_R=plan.block_r,
         BLOCK_V=plan.block_v,
         num_warps=plan.num_warps,

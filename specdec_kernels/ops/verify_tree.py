@@ -200,7 +200,7 @@ def _tree_walk_kernel(
     else:
         par = tl.load(parents_ptr + b[:, None] * stride_pb + nodes, mask=node_ok, other=-1).to(tl.int32)
     par = tl.where(node_ok, par, -2)  # padding nodes are nobody's children
-    flagged = tl.sum((node_ok & ~tok_ok).to(tl.int32), axis=1) > 0
+    flagged = tl.zeros([BLOCK_B], tl.int1)  # placeholder ids (outside [0, V)) are no error
 
     # ---- walk state
     at_root = b_ok
@@ -476,6 +476,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput:
     _verify_row_stats_kernel[(triton.cdiv(rows, block_r), 1)](
         target,
         draft,
+        target,  # draft tokens: unused (placeholders are handled by the walk)
         n_ptr,
         t_ptr,
         k_ptr,
@@ -488,6 +489,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput:
         target.stride(1),
         target.stride(2),
         *d_strides,
+        0,
         B,
         K,
         G,
@@ -506,6 +508,8 @@ def launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput:
         DRAFT_MODE=args.draft_mode,
         HAS_FILTER=has_filter,
         BONUS_IN_PASS=False,
+        PLACEHOLDERS_END=False,
+        GP2=1,
         BLOCK_R=block_r,
         BLOCK_V=block_v,
         num_warps=4,

@@ -83,8 +83,11 @@ def verify_checked(args) -> VerifyOutput:
 
 def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, seed, V):
     """(number accepted, emitted token, nonfinite flag) for one request."""
-    greedy = temperature == 0.0
+    greedy = not temperature >= 2.0**-126  # subnormal / NaN temperatures act as greedy, like the kernels
     flagged = False
+    # A placeholder id (outside [0, V), e.g. vLLM's -1 padding) ends the draft: that position draws
+    # the bonus token from p, masking nothing, exactly like a tree node without valid children.
+    n = next((i for i in range(n) if not 0 <= drafts[i] < V), n)
     for i in range(n + 1):
         x, bad = sanitize_logits(target[i])
         flagged |= bad
@@ -92,18 +95,17 @@ def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, s
             flagged |= sanitize_logits(draft[i])[1]
         if greedy:
             best = int(torch.argmax(x))  # NaN already -inf; first index on ties
+            flagged |= not bool((x > float("-inf")).any())  # nothing to choose from: token 0, flagged
             if i < n and 0 <= drafts[i] < V and drafts[i] == best:
                 continue
-            flagged |= i < n and not 0 <= drafts[i] < V
             return i, best, flagged
         p = processed_probs(target[i], temperature, top_k, top_p)
         flagged |= not bool((p > 0).any())
         if i == n:  # all drafts accepted: bonus token from p_n
             return n, _race_or_zero(safe_log(p), seed, i, PURPOSE_BONUS), flagged
         tok = drafts[i]
-        if not 0 <= tok < V:
+        if not 0 <= tok < V:  # a placeholder (e.g. -1): rejected, masks nothing, flags nothing
             q = None
-            flagged = True
         elif mode == DRAFT_LOGITS:
             q = processed_probs(draft[i], temperature, top_k, top_p)
         elif mode == DRAFT_PROBS:

@@ -156,7 +156,7 @@ def verify_tree_checked(args) -> TreeVerifyOutput:
     params = args.per_request_cpu()
     target = args.target.cpu()
     draft = args.draft.cpu() if args.draft is not None else None
-    tokens_all = args.tokens.cpu().reshape(B, -1)
+    tokens_all = args.tokens.cpu().reshape(B, args.N)
     parents_all = args.parents_cpu()
     out_tokens = torch.full((B, D + 1), -1, dtype=torch.int64)
     out_nodes = torch.full((B, D), -1, dtype=torch.int64)
@@ -212,7 +212,7 @@ class _Tree:
 
 def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed):
     """(accepted path nodes, emitted token, nonfinite flag) for one request."""
-    greedy = temperature == 0.0
+    greedy = not temperature >= 2.0**-126  # subnormal / NaN temperatures act as greedy, like the kernels
     current = None  # None = root; else the list of nodes spelling the accepted prefix
     accepted_node = None
     path_tokens = 0
@@ -223,7 +223,8 @@ def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed):
         row = tree.target_row(first)
         x_row, bad = sanitize_logits(row)
         flagged |= bad
-        cands = tree.children_of(current)
+        # children with placeholder ids (outside [0, V)) are no candidates: the draft ends there
+        cands = [c for c in tree.children_of(current) if 0 <= int(tree.tokens[c]) < x_row.numel()]
         toks = [int(tree.tokens[c]) for c in cands]
         if greedy:
             best = int(torch.argmax(x_row))

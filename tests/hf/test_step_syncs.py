@@ -69,7 +69,9 @@ def test_at_most_two_host_syncs_per_step(B, options, monkeypatch):
 
     monkeypatch.setattr(driver._Session, "step", counted_step)
     with _count_syncs(counter):
-        out = speculative_generate(target, draft, ids, max_new_tokens=12, num_draft_tokens=3, eos_token_id=[], **options)
+        out = speculative_generate(
+            target, draft, ids, max_new_tokens=12, num_draft_tokens=3, eos_token_id=[], **options
+        )
     assert out.stats.steps == len(per_step) > 0
     assert max(per_step) <= 2, per_step
 

@@ -37,7 +37,13 @@ def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int = 4) -> Non
 
 def verify_kernels():
     v = importlib.import_module("specdec_kernels.ops.verify")
-    ints = {"num_draft_ptr": "*i32", "top_k_ptr": "*i32", "seed_ptr": "*i64", "idx_ptr": "*i32"}
+    ints = {
+        "num_draft_ptr": "*i32",
+        "top_k_ptr": "*i64",
+        "seed_ptr": "*i64",
+        "idx_ptr": "*i32",
+        "draft_tokens_ptr": "*i64",
+    }
     variants = itertools.product(["*bf16"], [0, 1, 2], [False, True], [(1, 2048), (64, 16)])
     others = [("*fp16", 1, False, (1, 2048)), ("*fp32", 2, True, (64, 16))]
     for dtype, mode, has_filter, (block, bv) in itertools.chain(variants, others):
@@ -55,6 +61,8 @@ def verify_kernels():
                 DRAFT_MODE=mode,
                 HAS_FILTER=has_filter,
                 BONUS_IN_PASS=not per_req,
+                PLACEHOLDERS_END=not per_req,
+                GP2=8,
                 BLOCK_R=block,
                 BLOCK_V=bv,
             ),

@@ -221,14 +221,24 @@ def test_ragged_padding_tokens_are_not_validated(device):
     assert out.num_accepted[0] <= 1
 
 
-def test_out_of_range_ids_without_validation_are_rejected_safely(device):
+def test_out_of_range_ids_without_validation_are_placeholders(device):
+    """validate=False: an id outside [0, V) ends the draft (engines pad with -1); not an error."""
     target, tokens, draft = make_problem(2, 3, 20, device=device)
     tokens[:, 0] = torch.tensor([25, -4])
     for temperature in (0.0, 1.0):
         out = sk.verify(target, tokens, draft, temperature=temperature, validate=False, seed=3)
         assert (out.num_accepted == 0).all()
         assert ((out.tokens[:, 0] >= 0) & (out.tokens[:, 0] < 20)).all()
-        assert out.nonfinite.all()  # flagged as invalid input
+        assert not out.nonfinite.any()
+        ended = sk.verify(
+            target,
+            tokens,
+            draft,
+            temperature=temperature,
+            seed=3,
+            num_draft_tokens=torch.zeros(2, dtype=torch.long, device=device),
+        )
+        assert torch.equal(out.tokens[:, 0], ended.tokens[:, 0])  # the same as a draft of length 0
 
 
 @pytest.mark.gpu

@@ -1,0 +1,157 @@
+"""Adversarial inputs (issues 14 and 15): strided views, extreme temperatures, huge top_k, rows with
+nothing finite, placeholder draft ids, empty batches - the same answer (or the same clear error)
+from every backend: Triton, the CPU build of csrc, and the reference."""
+
+import pytest
+import torch
+
+import specdec_kernels as sk
+from specdec_kernels.ops import _cuda_ext
+
+from ._inputs import make_problem
+from ._stats import ALPHA, chi_square_power, chi_square_pvalue
+
+BACKENDS = ["triton", "cpu", "torch"]
+
+
+def _backend_or_skip(backend):
+    if backend == "cpu" and not _cuda_ext.cpu_backend_ready():
+        pytest.skip("the CPU backend cannot be built here")
+    return backend
+
+
+def _same(a, b):
+    for name in ("tokens", "num_accepted", "nonfinite"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a view with stride 2 in its last dimension."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_argument_as_a_strided_view(backend):
+    backend = _backend_or_skip(backend)
+    B, G, V = 3, 4, 100
+    target, tokens, draft = make_problem(B, G, V, seed=1)
+    tokens = torch.where(torch.rand(B, G) < 0.5, target[:, :G].argmax(-1), tokens)
+    per_request = dict(
+        temperature=torch.tensor([0.0, 0.9, 1.3]),
+        top_k=torch.tensor([0, 7, 0]),
+        top_p=torch.tensor([1.0, 0.95, 0.8]),
+        seed=torch.tensor([5, 6, 7]),
+        num_draft_tokens=torch.tensor([4, 2, 3]),
+    )
+    plain = sk.verify(target, tokens, draft, **per_request, backend=backend)
+    views = {k: _strided(v) for k, v in per_request.items()}
+    assert all(not v.is_contiguous() for v in views.values())
+    out = sk.verify(_strided(target), _strided(tokens), _strided(draft), **views, backend=backend)
+    _same(out, plain)
+    # the issue's reproduction: request 1 must not be sampled at the neighbouring value 9
+    t = torch.tensor([[0.0, 9.0]] * 3)[:, 0]
+    _same(sk.verify(target, tokens, draft, temperature=t, seed=3, backend=backend),
+          sk.verify(target, tokens, draft, temperature=0.0, seed=3, backend=backend))  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [float("inf"), 1e300, float("nan"), -1.0, 1e-40, 1e-45])
+def test_unusable_temperatures_are_clear_errors(bad):
+    target, tokens, draft = make_problem(2, 3, 50, seed=2)
+    with pytest.raises(ValueError, match="temperature"):
+        sk.verify(target, tokens, draft, temperature=bad)
+    with pytest.raises(ValueError, match="temperature"):
+        sk.verify(target, tokens, draft, temperature=torch.tensor([0.5, bad]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unchecked_subnormal_temperature_is_greedy(backend):
+    backend = _backend_or_skip(backend)
+    target, tokens, draft = make_problem(3, 4, 100, seed=3)
+    tokens = torch.where(torch.rand(3, 4) < 0.6, target[:, :4].argmax(-1), tokens)
+    greedy = sk.verify(target, tokens, draft, temperature=0.0, seed=1, backend=backend)
+    for t in (1e-40, 1e-45):
+        tiny = torch.full((3,), t)
+        out = sk.verify(target, tokens, draft, temperature=tiny, seed=1, validate=False, backend=backend)
+        _same(out, greedy)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_huge_int64_top_k_means_no_top_k(backend):
+    backend = _backend_or_skip(backend)
+    target, tokens, draft = make_problem(3, 3, 100, seed=4)
+    huge = torch.tensor([2**32 + 1, 2**40, 2**31], dtype=torch.int64)
+    off = sk.verify(target, tokens, draft, temperature=0.9, top_k=0, seed=2, backend=backend)
+    _same(sk.verify(target, tokens, draft, temperature=0.9, top_k=huge, seed=2, backend=backend), off)
+    _same(sk.verify(target, tokens, draft, temperature=0.9, top_k=2**33, seed=2, backend=backend), off)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_row_with_nothing_finite_is_flagged(backend, temperature):
+    backend = _backend_or_skip(backend)
+    target, tokens, draft = make_problem(3, 2, 50, seed=5)
+    target[1, 0] = float("nan")  # request 1's first row: nothing to choose from
+    out = sk.verify(target, tokens, draft, temperature=temperature, seed=1, backend=backend)
+    assert out.nonfinite.tolist() == [False, True, False]
+    assert out.tokens[1, 0] == 0 and out.num_accepted[1] == 0
+    clean = sk.verify(target[[0, 2]], tokens[[0, 2]], draft[[0, 2]], temperature=temperature, seed=torch.tensor([0, 2]))
+    mixed = sk.verify(target, tokens, draft, temperature=temperature, seed=torch.arange(3), backend=backend)
+    assert torch.equal(mixed.tokens[[0, 2]], clean.tokens)  # the NaN request changes no other request
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["ngram", "logits", "probs", "greedy"])
+def test_placeholder_ids_reject_without_masking_or_flagging(backend, mode):
+    """vLLM pads drafts with -1: a rejection at that position, residual = p (nothing masked), not
+    nonfinite; verify_multi with K = 1 gives the same tokens."""
+    backend = _backend_or_skip(backend)
+    B, G, V = 4, 3, 60
+    target, tokens, draft = make_problem(B, G, V, seed=6)
+    tokens[:, 1] = -1
+    tokens[2, 0] = V + 5
+    kw = {"seed": torch.arange(B) + 40, "temperature": 0.0 if mode == "greedy" else 0.9, "validate": False}
+    if mode in ("logits", "greedy"):
+        kw["draft_logits"] = draft
+    elif mode == "probs":
+        kw["draft_probs"] = torch.softmax(draft / 0.9, -1)
+    out = sk.verify(target, tokens, **kw, backend=backend)
+    assert not out.nonfinite.any()
+    assert (out.num_accepted <= 1).all() and out.num_accepted[2] == 0
+    assert ((out.tokens >= 0) & (out.tokens < V) | (out.tokens == -1)).all()
+    multi_kw = {k: (v[:, None] if k.startswith("draft_") else v) for k, v in kw.items()}
+    multi = sk.verify_multi(target[:, None], tokens[:, None], **multi_kw, backend=backend)
+    assert torch.equal(multi.tokens[:, : G + 1], out.tokens[:, : multi.tokens.shape[1]])
+    assert torch.equal(multi.num_accepted, out.num_accepted)
+    with pytest.raises(ValueError, match="draft_tokens must be in"):
+        sk.verify(target, tokens, **{**kw, "validate": True}, backend=backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("mode", ["ngram", "probs"])
+def test_placeholder_position_emits_p(backend, mode):
+    """The issue's case: p(0) = 0.6 at a placeholder position; the emitted token must follow p
+    (chi-square, alpha 1e-6, 4,000 draws), with power > 0.99 against masking token 0."""
+    backend = _backend_or_skip(backend)
+    n, V = 4000, 5
+    p = torch.tensor([0.6, 0.1, 0.1, 0.1, 0.1])
+    target = torch.log(p)[None, None].expand(n, 2, V).contiguous()
+    tokens = torch.full((n, 1), -1)
+    masked = torch.cat([torch.zeros(1), p[1:] / p[1:].sum()])
+    assert chi_square_power(p, masked, n) > 0.99
+    kw = {"draft_probs": torch.full((n, 1, V), 0.2)} if mode == "probs" else {}
+    out = sk.verify(target, tokens, **kw, temperature=1.0, seed=torch.arange(n), validate=False, backend=backend)
+    assert (out.num_accepted == 0).all() and not out.nonfinite.any()
+    assert chi_square_pvalue(out.tokens[:, 0], p.double()) > ALPHA
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batches(backend):
+    backend = _backend_or_skip(backend)
+    t, x = torch.randn(0, 5, 10), torch.zeros(0, 4, dtype=torch.long)
+    assert sk.verify(t, x, backend=backend, seed=1).tokens.shape == (0, 5)
+    assert sk.verify_tree(t, x, torch.full((0, 4), -1), backend=backend, seed=1).tokens.shape[0] == 0
+    multi = sk.verify_multi(torch.randn(0, 2, 3, 10), torch.zeros(0, 2, 2, dtype=torch.long), backend=backend, seed=1)
+    assert multi.tokens.shape[0] == 0
