@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import api as ops
+from .._params import check_temperature_value
 from .._tree_args import MAX_NODES
 from .attention import (
     TreeAttentionMetadata,
@@ -832,8 +833,11 @@ def _check_inputs(
         raise ValueError(f"num_draft_tokens and num_drafts must be >= 1, got {G} and {K}")
     if 1 + K * G > MAX_NODES or (drafter == "model" and 2 + (G - 1) * K > MAX_NODES):
         raise ValueError(f"1 + num_drafts * num_draft_tokens must be <= {MAX_NODES}, got 1 + {K} * {G}")
-    if temperature < 0 or top_k < 0 or not (0.0 < top_p <= 1.0):
-        raise ValueError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+    check_temperature_value(temperature)  # finite, >= 0, and 0 or >= 2**-126 (1/T fits float32)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if method == "rrs_wor" and K > 1 and 0 < top_k < K and temperature > 0:
         raise ValueError(f"method='rrs_wor' samples {K} distinct first drafts: top_k={top_k} leaves too few")
     if max_new_tokens < 0:
@@ -842,6 +846,14 @@ def _check_inputs(
         raise ValueError("input_ids must be a non-empty [B, T] tensor")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}")
+    if attention_mask is not None:
+        # Left padding only: a request's real tokens are one run that ends at the last column.
+        monotone = attention_mask.bool().long().diff(dim=1) >= 0
+        if not bool(monotone.all()):
+            raise ValueError(
+                "attention_mask must be left-padded (0s then 1s in every row, as for generate with "
+                "tokenizer.padding_side='left'); got right padding or holes"
+            )
     lens = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).sum(1)
     if bool((lens < 1).any()):
         raise ValueError("every prompt needs at least one token")

@@ -376,14 +376,33 @@ def test_vocab_mismatch_is_a_clear_error():
         (dict(drafter="model", draft=None), "prompt_lookup"),
         (dict(cache_implementation="paged"), "cache_implementation"),
         (dict(compile_target=True), "static"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=1e300), "temperature"),
+        (dict(temperature=1e-40), "temperature"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-1), "seed"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(draft_confidence=2.0), "draft_confidence"),
+        (dict(attention_mask=torch.tensor([[1, 1, 1, 0]])), "left-padded"),
+        (dict(attention_mask=torch.tensor([[0, 1, 0, 1]])), "left-padded"),
     ],
 )
 def test_bad_arguments(pair, kwargs, match):
     target, draft = pair
     call = dict(draft=draft)
     call.update(kwargs)
+    mask = call.pop("attention_mask", None)
     with pytest.raises(ValueError, match=match):
-        speculative_generate(target, call.pop("draft"), torch.randint(3, 97, (1, 4)), **call)
+        speculative_generate(target, call.pop("draft"), torch.randint(3, 97, (1, 4)), mask, **call)
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_new_tokens=2.5), dict(num_draft_tokens=2.0), dict(num_drafts="2")])
+def test_non_int_arguments_are_type_errors(pair, kwargs):
+    target, draft = pair
+    with pytest.raises(TypeError, match=next(iter(kwargs))):
+        speculative_generate(target, draft, torch.randint(3, 97, (1, 4)), **kwargs)
 
 
 @pytest.mark.gpu
