@@ -54,10 +54,11 @@ def test_demo_runs_and_greedy_rows_match_the_target(capsys):
     assert _demo_weights_present(), "demo weights missing: run scripts/train_demo_pair.py"
     assert main(["demo", "--prompts", "2", "--max-new-tokens", "12", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    table = [line.split() for line in out.splitlines() if line.split()[-1:] in (["True"], ["False"], ["(reference)"])]
-    assert len(table) == 3, out  # target only, chain, SpecTr: the greedy rows
-    assert all(row[-1] in ("True", "(reference)") for row in table), out
-    assert "T=0.7" in out
+    table = [line.split() for line in out.splitlines() if line.split()[-1:] in (["True"], ["False"], ["(baseline)"])]
+    assert len(table) == 4, out  # target only (greedy and sampled baselines), chain, SpecTr
+    assert all(row[-1] in ("True", "(baseline)") for row in table), out
+    assert "T=0.7" in out and "draft fwd" in out and "torch pinned to" in out
+    assert ">>> generated" in out  # prompt and continuation visibly separated
 
 
 def test_generate_streams_with_the_embedded_pair(capsys):
