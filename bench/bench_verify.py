@@ -17,6 +17,11 @@ in, accepted tokens and counts out. Providers:
 * ``cuda``      -- ``specdec_kernels.verify(..., backend="cuda")``: the CUDA C++ kernels of ``csrc/``
                    (prebuilt or compiled just in time on first use). Skipped, not an error, without a
                    GPU or when the extension cannot be built.
+* ``auto``      -- ``specdec_kernels.verify(..., backend="auto")``, what a user gets: on CPU tensors the
+                   native CPU backend (csrc compiled with OpenMP), on a GPU the faster compiled backend.
+
+On CPU (``--device cpu``) rows also carry ``cpu_us``: process CPU time per call (all threads), the
+steadier number on a shared machine; ``--threads`` pins torch's (and OpenMP's) thread count.
 
 Modes: ``stochastic`` (temperature 1, draft logits), ``greedy`` (temperature 0; draft logits are
 passed as a caller with a draft model would, but are not counted as must-read bytes because greedy
@@ -68,7 +73,7 @@ if str(_BENCH_DIR) not in sys.path:  # `import _common` also when this file is i
 
 import _common as common  # noqa: E402
 
-PROVIDERS = ("eager", "reference", "ours", "cuda")
+PROVIDERS = ("eager", "reference", "ours", "cuda", "auto")
 MODES = ("stochastic", "greedy", "ngram", "topk_topp")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -104,6 +109,7 @@ CSV_COLUMNS = (
     "median_us",
     "p20_us",
     "p80_us",
+    "cpu_us",
     "GBps",
     "floor_us",
     "frac_of_floor",
@@ -127,6 +133,7 @@ TABLE_COLUMNS = (
     "median_us",
     "p20_us",
     "p80_us",
+    "cpu_us",
     "GBps",
     "floor_us",
     "frac_of_floor",
@@ -355,11 +362,16 @@ def cuda_unavailable(device: str) -> str | None:
     return None
 
 
+def auto_provider(inputs: VerifyInputs, mode: Mode, validate: bool) -> Callable:
+    return _sk_provider(inputs, mode, validate, "auto")
+
+
 PROVIDER_FACTORIES = {
     "eager": eager_provider,
     "reference": reference_provider,
     "ours": ours_provider,
     "cuda": cuda_provider,
+    "auto": auto_provider,
 }
 
 
@@ -556,6 +568,7 @@ def parse_args(argv=None):
         help="let sk.verify run its host-side input checks (off: as in a serving hot loop)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for the synthetic inputs and eager's RNG")
+    p.add_argument("--threads", type=int, help="torch / OpenMP threads (CPU; default: torch's)")
     args = p.parse_args(argv)
     return resolve_defaults(args, p)
 
@@ -583,6 +596,10 @@ def print_header(meta: dict, args, copy_gbps: float) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     common.prepare_environment(args.device)  # before anything imports specdec_kernels
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     meta = common.environment_metadata(args.device)
     copy_gbps = common.measure_copy_bandwidth(args.device)

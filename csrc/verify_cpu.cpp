@@ -92,6 +92,55 @@ void thresholds_by_selection(const ChainParams& P, int64_t rows) {
   }
 }
 
+// Program 1 for a greedy row on the CPU: the same record as row_stats_program (greedy needs only
+// the argmax and the non-finite count), in two vectorisable passes instead of a branchy online
+// argmax: the max over the chunk (SIMD reduction), then the first index holding it.
+template <class TT>
+void greedy_row_stats(const ChainParams& P, int64_t row, int64_t chunk, const TT* t_row) {
+  const int64_t start = chunk * P.chunk_size;
+  const int64_t end = start + P.chunk_size < P.V ? start + P.chunk_size : P.V;
+  float m = neg_inf();
+  int bad = 0;
+#pragma omp simd reduction(max : m) reduction(+ : bad)
+  for (int64_t x = start; x < end; ++x) {
+    const float v = to_float(t_row[x]);
+    const bool is_bad = (v != v) || v == INFINITY;
+    bad += is_bad ? 1 : 0;
+    m = std::max(m, is_bad ? neg_inf() : v);
+  }
+  int32_t idx = 0;  // no finite logit: index 0, as index_or_zero() reports
+  if (m > neg_inf()) {
+    for (int64_t x = start; x < end; ++x) {
+      if (to_float(t_row[x]) == m) {
+        idx = int32_t(x);
+        break;
+      }
+    }
+  }
+  float* s = P.stats + (row * P.num_chunks + chunk) * NUM_STATS;
+  s[0] = neg_inf();
+  s[1] = 0.0f;
+  s[2] = neg_inf();
+  s[3] = 0.0f;
+  s[4] = m;
+  s[5] = float(bad);
+  s[6] = 0.0f;
+  P.g_idx[row * P.num_chunks + chunk] = idx;
+}
+
+template <class TT, class TD>
+void row_stats_item(const ChainParams& P, int64_t row, int64_t chunk) {
+  const int64_t bk = row / (P.G + 1), i = row % (P.G + 1);
+  const int64_t b = bk / P.K, k = bk % P.K;
+  const Request rq = load_request(P, b);
+  if (rq.greedy && i <= rq.n) {
+    greedy_row_stats(P, row, chunk, static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg);
+    return;
+  }
+  SeqReducer red;
+  row_stats_program<SeqReducer, TT, TD>(P, row, chunk, red);
+}
+
 template <class TT, class TD>
 void row_pass(ChainParams& P, int64_t rows) {
   if (P.has_filter) {
@@ -100,10 +149,7 @@ void row_pass(ChainParams& P, int64_t rows) {
   }
   const int64_t C = P.num_chunks;
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t item = 0; item < rows * C; ++item) {
-    SeqReducer red;
-    row_stats_program<SeqReducer, TT, TD>(P, item / C, item % C, red);
-  }
+  for (int64_t item = 0; item < rows * C; ++item) row_stats_item<TT, TD>(P, item / C, item % C);
 }
 
 }  // namespace
