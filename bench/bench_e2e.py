@@ -165,13 +165,21 @@ CSV_COLUMNS = (
     "rep",
     "new_tokens",
     "wall_s",
+    "cpu_s",
     "tokens_per_s",
     "speedup_vs_target",
+    "cpu_speedup_vs_target",
     "speedup_vs_hf_assisted",
     "acceptance_rate",
     "mean_accepted_length",
     "target_forwards",
     "draft_forwards",
+    "time_draft",
+    "time_target",
+    "time_verify",
+    "time_commit",
+    "time_other",
+    "drafts_per_step",
     "greedy_equal",
     "greedy_equal_prompts",
     "seed",
@@ -190,14 +198,17 @@ TABLE_COLUMNS = (
     "K",
     "new_tokens",
     "wall_s",
+    "cpu_s",
     "tokens_per_s",
     "speedup_vs_target",
+    "cpu_speedup_vs_target",
     "speedup_vs_hf_assisted",
     "acceptance_rate",
     "mean_accepted_length",
     "target_forwards",
+    "time_draft",
+    "time_other",
     "greedy_equal",
-    "greedy_equal_prompts",
     "status",
 )
 
@@ -419,6 +430,7 @@ class Result:
     new_tokens: list[list[int]]  # per row, up to and including the first EOS
     wall_s: float
     stats: object | None = None  # SpeculativeStats (ours)
+    cpu_s: float = 0.0  # process CPU time (steadier than wall time on a shared machine)
 
 
 def new_tokens_per_row(sequences: torch.Tensor, prompt_width: int, eos: set[int]) -> list[list[int]]:
@@ -435,11 +447,12 @@ def _sync(device: str) -> None:
 
 
 def timed(fn: Callable, device: str):
+    """(fn(), wall seconds, process CPU seconds)."""
     _sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
     _sync(device)
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0, time.process_time() - c0
 
 
 def mode_settings(mode: str, args) -> dict:
@@ -482,14 +495,14 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
             kwargs["prompt_lookup_num_tokens"] = args.G
         torch.manual_seed(seed)
         with torch.no_grad():
-            seqs, wall = timed(lambda: pair.target.generate(**kwargs), args.device)
-        return Result(new_tokens_per_row(seqs, width, eos), wall)
+            seqs, wall, cpu = timed(lambda: pair.target.generate(**kwargs), args.device)
+        return Result(new_tokens_per_row(seqs, width, eos), wall, cpu_s=cpu)
 
     from specdec_kernels.hf import speculative_generate  # lazy: TRITON_INTERPRET must be decided first
 
     s = mode_settings(mode, args)
     use_draft = s["drafter"] == "model"
-    out, wall = timed(
+    out, wall, cpu = timed(
         lambda: speculative_generate(
             pair.target,
             pair.draft if use_draft else None,
@@ -512,7 +525,7 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
         ),
         args.device,
     )
-    return Result(new_tokens_per_row(out.sequences, width, eos), wall, out.stats)
+    return Result(new_tokens_per_row(out.sequences, width, eos), wall, out.stats, cpu)
 
 
 def mode_unavailable(mode: str, pair: Pair, batch_size: int) -> str | None:
@@ -538,6 +551,9 @@ def configure_hf_assistant(pair: Pair, args) -> None:
 class Totals:
     new_tokens: int = 0
     wall_s: float = 0.0
+    cpu_s: float = 0.0
+    time_s: dict = field(default_factory=dict)  # driver phases (ours), summed
+    drafts_per_step: dict = field(default_factory=dict)
     accepted: int = 0
     proposed: int = 0
     request_steps: int = 0
@@ -551,9 +567,14 @@ class Totals:
     def add(self, result: Result) -> None:
         self.new_tokens += sum(len(r) for r in result.new_tokens)
         self.wall_s += result.wall_s
+        self.cpu_s += result.cpu_s
         st = result.stats
         if st is not None:
             self.has_stats = True
+            for phase, seconds in getattr(st, "time_s", {}).items():
+                self.time_s[phase] = self.time_s.get(phase, 0.0) + seconds
+            for g, steps in getattr(st, "draft_length_histogram", {}).items():
+                self.drafts_per_step[g] = self.drafts_per_step.get(g, 0) + steps
             self.accepted += st.accepted
             self.proposed += st.proposed
             self.request_steps += st.request_steps
@@ -663,9 +684,12 @@ def make_rows(
             status=t.status,
             new_tokens=t.new_tokens,
             wall_s=t.wall_s,
+            cpu_s=t.cpu_s,
             tokens_per_s=t.new_tokens / t.wall_s if t.wall_s and t.status == "ok" else None,
         )
         if t.has_stats:
+            row.update({f"time_{phase}": seconds / t.wall_s for phase, seconds in t.time_s.items() if t.wall_s})
+            row["drafts_per_step"] = " ".join(f"{g}:{n}" for g, n in sorted(t.drafts_per_step.items()))
             row.update(
                 acceptance_rate=t.accepted / t.proposed if t.proposed else 0.0,
                 mean_accepted_length=(t.accepted + t.request_steps) / t.request_steps if t.request_steps else 0.0,
@@ -677,14 +701,21 @@ def make_rows(
                 greedy_equal="yes" if t.equal == t.compared else "no", greedy_equal_prompts=f"{t.equal}/{t.compared}"
             )
         rows.append(row)
-    by_mode = {r["mode"]: r for r in rows if r.get("tokens_per_s")}
+    fill_speedups(rows, {r["mode"]: r for r in rows if r.get("tokens_per_s")})
+    return rows
+
+
+def fill_speedups(rows: list[dict], by_mode: dict[str, dict]) -> None:
+    """Speedups against the baselines measured in this run (wall time, and process CPU time)."""
     for r in rows:
         if not r.get("tokens_per_s"):
             continue
         for col, base_mode in (("speedup_vs_target", "target_only"), ("speedup_vs_hf_assisted", "hf_assisted")):
             if base_mode in by_mode:
                 r[col] = r["tokens_per_s"] / by_mode[base_mode]["tokens_per_s"]
-    return rows
+        base = by_mode.get("target_only")
+        if base and base.get("cpu_s") and r.get("cpu_s"):
+            r["cpu_speedup_vs_target"] = (r["new_tokens"] / r["cpu_s"]) / (base["new_tokens"] / base["cpu_s"])
 
 
 def run(pair: Pair, sets: dict[str, list[str]], args, meta: dict, errors: list) -> list[dict]:
@@ -698,12 +729,46 @@ def run(pair: Pair, sets: dict[str, list[str]], args, meta: dict, errors: list) 
     draft_name = pair.draft_name if pair.draft is not None else "none"
     base = {**meta, "target_model": pair.target_name, "draft_model": draft_name, "model_dtype": args.dtype}
     rows = []
+    sweep = list(args.G_sweep)
     for temperature in args.temperature:
         for set_name, prompts in sets.items():
             lengths = [int(m.sum()) for t in prompts for m in encode(pair.tokenizer, [t], "cpu")[1]]
-            totals = measure_set(pair, set_name, prompts, temperature, modes, args, errors)
-            rows += make_rows(totals, set_name, prompts, sum(lengths) / len(lengths), temperature, skipped, args, base)
+            baselines: dict[str, dict] = {}
+            for gi, g in enumerate(sweep):  # baselines once (first G); ours at every G of the sweep
+                args.G = g
+                run_modes = modes if gi == 0 else [m for m in modes if m.startswith("ours")]
+                totals = measure_set(pair, set_name, prompts, temperature, run_modes, args, errors)
+                mode_args = argparse.Namespace(
+                    **{**vars(args), "modes": [m for m in args.modes if m in run_modes or m in skipped]}
+                )
+                new = make_rows(
+                    totals, set_name, prompts, sum(lengths) / len(lengths), temperature, skipped, mode_args, base
+                )
+                if gi == 0:
+                    baselines = {
+                        r["mode"]: r for r in new if r.get("tokens_per_s") and not r["mode"].startswith("ours")
+                    }
+                fill_speedups(new, {**baselines, **{r["mode"]: r for r in new if r.get("tokens_per_s")}})
+                rows += new
+            report_best_g(rows, set_name, temperature)
     return rows
+
+
+def report_best_g(rows: list[dict], set_name: str, temperature: float) -> None:
+    """One line per mode of ours: the G of the sweep with the highest tokens/s."""
+    for mode in sorted({r["mode"] for r in rows if r["mode"].startswith("ours")}):
+        mine = [
+            r for r in rows if r["mode"] == mode and r["prompt_set"] == set_name and r["temperature"] == temperature
+        ]
+        mine = [r for r in mine if r.get("tokens_per_s")]
+        if mine:
+            best = max(mine, key=lambda r: r["tokens_per_s"])
+            print(
+                f"[best G] {mode} {set_name} T={temperature:g}: G={best['G']} "
+                f"{best['tokens_per_s']:.1f} tok/s, {best.get('speedup_vs_target') or 0:.2f}x target "
+                f"(CPU time {best.get('cpu_speedup_vs_target') or 0:.2f}x)",
+                file=sys.stderr,
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -721,7 +786,13 @@ def parse_args(argv=None):
     src.add_argument("--pair", choices=("demo",), help="demo: the embedded byte-level pair of specdec_kernels.demo")
     p.add_argument("--draft", help="draft model: a local Hugging Face directory (with --target)")
     p.add_argument("--modes", nargs="+", choices=MODES, help=f"default: {' '.join(DEFAULT_MODES)}")
-    p.add_argument("--G", type=int, help=f"draft tokens per chain for ours and hf_prompt_lookup (default {DEFAULT_G})")
+    p.add_argument(
+        "--G",
+        type=int,
+        nargs="+",
+        help=f"draft tokens per chain (the maximum with adaptive drafting) for ours and hf_prompt_lookup "
+        f"(default {DEFAULT_G}); several values sweep gamma in one run and report the best",
+    )
     p.add_argument(
         "--cache",
         choices=["dynamic", "static"],
@@ -789,7 +860,8 @@ def resolve_defaults(args, parser):
     if args.draft and not args.target:
         parser.error("--draft goes with --target")
     args.modes = args.modes or list(SMOKE_MODES if smoke else DEFAULT_MODES)
-    args.G = args.G or DEFAULT_G
+    args.G_sweep = args.G or [DEFAULT_G]
+    args.G = args.G_sweep[0]
     args.temperature = args.temperature or [0.0]
     args.max_new_tokens = args.max_new_tokens or (SMOKE_MAX_NEW if smoke else DEFAULT_MAX_NEW)
     args.prompts = args.prompts or list(PROMPT_SETS)
@@ -809,7 +881,7 @@ def resolve_defaults(args, parser):
     # Smoke models are tiny: CPU, where CI runs, unless --device says otherwise.
     args.device = args.device or ("cpu" if smoke else common.default_device())
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") and not smoke else "fp32")
-    if args.rep < 1 or args.warmup < 0 or args.batch_size < 1 or args.max_new_tokens < 1 or args.G < 1:
+    if args.rep < 1 or args.warmup < 0 or args.batch_size < 1 or args.max_new_tokens < 1 or min(args.G_sweep) < 1:
         parser.error("need --rep >= 1, --warmup >= 0, --batch-size >= 1, --max-new-tokens >= 1, --G >= 1")
     if min(args.temperature) < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
         parser.error("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
