@@ -23,11 +23,99 @@ import time
 
 import torch
 
+from ._types import METHODS
+
+MAX_TREE_NODES = 64  # root + drafts of one verification tree (the kernels' node masks)
+Z_PASS = 4.0  # verify-demo: measured vs theory within 4 standard errors (a false FAIL ~ 1 in 16,000)
+
+
+class UsageError(Exception):
+    """A bad command-line value: printed as one line naming the argument, exit code 2."""
+
+    def __init__(self, argument: str, value, allowed: str):
+        super().__init__(f"{argument}: {value!r} is not allowed: {allowed}")
+
 
 def _device(choice: str) -> str:
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device", choice, "no CUDA GPU is visible to torch here; use --device cpu or auto")
     return choice
+
+
+def _at_least(argument: str, value, low, what: str = "") -> None:
+    if value is None or value < low:
+        raise UsageError(argument, value, f"an integer >= {low}{what}")
+
+
+def _check_drafts(G: int, K: int) -> None:
+    _at_least("--num-draft-tokens", G, 1)
+    _at_least("--num-drafts", K, 1)
+    if 1 + K * G > MAX_TREE_NODES:
+        raise UsageError("--num-drafts", K, f"1 + num_drafts * num_draft_tokens <= {MAX_TREE_NODES} (G={G})")
+
+
+def _check_temperature(value, *, positive: bool = False) -> None:
+    from ._params import check_temperature_value
+
+    try:
+        check_temperature_value(value)
+    except (TypeError, ValueError) as exc:
+        raise UsageError("--temperature", value, "a finite float >= 0 (0 = greedy)") from exc
+    if positive and value == 0:
+        raise UsageError("--temperature", value, "a float > 0 (it sets the sampled rows)")
+
+
+def _check_model_path(argument: str, path: str) -> None:
+    from pathlib import Path
+
+    if path == "demo":
+        return
+    hint = "pass --target demo for the embedded pair, or fetch real models with bench/models.py"
+    if not Path(path).is_dir():
+        raise UsageError(argument, path, f"an existing local model directory ({hint})")
+    if not (Path(path) / "config.json").is_file():
+        raise UsageError(argument, path, f"a Hugging Face model directory with config.json ({hint})")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """Every argument, before any model loads."""
+    _device(args.device)
+    if args.command == "demo":
+        from .demo import DEMO_PROMPTS
+
+        if not 1 <= args.prompts <= len(DEMO_PROMPTS):
+            raise UsageError("--prompts", args.prompts, f"an integer in [1, {len(DEMO_PROMPTS)}]")
+        _at_least("--max-new-tokens", args.max_new_tokens, 1)
+        _check_drafts(args.num_draft_tokens, args.num_drafts)
+        _check_temperature(args.temperature, positive=True)
+        _at_least("--threads", args.threads, 0, " (0 = default)")
+    elif args.command == "generate":
+        _check_model_path("--target", args.target)
+        if args.draft is not None:
+            if args.draft == "demo" or args.target == "demo":
+                raise UsageError("--draft", args.draft, "omit --draft with --target demo (the pair ships its draft)")
+            _check_model_path("--draft", args.draft)
+        _at_least("--max-new-tokens", args.max_new_tokens, 1)
+        _check_drafts(args.num_draft_tokens, args.num_drafts)
+        _check_temperature(args.temperature)
+        _at_least("--top-k", args.top_k, 0, " (0 = off)")
+        if not 0.0 < args.top_p <= 1.0:
+            raise UsageError("--top-p", args.top_p, "a float in (0, 1] (1 = off)")
+        if args.seed is not None and not 0 <= args.seed < 2**64:
+            raise UsageError("--seed", args.seed, "an integer in [0, 2**64)")
+        if args.vocab_size is not None:
+            _at_least("--vocab-size", args.vocab_size, 1)
+        if args.drafter == "prompt_lookup" and args.num_drafts != 1:
+            raise UsageError("--num-drafts", args.num_drafts, "1 with --drafter prompt_lookup (one chain)")
+    elif args.command == "verify-demo":
+        if args.batch is not None:
+            _at_least("--batch", args.batch, 1)
+        if args.vocab is not None:
+            _at_least("--vocab", args.vocab, 2)
+        _check_drafts(args.num_draft_tokens, args.num_drafts)
+        _check_temperature(args.temperature, positive=True)
 
 
 def _kseq_theory(p: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor:
@@ -71,16 +159,26 @@ def _setting(name, closeness, B, G, V, K, temperature, seed, device):
     multi = sk.verify_multi(t_multi, multi_tokens.to(device), d_multi, temperature=temperature, seed=args[3])
     multi_accepted = multi.num_accepted.cpu()
     multi_s = time.perf_counter() - start
-    kseq_alpha = _kseq_theory(p[:, 0], q[:, 0], K).mean()
+    kseq_alpha = float(_kseq_theory(p[:, 0], q[:, 0], K).mean())
+    first = (accepted >= 1).double()
+    steps = (accepted + 1).double()
+    multi_first = (multi_accepted >= 1).double()
+    checks = [  # (measured mean, its standard error, theory)
+        (float(first.mean()), float(first.std() / B**0.5), float(alpha[:, 0].mean())),
+        (float(steps.mean()), float(steps.std() / B**0.5), float(expected)),
+        (float(multi_first.mean()), float(multi_first.std() / B**0.5), kseq_alpha),
+    ]
+    worst = max(abs(m - t) / max(se, 1e-12) for m, se, t in checks)
     return {
         "setting": name,
-        "alpha theory": float(alpha[:, 0].mean()),
-        "alpha measured": float((accepted >= 1).float().mean()),
-        "tokens/step theory": float(expected),
-        "tokens/step measured": float((accepted + 1).float().mean()),
-        f"K={K} accept theory": float(kseq_alpha),
-        f"K={K} accept measured": float((multi_accepted >= 1).float().mean()),
-        f"K={K} tokens/step": float((multi_accepted + 1).float().mean()),
+        "alpha theory": checks[0][2],
+        "alpha measured": f"{checks[0][0]:.3f}+-{checks[0][1]:.3f}",
+        "tokens/step theory": checks[1][2],
+        "tokens/step measured": f"{checks[1][0]:.3f}+-{checks[1][1]:.3f}",
+        f"K={K} accept theory": kseq_alpha,
+        f"K={K} accept measured": f"{checks[2][0]:.3f}+-{checks[2][1]:.3f}",
+        "max |z|": worst,
+        f"|z|<{Z_PASS:g}": "PASS" if worst < Z_PASS else "FAIL",
         "verify ms": chain_s * 1e3,
         "verify_multi ms": multi_s * 1e3,
     }
@@ -96,11 +194,11 @@ def _print_table(rows: list[dict]) -> None:
 
 def verify_demo(args: argparse.Namespace) -> int:
     device = _device(args.device)
-    backend = "Triton on CUDA" if device == "cuda" else "Triton interpreter on CPU (slow but exact)"
-    B = args.batch or (8192 if device == "cuda" else 512)
-    V = args.vocab or (32000 if device == "cuda" else 64)
+    backend = "Triton on CUDA" if device == "cuda" else "the native CPU backend (csrc, OpenMP)"
+    B = args.batch if args.batch is not None else (8192 if device == "cuda" else 512)
+    V = args.vocab if args.vocab is not None else (32000 if device == "cuda" else 64)
     G, K = args.num_draft_tokens, args.num_drafts
-    print(f"specdec demo: B={B} requests, G={G} drafts, V={V}, K={K} chains for K-SEQ, temperature={args.temperature}")
+    print(f"specdec verify-demo: B={B} requests, G={G} drafts, V={V}, K={K} chains for K-SEQ, T={args.temperature}")
     print(f"backend: {backend}\n")
     rows = []
     for name, closeness in (("close", 0.3), ("medium", 0.7), ("far", 1.5)):
@@ -123,7 +221,9 @@ def verify_demo(args: argparse.Namespace) -> int:
         for b in range(B)
     )
     print(f"\ngreedy: accepted tokens equal the target argmax chain for all {B} requests: {ok}")
-    return 0 if ok else 1
+    passed = all(row[f"|z|<{Z_PASS:g}"] == "PASS" for row in rows)
+    print(f"measured vs theory: {'PASS' if passed else 'FAIL'} (every figure within {Z_PASS:g} standard errors)")
+    return 0 if ok and passed else 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--max-new-tokens", type=int, default=128)
     p_gen.add_argument("--num-draft-tokens", type=int, default=4)
     p_gen.add_argument("--num-drafts", type=int, default=1)
-    p_gen.add_argument("--method", choices=["kseq", "rrs", "rrs_wor"], default="kseq")
+    p_gen.add_argument("--method", choices=list(METHODS), default="kseq")
     p_gen.add_argument("--drafter", choices=["model", "prompt_lookup"], default=None)
     p_gen.add_argument("--temperature", type=float, default=0.0)
     p_gen.add_argument("--top-k", type=int, default=0)
@@ -382,13 +482,22 @@ def main(argv: list[str] | None = None) -> int:
     p_vd.add_argument("--temperature", type=float, default=1.0)
     p_vd.add_argument("--seed", type=int, default=0)
     p_vd.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    for sub_parser in (p_demo, p_gen, p_vd):
+        sub_parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
     args = parser.parse_args(argv)
     commands = {"demo": demo, "generate": generate_command, "verify-demo": verify_demo}
-    if args.command in commands:
+    if args.command not in commands:
+        parser.print_help()
+        return 0
+    try:
+        _validate(args)
         return commands[args.command](args)
-    parser.print_help()
-    return 0
+    except UsageError as exc:
+        if args.debug:
+            raise
+        print(f"specdec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

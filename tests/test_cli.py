@@ -3,6 +3,9 @@
 import math
 import re
 
+import pytest
+import torch
+
 from specdec_kernels.cli import main
 
 
@@ -35,9 +38,10 @@ def test_verify_demo_agrees_with_theory(capsys):
     assert "greedy: accepted tokens equal the target argmax chain" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s*(close|medium|far)\s", line)]
     assert len(rows) == 3
+    assert all(row[-3] == "PASS" for row in rows), out  # the demo's own verdict (|z| < 4)
     for row in rows:
-        alpha_theory, alpha_measured = float(row[1]), float(row[2])
-        kseq_theory, kseq_measured = float(row[5]), float(row[6])
+        alpha_theory, alpha_measured = float(row[1]), float(row[2].split("+-")[0])
+        kseq_theory, kseq_measured = float(row[5]), float(row[6].split("+-")[0])
         for theory, measured in ((alpha_theory, alpha_measured), (kseq_theory, kseq_measured)):
             sigma = math.sqrt(max(theory * (1 - theory), 1e-3) / B)  # (theory is itself a mean over rows)
             assert abs(measured - theory) < 6 * sigma + 0.02, (row, theory, measured)
@@ -84,3 +88,41 @@ def test_generate_streams_with_the_embedded_pair(capsys):
     out = capsys.readouterr().out
     assert out.startswith(prompt)
     assert "acceptance" in out.lower()
+
+
+@pytest.mark.parametrize(
+    "argv, argument",
+    [
+        (["generate", "--target", "/nonexistent/model", "--prompt", "x"], "--target"),
+        (["generate", "--target", "demo", "--draft", "/nonexistent", "--prompt", "x"], "--draft"),
+        (["generate", "--target", "demo", "--prompt", "x", "--temperature", "-1"], "--temperature"),
+        (["generate", "--target", "demo", "--prompt", "x", "--temperature", "nan"], "--temperature"),
+        (["generate", "--target", "demo", "--prompt", "x", "--temperature", "inf"], "--temperature"),
+        (["generate", "--target", "demo", "--prompt", "x", "--top-p", "1.5"], "--top-p"),
+        (["generate", "--target", "demo", "--prompt", "x", "--num-drafts", "0"], "--num-drafts"),
+        (["generate", "--target", "demo", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["generate", "--target", "demo", "--prompt", "x", "--seed", "-3"], "--seed"),
+        (["demo", "--prompts", "0"], "--prompts"),
+        (["demo", "--prompts", "-1"], "--prompts"),
+        (["demo", "--prompts", "10"], "--prompts"),
+        (["demo", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["demo", "--num-draft-tokens", "40", "--num-drafts", "2"], "--num-drafts"),
+        (["verify-demo", "--vocab", "0"], "--vocab"),
+        (["verify-demo", "--batch", "0"], "--batch"),
+        (["verify-demo", "--num-draft-tokens", "0"], "--num-draft-tokens"),
+        (["verify-demo", "--device", "cuda"], "--device"),
+    ],
+)
+def test_bad_invocations_are_one_line_errors(argv, argument, capsys):
+    if argument == "--device" and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and argument in err and "Traceback" not in err, err
+
+
+def test_debug_shows_the_traceback():
+    from specdec_kernels.cli import UsageError
+
+    with pytest.raises(UsageError):
+        main(["demo", "--prompts", "0", "--debug"])

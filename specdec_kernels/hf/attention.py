@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._tree_args import MAX_NODES
+from .._types import MAX_NODES
 from ..ops.tree_attention import tree_attention_from_masks, tree_attention_torch, window_start
 from ..ops.tree_metadata import tree_metadata
 

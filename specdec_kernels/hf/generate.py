@@ -28,7 +28,7 @@ import torch
 
 from .. import api as ops
 from .._params import check_temperature_value
-from .._tree_args import MAX_NODES
+from .._types import MAX_NODES, METHODS
 from .attention import (
     TreeAttentionMetadata,
     tree_attention_context,
@@ -44,7 +44,6 @@ from .drafting import (
     sample_next_tokens,
 )
 
-METHODS = ("kseq", "rrs", "rrs_wor")
 DRAFTERS = ("model", "prompt_lookup")
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
@@ -834,7 +833,7 @@ def _check_inputs(
     if drafter == "prompt_lookup" and K != 1:
         raise ValueError("drafter='prompt_lookup' proposes one chain: use num_drafts=1")
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
     if G < 1 or K < 1:
         raise ValueError(f"num_draft_tokens and num_drafts must be >= 1, got {G} and {K}")
     if 1 + K * G > MAX_NODES or (drafter == "model" and 2 + (G - 1) * K > MAX_NODES):
