@@ -28,6 +28,7 @@ def verify(
     seed: int | torch.Tensor | None = None,
     validate: bool = True,
     backend: str = "auto",
+    out_dtype: torch.dtype = torch.int64,
 ) -> VerifyOutput:
     """Verify one draft chain per request; the emitted tokens are exactly target-distributed.
 
@@ -59,9 +60,18 @@ def verify(
 
     Non-finite logits: NaN and +inf are treated as -inf (never accepted or sampled) and the
     request is flagged in ``nonfinite``; a row with no finite logit emits token 0, flagged.
+    With validate=False a draft id outside [0, V) (an engine's -1 padding) is a placeholder: the
+    request's draft ends there and that position draws the bonus token from p (nothing masked, not
+    flagged), as ``verify_multi`` / ``verify_tree`` do for a node without valid children.
+
+    out_dtype: torch.int64 (default) or torch.int32 for ``tokens`` (and ``accepted_nodes`` of the tree
+        ops), as vLLM / SGLang / FlashInfer hold ids. Engine conventions: vLLM's num_sampled =
+        num_accepted + 1 (tokens[b, :num_accepted + 1] are the output ids); SGLang's accept_index is
+        ``accepted_nodes`` (verify_tree) and its predicts the emitted tokens; FlashInfer's
+        chain_speculative_sampling output = ``tokens`` with -1 padding.
 
     Returns:
-        VerifyOutput(tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool).
+        VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool).
 
     Example:
         >>> out = sk.verify(target_logits, draft_tokens, draft_logits, temperature=0.7, seed=seeds)
@@ -80,9 +90,12 @@ def verify(
         seed,
         validate=validate,
     )
+    _check_out_dtype(out_dtype)
     if torch.compiler.is_compiling():  # one opaque custom op in the graph
-        return _dispatch.call_verify_chain(args, backend)
-    return _dispatch.run_verify(args, backend)
+        out = _dispatch.call_verify_chain(args, backend)
+    else:
+        out = _dispatch.run_verify(args, backend)
+    return out if out_dtype == torch.int64 else VerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.nonfinite)
 
 
 def verify_tree(
@@ -101,6 +114,7 @@ def verify_tree(
     max_depth: int | None = None,
     validate: bool = True,
     backend: str = "auto",
+    out_dtype: torch.dtype = torch.int64,
 ) -> TreeVerifyOutput:
     """Verify a token tree of drafts per request; the emitted tokens are exactly target-distributed.
 
@@ -149,6 +163,7 @@ def verify_tree(
         method,
         max_depth,
         validate=validate,
+        out_dtype=out_dtype,
     )
 
 
@@ -165,6 +180,7 @@ def verify_multi(
     method: str = "kseq",
     validate: bool = True,
     backend: str = "auto",
+    out_dtype: torch.dtype = torch.int64,
 ) -> TreeVerifyOutput:
     """Verify K independent draft chains per request (SpecTr multi-draft).
 
@@ -195,13 +211,24 @@ def verify_multi(
         None,
         validate=validate,
         multi=True,
+        out_dtype=out_dtype,
     )
 
 
-def _run_tree(backend, *tree_args, validate: bool, multi: bool = False) -> TreeVerifyOutput:
+def _run_tree(backend, *tree_args, validate: bool, multi: bool = False, out_dtype=torch.int64) -> TreeVerifyOutput:
     """verify_tree and verify_multi: one check (``check_tree_args``), one dispatch."""
     backend = _dispatch.check_backend(backend)
+    _check_out_dtype(out_dtype)
     args = check_tree_args(*tree_args, validate=validate, multi=multi)
     if torch.compiler.is_compiling():  # one opaque custom op in the graph
-        return _dispatch.call_verify_tree(args, backend)
-    return _dispatch.run_tree(args, backend)
+        out = _dispatch.call_verify_tree(args, backend)
+    else:
+        out = _dispatch.run_tree(args, backend)
+    if out_dtype == torch.int64:
+        return out
+    return TreeVerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.accepted_nodes.to(out_dtype), out.nonfinite)
+
+
+def _check_out_dtype(out_dtype) -> None:
+    if out_dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"out_dtype must be torch.int64 or torch.int32 (as engines hold token ids), got {out_dtype!r}")

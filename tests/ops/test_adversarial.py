@@ -155,3 +155,17 @@ def test_empty_batches(backend):
     assert sk.verify_tree(t, x, torch.full((0, 4), -1), backend=backend, seed=1).tokens.shape[0] == 0
     multi = sk.verify_multi(torch.randn(0, 2, 3, 10), torch.zeros(0, 2, 2, dtype=torch.long), backend=backend, seed=1)
     assert multi.tokens.shape[0] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int32_outputs(backend):
+    backend = _backend_or_skip(backend)
+    target, tokens, draft = make_problem(3, 3, 50, seed=8)
+    wide = sk.verify(target, tokens, draft, seed=2, backend=backend)
+    narrow = sk.verify(target, tokens, draft, seed=2, backend=backend, out_dtype=torch.int32)
+    assert narrow.tokens.dtype == torch.int32 and torch.equal(narrow.tokens.long(), wide.tokens)
+    t4, x4 = target[:, None], tokens[:, None]
+    multi = sk.verify_multi(t4, x4, draft[:, None], seed=2, backend=backend, out_dtype=torch.int32)
+    assert multi.tokens.dtype == multi.accepted_nodes.dtype == torch.int32
+    with pytest.raises(TypeError, match="out_dtype"):
+        sk.verify(target, tokens, draft, out_dtype=torch.float32)
