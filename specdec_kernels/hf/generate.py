@@ -206,23 +206,35 @@ class _PhaseTimer:
             self.stats.time_s[phase] += time.perf_counter() - start
 
 
-def _choose_draft_length(stats: SpeculativeStats, G_max: int, forward_times: dict) -> int:
+def draft_cost_estimate(target, draft) -> float:
+    """A draft forward's cost relative to the target's, from the two models' shapes: the mean of
+    the parameter ratio (what bandwidth- and FLOP-bound forwards scale with) and the layer ratio
+    (what per-layer launch and framework overhead scales with, dominant for small models). From
+    shapes, not timings, so that a seeded call draws the same tokens every time."""
+
+    def size(model):
+        config = model.config.get_text_config(decoder=True)
+        return sum(p.numel() for p in model.parameters()), max(1, int(config.num_hidden_layers))
+
+    (p_t, l_t), (p_d, l_d) = size(target), size(draft)
+    return 0.5 * (p_d / max(p_t, 1)) + 0.5 * (l_d / l_t)
+
+
+def _choose_draft_length(stats: SpeculativeStats, G_max: int, cost: float) -> int:
     """Drafts per step maximising expected tokens per unit of time for the running acceptance.
 
     A chain of g drafts with per-draft acceptance a commits (1 - a^(g+1)) / (1 - a) tokens per target
-    forward and costs one target forward plus g draft forwards (c each, relative to the target's,
-    measured in this call). Decided on the host from past steps only (no synchronisation), so the
-    output stays exact: the number of drafts never depends on the drafts it would propose.
+    forward and costs one target forward plus g draft forwards (``cost`` each, relative to the
+    target's). Decided on the host from past steps only (no synchronisation), so the output stays
+    exact - the number of drafts never depends on the drafts it would propose - and reproducible.
     """
     # Per-position acceptance, the maximum-likelihood estimate of the geometric model: accepted drafts
     # over drafts tested (every accepted one, plus one rejection per step that ended in one).
     a = (stats.accepted + 0.7 * 4) / (stats.accepted + stats.rejections + 4)  # prior 0.7, worth 4 tests
     a = min(max(a, 0.01), 0.99)
-    draft_t, target_t = forward_times.get("draft"), forward_times.get("target")
-    c = draft_t / target_t if draft_t and target_t else 0.1
     best, best_rate = 1, 0.0
     for g in range(1, G_max + 1):
-        rate = (1 - a ** (g + 1)) / (1 - a) / (1 + g * c)
+        rate = (1 - a ** (g + 1)) / (1 - a) / (1 + g * cost)
         if rate > best_rate * (1 + 1e-3):  # prefer shorter drafts on near-ties
             best, best_rate = g, rate
     return best
@@ -253,6 +265,7 @@ def speculative_generate(
     adaptive_draft: bool = True,
     draft_confidence: float = 0.0,
     exact_timing: bool = False,
+    draft_cost: float | None = None,
 ) -> SpeculativeOutput:
     """Generate with a draft model (or prompt lookup) and exact verification by the target.
 
@@ -286,6 +299,9 @@ def speculative_generate(
             not of its sample, so sampled output stays exact). 0 (default) = off: on the demo pair a
             distilled draft is accepted often even where unsure, and the cut cost 10-20% tokens/s.
         exact_timing: synchronise the GPU around each phase of ``stats.time_s`` (slower; CPU: no-op).
+        draft_cost: a draft forward's cost relative to the target's, for ``adaptive_draft``; default
+            :func:`draft_cost_estimate` from the models' shapes (timings would make seeded runs
+            irreproducible). Measure it once (``stats.time_s``) and pass it for your hardware.
 
     Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
 
@@ -370,9 +386,9 @@ def speculative_generate(
             draft_confidence=draft_confidence if adaptive else 0.0,
         )
         session.drop_finished([max_new_tokens == 0] * len(prompts))
-        forward_times: dict[str, float] = {}
+        cost = draft_cost if draft_cost is not None else (draft_cost_estimate(target, draft) if adaptive else 0.0)
         while session.batch.rows:
-            g = _choose_draft_length(stats, G, forward_times) if adaptive else G
+            g = _choose_draft_length(stats, G, cost) if adaptive else G
             result = session.step(g)
             stats.target_forwards += 1
             stats.draft_forwards += g if use_draft else 0
@@ -390,8 +406,6 @@ def speculative_generate(
                 )
                 if streamer is not None and result.tokens[0]:
                     streamer.put(torch.tensor(result.tokens[0]))
-                if use_draft and stats.steps >= 1:
-                    forward_times = session.forward_times()
                 session.drop_finished_rows(result.finished)
     stats.wall_time_s = time.perf_counter() - start
     stats.time_s["other"] = max(0.0, stats.wall_time_s - sum(v for k, v in stats.time_s.items() if k != "other"))
@@ -428,7 +442,6 @@ class _Session:
     eos: torch.Tensor | None = None  # [E] int64 on the device
     timer: object = None
     draft_confidence: float = 0.0
-    forward_calls: dict = field(default_factory=lambda: {"draft": 0, "target": 0})
 
     @classmethod
     def start(
@@ -491,15 +504,6 @@ class _Session:
             draft_confidence,
         )
 
-    def forward_times(self) -> dict[str, float]:
-        """Mean wall time of one draft forward and of one target forward so far."""
-        stats, calls = self.timer.stats, self.forward_calls
-        return {
-            phase: stats.time_s[phase] / calls[phase]
-            for phase in ("draft", "target")
-            if calls[phase] and stats.time_s[phase]
-        }
-
     def step(self, g: int | None = None) -> _StepResult:
         """One speculative step with ``g`` drafts per chain (default G) for every active request.
 
@@ -511,14 +515,12 @@ class _Session:
         with self.timer("draft"):
             if self.draft is not None:
                 drafts, draft_rows, fed, n_drafts = self._draft_chains(g)
-                self.forward_calls["draft"] += g
             else:
                 drafts, n_drafts = _lookup_drafts(self.tokens.history, batch.rows, g, batch.index.device)
                 draft_rows = fed = None
         with self.timer("target"):
             tree_start = self.t_len
             logits = self._target_forward(drafts, n_drafts, g)
-            self.forward_calls["target"] += 1
         with self.timer("verify"):
             out, path = _verify(logits, drafts, draft_rows, n_drafts, g, K, self.method, self.sampling, self.generator)
         with self.timer("commit"):
