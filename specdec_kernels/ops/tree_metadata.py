@@ -71,8 +71,9 @@ def tree_metadata(
         num_nodes: [B] int, ragged trees (nodes >= num_nodes[b] are padding: depth 0, mask 0).
         validate:  check the values (parents in [-1, i), 0 <= num_nodes <= N; one host sync). With
                    validate=False the caller is trusted: an out-of-range parent is read as -1.
-        backend:   "auto" (the Triton kernel on CUDA tensors, vectorised PyTorch on CPU tensors),
-                   "triton" (the kernel; on CPU through Triton's interpreter) or "torch".
+        backend:   "auto" (the Triton kernel on CUDA tensors, vectorised PyTorch on CPU tensors and
+                   under torch.compile), "triton" (the kernel; on CPU through Triton's interpreter)
+                   or "torch". Works inside ``torch.compile(fullgraph=True)`` with validate=False.
 
     Example:
         >>> meta = sk.tree_metadata(parents)
@@ -91,7 +92,8 @@ def tree_metadata(
     parents = parents if parents.stride(-1) == 1 else parents.contiguous()
     if validate and B > 0 and N > 0 and not _capturing(parents.device):
         check_parents(parents, num_nodes)
-    if backend == "torch" or (backend == "auto" and parents.device.type != "cuda"):
+    # Under torch.compile the PyTorch path is traced into the graph (a Triton launch is not traceable).
+    if backend == "torch" or (backend == "auto" and (parents.device.type != "cuda" or torch.compiler.is_compiling())):
         return _tree_metadata_torch(parents, num_nodes)
     depth = torch.empty((B, N), dtype=torch.int32, device=parents.device)
     mask = torch.empty((B, N), dtype=torch.int64, device=parents.device)

@@ -69,3 +69,20 @@ def test_strided_views_equal_contiguous():
         a = sk.tree_metadata(wide[:, ::2], n, backend=backend)
         b = sk.tree_metadata(parents, n.contiguous(), backend=backend)
         assert torch.equal(a.depth, b.depth) and torch.equal(a.ancestor_mask, b.ancestor_mask)
+
+
+def test_tree_metadata_and_attention_compile_as_one_graph():
+    """torch.compile(fullgraph=True) traces both public ops (validate=False: value checks read tensors)."""
+    B, Hq, Hkv, D, S = 2, 4, 2, 32, 24
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]])
+    prefix_lens = torch.tensor([10, 15])
+    q, k, v = torch.randn(B, Hq, 4, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+
+    def f(q, k, v, prefix_lens, parents):
+        meta = sk.tree_metadata(parents, validate=False)
+        return sk.tree_attention(q, k, v, prefix_lens, parents, validate=False), meta.depth, meta.ancestor_mask
+
+    expected = f(q, k, v, prefix_lens, parents)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, prefix_lens, parents)
+    torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
