@@ -247,12 +247,33 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _choose_splits(programs: int, S: int, block_n: int, device: torch.device) -> int:
-    """Flash-decoding split count: enough programs to fill the GPU twice, >= 512 keys per split."""
+    """Flash-decoding split count: enough programs to fill the GPU twice, >= 128 keys per split.
+
+    128 keys (not more) so that batch 1 with a 4k prefix and 8 KV heads reaches 8 * 32 = 256 programs
+    on a 132-SM H100; the partials cost 4 * D bytes per query row and split, against 4 * D bytes of K/V
+    per key and KV head.
+    """
     if device.type != "cuda" or interpreter_requested():
         return 1
     want = triton.cdiv(2 * _num_sms(device), max(programs, 1))
-    most = max(1, S // 512)
+    most = max(1, S // 128)
     return max(1, min(_next_pow2(want), 64, _next_pow2(most + 1) // 2))
+
+
+def _tile_config(block_d: int, dtype: torch.dtype) -> tuple[int, dict]:
+    """(BLOCK_N, launch options) per head dim, chosen from the sm_90 compile's metadata (no GPU timings).
+
+    D <= 128 in fp16/bf16 (BLOCK_M = 64): 8 warps, 32-key tiles, 2 stages, registers capped at 128 gives
+    2 CTAs (16 warps, 25%) per SM: 128 registers, 48 KB shared memory. The former 4 warps / 64 keys /
+    3 stages used 255 registers, spilled, and 112 KB shared: 8 warps per SM (12.5%).
+    """
+    if block_d > 128:
+        return 32, {"num_warps": 8}
+    if dtype == torch.float32:
+        return 64, {"num_warps": 4}
+    if interpreter_requested():  # same tiles; the register cap is a CUDA compile option
+        return 32, {"num_warps": 8}
+    return 32, {"num_warps": 8, "num_stages": 2, "maxnreg": 128}
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -381,7 +402,7 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
         window_lo = window_lo.to(torch.int32).contiguous()
     group = Hq // Hkv
     block_d = max(16, _next_pow2(D))
-    block_n = 32 if block_d > 128 else 64
+    block_n, launch = _tile_config(block_d, q.dtype)
     block_m = max(16, min(64, _next_pow2(group * Nq)))
     m_tiles = triton.cdiv(group * Nq, block_m)
     splits = _num_splits or _choose_splits(B * Hkv * m_tiles, S, block_n, q.device)
@@ -432,7 +453,7 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
         NUM_SPLITS=splits,
         HAS_WINDOW=window_lo is not None,
         DOT_DTYPE=_dot_dtype(q.dtype),
-        num_warps=8 if block_d > 128 else 4,
+        **launch,
     )
     if splits > 1:
         _tree_attention_combine_kernel[(B * Hq * Nq,)](
