@@ -335,3 +335,50 @@ def test_under_torch_compile_fullgraph():
     want = step(q, k, v, prefix, parents, num_nodes)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+def _count_kv_loads(monkeypatch, k, v):
+    """Wrap the interpreter's masked load: per element of k and v, how many times a program read it."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    counts = {name: np.zeros(t.numel(), dtype=np.int64) for name, t in (("k", k), ("v", v))}
+    spans = {name: (t.data_ptr(), t.element_size()) for name, t in (("k", k), ("v", v))}
+    original = interpreter.InterpreterBuilder.create_masked_load
+
+    def counting(self, ptrs, mask, other, cache_policy, is_volatile):
+        addr = ptrs.data[mask.data.astype(bool)].astype(np.int64)
+        for name, (base, size) in spans.items():
+            idx = (addr - base) // size
+            hit = (addr >= base) & (idx < counts[name].size)
+            np.add.at(counts[name], idx[hit], 1)
+        return original(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counting)
+    return counts
+
+
+@pytest.mark.parametrize(
+    "N, splits",
+    [
+        (16, 1),
+        (16, 4),
+        pytest.param(64, 1, marks=pytest.mark.xfail(strict=True, reason="issue 13: N=64, GQA 4 uses 4 query tiles")),
+    ],
+)
+def test_prefix_keys_read_once_per_request_and_kv_head(monkeypatch, N, splits):
+    """Issue 13: the GQA group's query rows share one pass over the prefix, so every prefix element of K
+    and V is loaded exactly once per (request, KV head), whatever the split count."""
+    B, Hq, Hkv, D = 2, 8, 2, 64
+    gen = torch.Generator().manual_seed(51)
+    prefix = torch.tensor([150, 37])
+    S = int(prefix.max()) + N
+    q = torch.randn(B, Hq, N, D, generator=gen)
+    k, v = (torch.randn(B, Hkv, S, D, generator=gen) for _ in range(2))
+    parents = torch.stack([tree_parents("random", N, gen) for _ in range(B)])
+    counts = _count_kv_loads(monkeypatch, k, v)
+    sk.tree_attention(q, k, v, prefix, parents, _num_splits=splits)
+    for name in ("k", "v"):
+        c = torch.from_numpy(counts[name]).view(B, Hkv, S, D)
+        for b in range(B):
+            assert (c[b, :, : int(prefix[b])] == 1).all(), f"{name}: prefix elements read {c[b].unique().tolist()}"
