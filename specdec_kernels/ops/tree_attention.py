@@ -6,8 +6,9 @@ key tiles, scores never written to memory, and the tree part of the mask is one 
 query node (bit j: "may attend tree node j"), built once per step by :func:`tree_metadata`.
 
 Work layout. One program owns one (request, KV head) pair, a tile of BLOCK_M query rows and one
-split of the keys. The query rows stack the GQA group: row r is query head ``hkv * GROUP + r // Nq``
-at node ``r % Nq``, so each K/V tile is loaded once for all heads that share it. Long prefixes with
+split of the keys; the query tiles of a pair are adjacent in the grid. The query rows stack the GQA
+group: row r is query head ``hkv * GROUP + r // Nq`` at node ``r % Nq``, so each K/V tile is loaded
+once for all heads that share it (GROUP * Nq <= 64 rows: one tile). Long prefixes with
 few query rows (decoding, small trees, batch 1) are split across programs (flash-decoding); a second
 small kernel merges the partial softmaxes. Tiles past a request's own prefix are never visited, so
 ragged batches cost what their real keys cost.
@@ -120,8 +121,12 @@ def _tree_attention_kernel(
     HAS_WINDOW: tl.constexpr,  # sliding window: per-query lower bounds on the prefix keys
     DOT_DTYPE: tl.constexpr,  # fp32 in the interpreter (its bf16 arithmetic is wrong), else q's dtype
 ):
-    pid_bh = tl.program_id(0).to(tl.int64)
-    pid_m = tl.program_id(1)
+    # The query tiles of one (request, KV head) are adjacent program ids: when GROUP * Nq > BLOCK_M they
+    # run side by side and their K/V tiles come from L2 after the first one's read.
+    m_tiles = tl.cdiv(GROUP * Nq, BLOCK_M)
+    pid = tl.program_id(0).to(tl.int64)
+    pid_bh = pid // m_tiles
+    pid_m = (pid % m_tiles).to(tl.int32)
     split = tl.program_id(2)
     b = pid_bh // Hkv
     hkv = pid_bh % Hkv
@@ -414,7 +419,7 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
         part_ml = torch.empty((B * Hq * Nq, splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    _tree_attention_kernel[(B * Hkv, m_tiles, splits)](
+    _tree_attention_kernel[(B * Hkv * m_tiles, 1, splits)](
         q,
         k,
         v,
