@@ -6,8 +6,9 @@ key tiles, scores never written to memory, and the tree part of the mask is one 
 query node (bit j: "may attend tree node j"), built once per step by :func:`tree_metadata`.
 
 Work layout. One program owns one (request, KV head) pair, a tile of BLOCK_M query rows and one
-split of the keys. The query rows stack the GQA group: row r is query head ``hkv * GROUP + r // Nq``
-at node ``r % Nq``, so each K/V tile is loaded once for all heads that share it. Long prefixes with
+split of the keys; the query tiles of a pair are adjacent in the grid. The query rows stack the GQA
+group: row r is query head ``hkv * GROUP + r // Nq`` at node ``r % Nq``, so each K/V tile is loaded
+once for all heads that share it (GROUP * Nq <= 64 rows: one tile). Long prefixes with
 few query rows (decoding, small trees, batch 1) are split across programs (flash-decoding); a second
 small kernel merges the partial softmaxes. Tiles past a request's own prefix are never visited, so
 ragged batches cost what their real keys cost.
@@ -38,7 +39,7 @@ from .._params import FLOAT_DTYPES, INT_DTYPES
 from .._types import MAX_NODES
 from .._validation import _capturing, _require
 from ._triton_helpers import next_pow2
-from .tree_metadata import tree_metadata
+from .tree_metadata import check_parents, tree_metadata
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -64,6 +65,16 @@ def _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.conste
         pv = tl.dot(p.to(DOT_DTYPE), v)
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
+
+
+@triton.jit
+def _clean_values(v, kv_mask, allowed, row_bad):
+    """Zero non-finite values so that a weight of 0 never multiplies them (0 * NaN = NaN would leak into
+    rows that do not attend the key); rows that do attend such a key are marked and output NaN instead."""
+    good = tl.abs(v.to(tl.float32)) < float("inf")  # False for NaN and +-inf
+    bad_key = tl.max((kv_mask & ~good).to(tl.int32), axis=1) > 0  # [BLOCK_N]
+    row_bad = row_bad | (tl.max((allowed & bad_key[None, :]).to(tl.int32), axis=1) > 0)
+    return tl.where(good, v, 0.0), row_bad
 
 
 @triton.jit
@@ -98,6 +109,7 @@ def _tree_attention_kernel(
     Nq,
     S,
     split_len,  # keys per split, a multiple of BLOCK_N
+    tree_slots,  # tree key slots the masks may reference (<= TREE_SPAN)
     qk_scale,  # softmax scale * log2(e)
     # constexprs
     GROUP: tl.constexpr,  # Hq // Hkv
@@ -110,8 +122,12 @@ def _tree_attention_kernel(
     HAS_WINDOW: tl.constexpr,  # sliding window: per-query lower bounds on the prefix keys
     DOT_DTYPE: tl.constexpr,  # fp32 in the interpreter (its bf16 arithmetic is wrong), else q's dtype
 ):
-    pid_bh = tl.program_id(0).to(tl.int64)
-    pid_m = tl.program_id(1)
+    # The query tiles of one (request, KV head) are adjacent program ids: when GROUP * Nq > BLOCK_M they
+    # run side by side and their K/V tiles come from L2 after the first one's read.
+    m_tiles = tl.cdiv(GROUP * Nq, BLOCK_M)
+    pid = tl.program_id(0).to(tl.int64)
+    pid_bh = pid // m_tiles
+    pid_m = (pid % m_tiles).to(tl.int32)
     split = tl.program_id(2)
     b = pid_bh // Hkv
     hkv = pid_bh % Hkv
@@ -133,6 +149,7 @@ def _tree_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row_bad = tl.zeros([BLOCK_M], tl.int1)  # row attended a key whose value is NaN/inf
 
     # Committed prefix: this split's share of [key_start, prefix_end); fully masked tiles are skipped.
     key_start = tl.load(key_start_ptr + b).to(tl.int32)
@@ -154,7 +171,9 @@ def _tree_attention_kernel(
             v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
             allowed = real[:, None] & key_ok[None, :]
             if HAS_WINDOW:
+                # keys below some rows' windows but inside others': those rows weigh them 0
                 allowed = allowed & (keys[None, :] >= window_lo[:, None])
+                v, row_bad = _clean_values(v, kv_mask, allowed, row_bad)
             m_i, l_i, acc = _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE)
 
         # The tree nodes (at most 64 keys: one tile), handled by the last split.
@@ -162,25 +181,31 @@ def _tree_attention_kernel(
             tree_start = tl.load(tree_start_ptr + b).to(tl.int32)
             j = tl.arange(0, TREE_SPAN)
             keys = tree_start + j
-            key_ok = (keys >= 0) & (keys < S)
-            kv_off = keys.to(tl.int64)[:, None]
-            kv_mask = key_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            key_ok = (keys >= 0) & (keys < S) & (j < tree_slots)
             is_ancestor = ((anc[:, None] >> j[None, :].to(tl.int64)) & 1) != 0
             allowed = real[:, None] & key_ok[None, :] & is_ancestor
+            # slots no row of this tile attends (padding nodes, stale slots) are not even read
+            used = tl.max(allowed.to(tl.int32), axis=0) > 0
+            kv_off = keys.to(tl.int64)[:, None]
+            kv_mask = used[:, None] & d_ok[None, :]
+            k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            v, row_bad = _clean_values(v, kv_mask, allowed, row_bad)  # a sibling's slot: some rows only
             m_i, l_i, acc = _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE)
 
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows: l = 0, acc = 0 -> zeros
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = tl.where(real[:, None], out, 0.0)  # padding rows: zeros (their acc may hold 0 * NaN)
+        out = tl.where(row_bad[:, None], float("nan"), out)
         o_rows = out_ptr + b * stride_ob + head.to(tl.int64) * stride_oh + node.to(tl.int64) * stride_on
         tl.store(o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         flat = (b * (Hkv * GROUP) + head.to(tl.int64)) * Nq + node.to(tl.int64)  # row of [B*Hq*Nq]
         slot = flat * NUM_SPLITS + split
+        acc = tl.where(real[:, None], acc, 0.0)
         tl.store(part_acc_ptr + slot[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + slot * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + slot * 2 + 1, l_i, mask=row_ok)
+        tl.store(part_ml_ptr + slot * 2 + 1, tl.where(row_bad, float("nan"), l_i), mask=row_ok)  # NaN: poisoned
 
 
 @triton.jit
@@ -207,8 +232,9 @@ def _tree_attention_combine_kernel(
     m_max = tl.max(m, axis=0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_safe)  # splits that saw no key: m = -inf -> weight 0
-    total = tl.sum(w * l, axis=0)
-    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    total = tl.sum(w * l, axis=0)  # NaN when a split marked the row as attending a NaN/inf value
+    out = tl.sum(tl.where(w[:, None] > 0, w[:, None] * acc, 0.0), axis=0) / tl.where(total > 0, total, 1.0)
+    out = tl.where(total == total, out, float("nan"))
     b = row // (Hq * Nq)
     h = (row // Nq) % Hq
     n = row % Nq
@@ -227,12 +253,33 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _choose_splits(programs: int, S: int, block_n: int, device: torch.device) -> int:
-    """Flash-decoding split count: enough programs to fill the GPU twice, >= 512 keys per split."""
+    """Flash-decoding split count: enough programs to fill the GPU twice, >= 128 keys per split.
+
+    128 keys (not more) so that batch 1 with a 4k prefix and 8 KV heads reaches 8 * 32 = 256 programs
+    on a 132-SM H100; the partials cost 4 * D bytes per query row and split, against 4 * D bytes of K/V
+    per key and KV head.
+    """
     if device.type != "cuda" or interpreter_requested():
         return 1
     want = triton.cdiv(2 * _num_sms(device), max(programs, 1))
-    most = max(1, S // 512)
+    most = max(1, S // 128)
     return max(1, min(next_pow2(want), 64, next_pow2(most + 1) // 2))
+
+
+def _tile_config(block_d: int, dtype: torch.dtype) -> tuple[int, dict]:
+    """(BLOCK_N, launch options) per head dim, chosen from the sm_90 compile's metadata (no GPU timings).
+
+    D <= 128 in fp16/bf16 (BLOCK_M = 64): 8 warps, 32-key tiles, 2 stages, registers capped at 128 gives
+    2 CTAs (16 warps, 25%) per SM: 128 registers, 48 KB shared memory. The former 4 warps / 64 keys /
+    3 stages used 255 registers, spilled, and 112 KB shared: 8 warps per SM (12.5%).
+    """
+    if block_d > 128:
+        return 32, {"num_warps": 8}
+    if dtype == torch.float32:
+        return 64, {"num_warps": 4}
+    if interpreter_requested():  # same tiles; the register cap is a CUDA compile option
+        return 32, {"num_warps": 8}
+    return 32, {"num_warps": 8, "num_stages": 2, "maxnreg": 128}
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -278,7 +325,13 @@ def tree_attention_torch(
     scores = torch.matmul(q.float(), kk.float().transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding queries: no key -> zeros
-    return torch.matmul(weights, vv.float()).to(q.dtype)
+    # Unattended NaN/inf values must not reach real rows through 0 * NaN: zero them, and give NaN to
+    # the rows that do attend one (what attending it means).
+    vv = vv.float()
+    good = vv.isfinite()
+    poisoned = (allowed[:, None] & ~good.all(-1)[:, :, None, :]).any(-1)  # [B, Hq, Nq]
+    out = torch.matmul(weights, torch.where(good, vv, 0.0))
+    return out.masked_fill(poisoned[..., None], float("nan")).to(q.dtype)
 
 
 def tree_attention_from_masks(
@@ -347,11 +400,15 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
     if B == 0 or Nq == 0 or Hq == 0:
         return out
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # [B] / [B, Nq] index tensors: the kernel indexes them densely; copies of strided views cost B * Nq elements
+    key_start, prefix_end, tree_start, query_masks = (
+        t.contiguous() for t in (key_start, prefix_end, tree_start, query_masks)
+    )
     if window_lo is not None:
         window_lo = window_lo.to(torch.int32).contiguous()
     group = Hq // Hkv
     block_d = max(16, next_pow2(D))
-    block_n = 32 if block_d > 128 else 64
+    block_n, launch = _tile_config(block_d, q.dtype)
     block_m = max(16, min(64, next_pow2(group * Nq)))
     m_tiles = triton.cdiv(group * Nq, block_m)
     splits = _num_splits or _choose_splits(B * Hkv * m_tiles, S, block_n, q.device)
@@ -363,7 +420,7 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
         part_ml = torch.empty((B * Hq * Nq, splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    _tree_attention_kernel[(B * Hkv, m_tiles, splits)](
+    _tree_attention_kernel[(B * Hkv * m_tiles, 1, splits)](
         q,
         k,
         v,
@@ -391,6 +448,7 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
         Nq,
         S,
         split_len,
+        tree_slots,
         scale * _LOG2E,
         GROUP=group,
         D=D,
@@ -401,7 +459,7 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
         NUM_SPLITS=splits,
         HAS_WINDOW=window_lo is not None,
         DOT_DTYPE=_dot_dtype(q.dtype),
-        num_warps=8 if block_d > 128 else 4,
+        **launch,
     )
     if splits > 1:
         _tree_attention_combine_kernel[(B * Hq * Nq,)](
@@ -448,7 +506,11 @@ def tree_attention(
         sliding_window: W, or None: a query at position p (prefix key s is at position s, node n at
                      prefix_lens[b] + depth(n) - 1) attends only keys at positions > p - W, as
                      Mistral-style sliding-window layers do. W >= N (the window covers the tree).
-        validate:    check values (prefix lengths, parents) on the host; synchronises with the GPU.
+        validate:    check values on the host (0 <= num_nodes <= N, -1 <= parents[b, i] < i for real nodes,
+                     prefix_lens >= 0, prefix_lens + num_nodes <= S): a ValueError, never a wrong answer.
+                     Synchronises with the GPU; skipped during CUDA-graph capture and torch.compile
+                     tracing. ``validate=False`` is the fast path and trusts the caller.
+        Every tensor argument may be a strided view (transposed q/k/v, int32 slices, expanded parents).
 
     Returns:
         [B, Hq, N, D] in q's dtype: softmax(q k^T * scale + mask) v with mask[n, s] allowed iff
@@ -464,7 +526,7 @@ def tree_attention(
     """
     _check_attention_args(q, k, v, prefix_lens, parents, num_nodes)
     B, _, N, _ = q.shape
-    if validate and B and not _capturing(q.device):
+    if validate and B and not _capturing(q.device) and not torch.compiler.is_compiling():
         _check_attention_values(k.shape[2], N, prefix_lens, parents, num_nodes)
     _require(
         sliding_window is None or int(sliding_window) >= N,
@@ -535,21 +597,12 @@ def _check_attention_args(q, k, v, prefix_lens, parents, num_nodes) -> None:
 
 
 def _check_attention_values(S: int, N: int, prefix_lens, parents, num_nodes) -> None:
+    check_parents(parents, num_nodes)
     prefix = prefix_lens.cpu().long()
     n = num_nodes.cpu().long() if num_nodes is not None else torch.full_like(prefix, N)
-    _require(bool((n >= 0).all() and (n <= N).all()), f"num_nodes must lie in [0, N={N}], got {n.tolist()}")
     _require(bool((prefix >= 0).all()), f"prefix_lens must be >= 0, got {prefix.tolist()}")
     too_long = prefix + n > S
     _require(
         not bool(too_long.any()),
         f"prefix_lens + num_nodes exceeds the key length S={S} for requests {too_long.nonzero().flatten().tolist()}",
-    )
-    par = parents.cpu().long()
-    idx = torch.arange(N)
-    real = idx[None, :] < n[:, None]
-    bad = real & ((par < -1) | (par >= idx[None, :]))
-    _require(
-        not bool(bad.any()),
-        f"parents must satisfy -1 <= parents[b, i] < i for real nodes (topological order); "
-        f"offending (b, i): {bad.nonzero().tolist()[:8]}",
     )

@@ -69,8 +69,9 @@ def tree_metadata(
     Args:
         parents:   [B, N] int32 | int64, -1 for children of the root, else parents[b, i] < i; N <= 64.
         num_nodes: [B] int, ragged trees (nodes >= num_nodes[b] are padding: depth 0, mask 0).
-        validate:  check the values (parents in [-1, i), 0 <= num_nodes <= N; one host sync). With
-                   validate=False the caller is trusted: an out-of-range parent is read as -1.
+        validate:  check the values (parents in [-1, i), 0 <= num_nodes <= N; one host sync; skipped
+                   during CUDA-graph capture and torch.compile tracing). With validate=False the caller
+                   is trusted: an out-of-range parent is read as -1.
         backend:   "auto" (the Triton kernel on CUDA tensors, vectorised PyTorch on CPU tensors and
                    under torch.compile), "triton" (the kernel; on CPU through Triton's interpreter)
                    or "torch". Works inside ``torch.compile(fullgraph=True)`` with validate=False.
@@ -90,7 +91,7 @@ def tree_metadata(
         _require(num_nodes.shape[0] == B, f"num_nodes must have shape [B={B}], got {tuple(num_nodes.shape)}")
         num_nodes = num_nodes.contiguous()  # the kernel reads num_nodes[b] at ptr + b
     parents = parents if parents.stride(-1) == 1 else parents.contiguous()
-    if validate and B > 0 and N > 0 and not _capturing(parents.device):
+    if validate and B > 0 and N > 0 and not _capturing(parents.device) and not torch.compiler.is_compiling():
         check_parents(parents, num_nodes)
     # Under torch.compile the PyTorch path is traced into the graph (a Triton launch is not traceable).
     if backend == "torch" or (backend == "auto" and (parents.device.type != "cuda" or torch.compiler.is_compiling())):

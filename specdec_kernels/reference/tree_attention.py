@@ -2,7 +2,8 @@
 
 The specification of :func:`specdec_kernels.tree_attention`: request b's query node n attends key s iff
 s < prefix_lens[b], or s = prefix_lens[b] + j for a tree node j that is n or an ancestor of n.
-Padding nodes (n >= num_nodes[b]) output zeros. With a sliding window W, positions are s for prefix
+Padding nodes (n >= num_nodes[b]) output zeros; NaN/inf in a key's value reaches only the queries
+that attend that key. With a sliding window W, positions are s for prefix
 key s and prefix_lens[b] + depth - 1 for a node, and a query at position p sees only keys at
 positions > p - W.
 """
@@ -53,5 +54,9 @@ def tree_attention_reference(
     scores = torch.einsum("bhnd,bhsd->bhns", qf, kf) * scale
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows: all -inf -> zeros
-    out = torch.einsum("bhns,bhsd->bhnd", weights, vf)
+    # A NaN/inf value reaches exactly the rows that attend its key (not the others through 0 * NaN).
+    good = vf.isfinite()
+    poisoned = (mask[:, None] & ~good.all(-1)[:, :, None, :]).any(-1)  # [B, Hq, N]
+    out = torch.einsum("bhns,bhsd->bhnd", weights, torch.where(good, vf, 0.0))
+    out = out.masked_fill(poisoned[..., None], float("nan"))
     return out.to(q.dtype).to(q.device)

@@ -179,8 +179,8 @@ def test_reference_mask_matches_definition():
         (lambda a: a.update(prefix_lens=a["prefix_lens"].float()), "int32/int64"),
         (lambda a: a.update(prefix_lens=torch.tensor([-1, 0])), "prefix_lens must be >= 0"),
         (lambda a: a.update(prefix_lens=torch.tensor([0, 100])), "exceeds the key length"),
-        (lambda a: a.update(parents=torch.tensor([[-1, 0, 2, 0], [-1, 0, 0, 0]])), "topological"),
-        (lambda a: a.update(num_nodes=torch.tensor([5, 1])), "num_nodes must lie"),
+        (lambda a: a.update(parents=torch.tensor([[-1, 0, 2, 0], [-1, 0, 0, 0]])), "an earlier node"),
+        (lambda a: a.update(num_nodes=torch.tensor([5, 1])), "num_nodes must be in"),
         (lambda a: a.update(q=a["q"].int()), "dtype"),
     ],
 )
@@ -217,3 +217,175 @@ def test_custom_op_schema_and_fake():
     torch.library.opcheck(tree_attention_op, args, test_utils=("test_schema", "test_faketensor"))
     ref = tree_attention_reference(q, k, v, prefix, parents, num_nodes=num_nodes, scale=0.125)
     torch.testing.assert_close(tree_attention_op(*args), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_every_argument_strided():
+    """Issue 14 item 1: transposed q/k/v, int32 slices with stride 2, expanded parents, strided num_nodes:
+    the same answer as the contiguous call."""
+    B, Hq, Hkv, N, D = 3, 4, 2, 5, 64
+    gen = torch.Generator().manual_seed(21)
+    S = 40
+    q = torch.randn(B, N, Hq, D, generator=gen).transpose(1, 2)  # HF layout
+    k = torch.randn(B, S, Hkv, D, generator=gen).transpose(1, 2)
+    v = torch.randn(Hkv, B, S, D, generator=gen).permute(1, 0, 2, 3)
+    prefix = torch.tensor([[7, -5], [30, -5], [0, -5]], dtype=torch.int32)[:, 0]  # stride 2
+    num_nodes = torch.tensor([[5, 9], [2, 9], [4, 9]], dtype=torch.int32)[:, 0]
+    parents = torch.tensor([[-1, 0, 0, 1, 3]]).expand(B, N)  # batch stride 0
+    assert prefix.stride(0) == 2 and num_nodes.stride(0) == 2 and parents.stride(0) == 0
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    for window in (None, 9):
+        out = sk.tree_attention(q, k, v, prefix, parents, num_nodes=num_nodes, sliding_window=window)
+        dense = sk.tree_attention(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            prefix.contiguous(),
+            parents.contiguous(),
+            num_nodes=num_nodes.contiguous(),
+            sliding_window=window,
+        )
+        torch.testing.assert_close(out, dense, atol=0, rtol=0)
+        _check(q, k, v, prefix, parents, num_nodes, sliding_window=window)
+        if window is None:
+            plain = dense
+    # parents strided along nodes too
+    wide = torch.stack([parents.contiguous(), torch.full_like(parents, 99)], dim=-1).reshape(B, 2 * N)[:, ::2]
+    assert wide.stride(1) == 2
+    torch.testing.assert_close(sk.tree_attention(q, k, v, prefix, wide, num_nodes=num_nodes), plain, atol=0, rtol=0)
+
+
+def _poison_slots(kind, prefix, parents, num_nodes, S):
+    """[B, S] bool: key slots to fill with NaN/inf for one class of keys some query does not attend."""
+    B, N = parents.shape
+    slots = torch.zeros(B, S, dtype=torch.bool)
+    for b in range(B):
+        p, n = int(prefix[b]), int(num_nodes[b])
+        if kind == "stale":  # past the request's tree: slack keys
+            slots[b, p + N :] = True
+        elif kind == "padding":  # slots of padding nodes
+            slots[b, p + n : p + N] = True
+        elif kind == "sibling":  # the last real node's own slot: attended by it (and descendants) only
+            slots[b, p + n - 1] = True
+        elif kind == "window":  # the first prefix key: outside every long-prefix query's window
+            slots[b, 0] = p > 0
+    return slots
+
+
+@pytest.mark.parametrize("kind", ["stale", "padding", "sibling", "window"])
+@pytest.mark.parametrize("what", ["v_nan", "v_inf", "k_nan"])
+@pytest.mark.parametrize("impl", ["triton", "triton_split", "torch"])
+def test_nonfinite_unattended_keys_do_not_leak(kind, what, impl):
+    """Issue 14 item 2: NaN/inf at a key no query attends must not reach it through 0 * NaN; a query that
+    does attend a NaN/inf value (V) outputs NaN, exactly as the reference says."""
+    from specdec_kernels.ops.tree_attention import tree_attention_torch, window_start
+
+    B, Hq, Hkv, N, D = 3, 4, 2, 6, 64
+    gen = torch.Generator().manual_seed(31)
+    prefix = torch.tensor([40, 3, 25])
+    num_nodes = torch.tensor([4, 6, 2])
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2], [-1, -1, 0, 1, 2, 2], [-1, 0, 1, 2, 3, 4]])
+    S = int((prefix + N).max()) + 4
+    q = torch.randn(B, Hq, N, D, generator=gen)
+    k, v = (torch.randn(B, Hkv, S, D, generator=gen) for _ in range(2))
+    window = 8 if kind == "window" else None
+    slots = _poison_slots(kind, prefix, parents, num_nodes, S)
+    bad = {"v_nan": float("nan"), "v_inf": float("inf"), "k_nan": float("nan")}[what]
+    k2, v2 = k.clone(), v.clone()
+    (k2 if what == "k_nan" else v2)[slots[:, None, :, None].expand(B, Hkv, S, D)] = bad
+
+    def run(k, v):
+        if impl == "torch":
+            meta = sk.tree_metadata(parents, num_nodes)
+            p32 = prefix.to(torch.int32)
+            zero = torch.zeros_like(p32)
+            lo = None if window is None else window_start(zero, p32[:, None] + meta.depth - 1, window)
+            return tree_attention_torch(q, k, v, zero, p32, p32, meta.ancestor_mask, tree_slots=N, window_lo=lo)
+        splits = 2 if impl == "triton_split" else 1
+        return sk.tree_attention(
+            q, k, v, prefix, parents, num_nodes=num_nodes, sliding_window=window, _num_splits=splits
+        )
+
+    clean, dirty = run(k, v), run(k2, v2)
+    attended = tree_attention_mask(prefix, parents, S, num_nodes, window)  # [B, N, S]
+    hit = (attended & slots[:, None, :]).any(-1)[:, None, :].expand(B, Hq, N)  # rows that attend a bad key
+    assert (~hit).any()
+    torch.testing.assert_close(dirty[~hit], clean[~hit], atol=0, rtol=0)
+    real = (torch.arange(N)[None, :] < num_nodes[:, None])[:, None, :].expand(B, Hq, N)
+    assert torch.equal(dirty[~real], torch.zeros_like(dirty[~real]))
+    ref = tree_attention_reference(q, k2, v2, prefix, parents, num_nodes=num_nodes, sliding_window=window)
+    assert torch.equal(ref[~hit].isnan(), torch.zeros_like(ref[~hit], dtype=torch.bool))
+    if what != "k_nan":  # a query attending a NaN/inf value: NaN in every implementation and the reference
+        assert dirty[hit].isnan().all() and ref[hit].isnan().all()
+    if kind in ("sibling", "window"):
+        assert hit.any()  # the class really splits the queries
+
+
+def test_under_torch_compile_fullgraph():
+    """Issue 14 item 12: sk.tree_attention and sk.tree_metadata trace as custom ops (aot_eager on CPU)."""
+    q, k, v, prefix, parents, num_nodes = _problem(2, 4, 2, 5, 64, seed=41)
+
+    def step(q, k, v, prefix, parents, num_nodes):
+        meta = sk.tree_metadata(parents, num_nodes)
+        out = sk.tree_attention(q, k, v, prefix, parents, num_nodes=num_nodes, sliding_window=16)
+        return out, meta.depth, meta.ancestor_mask
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(q, k, v, prefix, parents, num_nodes)
+    want = step(q, k, v, prefix, parents, num_nodes)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+def _count_kv_loads(monkeypatch, k, v):
+    """Wrap the interpreter's masked load: per element of k and v, how many times a program read it."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    counts = {name: np.zeros(t.numel(), dtype=np.int64) for name, t in (("k", k), ("v", v))}
+    spans = {name: (t.data_ptr(), t.element_size()) for name, t in (("k", k), ("v", v))}
+    original = interpreter.InterpreterBuilder.create_masked_load
+
+    def counting(self, ptrs, mask, other, cache_policy, is_volatile):
+        addr = ptrs.data[mask.data.astype(bool)].astype(np.int64)
+        for name, (base, size) in spans.items():
+            idx = (addr - base) // size
+            hit = (addr >= base) & (idx < counts[name].size)
+            np.add.at(counts[name], idx[hit], 1)
+        return original(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counting)
+    return counts
+
+
+@pytest.mark.parametrize(
+    "N, splits",
+    [
+        (16, 1),
+        (16, 4),
+        pytest.param(
+            64,
+            1,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="issue 13: N=64, GQA 4 uses 4 query tiles (adjacent in the grid: L2 reuse, not one load)",
+            ),
+        ),
+    ],
+)
+def test_prefix_keys_read_once_per_request_and_kv_head(monkeypatch, N, splits):
+    """Issue 13: the GQA group's query rows share one pass over the prefix, so every prefix element of K
+    and V is loaded exactly once per (request, KV head), whatever the split count."""
+    B, Hq, Hkv, D = 2, 8, 2, 64
+    gen = torch.Generator().manual_seed(51)
+    prefix = torch.tensor([150, 37])
+    S = int(prefix.max()) + N
+    q = torch.randn(B, Hq, N, D, generator=gen)
+    k, v = (torch.randn(B, Hkv, S, D, generator=gen) for _ in range(2))
+    parents = torch.stack([tree_parents("random", N, gen) for _ in range(B)])
+    counts = _count_kv_loads(monkeypatch, k, v)
+    sk.tree_attention(q, k, v, prefix, parents, _num_splits=splits)
+    for name in ("k", "v"):
+        c = torch.from_numpy(counts[name]).view(B, Hkv, S, D)
+        for b in range(B):
+            assert (c[b, :, : int(prefix[b])] == 1).all(), f"{name}: prefix elements read {c[b].unique().tolist()}"
