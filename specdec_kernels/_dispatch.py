@@ -87,6 +87,7 @@ def chain_shape_class(args) -> tuple:
     return (
         "verify",
         args.target_logits.dtype,
+        args.cu is None,
         args.draft_mode,
         *args.sampling.shape_class(args.V),
         _bucket(args.B),
@@ -192,15 +193,16 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     device = args.target_logits.device
     if backend == "auto" and device.type == "cpu":
         backend = cpu_auto_backend()
+    # Only the Triton kernels read the flattened layout in place; the others get a padded copy.
     if backend == "cpu":
-        return _cuda_ext.verify_chain_cpu(args, num_chunks)
+        return _cuda_ext.verify_chain_cpu(args.padded(), num_chunks)
     if backend == "torch":
-        return reference_verify(args)
+        return reference_verify(args.padded())
     if backend == "cuda":
-        return _cuda_ext.verify_chain(args, num_chunks=num_chunks)
+        return _cuda_ext.verify_chain(args.padded(), num_chunks=num_chunks)
     candidates = {"triton": lambda: launch_verify(args, num_chunks, block_v)}
     if backend == "auto" and device.type == "cuda" and _cuda_ext.cuda_extension_ready():
-        candidates["cuda"] = lambda: _cuda_ext.verify_chain(args, num_chunks=num_chunks)
+        candidates["cuda"] = lambda: _cuda_ext.verify_chain(args.padded(), num_chunks=num_chunks)
     chosen = resolve(backend, device, chain_shape_class(args), candidates)
     return candidates[chosen]()
 
@@ -252,18 +254,23 @@ def verify_chain_op(
     seed_t: Tensor | None,
     seed: int,
     num_draft_tokens: Tensor | None,
+    cu: Tensor | None,
+    max_drafts: int,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool (see ``sk.verify``)."""
     sampling = SamplingParams.from_op_args(sampling_tensors, sampling_scalars, seed_t, seed)
-    args = VerifyArgs(target_logits, draft_tokens, draft, draft_mode, sampling, num_draft_tokens)
+    args = VerifyArgs(target_logits, draft_tokens, draft, draft_mode, sampling, num_draft_tokens, cu, max_drafts)
     out = run_verify(args, backend)
     return out.tokens, out.num_accepted, out.nonfinite
 
 
 @verify_chain_op.register_fake
-def _verify_chain_fake(target_logits, draft_tokens, draft, draft_mode, *_):
-    B, G1 = target_logits.shape[0], target_logits.shape[1]
+def _verify_chain_fake(target_logits, draft_tokens, draft, draft_mode, st, ss, seed_t, seed, n, cu, max_drafts, _):
+    if cu is None:
+        B, G1 = target_logits.shape[0], target_logits.shape[1]
+    else:
+        B, G1 = cu.shape[0] - 1, max_drafts + 1
     return (
         target_logits.new_empty((B, G1), dtype=torch.int64),
         target_logits.new_empty((B,), dtype=torch.int32),
@@ -284,6 +291,8 @@ def call_verify_chain(args: VerifyArgs, backend: str) -> VerifyOutput:
         seed_t,
         seed,
         args.num_draft_tokens,
+        args.cu,
+        args.max_drafts,
         backend,
     )
     return VerifyOutput(tokens, accepted, nonfinite)

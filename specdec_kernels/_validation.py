@@ -26,18 +26,44 @@ class VerifyArgs:
     draft_mode: int  # DRAFT_NONE (one-hot), DRAFT_LOGITS, DRAFT_PROBS
     sampling: SamplingParams
     num_draft_tokens: torch.Tensor | None  # [B] int tensor (contiguous), None = G for every request
+    # Flattened ragged layout (engines' own): target_logits [N + B, V], draft_tokens [N], draft [N, V];
+    # request b owns drafts cu[b] .. cu[b+1]-1 and target rows cu[b] + b .. cu[b+1] + b.
+    cu: torch.Tensor | None = None  # [B+1] int64, contiguous; num_draft_tokens = its differences
+    max_drafts: int = 0  # G of the flattened layout (the output width is G + 1)
 
     @property
     def B(self) -> int:
-        return self.target_logits.shape[0]
+        return self.target_logits.shape[0] if self.cu is None else self.cu.shape[0] - 1
 
     @property
     def G(self) -> int:
-        return self.target_logits.shape[1] - 1
+        return self.target_logits.shape[1] - 1 if self.cu is None else self.max_drafts
 
     @property
     def V(self) -> int:
-        return self.target_logits.shape[2]
+        return self.target_logits.shape[-1]
+
+    def padded(self) -> VerifyArgs:
+        """The same call in the padded ``[B, G+1, V]`` layout, for backends without a flattened path.
+
+        A gather: one copy of the rows (the Triton kernels read the flattened layout in place)."""
+        if self.cu is None:
+            return self
+        B, G, V, dev = self.B, self.G, self.V, self.target_logits.device
+        start = self.cu[:-1]
+        n = self.num_draft_tokens
+        pos = torch.arange(G + 1, device=dev)
+        t_rows = start[:, None] + torch.arange(B, device=dev)[:, None] + torch.minimum(pos[None, :], n[:, None])
+        target = self.target_logits[t_rows]
+        N = self.draft_tokens.shape[0]
+        if N == 0:  # no request drafted anything: nothing below is ever read
+            tokens = torch.zeros((B, G), dtype=self.draft_tokens.dtype, device=dev)
+            draft = None if self.draft is None else self.draft.new_zeros((B, G, V))
+        else:
+            d_rows = (start[:, None] + pos[None, :G]).clamp(max=N - 1)
+            tokens = self.draft_tokens[d_rows]
+            draft = None if self.draft is None else self.draft[d_rows]
+        return VerifyArgs(target, tokens, draft, self.draft_mode, self.sampling, n)
 
     @property
     def has_filter(self) -> bool:
@@ -116,6 +142,78 @@ def check_verify_args(
     )
     if validate and not _capturing(device) and B > 0:
         _validate_values(args)
+    return args
+
+
+def check_flat_verify_args(
+    target_logits,
+    draft_tokens,
+    draft_logits,
+    draft_probs,
+    temperature,
+    top_k,
+    top_p,
+    cu_num_draft_tokens,
+    max_num_draft_tokens,
+    seed,
+    *,
+    validate: bool = True,
+) -> VerifyArgs:
+    """Checked arguments of the flattened ragged layout (``cu_num_draft_tokens``; see ``sk.verify``)."""
+    _require(isinstance(target_logits, torch.Tensor), "target_logits must be a torch.Tensor", TypeError)
+    device = target_logits.device
+    _check_tensor("target_logits", target_logits, 2, FLOAT_DTYPES, device)
+    _check_tensor("draft_tokens", draft_tokens, 1, INT_DTYPES, device)
+    _check_tensor("cu_num_draft_tokens", cu_num_draft_tokens, 1, INT_DTYPES, device)
+    T, V = target_logits.shape
+    N = draft_tokens.shape[0]
+    B = cu_num_draft_tokens.shape[0] - 1
+    _require(B >= 0, "cu_num_draft_tokens must have B+1 >= 1 entries (it starts with 0)")
+    _require(V >= 1, "target_logits has an empty vocabulary dimension")
+    _require(
+        T == N + B,
+        f"flattened layout: target_logits must have N + B = {N} + {B} rows (every draft position plus "
+        f"one bonus row per request), got {T}",
+    )
+    draft, mode = _check_draft(draft_logits, draft_probs, (N,), V, device)
+    # Clamped so that unchecked offsets (validate=False) can never address rows outside the inputs.
+    cu = cu_num_draft_tokens.to(torch.int64).clamp(0, N).contiguous()
+    counts = (cu[1:] - cu[:-1]).clamp(min=0)
+    if max_num_draft_tokens is None:
+        G = int(counts.max()) if B > 0 else 0  # one host synchronisation; pass max_num_draft_tokens
+    else:
+        _require(
+            isinstance(max_num_draft_tokens, int) and not isinstance(max_num_draft_tokens, bool),
+            f"max_num_draft_tokens must be an int, got {max_num_draft_tokens!r}",
+            TypeError,
+        )
+        G = max_num_draft_tokens
+    _require(G >= 0, f"max_num_draft_tokens must be >= 0, got {G}")
+    sampling = SamplingParams.check(B, device, temperature, top_k, top_p, seed)
+    args = VerifyArgs(
+        _last_dim_contiguous(target_logits),
+        draft_tokens.contiguous(),
+        draft,
+        mode,
+        sampling,
+        counts.clamp(max=G),
+        cu=cu,
+        max_drafts=G,
+    )
+    if validate and not _capturing(device) and B > 0:
+        host_cu = cu_num_draft_tokens.cpu().to(torch.int64)
+        n = host_cu[1:] - host_cu[:-1]
+        _require(
+            int(host_cu[0]) == 0 and int(host_cu[-1]) == N and bool((n >= 0).all()),
+            f"cu_num_draft_tokens must start at 0, never decrease and end at N = {N} (the number of "
+            f"draft tokens); got {host_cu[:8].tolist()}{' ...' if B > 7 else ''}",
+        )
+        _require(
+            int(n.max()) <= G,
+            f"a request has {int(n.max())} drafts but max_num_draft_tokens = {G}",
+        )
+        SamplingParams.check_values(args.sampling.per_request_cpu(B))
+        _check_ids("draft_tokens", draft_tokens.cpu(), torch.ones(N, dtype=torch.bool), V)
     return args
 
 

@@ -10,21 +10,26 @@ from __future__ import annotations
 import torch
 
 from . import _dispatch
+from ._params import MAX_FLOAT32, MIN_TEMPERATURE
 from ._tree_args import check_tree_args
 from ._types import TreeVerifyOutput, VerifyOutput
-from ._validation import check_verify_args
+from ._validation import check_flat_verify_args, check_verify_args
 
 
 def verify(
-    target_logits: torch.Tensor,
+    target_logits: torch.Tensor | None,
     draft_tokens: torch.Tensor,
     draft_logits: torch.Tensor | None = None,
     *,
     draft_probs: torch.Tensor | None = None,
+    target_probs: torch.Tensor | None = None,
+    logits_scaled: bool = False,
     temperature: float | torch.Tensor = 1.0,
     top_k: int | torch.Tensor = 0,
     top_p: float | torch.Tensor = 1.0,
     num_draft_tokens: torch.Tensor | None = None,
+    cu_num_draft_tokens: torch.Tensor | None = None,
+    max_num_draft_tokens: int | None = None,
     seed: int | torch.Tensor | None = None,
     validate: bool = True,
     backend: str = "auto",
@@ -64,6 +69,29 @@ def verify(
     request's draft ends there and that position draws the bonus token from p (nothing masked, not
     flagged), as ``verify_multi`` / ``verify_tree`` do for a node without valid children.
 
+    Inputs engines already hold:
+        target_probs:     instead of target_logits (pass None for it): fp32 | fp16 | bf16
+                          probabilities, as FlashInfer's callers hold them. They are used as the
+                          logits log(p) (one elementwise pass before the kernels), so temperature=1
+                          samples from p as given, 0 is greedy, and top-k / top-p still apply. NaN,
+                          +inf or negative entries flag the request, like non-finite logits.
+        logits_scaled:    True when target_logits (and draft_logits) are already divided by the
+                          temperature, as vLLM holds them: the kernels then scale by 1, and
+                          ``temperature`` only tells greedy (0) from sampled (> 0) requests.
+                          top-p masses are computed on the logits as given.
+
+    Flattened ragged layout (vLLM / SGLang hold rows this way; read in place, no padding copy):
+        cu_num_draft_tokens: [B+1] int32 | int64 offsets, cu[0] = 0: request b has the
+                          n_b = cu[b+1] - cu[b] drafts draft_tokens[cu[b]:cu[b+1]]. Then
+                          target_logits is [N + B, V] (rows cu[b] + b ... cu[b+1] + b: request b's
+                          n_b draft positions, then its bonus row), draft_tokens [N], draft_logits /
+                          draft_probs [N, V], and num_draft_tokens must be None.
+        max_num_draft_tokens: G, the output width - 1; default max n_b (a host synchronisation:
+                          pass it to stay sync-free, e.g. under CUDA graphs).
+        The output is as for the padded call: tokens [B, G+1] (-1 padded), num_accepted [B]. The
+        Triton kernels read the flattened rows in place; the cpu / cuda / torch backends gather a
+        padded copy first.
+
     out_dtype: torch.int64 (default) or torch.int32 for ``tokens`` (and ``accepted_nodes`` of the tree
         ops), as vLLM / SGLang / FlashInfer hold ids. Engine conventions: vLLM's num_sampled =
         num_accepted + 1 (tokens[b, :num_accepted + 1] are the output ids); SGLang's accept_index is
@@ -78,18 +106,40 @@ def verify(
         >>> n = out.num_accepted  # commit out.tokens[b, : n[b] + 1]
     """
     backend = _dispatch.check_backend(backend)
-    args = check_verify_args(
-        target_logits,
-        draft_tokens,
-        draft_logits,
-        draft_probs,
-        temperature,
-        top_k,
-        top_p,
-        num_draft_tokens,
-        seed,
-        validate=validate,
-    )
+    target_logits = _target_input(target_logits, target_probs)
+    if logits_scaled:
+        temperature = _unit_temperature(temperature)
+    if cu_num_draft_tokens is not None:
+        if num_draft_tokens is not None:
+            raise ValueError("pass num_draft_tokens or cu_num_draft_tokens, not both (cu implies the counts)")
+        args = check_flat_verify_args(
+            target_logits,
+            draft_tokens,
+            draft_logits,
+            draft_probs,
+            temperature,
+            top_k,
+            top_p,
+            cu_num_draft_tokens,
+            max_num_draft_tokens,
+            seed,
+            validate=validate,
+        )
+    else:
+        if max_num_draft_tokens is not None:
+            raise ValueError("max_num_draft_tokens belongs to the flattened layout (cu_num_draft_tokens=)")
+        args = check_verify_args(
+            target_logits,
+            draft_tokens,
+            draft_logits,
+            draft_probs,
+            temperature,
+            top_k,
+            top_p,
+            num_draft_tokens,
+            seed,
+            validate=validate,
+        )
     _check_out_dtype(out_dtype)
     if torch.compiler.is_compiling():  # one opaque custom op in the graph
         out = _dispatch.call_verify_chain(args, backend)
@@ -232,3 +282,32 @@ def _run_tree(backend, *tree_args, validate: bool, multi: bool = False, out_dtyp
 def _check_out_dtype(out_dtype) -> None:
     if out_dtype not in (torch.int64, torch.int32):
         raise TypeError(f"out_dtype must be torch.int64 or torch.int32 (as engines hold token ids), got {out_dtype!r}")
+
+
+def _target_input(target_logits, target_probs):
+    """The target as logits: target_logits as given, or log(target_probs) (0 -> -inf; NaN, +inf
+    and negative entries become NaN / +inf, which the kernels flag as non-finite)."""
+    if target_probs is None:
+        if target_logits is None:
+            raise TypeError("pass target_logits or target_probs")
+        return target_logits
+    if target_logits is not None:
+        raise ValueError("pass target_logits or target_probs, not both")
+    if not isinstance(target_probs, torch.Tensor):
+        raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
+    if not target_probs.is_floating_point():
+        raise TypeError(f"target_probs has dtype {target_probs.dtype}; it must be a float tensor")
+    p = target_probs.float()
+    return torch.where(p < 0, torch.full_like(p, float("nan")), torch.log(p))
+
+
+def _unit_temperature(temperature):
+    """Temperature for logits already divided by it: 1 for sampled requests, 0 (greedy) kept, and
+    unusable values (NaN, inf, negative, subnormal) kept as given so the usual checks report them."""
+    if isinstance(temperature, torch.Tensor):
+        usable = (temperature >= MIN_TEMPERATURE) & (temperature <= MAX_FLOAT32)
+        return torch.where(usable, torch.ones_like(temperature), temperature)
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        if MIN_TEMPERATURE <= temperature <= MAX_FLOAT32:
+            return 1.0
+    return temperature

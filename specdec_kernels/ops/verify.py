@@ -75,6 +75,7 @@ def _verify_row_stats_kernel(
     target_ptr,  # [B, (K,) G+1, V] fp32/fp16/bf16 raw target logits
     draft_ptr,  # [B, (K,) G, V] raw draft logits (DRAFT_MODE == DRAFT_LOGITS), otherwise unused
     draft_tokens_ptr,  # [B, G] int (PLACEHOLDERS_END), otherwise unused
+    cu_ptr,  # [B+1] int: flattened layout (FLAT): request b owns draft rows cu[b] .. cu[b+1]-1
     num_draft_ptr,  # [B] int: n_b (PER_REQ_N), else every request uses G
     temperature_ptr,  # [B] float: 0 = greedy (PER_REQ_T), else the scalar `temperature`
     top_k_ptr,  # [B] int: 0 = off (PER_REQ_K), else the scalar `top_k`
@@ -114,6 +115,7 @@ def _verify_row_stats_kernel(
     BONUS_IN_PASS: tl.constexpr,  # sample the bonus token of row n_b in this pass (chains)
     PLACEHOLDERS_END: tl.constexpr,  # a draft id outside [0, V) ends the draft (chains)
     GP2: tl.constexpr,  # next power of two >= G (PLACEHOLDERS_END)
+    FLAT: tl.constexpr,  # flattened ragged layout (chains): bases from cu_ptr, strides are row strides
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -127,7 +129,8 @@ def _verify_row_stats_kernel(
     in_batch = rows < B * K * (G + 1)
     n_b = per_request(num_draft_ptr, G, b, in_batch, PER_REQ_N).to(tl.int32)
     if PLACEHOLDERS_END:
-        n_b = _drafted(draft_tokens_ptr, stride_xb, b, in_batch, n_b, V, GP2)
+        x_base = _request_base(cu_ptr, b, in_batch, stride_xb, 0, FLAT)
+        n_b = _drafted(draft_tokens_ptr + x_base, in_batch, n_b, V, GP2)
     row_ok = in_batch & (i <= n_b)  # rows past the bonus row are never read
     temperature = per_request(temperature_ptr, temperature, b, row_ok, PER_REQ_T).to(tl.float32)
     greedy, inv_t = inverse_temperature(temperature)
@@ -135,8 +138,10 @@ def _verify_row_stats_kernel(
     seed = request_seed(seed_ptr, seed, b, row_ok, PER_REQ_SEED)
     need_bonus = row_ok & (i == n_b) & ~greedy & BONUS_IN_PASS
 
-    t_rows = target_ptr + b[:, None] * stride_tb + k[:, None] * stride_tk + i[:, None].to(tl.int64) * stride_tg
-    d_rows = draft_ptr + b[:, None] * stride_db + k[:, None] * stride_dk + i[:, None].to(tl.int64) * stride_dg
+    t_base = _request_base(cu_ptr, b, in_batch, stride_tb, 1, FLAT)  # + b: each request's bonus row
+    d_base = _request_base(cu_ptr, b, in_batch, stride_db, 0, FLAT)
+    t_rows = target_ptr + t_base[:, None] + k[:, None] * stride_tk + i[:, None].to(tl.int64) * stride_tg
+    d_rows = draft_ptr + d_base[:, None] + k[:, None] * stride_dk + i[:, None].to(tl.int64) * stride_dg
     thr_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
     thr_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
     if HAS_FILTER:  # launched with a single chunk: each program owns whole rows
@@ -201,13 +206,24 @@ def _verify_row_stats_kernel(
 
 
 @triton.jit
-def _drafted(draft_tokens_ptr, stride_xb, b, mask, n_b, V, GP2: tl.constexpr):
-    """n_b cut at the first placeholder id (outside [0, V), e.g. vLLM's -1 padding): the draft ends
-    there, so that position draws the bonus token from p, masking nothing (as a tree walk does when
-    a node has no valid child)."""
+def _request_base(cu_ptr, b, mask, stride_b, BONUS_ROW: tl.constexpr, FLAT: tl.constexpr):
+    """Element offset of request b's first row: ``b * stride_b`` in the padded layout; in the
+    flattened layout row ``cu[b] + BONUS_ROW * b`` times the row stride (passed as stride_b), where
+    BONUS_ROW = 1 for target rows (each request owns n_b + 1 of them) and 0 for draft rows / ids."""
+    if FLAT:
+        return (tl.load(cu_ptr + b, mask=mask, other=0).to(tl.int64) + BONUS_ROW * b) * stride_b
+    else:
+        return b * stride_b
+
+
+@triton.jit
+def _drafted(x_rows, mask, n_b, V, GP2: tl.constexpr):
+    """n_b cut at the first placeholder id (outside [0, V), e.g. vLLM's -1 padding) of the draft ids
+    at ``x_rows`` (one pointer per request): the draft ends there, so that position draws the bonus
+    token from p, masking nothing (as a tree walk does when a node has no valid child)."""
     t = tl.arange(0, GP2)[None, :]
     in_draft = mask[:, None] & (t < n_b[:, None])
-    tok = tl.load(draft_tokens_ptr + b[:, None] * stride_xb + t, mask=in_draft, other=0)
+    tok = tl.load(x_rows[:, None] + t, mask=in_draft, other=0)
     placeholder = in_draft & ((tok < 0) | (tok >= V))
     return tl.minimum(n_b, tl.min(tl.where(placeholder, t, GP2), axis=1))
 
@@ -241,6 +257,7 @@ def _verify_accept_kernel(
     target_ptr,  # [B, G+1, V] raw target logits
     draft_ptr,  # [B, G, V] draft logits (mode 1) or draft probs (mode 2)
     draft_tokens_ptr,  # [B, G] int32/int64
+    cu_ptr,  # [B+1] int (FLAT)
     num_draft_ptr,  # [B] int (PER_REQ_N)
     temperature_ptr,  # [B] float (PER_REQ_T)
     seed_ptr,  # [B] int (PER_REQ_SEED)
@@ -273,6 +290,7 @@ def _verify_accept_kernel(
     PER_REQ_SEED: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
+    FLAT: tl.constexpr,
     BLOCK_B: tl.constexpr,
     ROWS: tl.constexpr,  # next power of two >= G + 1
     BLOCK_V: tl.constexpr,
@@ -281,8 +299,11 @@ def _verify_accept_kernel(
     chunk = tl.program_id(1)
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     b_ok = b < B
+    t_base = _request_base(cu_ptr, b, b_ok, stride_tb, 1, FLAT)
+    d_base = _request_base(cu_ptr, b, b_ok, stride_db, 0, FLAT)
+    x_rows = draft_tokens_ptr + _request_base(cu_ptr, b, b_ok, stride_xb, 0, FLAT)
     n_b = per_request(num_draft_ptr, G, b, b_ok, PER_REQ_N).to(tl.int32)
-    n_b = _drafted(draft_tokens_ptr, stride_xb, b, b_ok, n_b, V, ROWS)
+    n_b = _drafted(x_rows, b_ok, n_b, V, ROWS)
     temperature = per_request(temperature_ptr, temperature, b, b_ok, PER_REQ_T).to(tl.float32)
     greedy, inv_t = inverse_temperature(temperature)
     seed = request_seed(seed_ptr, seed, b, b_ok, PER_REQ_SEED)
@@ -340,11 +361,11 @@ def _verify_accept_kernel(
 
     # ---- accept test of every draft, first rejection j
     is_draft = b_ok[:, None] & (i < n_b[:, None])
-    tok = tl.load(draft_tokens_ptr + b[:, None] * stride_xb + i, mask=is_draft, other=0).to(tl.int64)
+    tok = tl.load(x_rows[:, None] + i, mask=is_draft, other=0).to(tl.int64)
     tok_ok = (tok >= 0) & (tok < V)  # out-of-range ids (validate=False) are rejected, never loaded
     tok_safe = tl.where(tok_ok, tok, 0)
-    t_rows = target_ptr + b[:, None] * stride_tb + i.to(tl.int64) * stride_tg
-    d_rows = draft_ptr + b[:, None] * stride_db + i.to(tl.int64) * stride_dg
+    t_rows = target_ptr + t_base[:, None] + i.to(tl.int64) * stride_tg
+    d_rows = draft_ptr + d_base[:, None] + i.to(tl.int64) * stride_dg
     x_t, _bad_t = load_logits(t_rows + tok_safe, is_draft)
     p_tok = _prob_of(x_t, m_t, z_t, thr_t, inv_t2)
     if DRAFT_MODE == DRAFT_LOGITS:
@@ -387,8 +408,8 @@ def _verify_accept_kernel(
         thrj_q = _select_row(thr_q, i, j)
         tok_j = _select_row(tok_safe, i, j)
         log_zj = tl.log(tl.where(zj_t > 0.0, zj_t, 1.0))
-        tj_row = target_ptr + b[:, None] * stride_tb + j[:, None].to(tl.int64) * stride_tg
-        dj_row = draft_ptr + b[:, None] * stride_db + j[:, None].to(tl.int64) * stride_dg
+        tj_row = target_ptr + t_base[:, None] + j[:, None].to(tl.int64) * stride_tg
+        dj_row = draft_ptr + d_base[:, None] + j[:, None].to(tl.int64) * stride_dg
         start_col = chunk * chunk_size
         end_col = tl.minimum(start_col + chunk_size, V)
         for start in range(start_col, end_col, BLOCK_V):
@@ -422,6 +443,7 @@ def _verify_accept_kernel(
 def _verify_finalize_kernel(
     # pointers
     draft_tokens_ptr,  # [B, G] int32/int64
+    cu_ptr,  # [B+1] int (FLAT)
     num_draft_ptr,  # [B] int (PER_REQ_N)
     temperature_ptr,  # [B] float (PER_REQ_T)
     first_reject_ptr,  # [B] int32 (kernel 2)
@@ -443,14 +465,16 @@ def _verify_finalize_kernel(
     # constexprs
     PER_REQ_N: tl.constexpr,
     PER_REQ_T: tl.constexpr,
+    FLAT: tl.constexpr,
     BLOCK_B: tl.constexpr,
     ROWS: tl.constexpr,  # next power of two >= G + 1
 ):
     pid_b = tl.program_id(0).to(tl.int64)
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     b_ok = b < B
+    x_rows = draft_tokens_ptr + _request_base(cu_ptr, b, b_ok, stride_xb, 0, FLAT)
     n_b = per_request(num_draft_ptr, G, b, b_ok, PER_REQ_N).to(tl.int32)
-    n_b = _drafted(draft_tokens_ptr, stride_xb, b, b_ok, n_b, V, ROWS)
+    n_b = _drafted(x_rows, b_ok, n_b, V, ROWS)
     temperature = per_request(temperature_ptr, temperature, b, b_ok, PER_REQ_T).to(tl.float32)
     greedy, _inv_t = inverse_temperature(temperature)
     j = tl.load(first_reject_ptr + b, mask=b_ok, other=0)
@@ -476,7 +500,7 @@ def _verify_finalize_kernel(
     token = tl.minimum(tl.maximum(token, 0), V - 1).to(tl.int64)
 
     t = tl.arange(0, ROWS)[None, :]
-    drafts = tl.load(draft_tokens_ptr + b[:, None] * stride_xb + t, mask=b_ok[:, None] & (t < j[:, None]), other=-1)
+    drafts = tl.load(x_rows[:, None] + t, mask=b_ok[:, None] & (t < j[:, None]), other=-1)
     out = tl.where(t < j[:, None], drafts.to(tl.int64), tl.where(t == j[:, None], token[:, None], -1))
     tl.store(out_tokens_ptr + b[:, None] * stride_ob + t, out, mask=b_ok[:, None] & (t <= G))
     tl.store(out_accepted_ptr + b, j, mask=b_ok)
@@ -550,8 +574,16 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
 
     target = args.target_logits
     draft = args.draft if args.draft is not None else target  # never read in mode 0
-    draft_tokens = args.draft_tokens if G > 0 else torch.empty((B, 1), dtype=torch.int64, device=dev)
-    stride_db, stride_dg = (draft.stride(0), draft.stride(1)) if args.draft is not None else (0, 0)
+    flat = args.cu is not None
+    draft_tokens = args.draft_tokens if args.draft_tokens.numel() > 0 else torch.zeros(1, dtype=torch.int64, device=dev)
+    cu = args.cu if flat else draft_tokens  # never read unless FLAT
+    # Flattened layout: every "request stride" is a row stride; the kernels add cu[b] (+ b) rows.
+    stride_tb, stride_tg = (target.stride(0), target.stride(0)) if flat else (target.stride(0), target.stride(1))
+    if args.draft is None:
+        stride_db = stride_dg = 0
+    else:
+        stride_db, stride_dg = (draft.stride(0), draft.stride(0)) if flat else (draft.stride(0), draft.stride(1))
+    stride_xb = draft_tokens.stride(0)
     rows_p2 = next_pow2(G + 1)
     per_req_n = args.num_draft_tokens is not None
     n_ptr = args.num_draft_tokens if per_req_n else target
@@ -565,6 +597,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         target,
         draft,
         draft_tokens,
+        cu,
         n_ptr,
         t_ptr,
         k_ptr,
@@ -573,13 +606,13 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         stats,
         idx,
         thr,
-        target.stride(0),
+        stride_tb,
         0,
-        target.stride(1),
+        stride_tg,
         stride_db,
         0,
         stride_dg,
-        draft_tokens.stride(0),
+        stride_xb,
         B,
         1,
         G,
@@ -600,6 +633,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         BONUS_IN_PASS=True,
         PLACEHOLDERS_END=True,
         GP2=next_pow2(max(G, 1)),
+        FLAT=flat,
         BLOCK_R=plan.block_r,
         BLOCK_V=plan.block_v,
         num_warps=plan.num_warps,
@@ -608,6 +642,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         target,
         draft,
         draft_tokens,
+        cu,
         n_ptr,
         t_ptr,
         s_ptr,
@@ -619,11 +654,11 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         nonfinite,
         race_key,
         race_idx,
-        target.stride(0),
-        target.stride(1),
+        stride_tb,
+        stride_tg,
         stride_db,
         stride_dg,
-        draft_tokens.stride(0),
+        stride_xb,
         B,
         G,
         V,
@@ -636,6 +671,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         PER_REQ_SEED=per_req_s,
         DRAFT_MODE=args.draft_mode,
         HAS_FILTER=has_filter,
+        FLAT=flat,
         BLOCK_B=plan.block_b,
         ROWS=rows_p2,
         BLOCK_V=plan.block_v,
@@ -644,6 +680,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
     block_b3 = min(next_pow2(B), 128)
     _verify_finalize_kernel[(triton.cdiv(B, block_b3),)](
         draft_tokens,
+        cu,
         n_ptr,
         t_ptr,
         first_reject,
@@ -652,7 +689,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         race_idx,
         tokens,
         num_accepted,
-        draft_tokens.stride(0),
+        stride_xb,
         tokens.stride(0),
         B,
         G,
@@ -661,6 +698,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         float(t_val),
         PER_REQ_N=per_req_n,
         PER_REQ_T=per_req_t,
+        FLAT=flat,
         BLOCK_B=block_b3,
         ROWS=rows_p2,
     )

@@ -477,6 +477,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput:
         target,
         draft,
         target,  # draft tokens: unused (placeholders are handled by the walk)
+        target,  # cu: unused (no flattened layout for trees)
         n_ptr,
         t_ptr,
         k_ptr,
@@ -510,6 +511,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput:
         BONUS_IN_PASS=False,
         PLACEHOLDERS_END=False,
         GP2=1,
+        FLAT=False,
         BLOCK_R=block_r,
         BLOCK_V=block_v,
         num_warps=4,

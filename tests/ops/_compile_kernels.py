@@ -43,6 +43,7 @@ def verify_kernels():
         "seed_ptr": "*i64",
         "idx_ptr": "*i32",
         "draft_tokens_ptr": "*i64",
+        "cu_ptr": "*i64",
     }
     variants = itertools.product(["*bf16"], [0, 1, 2], [False, True], [(1, 2048), (64, 16)])
     others = [("*fp16", 1, False, (1, 2048)), ("*fp32", 2, True, (64, 16))]
@@ -63,6 +64,7 @@ def verify_kernels():
                 BONUS_IN_PASS=not per_req,
                 PLACEHOLDERS_END=not per_req,
                 GP2=8,
+                FLAT=per_req,  # the flattened ragged layout rides on the per-request variant
                 BLOCK_R=block,
                 BLOCK_V=bv,
             ),
@@ -78,10 +80,11 @@ def verify_kernels():
         yield (
             v._verify_accept_kernel,
             types2,
-            dict(flags, DRAFT_MODE=mode, HAS_FILTER=has_filter, BLOCK_B=block, ROWS=8, BLOCK_V=bv),
+            dict(flags, DRAFT_MODE=mode, HAS_FILTER=has_filter, FLAT=per_req, BLOCK_B=block, ROWS=8, BLOCK_V=bv),
         )
     types3 = {
         "draft_tokens_ptr": "*i64",
+        "cu_ptr": "*i64",
         "num_draft_ptr": "*i32",
         "first_reject_ptr": "*i32",
         "token_ptr": "*i32",
@@ -91,7 +94,11 @@ def verify_kernels():
         "temperature": "fp32",
     }
     for per_req in (False, True):
-        yield v._verify_finalize_kernel, types3, dict(PER_REQ_N=per_req, PER_REQ_T=per_req, BLOCK_B=128, ROWS=8)
+        yield (
+            v._verify_finalize_kernel,
+            types3,
+            dict(PER_REQ_N=per_req, PER_REQ_T=per_req, FLAT=per_req, BLOCK_B=128, ROWS=8),
+        )
 
 
 def tree_kernels():

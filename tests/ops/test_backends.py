@@ -108,7 +108,7 @@ def test_shape_classes_bucket_sizes():
 # torch.library
 
 
-def _op_args(device, per_request=True):
+def _op_args(device, per_request=True, flat=False):
     B, G, V = 3, 2, 16
     target, tokens, draft = make_problem(B, G, V, device=device, seed=1)
     args = check_verify_args(
@@ -123,14 +123,32 @@ def _op_args(device, per_request=True):
         torch.arange(B, device=device) if per_request else 7,
     )
     tensors, scalars, seed_t, seed = args.sampling.op_args()
-    return (target, tokens, draft, 1, tensors, scalars, seed_t, seed, None, "triton")
+    if not flat:
+        return (target, tokens, draft, 1, tensors, scalars, seed_t, seed, None, None, 0, "triton")
+    # the flattened layout of the same batch: every request drafted G tokens
+    cu = torch.arange(0, (B + 1) * G, G, device=device)
+    n = torch.full((B,), G, device=device)
+    return (
+        target.reshape(-1, V),
+        tokens.reshape(-1),
+        draft.reshape(-1, V),
+        1,
+        tensors,
+        scalars,
+        seed_t,
+        seed,
+        n,
+        cu,
+        G,
+        "triton",
+    )
 
 
-@pytest.mark.parametrize("per_request", [True, False])
-def test_verify_chain_op_passes_opcheck(per_request, device):
+@pytest.mark.parametrize("per_request,flat", [(True, False), (False, False), (True, True)])
+def test_verify_chain_op_passes_opcheck(per_request, flat, device):
     torch.library.opcheck(
         torch.ops.specdec.verify_chain.default,
-        _op_args(device, per_request),
+        _op_args(device, per_request, flat),
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
 
