@@ -213,7 +213,8 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
 
 def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
     """Run tree / multi-draft verification (checked TreeArgs)."""
-    block_v = (_OVERRIDES.get() or {}).get("block_v")
+    overrides = _OVERRIDES.get() or {}
+    block_v, num_chunks = overrides.get("block_v"), overrides.get("num_chunks")
     if backend == "auto" and args.target.device.type == "cpu":
         backend = cpu_auto_backend()
     if backend == "cpu":
@@ -222,7 +223,7 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
         return reference_tree(args)
     if backend == "cuda":
         return _cuda_ext.verify_tree(args)
-    candidates = {"triton": lambda: launch_tree(args, block_v)}
+    candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks)}
     if backend == "auto" and args.target.device.type == "cuda" and _cuda_ext.cuda_extension_ready():
         candidates["cuda"] = lambda: _cuda_ext.verify_tree(args)
     chosen = resolve(backend, args.target.device, tree_shape_class(args), candidates)

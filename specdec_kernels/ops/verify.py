@@ -206,6 +206,74 @@ def _verify_row_stats_kernel(
 
 
 @triton.jit
+def _combine_row_stats_kernel(
+    # pointers
+    stats_ptr,  # [R, C, NUM_STATS] fp32: per-chunk statistics of kernel 1
+    idx_ptr,  # [R, C, NUM_IDX] int32
+    out_stats_ptr,  # [R, 1, NUM_STATS] fp32 out: whole-row statistics
+    out_idx_ptr,  # [R, 1, NUM_IDX] int32 out
+    temperature_ptr,  # [B] float (PER_REQ_T)
+    # sizes
+    R,
+    ROWS_PER_REQUEST,  # K * (G + 1): rows of one request (for its temperature)
+    num_chunks,
+    # scalar parameters
+    temperature,
+    # constexprs
+    PER_REQ_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Merge the vocabulary chunks of kernel 1 into whole-row records, for consumers that read one
+    record per row (the tree walk). The bonus race is not merged: tree launches do not run it."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    ok = rows < R
+    temperature = per_request(temperature_ptr, temperature, rows // ROWS_PER_REQUEST, ok, PER_REQ_T)
+    _greedy, inv_t = inverse_temperature(temperature.to(tl.float32))
+    m_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    z_t = tl.zeros([BLOCK_R], tl.float32)
+    m_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    z_q = tl.zeros([BLOCK_R], tl.float32)
+    g_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    g_idx = tl.zeros([BLOCK_R], tl.int32)
+    bad_t = tl.zeros([BLOCK_R], tl.float32)
+    bad_q = tl.zeros([BLOCK_R], tl.float32)
+    for c in range(0, num_chunks):
+        rec = (rows * num_chunks + c) * NUM_STATS
+        c_gmax = tl.load(stats_ptr + rec + STAT_GMAX, mask=ok, other=float("-inf"))
+        c_gidx = tl.load(idx_ptr + (rows * num_chunks + c) * NUM_IDX + IDX_GREEDY, mask=ok, other=0)
+        take = c_gmax > g_max  # strict: the earlier chunk keeps ties (lowest index)
+        g_max = tl.where(take, c_gmax, g_max)
+        g_idx = tl.where(take, c_gidx, g_idx)
+        m_t, z_t = _combine_softmax(
+            m_t,
+            z_t,
+            tl.load(stats_ptr + rec + STAT_M_T, mask=ok, other=float("-inf")),
+            tl.load(stats_ptr + rec + STAT_Z_T, mask=ok, other=0.0),
+            inv_t,
+        )
+        m_q, z_q = _combine_softmax(
+            m_q,
+            z_q,
+            tl.load(stats_ptr + rec + STAT_M_Q, mask=ok, other=float("-inf")),
+            tl.load(stats_ptr + rec + STAT_Z_Q, mask=ok, other=0.0),
+            inv_t,
+        )
+        bad_t += tl.load(stats_ptr + rec + STAT_BAD_T, mask=ok, other=0.0)
+        bad_q += tl.load(stats_ptr + rec + STAT_BAD_Q, mask=ok, other=0.0)
+    out = rows * NUM_STATS
+    tl.store(out_stats_ptr + out + STAT_M_T, m_t, mask=ok)
+    tl.store(out_stats_ptr + out + STAT_Z_T, z_t, mask=ok)
+    tl.store(out_stats_ptr + out + STAT_M_Q, m_q, mask=ok)
+    tl.store(out_stats_ptr + out + STAT_Z_Q, z_q, mask=ok)
+    tl.store(out_stats_ptr + out + STAT_GMAX, g_max, mask=ok)
+    tl.store(out_stats_ptr + out + STAT_BONUS_KEY, tl.full([BLOCK_R], float("-inf"), tl.float32), mask=ok)
+    tl.store(out_stats_ptr + out + STAT_BAD_T, bad_t, mask=ok)
+    tl.store(out_stats_ptr + out + STAT_BAD_Q, bad_q, mask=ok)
+    tl.store(out_idx_ptr + rows * NUM_IDX + IDX_GREEDY, g_idx, mask=ok)
+    tl.store(out_idx_ptr + rows * NUM_IDX + IDX_BONUS, tl.zeros([BLOCK_R], tl.int32), mask=ok)
+
+
+@triton.jit
 def _request_base(cu_ptr, b, mask, stride_b, BONUS_ROW: tl.constexpr, FLAT: tl.constexpr):
     """Element offset of request b's first row: ``b * stride_b`` in the padded layout; in the
     flattened layout row ``cu[b] + BONUS_ROW * b`` times the row stride (passed as stride_b), where

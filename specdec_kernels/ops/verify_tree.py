@@ -55,6 +55,7 @@ from .verify import (
     STAT_Z_T,
     THR_Q,
     THR_T,
+    _combine_row_stats_kernel,
     _prob_of,
     _verify_row_stats_kernel,
 )
@@ -437,8 +438,23 @@ def _tree_walk_kernel(
 # launcher
 
 
-def launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput:
-    """Run the row-statistics pass and the walk on checked arguments (``_tree_args.check_tree_args``)."""
+def _row_pass_chunks(args: TreeArgs, row_tiles: int, blocks: int, interpreted: bool, num_chunks: int | None) -> int:
+    """Vocabulary chunks of the row pass: split rows so that a small batch still fills the GPU
+    (~4 programs per SM). Filtered rows stay whole (the threshold search needs the whole row)."""
+    if args.has_filter:
+        return 1
+    if num_chunks is None:
+        if interpreted:
+            return 1
+        sms = torch.cuda.get_device_properties(args.target.device).multi_processor_count
+        num_chunks = min(64, max(1, -(-4 * sms // row_tiles)))
+    return max(1, min(int(num_chunks), blocks))
+
+
+def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | None = None) -> TreeVerifyOutput:
+    """Run the row-statistics pass and the walk on checked arguments (``_tree_args.check_tree_args``).
+
+    num_chunks / block_v override the launch plan (tests use them to split small vocabularies)."""
     B, K, G, V, N, D = args.B, args.K, args.G, args.V, args.N, args.max_depth
     dev = args.target.device
     tokens = torch.empty((B, D + 1), dtype=torch.int64, device=dev)
@@ -458,8 +474,12 @@ def launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput:
     block_b = max(1, min(next_pow2(B), tile // max(block_v * RHO_POINTS, np2 * np2, 1))) if interpreted else 1
     has_filter = args.has_filter
 
-    stats = torch.empty((rows, 1, NUM_STATS_HOST), dtype=torch.float32, device=dev)
-    idx = torch.empty((rows, 1, 2), dtype=torch.int32, device=dev)
+    blocks = triton.cdiv(V, block_v)
+    C = _row_pass_chunks(args, triton.cdiv(rows, block_r), blocks, interpreted, num_chunks)
+    chunk_size = triton.cdiv(blocks, C) * block_v
+    C = triton.cdiv(V, chunk_size)
+    stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
+    idx = torch.empty((rows, C, 2), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
     target = args.target
     draft = args.draft if args.draft is not None else target
@@ -473,7 +493,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput:
     s_ptr, s_val, per_req_s = params["seed"]
     # Rows past a ragged tree's last node are skipped: "n_b" of the row pass is the node count
     # (row i of a single chain belongs to node i - 1); chains of verify_multi are never ragged.
-    _verify_row_stats_kernel[(triton.cdiv(rows, block_r), 1)](
+    _verify_row_stats_kernel[(triton.cdiv(rows, block_r), C)](
         target,
         draft,
         target,  # draft tokens: unused (placeholders are handled by the walk)
@@ -495,8 +515,8 @@ def launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput:
         K,
         G,
         V,
-        triton.cdiv(V, block_v) * block_v,
-        1,
+        chunk_size,
+        C,
         float(t_val),
         int(k_val),
         float(p_val),
@@ -516,6 +536,24 @@ def launch_tree(args: TreeArgs, block_v: int | None = None) -> TreeVerifyOutput:
         BLOCK_V=block_v,
         num_warps=4,
     )
+    if C > 1:  # the walk reads one record per row
+        whole = torch.empty((rows, 1, NUM_STATS_HOST), dtype=torch.float32, device=dev)
+        whole_idx = torch.empty((rows, 1, 2), dtype=torch.int32, device=dev)
+        block_c = min(next_pow2(rows), 128)
+        _combine_row_stats_kernel[(triton.cdiv(rows, block_c),)](
+            stats,
+            idx,
+            whole,
+            whole_idx,
+            t_ptr,
+            rows,
+            K * (G + 1),
+            C,
+            float(t_val),
+            PER_REQ_T=per_req_t,
+            BLOCK_R=block_c,
+        )
+        stats, idx = whole, whole_idx
     parents = args.parents if args.parents is not None else target
     _tree_walk_kernel[(triton.cdiv(B, block_b),)](
         target,

@@ -94,6 +94,8 @@ def verify_kernels():
         "temperature": "fp32",
     }
     for per_req in (False, True):
+        types4 = {"idx_ptr": "*i32", "out_idx_ptr": "*i32", "temperature": "fp32"}
+        yield v._combine_row_stats_kernel, types4, dict(PER_REQ_T=per_req, BLOCK_R=128)
         yield (
             v._verify_finalize_kernel,
             types3,

@@ -79,6 +79,30 @@ def test_ragged_trees_filters_and_small_blocks(method, dtype, device):
         _assert_same(sk.verify_tree(target, tokens, parents, **kw), ref)
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", ["logits", "probs"])
+def test_row_pass_split_over_the_vocabulary(method, mode, device):
+    """Small batches split the row pass over vocabulary chunks (merged before the walk): same nodes."""
+    B, N, V = 3, 8, 300
+    num_nodes = torch.tensor([8, 0, 5])
+    target, tokens, parents, draft = make_tree_problem(
+        B, N, V, device=device, seed=9, without_replacement=method == "rrs_wor", num_nodes=num_nodes
+    )
+    target[0, 2, 17] = float("nan")  # chunk statistics merge the non-finite counts too
+    draft_kw = {"draft_logits": draft} if mode == "logits" else {"draft_probs": torch.softmax(draft, -1)}
+    kw = dict(
+        draft_kw,
+        method=method,
+        num_nodes=num_nodes.to(device),
+        temperature=torch.tensor([1.0, 0.0, 0.8], device=device),
+        seed=torch.arange(B, device=device) + 7,
+    )
+    ref = verify_tree_reference(target, tokens, parents, **kw)
+    for chunks in (3, 5):
+        with launch_overrides(num_chunks=chunks, block_v=32):
+            _assert_same(sk.verify_tree(target, tokens, parents, backend="triton", **kw), ref)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", METHODS)
 def test_multi_with_one_chain_is_verify(mode, method, device):
