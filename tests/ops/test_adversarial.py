@@ -130,7 +130,7 @@ def test_placeholder_ids_reject_without_masking_or_flagging(backend, mode):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
-@pytest.mark.parametrize("mode", ["ngram", "probs"])
+@pytest.mark.parametrize("mode", ["ngram", "probs", "logits"])
 def test_placeholder_position_emits_p(backend, mode):
     """The issue's case: p(0) = 0.6 at a placeholder position; the emitted token must follow p
     (chi-square, alpha 1e-6, 4,000 draws), with power > 0.99 against masking token 0."""
@@ -141,7 +141,11 @@ def test_placeholder_position_emits_p(backend, mode):
     tokens = torch.full((n, 1), -1)
     masked = torch.cat([torch.zeros(1), p[1:] / p[1:].sum()])
     assert chi_square_power(p, masked, n) > 0.99
-    kw = {"draft_probs": torch.full((n, 1, V), 0.2)} if mode == "probs" else {}
+    kw = {
+        "ngram": {},
+        "probs": {"draft_probs": torch.full((n, 1, V), 0.2)},
+        "logits": {"draft_logits": torch.zeros(n, 1, V)},
+    }[mode]
     out = sk.verify(target, tokens, **kw, temperature=1.0, seed=torch.arange(n), validate=False, backend=backend)
     assert (out.num_accepted == 0).all() and not out.nonfinite.any()
     assert chi_square_pvalue(out.tokens[:, 0], p.double()) > ALPHA
