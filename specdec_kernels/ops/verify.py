@@ -589,25 +589,39 @@ class _LaunchPlan:
 
 
 def _plan(args: VerifyArgs, has_filter: bool, num_chunks: int | None, block_v: int | None) -> _LaunchPlan:
-    B, G, V = args.B, args.G, args.V
     interpreted = interpreter_requested() or args.target_logits.device.type != "cuda"
+    if interpreted or has_filter or num_chunks is not None or block_v is not None:
+        return _plan_for(args, has_filter, num_chunks, block_v, interpreted, sms=0)
+    return gpu_plan(args, torch.cuda.get_device_properties(args.target_logits.device).multi_processor_count)
+
+
+def gpu_plan(args: VerifyArgs, sms: int) -> _LaunchPlan:
+    """The launch plan of an unfiltered call on a GPU with `sms` SMs (a pure function of shapes).
+
+    Split the vocabulary so that a small batch still fills the GPU (~4 programs per SM in the row
+    pass). The accept kernel has one program per (request tile, chunk), so at B = 1 the chunk count
+    alone must cover half the SMs: chunks go down to one block, and blocks shrink (to 256 entries)
+    while there are too few of them (V = 32,000 at 2,048 per block has only 16)."""
+    plan = _plan_for(args, False, None, None, False, sms)
+    while plan.block_v > 256 and triton.cdiv(args.B, plan.block_b) * plan.num_chunks < (sms + 1) // 2:
+        plan = _plan_for(args, False, None, plan.block_v // 2, False, sms)
+    return plan
+
+
+def _plan_for(args, has_filter: bool, num_chunks, block_v, interpreted: bool, sms: int) -> _LaunchPlan:
+    B, G, V = args.B, args.G, args.V
     # The interpreter pays per operation, not per element: give it big tiles.
-    max_block_v, tile, max_block_b = (8192, 1 << 16, 4096) if interpreted else (2048, 4096, 64)
+    max_block_v, tile, max_block_b = (8192, 1 << 16, 4096) if interpreted else (2048, 4096, 2)
     block_v = max(4, min(next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * (G + 1)
-    block_r = max(1, min(next_pow2(rows), tile // block_v))
+    # On a GPU at most 2 rows per program: more programs, not wider ones, when blocks shrink.
+    block_r = max(1, min(next_pow2(rows), tile // block_v, 1 << 30 if interpreted else 2))
     block_b = max(1, min(next_pow2(B), tile // block_v, max_block_b))
     blocks = triton.cdiv(V, block_v)
     if has_filter:
         num_chunks = 1  # the bisection needs whole rows
     elif num_chunks is None:
-        if interpreted:
-            num_chunks = 1
-        else:
-            # Split the vocab so that a small batch still fills the GPU (~4 programs per SM).
-            sms = torch.cuda.get_device_properties(args.target_logits.device).multi_processor_count
-            row_tiles = triton.cdiv(rows, block_r)
-            num_chunks = min(blocks, max(1, math.ceil(4 * sms / row_tiles)), 64)
+        num_chunks = 1 if interpreted else min(blocks, max(1, math.ceil(4 * sms / triton.cdiv(rows, block_r))), 256)
     num_chunks = max(1, min(int(num_chunks), blocks))
     chunk_size = triton.cdiv(blocks, num_chunks) * block_v
     num_chunks = triton.cdiv(V, chunk_size)

@@ -94,3 +94,22 @@ def test_cuda_graph_capture_replays_exactly():
     graph.replay()
     fresh = sk.verify(target, tokens, draft, temperature=temperature, seed=seeds, validate=False)
     assert torch.equal(captured.tokens, fresh.tokens)
+
+
+@pytest.mark.parametrize("B", [1, 8, 64])
+@pytest.mark.parametrize("V", [32000, 151936])
+def test_gpu_plan_fills_an_h100(B, V):
+    """Launch plan on a GPU with 132 SMs (computed from shapes, no GPU needed): the row pass has
+    >= 132 programs and the accept kernel >= 66, also at B = 1 (vocabulary chunks)."""
+    from specdec_kernels._validation import check_verify_args
+    from specdec_kernels.ops.verify import gpu_plan
+
+    G = 4
+    target = torch.empty(B, G + 1, V, device="meta", dtype=torch.bfloat16)
+    tokens = torch.empty(B, G, dtype=torch.int64, device="meta")
+    args = check_verify_args(target, tokens, target[:, :G], None, 0.7, 0, 1.0, None, 1, validate=False)
+    plan = gpu_plan(args, sms=132)
+    rows = B * (G + 1)
+    assert -(-rows // plan.block_r) * plan.num_chunks >= 132
+    assert -(-B // plan.block_b) * plan.num_chunks >= 66
+    assert plan.chunk_size % plan.block_v == 0 and (plan.num_chunks - 1) * plan.chunk_size < V
