@@ -108,6 +108,42 @@ def first_argmax_update(best, best_idx, vals, idx):
 
 
 @triton.jit
+def lane_softmax_update(m, z, x, keep, inv_t):
+    """Per-lane running (max, sum of exp((x - max) / T)) over [R, BLOCK] tiles: no reduction across
+    lanes inside the hot loop (``lanes_softmax`` reduces once at the end). One exp per entry:
+    whichever of the old max and x is smaller is the one rescaled."""
+    xk = tl.where(keep, x, float("-inf"))
+    # d = (x - m) / T; +inf while the lane holds nothing yet (m = -inf), -inf for dropped entries.
+    d = tl.where(xk > float("-inf"), tl.where(m > float("-inf"), (xk - m) * inv_t, float("inf")), float("-inf"))
+    e = tl.exp(-tl.abs(d))
+    grow = d > 0.0
+    z = tl.where(grow, z * e + 1.0, z + e)
+    return tl.where(grow, xk, m), z
+
+
+@triton.jit
+def lanes_softmax(m, z, inv_t):
+    """(row max, row sum-exp) of per-lane running pairs [R, BLOCK]; inv_t: [R]."""
+    row_m = tl.max(m, axis=1)
+    scale = tl.exp((m - safe_max(row_m)[:, None]) * inv_t[:, None])  # lanes at -inf hold z = 0
+    return row_m, tl.sum(tl.where(m > float("-inf"), z * scale, 0.0), axis=1)
+
+
+@triton.jit
+def lane_argmax_update(best, best_idx, x, idx):
+    """Per-lane running (max, index of its first occurrence); lanes see increasing indices."""
+    take = x > best
+    return tl.where(take, x, best), tl.where(take, idx, best_idx)
+
+
+@triton.jit
+def lanes_argmax(best, best_idx):
+    """(row max, lowest index of the row max) of per-lane running pairs [R, BLOCK]."""
+    row_best = tl.max(best, axis=1)
+    return row_best, tl.min(tl.where(best == row_best[:, None], best_idx, 2147483647), axis=1)
+
+
+@triton.jit
 def filter_threshold(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.constexpr):
     """Raw-logit threshold per row implementing top-k then top-p (keep x >= threshold).
 

@@ -3,13 +3,16 @@
 Three launches, no host synchronisation, no Python loop over requests:
 
 1. ``_verify_row_stats_kernel``  grid (row tiles, vocab chunks): one pass over each target row
-   (and draft row) computes the online max / sum-exp of the processed logits, the greedy argmax,
-   and for the bonus row the exponential race that samples the bonus token.
-   With top-k / top-p the thresholds are found first by bisection (no sort, extra passes).
+   (and draft row) computes the online max / sum-exp of the processed logits and the greedy
+   argmax. Each lane keeps its own running state (one exp per logit, no cross-lane reduction
+   inside the loop); the lanes are combined once after it. With top-k / top-p the thresholds are
+   found first by bisection (no sort, extra passes).
 2. ``_verify_accept_kernel``     grid (request tiles, vocab chunks): combines the chunk statistics,
-   tests every draft ``u * q(x) <= p(x)``, finds the first rejection j and, where a recovered token
-   is needed, runs the exponential race over row j of the residual ``max(p - q, 0)`` — without
-   ever writing p, q or the residual to memory.
+   tests every draft ``u * q(x) <= p(x)``, finds the first rejection j and, for sampled requests,
+   runs one exponential race over row j: of the residual ``max(p - q, 0)`` when j < n_b (a
+   rejection), of p itself when every draft was accepted (the bonus token) — without ever writing
+   p, q or the residual to memory. The bonus race lives here rather than in kernel 1 so the row
+   pass stays lean (no random numbers, half the registers) and only one row per request races.
 3. ``_verify_finalize_kernel``   grid (request tiles): reduces the chunk races and writes tokens.
 """
 
@@ -34,9 +37,12 @@ from ._triton_helpers import (
     filter_threshold,
     first_argmax_update,
     inverse_temperature,
+    lane_argmax_update,
+    lane_softmax_update,
+    lanes_argmax,
+    lanes_softmax,
     load_logits,
     next_pow2,
-    online_softmax_update,
     per_request,
     race_noise,
     request_seed,
@@ -50,15 +56,14 @@ STAT_Z_T = tl.constexpr(1)  # sum-exp of the target relative to STAT_M_T
 STAT_M_Q = tl.constexpr(2)  # the same two for the draft (DRAFT_LOGITS)
 STAT_Z_Q = tl.constexpr(3)
 STAT_GMAX = tl.constexpr(4)  # greedy max (raw logit)
-STAT_BONUS_KEY = tl.constexpr(5)  # best bonus-race key, relative to STAT_M_T
-STAT_BAD_T = tl.constexpr(6)  # count of NaN/+inf target logits
-STAT_BAD_Q = tl.constexpr(7)  # count of NaN/+inf draft logits
-NUM_STATS_HOST = 8
+STAT_BAD_T = tl.constexpr(5)  # count of NaN/+inf target logits
+STAT_BAD_Q = tl.constexpr(6)  # count of NaN/+inf draft logits
+NUM_STATS_HOST = 7
 NUM_STATS = tl.constexpr(NUM_STATS_HOST)
 # ... and one int32 record of NUM_IDX indices.
 IDX_GREEDY = tl.constexpr(0)  # greedy argmax (lowest index on ties)
-IDX_BONUS = tl.constexpr(1)  # winner of the bonus race
-NUM_IDX = tl.constexpr(2)
+NUM_IDX_HOST = 1
+NUM_IDX = tl.constexpr(NUM_IDX_HOST)
 # Race records of kernel 2, per (request, chunk): key and index of two races.
 RACE_RESIDUAL = tl.constexpr(0)  # over the residual max(p - q, 0) of the rejected row
 RACE_TARGET = tl.constexpr(1)  # over p itself (the fallback when the residual is empty)
@@ -80,9 +85,8 @@ def _verify_row_stats_kernel(
     temperature_ptr,  # [B] float: 0 = greedy (PER_REQ_T), else the scalar `temperature`
     top_k_ptr,  # [B] int: 0 = off (PER_REQ_K), else the scalar `top_k`
     top_p_ptr,  # [B] float: 1 = off (PER_REQ_P), else the scalar `top_p`
-    seed_ptr,  # [B] int (PER_REQ_SEED), else keys mixed from the scalar `seed`
     stats_ptr,  # [B*K*(G+1), C, NUM_STATS] fp32 out
-    idx_ptr,  # [B*K*(G+1), C, 2] int32 out
+    idx_ptr,  # [B*K*(G+1), C, NUM_IDX] int32 out
     thr_ptr,  # [B*K*(G+1), 2] fp32 out: raw-logit thresholds of target and draft (HAS_FILTER)
     # strides
     stride_tb,
@@ -103,22 +107,22 @@ def _verify_row_stats_kernel(
     temperature,
     top_k,
     top_p,
-    seed,
     # constexprs
     PER_REQ_N: tl.constexpr,
     PER_REQ_T: tl.constexpr,
     PER_REQ_K: tl.constexpr,
     PER_REQ_P: tl.constexpr,
-    PER_REQ_SEED: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
-    BONUS_IN_PASS: tl.constexpr,  # sample the bonus token of row n_b in this pass (chains)
     PLACEHOLDERS_END: tl.constexpr,  # a draft id outside [0, V) ends the draft (chains)
     GP2: tl.constexpr,  # next power of two >= G (PLACEHOLDERS_END)
     FLAT: tl.constexpr,  # flattened ragged layout (chains): bases from cu_ptr, strides are row strides
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    """One pass over each row's chunk: (max, sum-exp) of the processed target and draft logits, the
+    greedy argmax and the count of non-finite logits. The hot loop keeps per-lane running values
+    (elementwise work only, one exp per logit); lanes are reduced once, after the loop."""
     pid_r = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)  # flattened (b * K + k) * (G+1) + i
@@ -135,8 +139,6 @@ def _verify_row_stats_kernel(
     temperature = per_request(temperature_ptr, temperature, b, row_ok, PER_REQ_T).to(tl.float32)
     greedy, inv_t = inverse_temperature(temperature)
     draft_ok = row_ok & (i < n_b) & ~greedy  # draft rows are read only in DRAFT_MODE 1, never for greedy
-    seed = request_seed(seed_ptr, seed, b, row_ok, PER_REQ_SEED)
-    need_bonus = row_ok & (i == n_b) & ~greedy & BONUS_IN_PASS
 
     t_base = _request_base(cu_ptr, b, in_batch, stride_tb, 1, FLAT)  # + b: each request's bonus row
     d_base = _request_base(cu_ptr, b, in_batch, stride_db, 0, FLAT)
@@ -155,54 +157,47 @@ def _verify_row_stats_kernel(
             thr_q = filter_threshold(d_rows, draft_ok & ~greedy, V, inv_t, top_k, top_p, BLOCK_V)
             tl.store(thr_ptr + rows * NUM_THR + THR_Q, thr_q, mask=draft_ok)
 
-    m_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    z_t = tl.zeros([BLOCK_R], tl.float32)
-    m_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    z_q = tl.zeros([BLOCK_R], tl.float32)
-    g_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    g_idx = tl.zeros([BLOCK_R], tl.int32)
-    bonus_key = tl.full([BLOCK_R], float("-inf"), tl.float32)  # relative to the running m_t
-    bonus_idx = tl.zeros([BLOCK_R], tl.int32)
-    bad = tl.zeros([BLOCK_R], tl.int32)
-    bad_q = tl.zeros([BLOCK_R], tl.int32)
-    any_bonus = tl.max(need_bonus.to(tl.int32), axis=0) > 0
-
+    # per-lane running values, [BLOCK_R, BLOCK_V]
+    m_t = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
+    z_t = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
+    m_q = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
+    z_q = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
+    g_max = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
+    g_idx = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
+    bad = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
+    bad_q = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
+    inv_t2 = inv_t[:, None]
     start_col = chunk * chunk_size
     end_col = tl.minimum(start_col + chunk_size, V)
     for start in range(start_col, end_col, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)[None, :]
         in_chunk = cols < end_col
         x, x_bad = load_logits(t_rows + cols, row_ok[:, None] & in_chunk)
-        bad += tl.sum(x_bad.to(tl.int32), axis=1)
-        g_max, g_idx = first_argmax_update(g_max, g_idx, x, cols)
-        m_prev = m_t
-        m_t, z_t = online_softmax_update(m_t, z_t, x, x >= thr_t[:, None], inv_t)
-        if any_bonus:
-            # Keep the race key relative to the running max so that it stays precise in fp32.
-            bonus_key -= (safe_max(m_t) - safe_max(m_prev)) * inv_t
-            logits = (x - safe_max(m_t)[:, None]) * inv_t[:, None]
-            noise = race_noise(seed[:, None], start, i[:, None], PURPOSE_BONUS, BLOCK_V)
-            keys = tl.where(
-                (x >= thr_t[:, None]) & (x > float("-inf")) & need_bonus[:, None], logits + noise, float("-inf")
-            )
-            bonus_key, bonus_idx = first_argmax_update(bonus_key, bonus_idx, keys, cols)
+        bad += x_bad.to(tl.int32)
+        g_max, g_idx = lane_argmax_update(g_max, g_idx, x, cols)
+        m_t, z_t = lane_softmax_update(m_t, z_t, x, x >= thr_t[:, None], inv_t2)
         if DRAFT_MODE == DRAFT_LOGITS:
             xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk)
-            bad_q += tl.sum(xd_bad.to(tl.int32), axis=1)
-            m_q, z_q = online_softmax_update(m_q, z_q, xd, xd >= thr_q[:, None], inv_t)
+            bad_q += xd_bad.to(tl.int32)
+            m_q, z_q = lane_softmax_update(m_q, z_q, xd, xd >= thr_q[:, None], inv_t2)
 
+    row_m_t, row_z_t = lanes_softmax(m_t, z_t, inv_t)
+    row_g_max, row_g_idx = lanes_argmax(g_max, g_idx)
     rec = (rows * num_chunks + chunk) * NUM_STATS
-    tl.store(stats_ptr + rec + STAT_M_T, m_t, mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_Z_T, z_t, mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_M_Q, m_q, mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_Z_Q, z_q, mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_GMAX, g_max, mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_BONUS_KEY, bonus_key, mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_BAD_T, bad.to(tl.float32), mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_BAD_Q, bad_q.to(tl.float32), mask=row_ok)
-    irec = (rows * num_chunks + chunk) * NUM_IDX
-    tl.store(idx_ptr + irec + IDX_GREEDY, g_idx, mask=row_ok)
-    tl.store(idx_ptr + irec + IDX_BONUS, bonus_idx, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_M_T, row_m_t, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_Z_T, row_z_t, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_GMAX, row_g_max, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_BAD_T, tl.sum(bad, axis=1).to(tl.float32), mask=row_ok)
+    if DRAFT_MODE == DRAFT_LOGITS:
+        row_m_q, row_z_q = lanes_softmax(m_q, z_q, inv_t)
+        tl.store(stats_ptr + rec + STAT_M_Q, row_m_q, mask=row_ok)
+        tl.store(stats_ptr + rec + STAT_Z_Q, row_z_q, mask=row_ok)
+        tl.store(stats_ptr + rec + STAT_BAD_Q, tl.sum(bad_q, axis=1).to(tl.float32), mask=row_ok)
+    else:
+        tl.store(stats_ptr + rec + STAT_M_Q, tl.full([BLOCK_R], float("-inf"), tl.float32), mask=row_ok)
+        tl.store(stats_ptr + rec + STAT_Z_Q, tl.zeros([BLOCK_R], tl.float32), mask=row_ok)
+        tl.store(stats_ptr + rec + STAT_BAD_Q, tl.zeros([BLOCK_R], tl.float32), mask=row_ok)
+    tl.store(idx_ptr + (rows * num_chunks + chunk) * NUM_IDX + IDX_GREEDY, row_g_idx, mask=row_ok)
 
 
 @triton.jit
@@ -224,7 +219,7 @@ def _combine_row_stats_kernel(
     BLOCK_R: tl.constexpr,
 ):
     """Merge the vocabulary chunks of kernel 1 into whole-row records, for consumers that read one
-    record per row (the tree walk). The bonus race is not merged: tree launches do not run it."""
+    record per row (the tree walk)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     ok = rows < R
     temperature = per_request(temperature_ptr, temperature, rows // ROWS_PER_REQUEST, ok, PER_REQ_T)
@@ -266,11 +261,9 @@ def _combine_row_stats_kernel(
     tl.store(out_stats_ptr + out + STAT_M_Q, m_q, mask=ok)
     tl.store(out_stats_ptr + out + STAT_Z_Q, z_q, mask=ok)
     tl.store(out_stats_ptr + out + STAT_GMAX, g_max, mask=ok)
-    tl.store(out_stats_ptr + out + STAT_BONUS_KEY, tl.full([BLOCK_R], float("-inf"), tl.float32), mask=ok)
     tl.store(out_stats_ptr + out + STAT_BAD_T, bad_t, mask=ok)
     tl.store(out_stats_ptr + out + STAT_BAD_Q, bad_q, mask=ok)
     tl.store(out_idx_ptr + rows * NUM_IDX + IDX_GREEDY, g_idx, mask=ok)
-    tl.store(out_idx_ptr + rows * NUM_IDX + IDX_BONUS, tl.zeros([BLOCK_R], tl.int32), mask=ok)
 
 
 @triton.jit
@@ -387,8 +380,6 @@ def _verify_accept_kernel(
     z_q = tl.zeros([BLOCK_B, ROWS], tl.float32)
     g_max = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
     g_idx = tl.zeros([BLOCK_B, ROWS], tl.int32)
-    bonus_key = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
-    bonus_idx = tl.zeros([BLOCK_B, ROWS], tl.int32)
     bad = tl.zeros([BLOCK_B, ROWS], tl.float32)
     for c in range(0, num_chunks):
         rec = (rows * num_chunks + c) * NUM_STATS
@@ -398,22 +389,13 @@ def _verify_accept_kernel(
         cm_q = tl.load(stats_ptr + rec + STAT_M_Q, mask=row_ok, other=float("-inf"))
         cz_q = tl.load(stats_ptr + rec + STAT_Z_Q, mask=row_ok, other=0.0)
         c_gmax = tl.load(stats_ptr + rec + STAT_GMAX, mask=row_ok, other=float("-inf"))
-        c_bkey = tl.load(stats_ptr + rec + STAT_BONUS_KEY, mask=row_ok, other=float("-inf"))
         bad += tl.load(stats_ptr + rec + STAT_BAD_T, mask=row_ok, other=0.0) + tl.load(
             stats_ptr + rec + STAT_BAD_Q, mask=row_ok, other=0.0
         )
         c_gidx = tl.load(idx_ptr + irec + IDX_GREEDY, mask=row_ok, other=0)
-        c_bidx = tl.load(idx_ptr + irec + IDX_BONUS, mask=row_ok, other=0)
         take = c_gmax > g_max  # strict: the earlier chunk keeps ties (lowest index)
         g_max = tl.where(take, c_gmax, g_max)
         g_idx = tl.where(take, c_gidx, g_idx)
-        # Bonus race keys are relative to each chunk's max: rebase both sides on the new max.
-        m_new = tl.maximum(m_t, cm_t)
-        bonus_key -= (safe_max(m_new) - safe_max(m_t)) * inv_t2
-        c_bkey -= (safe_max(m_new) - safe_max(cm_t)) * inv_t2
-        take = c_bkey > bonus_key
-        bonus_key = tl.where(take, c_bkey, bonus_key)
-        bonus_idx = tl.where(take, c_bidx, bonus_idx)
         m_t, z_t = _combine_softmax(m_t, z_t, cm_t, cz_t, inv_t2)
         m_q, z_q = _combine_softmax(m_q, z_q, cm_q, cz_q, inv_t2)
     thr_t = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
@@ -450,19 +432,22 @@ def _verify_accept_kernel(
     j = tl.min(tl.where(is_draft & ~accept, i, ROWS), axis=1)
     j = tl.minimum(j, n_b)
 
-    # ---- outputs that need no second pass: greedy token / bonus token; the nonfinite flag
+    # ---- outputs that need no second pass: the greedy token; the nonfinite flag
     used = row_ok & (i <= j[:, None])
     # A used row with nothing to sample (no finite logit; greedy or not) flags the request.
     empty = used & tl.where(greedy[:, None], g_max == float("-inf"), z_t == 0.0)
     flagged = tl.sum(tl.where(used & (bad > 0.0), 1, 0) + empty.to(tl.int32), axis=1) > 0
-    direct = tl.where(greedy, _select_row(g_idx, i, j), _select_row(bonus_idx, i, j))
+    direct = _select_row(g_idx, i, j)  # sampled requests: replaced by the race below
     if chunk == 0:
         tl.store(first_reject_ptr + b, j, mask=b_ok)
         tl.store(token_ptr + b, direct, mask=b_ok)
         tl.store(nonfinite_ptr + b, flagged, mask=b_ok)
 
-    # ---- recovered token: exponential race over row j of the residual, this program's chunk
-    need = b_ok & ~greedy & (j < n_b)
+    # ---- the emitted token of a sampled request: an exponential race over row j, this program's
+    # chunk - over the residual max(p - q, 0) after a rejection (j < n_b), over p for the bonus token
+    need = b_ok & ~greedy
+    recover = j < n_b
+    purpose = tl.where(recover, PURPOSE_RECOVER, PURPOSE_BONUS)
     res_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
     res_idx = tl.zeros([BLOCK_B], tl.int32)
     p_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
@@ -483,21 +468,26 @@ def _verify_accept_kernel(
         for start in range(start_col, end_col, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)[None, :]
             lane_ok = need[:, None] & (cols < end_col)
+            lane_q = lane_ok & recover[:, None]  # no draft row at the bonus position
             x, _bad_x = load_logits(tj_row + cols, lane_ok)
             p = _prob_of(x, mj_t[:, None], zj_t[:, None], thrj_t[:, None], inv_t[:, None])
             if DRAFT_MODE == DRAFT_LOGITS:
-                xd, _bad_d = load_logits(dj_row + cols, lane_ok)
+                xd, _bad_d = load_logits(dj_row + cols, lane_q)
                 q = _prob_of(xd, mj_q[:, None], zj_q[:, None], thrj_q[:, None], inv_t[:, None])
                 residual = tl.maximum(p - q, 0.0)
             elif DRAFT_MODE == DRAFT_PROBS:
-                q = tl.load(dj_row + cols, mask=lane_ok, other=0.0).to(tl.float32)
+                q = tl.load(dj_row + cols, mask=lane_q, other=0.0).to(tl.float32)
                 residual = tl.where(q == q, tl.maximum(p - q, 0.0), p)  # NaN q counts as 0
             else:
                 residual = tl.where(cols == tok_j[:, None], 0.0, p)
-            noise = race_noise(seed[:, None], start, j[:, None], PURPOSE_RECOVER, BLOCK_V)
+            noise = race_noise(seed[:, None], start, j[:, None], purpose[:, None], BLOCK_V)
             log_p = (x - safe_max(mj_t)[:, None]) * inv_t[:, None] - log_zj[:, None]
-            keys_r = tl.where(lane_ok & (residual > 0.0), tl.log(tl.maximum(residual, 1e-38)) + noise, float("-inf"))
             keys_p = tl.where(lane_ok & (p > 0.0), log_p + noise, float("-inf"))
+            keys_r = tl.where(
+                recover[:, None],
+                tl.where(lane_ok & (residual > 0.0), tl.log(tl.maximum(residual, 1e-38)) + noise, float("-inf")),
+                keys_p,
+            )
             res_key, res_idx = first_argmax_update(res_key, res_idx, keys_r, cols)
             p_key, p_idx = first_argmax_update(p_key, p_idx, keys_p, cols)
     rec = (b * num_chunks + chunk) * NUM_RACES
@@ -512,7 +502,6 @@ def _verify_finalize_kernel(
     # pointers
     draft_tokens_ptr,  # [B, G] int32/int64
     cu_ptr,  # [B+1] int (FLAT)
-    num_draft_ptr,  # [B] int (PER_REQ_N)
     temperature_ptr,  # [B] float (PER_REQ_T)
     first_reject_ptr,  # [B] int32 (kernel 2)
     token_ptr,  # [B] int32 (kernel 2)
@@ -531,7 +520,6 @@ def _verify_finalize_kernel(
     # scalar parameters (used when the per-request tensor is absent)
     temperature,
     # constexprs
-    PER_REQ_N: tl.constexpr,
     PER_REQ_T: tl.constexpr,
     FLAT: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -541,13 +529,11 @@ def _verify_finalize_kernel(
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     b_ok = b < B
     x_rows = draft_tokens_ptr + _request_base(cu_ptr, b, b_ok, stride_xb, 0, FLAT)
-    n_b = per_request(num_draft_ptr, G, b, b_ok, PER_REQ_N).to(tl.int32)
-    n_b = _drafted(x_rows, b_ok, n_b, V, ROWS)
     temperature = per_request(temperature_ptr, temperature, b, b_ok, PER_REQ_T).to(tl.float32)
     greedy, _inv_t = inverse_temperature(temperature)
     j = tl.load(first_reject_ptr + b, mask=b_ok, other=0)
     token = tl.load(token_ptr + b, mask=b_ok, other=0)
-    need = b_ok & ~greedy & (j < n_b)
+    need = b_ok & ~greedy  # every sampled request ran a race (recovered or bonus token)
     res_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
     res_idx = tl.zeros([BLOCK_B], tl.int32)
     p_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
@@ -647,7 +633,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
     rows = B * (G + 1)
     # Workspaces: torch.empty launches nothing.
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
-    idx = torch.empty((rows, C, 2), dtype=torch.int32, device=dev)
+    idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
     first_reject = torch.empty((B,), dtype=torch.int32, device=dev)
     direct_token = torch.empty((B,), dtype=torch.int32, device=dev)
@@ -684,7 +670,6 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         t_ptr,
         k_ptr,
         p_ptr,
-        s_ptr,
         stats,
         idx,
         thr,
@@ -704,15 +689,12 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         float(t_val),
         int(k_val),
         float(p_val),
-        s_val,
         PER_REQ_N=per_req_n,
         PER_REQ_T=per_req_t,
         PER_REQ_K=per_req_k,
         PER_REQ_P=per_req_p,
-        PER_REQ_SEED=per_req_s,
         DRAFT_MODE=args.draft_mode,
         HAS_FILTER=has_filter,
-        BONUS_IN_PASS=True,
         PLACEHOLDERS_END=True,
         GP2=next_pow2(max(G, 1)),
         FLAT=flat,
@@ -763,7 +745,6 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
     _verify_finalize_kernel[(triton.cdiv(B, block_b3),)](
         draft_tokens,
         cu,
-        n_ptr,
         t_ptr,
         first_reject,
         direct_token,
@@ -778,7 +759,6 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         V,
         C,
         float(t_val),
-        PER_REQ_N=per_req_n,
         PER_REQ_T=per_req_t,
         FLAT=flat,
         BLOCK_B=block_b3,

@@ -44,6 +44,7 @@ from ._triton_helpers import (
 from .verify import (
     IDX_GREEDY,
     NUM_IDX,
+    NUM_IDX_HOST,
     NUM_STATS,
     NUM_STATS_HOST,
     NUM_THR,
@@ -479,7 +480,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     chunk_size = triton.cdiv(blocks, C) * block_v
     C = triton.cdiv(V, chunk_size)
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
-    idx = torch.empty((rows, C, 2), dtype=torch.int32, device=dev)
+    idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
     target = args.target
     draft = args.draft if args.draft is not None else target
@@ -502,7 +503,6 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
         t_ptr,
         k_ptr,
         p_ptr,
-        s_ptr,
         stats,
         idx,
         thr,
@@ -520,15 +520,12 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
         float(t_val),
         int(k_val),
         float(p_val),
-        s_val,
         PER_REQ_N=per_req_n,
         PER_REQ_T=per_req_t,
         PER_REQ_K=per_req_k,
         PER_REQ_P=per_req_p,
-        PER_REQ_SEED=per_req_s,
         DRAFT_MODE=args.draft_mode,
         HAS_FILTER=has_filter,
-        BONUS_IN_PASS=False,
         PLACEHOLDERS_END=False,
         GP2=1,
         FLAT=False,
@@ -538,7 +535,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     )
     if C > 1:  # the walk reads one record per row
         whole = torch.empty((rows, 1, NUM_STATS_HOST), dtype=torch.float32, device=dev)
-        whole_idx = torch.empty((rows, 1, 2), dtype=torch.int32, device=dev)
+        whole_idx = torch.empty((rows, 1, NUM_IDX_HOST), dtype=torch.int32, device=dev)
         block_c = min(next_pow2(rows), 128)
         _combine_row_stats_kernel[(triton.cdiv(rows, block_c),)](
             stats,

@@ -56,12 +56,12 @@ def verify_kernels():
             v._verify_row_stats_kernel,
             types,
             dict(
-                flags,
+                PER_REQ_N=per_req,
+                PER_REQ_T=per_req,
                 PER_REQ_K=per_req,
                 PER_REQ_P=per_req,
                 DRAFT_MODE=mode,
                 HAS_FILTER=has_filter,
-                BONUS_IN_PASS=not per_req,
                 PLACEHOLDERS_END=not per_req,
                 GP2=8,
                 FLAT=per_req,  # the flattened ragged layout rides on the per-request variant
@@ -99,7 +99,7 @@ def verify_kernels():
         yield (
             v._verify_finalize_kernel,
             types3,
-            dict(PER_REQ_N=per_req, PER_REQ_T=per_req, FLAT=per_req, BLOCK_B=128, ROWS=8),
+            dict(PER_REQ_T=per_req, FLAT=per_req, BLOCK_B=128, ROWS=8),
         )
 
 
