@@ -35,6 +35,7 @@ from ._triton_helpers import (
     first_argmax_update,
     inverse_temperature,
     load_logits,
+    load_probs,
     next_pow2,
     online_softmax_update,
     per_request,
@@ -52,7 +53,7 @@ STAT_Z_Q = tl.constexpr(3)
 STAT_GMAX = tl.constexpr(4)  # greedy max (raw logit)
 STAT_BONUS_KEY = tl.constexpr(5)  # best bonus-race key, relative to STAT_M_T
 STAT_BAD_T = tl.constexpr(6)  # count of NaN/+inf target logits
-STAT_BAD_Q = tl.constexpr(7)  # count of NaN/+inf draft logits
+STAT_BAD_Q = tl.constexpr(7)  # count of NaN/+inf draft logits (NaN/+inf/negative draft probs)
 NUM_STATS_HOST = 8
 NUM_STATS = tl.constexpr(NUM_STATS_HOST)
 # ... and one int32 record of NUM_IDX indices.
@@ -134,7 +135,7 @@ def _verify_row_stats_kernel(
     row_ok = in_batch & (i <= n_b)  # rows past the bonus row are never read
     temperature = per_request(temperature_ptr, temperature, b, row_ok, PER_REQ_T).to(tl.float32)
     greedy, inv_t = inverse_temperature(temperature)
-    draft_ok = row_ok & (i < n_b) & ~greedy  # draft rows are read only in DRAFT_MODE 1, never for greedy
+    draft_ok = row_ok & (i < n_b) & ~greedy  # draft rows: never read for greedy, nor in DRAFT_NONE
     seed = request_seed(seed_ptr, seed, b, row_ok, PER_REQ_SEED)
     need_bonus = row_ok & (i == n_b) & ~greedy & BONUS_IN_PASS
 
@@ -190,6 +191,9 @@ def _verify_row_stats_kernel(
             xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk)
             bad_q += tl.sum(xd_bad.to(tl.int32), axis=1)
             m_q, z_q = online_softmax_update(m_q, z_q, xd, xd >= thr_q[:, None], inv_t)
+        elif DRAFT_MODE == DRAFT_PROBS:  # only counted: unusable entries flag the request
+            _qd, qd_bad = load_probs(d_rows + cols, draft_ok[:, None] & in_chunk)
+            bad_q += tl.sum(qd_bad.to(tl.int32), axis=1)
 
     rec = (rows * num_chunks + chunk) * NUM_STATS
     tl.store(stats_ptr + rec + STAT_M_T, m_t, mask=row_ok)
@@ -440,7 +444,7 @@ def _verify_accept_kernel(
         x_q, _bad_q = load_logits(d_rows + tok_safe, is_draft)
         q_tok = _prob_of(x_q, m_q, z_q, thr_q, inv_t2)
     elif DRAFT_MODE == DRAFT_PROBS:
-        q_tok = tl.load(d_rows + tok_safe, mask=is_draft, other=0.0).to(tl.float32)
+        q_tok, _bad_qt = load_probs(d_rows + tok_safe, is_draft)
     else:
         q_tok = tl.full([BLOCK_B, ROWS], 1.0, tl.float32)
     u = uniform_open(seed[:, None], i * 0, i, PURPOSE_ACCEPT)
@@ -490,8 +494,8 @@ def _verify_accept_kernel(
                 q = _prob_of(xd, mj_q[:, None], zj_q[:, None], thrj_q[:, None], inv_t[:, None])
                 residual = tl.maximum(p - q, 0.0)
             elif DRAFT_MODE == DRAFT_PROBS:
-                q = tl.load(dj_row + cols, mask=lane_ok, other=0.0).to(tl.float32)
-                residual = tl.where(q == q, tl.maximum(p - q, 0.0), p)  # NaN q counts as 0
+                q, _bad_q = load_probs(dj_row + cols, lane_ok)
+                residual = tl.maximum(p - q, 0.0)
             else:
                 residual = tl.where(cols == tok_j[:, None], 0.0, p)
             noise = race_noise(seed[:, None], start, j[:, None], PURPOSE_RECOVER, BLOCK_V)
