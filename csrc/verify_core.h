@@ -22,7 +22,8 @@
 //   * exponential race: vocab entry x gets word x % 4 of Philox(seed; x / 4, row, purpose) and
 //     key log w(x) - log(-log u_x); the argmax (lowest index on ties) samples norm(w);
 //   * scalar seeds are mixed per request exactly like request_seed();
-//   * logits are read as fp32 with NaN / +inf -> -inf (counted, flagged).
+//   * logits are read as fp32 with NaN / +inf -> -inf (counted, flagged);
+//   * draft probabilities are read as fp32 with NaN / +inf / negative -> 0 (counted, flagged).
 #pragma once
 
 #include <stdint.h>
@@ -53,7 +54,7 @@ constexpr int DTYPE_F32 = 0;
 constexpr int DTYPE_F16 = 1;
 constexpr int DTYPE_BF16 = 2;
 
-constexpr int NUM_STATS = 7;  // per (row, chunk): m_t, z_t, m_q, z_q, g_max, bad target, bad draft
+constexpr int NUM_STATS = 7;  // per (row, chunk): m_t, z_t, m_q, z_q, g_max, bad target, bad draft (logits or probs)
 constexpr int32_t NO_INDEX = 2147483647;
 
 // ------------------------------------------------------------------------------------------
@@ -114,6 +115,16 @@ SK_HD float load_logit(const T* row, int64_t x, int& bad) {
   const bool is_bad = (v != v) || v == INFINITY;
   bad += is_bad ? 1 : 0;
   return is_bad ? neg_inf() : v;
+}
+
+// fp32 draft probability with NaN / +inf / negative replaced by 0 (no probability: the accept
+// ratio and the residual count it as 0); `bad` counts replacements.
+template <class T>
+SK_HD float load_prob(const T* row, int64_t x, int& bad) {
+  const float v = to_float(row[x]);
+  const bool is_bad = !(v >= 0.0f && v < INFINITY);  // NaN fails both comparisons
+  bad += is_bad ? 1 : 0;
+  return is_bad ? 0.0f : v;
 }
 
 // The max to subtract before exp: -inf (nothing kept yet) subtracts 0, not -inf.
@@ -399,7 +410,8 @@ SK_HD Request load_request(const ChainParams& P, int64_t b) {
 }
 
 // Program 1 (row, chunk): statistics of target row i (and draft row i in mode 1) over one chunk:
-// max / sum-exp of the processed logits, greedy argmax, non-finite count; thresholds first.
+// max / sum-exp of the processed logits, greedy argmax, non-finite count (of the draft row too, in
+// modes 1 and 2: unusable draft probabilities are counted like non-finite logits); thresholds first.
 // Rows are (b * K + k) * (G + 1) + i; rows with i > n (past the bonus row / a ragged tree's last
 // node) are skipped.
 template <class R, class TT, class TD>
@@ -410,7 +422,7 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
   if (i > rq.n) return;
   const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
   const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg;
-  const bool draft_row = P.draft_mode == DRAFT_LOGITS && i < rq.n && i < P.G && !rq.greedy;
+  const bool draft_row = P.draft_mode != DRAFT_NONE && i < rq.n && i < P.G && !rq.greedy;
   float thr_t = neg_inf(), thr_q = neg_inf();
   if (P.has_filter && !rq.greedy) {
     if (P.thresholds_given) {  // computed beforehand (the CPU build: by selection, any chunking)
@@ -418,7 +430,8 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
       thr_q = P.thr[row * 2 + 1];
     } else {  // launched with one chunk: the program owns the whole row
       thr_t = filter_threshold(red, t_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
-      if (draft_row) thr_q = filter_threshold(red, d_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
+      if (draft_row && P.draft_mode == DRAFT_LOGITS)
+        thr_q = filter_threshold(red, d_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
       if (red.rank() == 0) {
         P.thr[row * 2 + 0] = thr_t;
         P.thr[row * 2 + 1] = thr_q;
@@ -437,9 +450,11 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
       g.add(v, x);
       if (rq.greedy) continue;  // greedy needs the argmax only
       st.add(v >= thr_t ? v : neg_inf(), rq.inv_t);
-      if (draft_row) {
+      if (draft_row && P.draft_mode == DRAFT_LOGITS) {
         const float d = load_logit(d_row, x, bad_q);
         sq.add(d >= thr_q ? d : neg_inf(), rq.inv_t);
+      } else if (draft_row) {  // probabilities are used as given: only count the unusable ones
+        load_prob(d_row, x, bad_q);
       }
     }
   }
@@ -548,10 +563,10 @@ SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red
         const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg;
         q = prob_of(load_logit(d_row, tok_j, unused), s.q.m, s.q.z, s.thr_q, rq.inv_t);
       } else if (P.draft_mode == DRAFT_PROBS) {
-        q = to_float(static_cast<const TD*>(P.draft)[b * P.stride_db + j * P.stride_dg + tok_j]);
+        q = load_prob(static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg, tok_j, unused);
       }
       const float u = uniform_open(rq.seed, 0, uint32_t(j), PURPOSE_ACCEPT);
-      accept = (u * q <= p) && (p > 0.0f);  // u > 0: p = 0 is never accepted; NaN q rejects
+      accept = (u * q <= p) && (p > 0.0f);  // u > 0: p = 0 is never accepted
     }
     if (!(accept && tok_ok)) break;
   }
@@ -587,8 +602,8 @@ SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red
             const float q = prob_of(load_logit(d_row, x, unused), s.q.m, s.q.z, s.thr_q, rq.inv_t);
             w = p - q > 0.0f ? p - q : 0.0f;
           } else if (P.draft_mode == DRAFT_PROBS) {
-            const float q = to_float(d_row[x]);
-            w = q == q ? (p - q > 0.0f ? p - q : 0.0f) : p;  // NaN q counts as 0
+            const float q = load_prob(d_row, x, unused);
+            w = p - q > 0.0f ? p - q : 0.0f;
           } else {
             w = x == tok_j ? 0.0f : p;
           }

@@ -61,8 +61,7 @@ SK_HD void position_pq(const ChainParams& P, const TT* t_row, const TD* d_row, i
   if (P.draft_mode == DRAFT_LOGITS) {
     q = prob_of(load_logit(d_row, x, unused), m_q, z_q, thr_q, inv_t);
   } else if (P.draft_mode == DRAFT_PROBS) {
-    const float v = to_float(d_row[x]);
-    q = v == v ? v : 0.0f;
+    q = load_prob(d_row, x, unused);
   }
 }
 
@@ -129,10 +128,9 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red) {
     const float m_q = use_q ? P.stats[rec_q * NUM_STATS + 2] : 0.0f;
     const float z_q = use_q ? P.stats[rec_q * NUM_STATS + 3] : 0.0f;
     float thr_q = neg_inf();
-    if (P.draft_mode == DRAFT_LOGITS) {
-      flagged |= use_q && P.stats[rec_q * NUM_STATS + 6] > 0.0f;
-      if (P.has_filter && use_q) thr_q = P.thr[rec_q * 2 + 1];
-    }
+    // unusable draft logits / probabilities in the row of this position flag the request
+    flagged |= P.draft_mode != DRAFT_NONE && use_q && P.stats[rec_q * NUM_STATS + 6] > 0.0f;
+    if (P.draft_mode == DRAFT_LOGITS && P.has_filter && use_q) thr_q = P.thr[rec_q * 2 + 1];
     float p_c[MAX_TREE_NODES], q_c[MAX_TREE_NODES], u[MAX_TREE_NODES];
     for (int64_t n = 0; n < N; ++n) {
       p_c[n] = q_c[n] = 0.0f;
@@ -142,8 +140,7 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red) {
       if (P.draft_mode == DRAFT_LOGITS) {
         q_c[n] = prob_of(load_logit(d_row, tok[n], unused), m_q, z_q, thr_q, rq.inv_t);
       } else if (P.draft_mode == DRAFT_PROBS) {
-        const float v = to_float(d_row[tok[n]]);
-        q_c[n] = v == v ? v : 0.0f;
+        q_c[n] = load_prob(d_row, tok[n], unused);
       } else {
         q_c[n] = 1.0f;
       }

@@ -30,8 +30,9 @@ class VerifyOutput:
 
     tokens:       [B, G+1] int64: accepted drafts, then one recovered-or-bonus token, then -1.
     num_accepted: [B] int32: number of accepted drafts (the emitted token sits at this index).
-    nonfinite:    [B] bool: the request met a NaN/+inf logit (treated as -inf) or a row with no
-                  finite logit in a row it used; its tokens are valid ids but you may want to abort it.
+    nonfinite:    [B] bool: the request met a NaN/+inf logit (treated as -inf), an unusable
+                  draft_probs entry (NaN, +inf or negative; treated as 0) or a row with no finite
+                  logit in a row it used; its tokens are valid ids but you may want to abort it.
     """
 
     tokens: torch.Tensor
@@ -47,7 +48,8 @@ class TreeVerifyOutput:
     num_accepted:   [B] int32: length of the accepted path.
     accepted_nodes: [B, D] int64: node index of each accepted token (a root-to-node path), -1 padding;
                     for verify_multi node = chain * G + slot. Use it to compact the KV cache.
-    nonfinite:      [B] bool: the request met NaN/+inf logits (treated as -inf) or an empty row.
+    nonfinite:      [B] bool: the request met NaN/+inf logits (treated as -inf), unusable draft_probs
+                    entries (NaN, +inf, negative; treated as 0) or an empty row.
     """
 
     tokens: torch.Tensor

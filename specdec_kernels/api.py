@@ -43,7 +43,8 @@ def verify(
         draft_tokens:     [B, G] int32 | int64.
         draft_logits:     [B, G, V] raw draft logits; q = the same processing as the target's.
         draft_probs:      [B, G, V] float, instead of draft_logits: the probabilities the draft
-                          sampled from, used as given. Neither: one-hot q (n-gram drafters).
+                          sampled from, used as given (unusable entries: see below). Neither:
+                          one-hot q (n-gram drafters).
         temperature:      float or [B] tensor; 0 = greedy for that request.
         top_k:            int or [B] tensor; 0 = off. top_p: float or [B] tensor in (0, 1]; 1 = off.
         num_draft_tokens: [B] int; request b verifies drafts [0, n_b) and draws its bonus from row n_b.
@@ -65,6 +66,12 @@ def verify(
 
     Non-finite logits: NaN and +inf are treated as -inf (never accepted or sampled) and the
     request is flagged in ``nonfinite``; a row with no finite logit emits token 0, flagged.
+    Unusable draft probabilities: a NaN, +inf or negative (-inf included) entry of draft_probs is
+    no probability; it counts as q(x) = 0 in the accept test and in the residual max(p - q, 0)
+    (so a draft whose own q(x) is unusable is accepted whenever p(x) > 0), and the request is
+    flagged. Flags follow the rows a request uses, as for non-finite draft logits: draft rows
+    0 .. j (up to its first rejection) of sampled requests; greedy requests never read q.
+    Every backend applies this rule and returns the same tokens.
     With validate=False a draft id outside [0, V) (an engine's -1 padding) is a placeholder: the
     request's draft ends there and that position draws the bonus token from p (nothing masked, not
     flagged), as ``verify_multi`` / ``verify_tree`` do for a node without valid children.
@@ -176,6 +183,9 @@ def verify_tree(
         draft_logits:  [B, N, V]: the draft distribution node i was sampled from (the one at its
                        parent; siblings share it - the first sibling's row is used). Or draft_probs
                        [B, N, V]; neither = one-hot drafts (deterministic top-k trees, EAGLE/Medusa).
+                       Non-finite logits and unusable draft_probs entries (NaN, +inf, negative:
+                       q = 0) are handled and flagged as in :func:`verify`; the draft rows a
+                       request uses are those of the positions whose candidates it tests.
         temperature, top_k, top_p, seed: as for :func:`verify`. num_nodes: [B] int, ragged trees.
         method:        "kseq" (SpecTr K-SEQ), "rrs" (recursive rejection sampling), "rrs_wor"
                        (without replacement; siblings must be distinct).

@@ -10,6 +10,8 @@ Conventions (shared with ``specdec_kernels.reference``):
   token with target probability 0, a uniform of 1 would give an exponential of 0.
 * Logits are loaded as fp32 and *sanitised*: NaN and +inf become -inf (never sampled, never
   accepted) and are counted so the request can be flagged.
+* Draft probabilities are loaded as fp32 with unusable entries (NaN, +inf, negative) replaced by 0,
+  counted the same way (``load_probs``).
 """
 
 import triton
@@ -66,6 +68,15 @@ def load_logits(ptrs, mask):
     x = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
     bad = (x != x) | (x == float("inf"))
     return tl.where(bad, float("-inf"), x), bad
+
+
+@triton.jit
+def load_probs(ptrs, mask):
+    """fp32 draft probabilities with NaN / +inf / negative entries replaced by 0 (no probability:
+    the accept ratio and the residual treat them as 0); also returns the mask of replaced entries."""
+    q = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    bad = ~((q >= 0.0) & (q < float("inf")))  # NaN fails both comparisons
+    return tl.where(bad, 0.0, q), bad
 
 
 @triton.jit

@@ -42,6 +42,7 @@ from ._triton_helpers import (
     lanes_argmax,
     lanes_softmax,
     load_logits,
+    load_probs,
     next_pow2,
     per_request,
     race_noise,
@@ -57,7 +58,7 @@ STAT_M_Q = tl.constexpr(2)  # the same two for the draft (DRAFT_LOGITS)
 STAT_Z_Q = tl.constexpr(3)
 STAT_GMAX = tl.constexpr(4)  # greedy max (raw logit)
 STAT_BAD_T = tl.constexpr(5)  # count of NaN/+inf target logits
-STAT_BAD_Q = tl.constexpr(6)  # count of NaN/+inf draft logits
+STAT_BAD_Q = tl.constexpr(6)  # count of NaN/+inf draft logits (NaN/+inf/negative draft probs)
 NUM_STATS_HOST = 7
 NUM_STATS = tl.constexpr(NUM_STATS_HOST)
 # ... and one int32 record of NUM_IDX indices.
@@ -138,7 +139,7 @@ def _verify_row_stats_kernel(
     row_ok = in_batch & (i <= n_b)  # rows past the bonus row are never read
     temperature = per_request(temperature_ptr, temperature, b, row_ok, PER_REQ_T).to(tl.float32)
     greedy, inv_t = inverse_temperature(temperature)
-    draft_ok = row_ok & (i < n_b) & ~greedy  # draft rows are read only in DRAFT_MODE 1, never for greedy
+    draft_ok = row_ok & (i < n_b) & ~greedy  # draft rows: never read for greedy, nor in DRAFT_NONE
 
     t_base = _request_base(cu_ptr, b, in_batch, stride_tb, 1, FLAT)  # + b: each request's bonus row
     d_base = _request_base(cu_ptr, b, in_batch, stride_db, 0, FLAT)
@@ -180,6 +181,9 @@ def _verify_row_stats_kernel(
             xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk)
             bad_q += xd_bad.to(tl.int32)
             m_q, z_q = lane_softmax_update(m_q, z_q, xd, xd >= thr_q[:, None], inv_t2)
+        elif DRAFT_MODE == DRAFT_PROBS:  # only counted: unusable entries flag the request
+            _qd, qd_bad = load_probs(d_rows + cols, draft_ok[:, None] & in_chunk)
+            bad_q += qd_bad.to(tl.int32)
 
     row_m_t, row_z_t = lanes_softmax(m_t, z_t, inv_t)
     row_g_max, row_g_idx = lanes_argmax(g_max, g_idx)
@@ -196,7 +200,7 @@ def _verify_row_stats_kernel(
     else:
         tl.store(stats_ptr + rec + STAT_M_Q, tl.full([BLOCK_R], float("-inf"), tl.float32), mask=row_ok)
         tl.store(stats_ptr + rec + STAT_Z_Q, tl.zeros([BLOCK_R], tl.float32), mask=row_ok)
-        tl.store(stats_ptr + rec + STAT_BAD_Q, tl.zeros([BLOCK_R], tl.float32), mask=row_ok)
+        tl.store(stats_ptr + rec + STAT_BAD_Q, tl.sum(bad_q, axis=1).to(tl.float32), mask=row_ok)
     tl.store(idx_ptr + (rows * num_chunks + chunk) * NUM_IDX + IDX_GREEDY, row_g_idx, mask=row_ok)
 
 
@@ -422,7 +426,7 @@ def _verify_accept_kernel(
         x_q, _bad_q = load_logits(d_rows + tok_safe, is_draft)
         q_tok = _prob_of(x_q, m_q, z_q, thr_q, inv_t2)
     elif DRAFT_MODE == DRAFT_PROBS:
-        q_tok = tl.load(d_rows + tok_safe, mask=is_draft, other=0.0).to(tl.float32)
+        q_tok, _bad_qt = load_probs(d_rows + tok_safe, is_draft)
     else:
         q_tok = tl.full([BLOCK_B, ROWS], 1.0, tl.float32)
     u = uniform_open(seed[:, None], i * 0, i, PURPOSE_ACCEPT)
@@ -476,8 +480,8 @@ def _verify_accept_kernel(
                 q = _prob_of(xd, mj_q[:, None], zj_q[:, None], thrj_q[:, None], inv_t[:, None])
                 residual = tl.maximum(p - q, 0.0)
             elif DRAFT_MODE == DRAFT_PROBS:
-                q = tl.load(dj_row + cols, mask=lane_q, other=0.0).to(tl.float32)
-                residual = tl.where(q == q, tl.maximum(p - q, 0.0), p)  # NaN q counts as 0
+                q, _bad_q = load_probs(dj_row + cols, lane_q)
+                residual = tl.maximum(p - q, 0.0)
             else:
                 residual = tl.where(cols == tok_j[:, None], 0.0, p)
             noise = race_noise(seed[:, None], start, j[:, None], purpose[:, None], BLOCK_V)

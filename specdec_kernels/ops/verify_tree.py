@@ -34,6 +34,7 @@ from ._triton_helpers import (
     first_argmax_update,
     inverse_temperature,
     load_logits,
+    load_probs,
     next_pow2,
     per_request,
     race_noise,
@@ -98,8 +99,7 @@ def _position_tiles(
         xq, _bad_q = load_logits(d_row[:, None] + cols, lane_q)
         qv = _prob_of(xq, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None])
     elif DRAFT_MODE == DRAFT_PROBS:
-        qv = tl.load(d_row[:, None] + cols, mask=lane_q, other=0.0).to(tl.float32)
-        qv = tl.where(qv == qv, qv, 0.0)
+        qv, _bad_qv = load_probs(d_row[:, None] + cols, lane_q)
     else:
         qv = tl.zeros_like(pv)
     return xt, pv, qv
@@ -249,16 +249,16 @@ def _tree_walk_kernel(
         m_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_M_Q, mask=stochastic & has_cand, other=0.0)
         z_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_Z_Q, mask=stochastic & has_cand, other=0.0)
         thr_q = tl.full([BLOCK_B], float("-inf"), tl.float32)
-        if DRAFT_MODE == DRAFT_LOGITS:
+        if DRAFT_MODE != DRAFT_NONE:  # unusable draft logits / probabilities in the row of this position
             bad_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_BAD_Q, mask=stochastic & has_cand, other=0.0)
             flagged = flagged | (stochastic & has_cand & (bad_q > 0.0))
+        if DRAFT_MODE == DRAFT_LOGITS:
             if HAS_FILTER:
                 thr_q = tl.load(thr_ptr + rec_q * NUM_THR + THR_Q, mask=stochastic & has_cand, other=float("-inf"))
             xq_c, _bad_qc = load_logits(d_row[:, None] + tl.maximum(tok, 0), cand)
             q_c = _prob_of(xq_c, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None])
         elif DRAFT_MODE == DRAFT_PROBS:
-            q_c = tl.load(d_row[:, None] + tl.maximum(tok, 0), mask=cand, other=0.0).to(tl.float32)
-            q_c = tl.where(q_c == q_c, q_c, 0.0)
+            q_c, _bad_qc = load_probs(d_row[:, None] + tl.maximum(tok, 0), cand)
         else:
             q_c = tl.where(cand, 1.0, 0.0)
         u = uniform_open(seed[:, None], rank, counter[:, None], PURPOSE_ACCEPT)

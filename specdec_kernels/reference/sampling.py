@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .._types import DRAFT_LOGITS, DRAFT_PROBS
 from .philox import philox4x32, uniform_open
 
 # Third Philox counter word (must match ops/_triton_helpers.py).
@@ -22,6 +23,17 @@ def sanitize_logits(row: torch.Tensor) -> tuple[torch.Tensor, bool]:
     x = row.to(torch.float32)
     bad = torch.isnan(x) | (x == float("inf"))
     return torch.where(bad, torch.full_like(x, float("-inf")), x), bool(bad.any())
+
+
+def sanitize_probs(row: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """float64 view of a draft_probs row with unusable entries -> 0; also whether any was replaced.
+
+    Unusable: NaN, +inf and negative values (-inf included). Such a q(x) is no probability, so it
+    counts as 0 in the accept ratio and in the residual, and the request is flagged (``nonfinite``).
+    """
+    q = row.double()
+    bad = ~((q >= 0) & (q < float("inf")))  # NaN fails both comparisons
+    return torch.where(bad, torch.zeros_like(q), q), bool(bad.any())
 
 
 def filter_threshold(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> float:
@@ -57,6 +69,17 @@ def processed_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: fl
     m = xd[kept].max()
     w = torch.where(kept, torch.exp((xd - m) / temperature), torch.zeros_like(xd))
     return w / w.sum()
+
+
+def draft_distribution(row, mode: int, temperature: float, top_k: int, top_p: float):
+    """(q as float64, whether the row held unusable values) for a draft row given as logits
+    (DRAFT_LOGITS: processed like the target) or probabilities (DRAFT_PROBS: used as given,
+    unusable entries as 0); (None, False) for one-hot drafts (DRAFT_NONE: no row)."""
+    if mode == DRAFT_LOGITS:
+        return processed_probs(row, temperature, top_k, top_p), sanitize_logits(row)[1]
+    if mode == DRAFT_PROBS:
+        return sanitize_probs(row)
+    return None, False
 
 
 def uniforms(seed: int, c0, row: int, purpose: int) -> np.ndarray:

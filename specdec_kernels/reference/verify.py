@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from .._types import DRAFT_LOGITS, DRAFT_NONE, DRAFT_PROBS, VerifyOutput
+from .._types import VerifyOutput
 from .._validation import check_verify_args
 from .sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
+    draft_distribution,
     exponential_race,
     processed_probs,
     safe_log,
@@ -91,37 +92,27 @@ def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, s
     for i in range(n + 1):
         x, bad = sanitize_logits(target[i])
         flagged |= bad
-        if mode == DRAFT_LOGITS and i < n:
-            flagged |= sanitize_logits(draft[i])[1]
-        if greedy:
+        if greedy:  # the argmax chain: the draft distribution is never read (nor flagged)
             best = int(torch.argmax(x))  # NaN already -inf; first index on ties
             flagged |= not bool((x > float("-inf")).any())  # nothing to choose from: token 0, flagged
-            if i < n and 0 <= drafts[i] < V and drafts[i] == best:
+            if i < n and drafts[i] == best:
                 continue
             return i, best, flagged
         p = processed_probs(target[i], temperature, top_k, top_p)
         flagged |= not bool((p > 0).any())
         if i == n:  # all drafts accepted: bonus token from p_n
             return n, _race_or_zero(safe_log(p), seed, i, PURPOSE_BONUS), flagged
-        tok = drafts[i]
-        if not 0 <= tok < V:  # a placeholder (e.g. -1): rejected, masks nothing, flags nothing
-            q = None
-        elif mode == DRAFT_LOGITS:
-            q = processed_probs(draft[i], temperature, top_k, top_p)
-        elif mode == DRAFT_PROBS:
-            q = draft[i].double()
-            q = torch.where(torch.isnan(q), torch.zeros_like(q), q)
-        else:
+        tok = drafts[i]  # in [0, V): n ends at the first placeholder
+        q, bad_q = draft_distribution(draft[i] if draft is not None else None, mode, temperature, top_k, top_p)
+        flagged |= bad_q  # a draft row the request used held NaN / inf (or, as probabilities, < 0)
+        if q is None:  # one-hot q (n-gram drafts): accept with probability p(x), residual = p without x
             q = torch.zeros(V, dtype=torch.float64)
             q[tok] = 1.0
-        if q is not None:
-            u = float(uniforms(seed, 0, i, PURPOSE_ACCEPT))
-            p_tok, q_tok = float(p[tok]), float(q[tok])
-            if p_tok > 0 and u * q_tok <= p_tok:
-                continue
-        residual = torch.clamp(p - q, min=0) if q is not None and mode != 0 else p.clone()
-        if mode == DRAFT_NONE and 0 <= tok < V:
-            residual[tok] = 0.0
+        u = float(uniforms(seed, 0, i, PURPOSE_ACCEPT))
+        p_tok, q_tok = float(p[tok]), float(q[tok])
+        if p_tok > 0 and u * q_tok <= p_tok:
+            continue
+        residual = torch.clamp(p - q, min=0)
         token = exponential_race(safe_log(residual), seed, i, PURPOSE_RECOVER)
         if token < 0:  # empty residual (p == q to rounding): fall back to p, as the kernel does
             token = _race_or_zero(safe_log(p), seed, i, PURPOSE_RECOVER)

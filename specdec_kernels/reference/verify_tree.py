@@ -31,11 +31,12 @@ from __future__ import annotations
 import torch
 
 from .._tree_args import check_tree_args
-from .._types import DRAFT_LOGITS, DRAFT_PROBS, TreeMetadata, TreeVerifyOutput
+from .._types import TreeMetadata, TreeVerifyOutput
 from .sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
+    draft_distribution,
     exponential_race,
     processed_probs,
     safe_log,
@@ -238,9 +239,9 @@ def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed):
         flagged |= not bool((p > 0).any())
         if not cands:  # leaf: bonus token
             return _path_to(tree, accepted_node), max(exponential_race(safe_log(p), seed, r, PURPOSE_BONUS), 0), flagged
-        q = _draft_q(tree, cands[0], mode, temperature, top_k, top_p)
-        if mode == DRAFT_LOGITS:
-            flagged |= sanitize_logits(tree.draft_row(cands[0]))[1]
+        draft_row = tree.draft_row(cands[0]) if tree.draft is not None else None
+        q, bad_q = draft_distribution(draft_row, mode, temperature, top_k, top_p)
+        flagged |= bad_q  # the position's draft row held NaN / inf (or, as probabilities, < 0)
         chosen, residual = _choose(p, q, toks, method, seed, r)
         if chosen is None:
             token = exponential_race(safe_log(residual), seed, r, PURPOSE_RECOVER)
@@ -258,15 +259,6 @@ def _path_to(tree: _Tree, node) -> list[int]:
         path.append(node)
         node = int(tree.parents[node])
     return path[::-1]
-
-
-def _draft_q(tree, node, mode, temperature, top_k, top_p):
-    if mode == DRAFT_LOGITS:
-        return processed_probs(tree.draft_row(node), temperature, top_k, top_p)
-    if mode == DRAFT_PROBS:
-        q = tree.draft_row(node).double()
-        return torch.where(torch.isnan(q), torch.zeros_like(q), q)
-    return None
 
 
 def _choose(p, q, toks, method, seed, r):

@@ -173,3 +173,135 @@ def test_int32_outputs(backend):
     assert multi.tokens.dtype == multi.accepted_nodes.dtype == torch.int32
     with pytest.raises(TypeError, match="out_dtype"):
         sk.verify(target, tokens, draft, out_dtype=torch.float32)
+
+
+# ---- unusable draft_probs (issue 14, item 5): NaN / +-inf / negative entries count as 0 and flag
+# the request when they lie in a draft row it uses; every backend gives the same tokens.
+
+NAN, INF = float("nan"), float("inf")
+# (what request b of the batch holds, flagged?) - "root row": the draft row of the first position
+# tested; "later row": the draft row of the second position, unused because every root candidate
+# has target probability 0; "greedy": a temperature-0 request, which never reads q.
+UNUSABLE_PROBS = [
+    ("clean", False),
+    ("nan at the draft token", True),
+    ("nan elsewhere in the root row", True),
+    ("whole root row nan", True),
+    ("negative at the draft token", True),
+    ("-inf elsewhere", True),
+    ("+inf elsewhere", True),
+    ("nan in a later row after a certain rejection", False),
+    ("greedy request, whole row nan", False),
+]
+
+
+def _chain_layout(B, V, seed):
+    target, tokens, draft = make_problem(B, 3, V, seed=seed)
+    return {
+        "target": target,
+        "probs": torch.softmax(draft, -1),
+        "root": lambda b: (b, 0),  # index of the root position's draft row
+        "later": lambda b: (b, 1),
+        "root_target": lambda b: (b, 0),
+        "root_tokens": lambda b: [int(tokens[b, 0])],
+        "call": lambda rows, target, probs, **kw: sk.verify(target, tokens[rows], draft_probs=probs, **kw),
+    }
+
+
+def _multi_layout(B, V, seed):
+    t, x, d = make_problem(2 * B, 3, V, seed=seed)
+    target, tokens, draft = t.reshape(B, 2, 4, V), x.reshape(B, 2, 3), d.reshape(B, 2, 3, V)
+    return {
+        "target": target,
+        "probs": torch.softmax(draft, -1),
+        "root": lambda b: (b, 0, 0),  # the first candidate's row (chain 0, slot 0)
+        "later": lambda b: (b, 0, 1),
+        "root_target": lambda b: (b, 0, 0),
+        "root_tokens": lambda b: tokens[b, :, 0].tolist(),
+        "call": lambda rows, target, probs, **kw: sk.verify_multi(
+            target, tokens[rows], draft_probs=probs, method="rrs", **kw
+        ),
+    }
+
+
+def _tree_layout(B, V, seed):
+    target, tokens, draft = make_problem(B, 5, V, seed=seed)
+    parents = torch.tensor([-1, -1, 0, 0, 2]).expand(B, 5)  # root: nodes 0, 1; under node 0: 2, 3
+    return {
+        "target": target,
+        "probs": torch.softmax(draft, -1),
+        "root": lambda b: (b, 0),  # node 0's draft row (the root's first candidate)
+        "later": lambda b: (b, 2),  # node 2's row (the first candidate under node 0)
+        "root_target": lambda b: (b, 0),
+        "root_tokens": lambda b: tokens[b, :2].tolist(),
+        "call": lambda rows, target, probs, **kw: sk.verify_tree(
+            target, tokens[rows], parents[rows], draft_probs=probs, **kw
+        ),
+    }
+
+
+def _unusable_probs_batch(layout):
+    """(target, probs with the cases of UNUSABLE_PROBS injected, temperatures, expected flags)."""
+    target, probs = layout["target"].clone(), layout["probs"].clone()
+    temperature = torch.full((len(UNUSABLE_PROBS),), 0.9)
+    for b, (case, _) in enumerate(UNUSABLE_PROBS):
+        root, tok = layout["root"](b), layout["root_tokens"](b)[0]
+        other = (tok + 1) % probs.shape[-1]
+        if case == "nan at the draft token":
+            probs[root + (tok,)] = NAN
+        elif case == "nan elsewhere in the root row":
+            probs[root + (other,)] = NAN
+        elif case in ("whole root row nan", "greedy request, whole row nan"):
+            probs[root] = NAN
+        elif case == "negative at the draft token":
+            probs[root + (tok,)] = -0.25
+        elif case == "-inf elsewhere":
+            probs[root + (other,)] = -INF
+        elif case == "+inf elsewhere":
+            probs[root + (other,)] = INF
+        elif case == "nan in a later row after a certain rejection":
+            target[layout["root_target"](b) + (layout["root_tokens"](b),)] = -INF  # p = 0: never accepted
+            probs[layout["later"](b)] = NAN
+        if case.startswith("greedy"):
+            temperature[b] = 0.0
+    return target, probs, temperature, [flag for _, flag in UNUSABLE_PROBS]
+
+
+@pytest.mark.parametrize("layout", [_chain_layout, _multi_layout, _tree_layout], ids=["verify", "multi", "tree"])
+def test_unusable_draft_probs_count_as_zero_and_flag(layout):
+    """Every backend: the flags of UNUSABLE_PROBS, the same tokens as with the unusable entries set
+    to 0 (the documented rule), the same tokens across backends, and no effect on other requests."""
+    layout = layout(len(UNUSABLE_PROBS), 37, seed=11)
+    target, probs, temperature, flags = _unusable_probs_batch(layout)
+    zeroed = torch.where((probs >= 0) & (probs < INF), probs, torch.zeros_like(probs))
+    seeds = torch.arange(len(flags)) + 70
+    clean = [b for b, (case, _) in enumerate(UNUSABLE_PROBS) if case == "clean"]
+    every = slice(None)
+    first = None
+    for backend in BACKENDS:
+        if backend == "cpu" and not _cuda_ext.cpu_backend_ready():
+            continue
+        kw = {"temperature": temperature, "seed": seeds, "backend": backend}
+        out = layout["call"](every, target, probs, **kw)
+        assert out.nonfinite.tolist() == flags, backend
+        as_zero = layout["call"](every, target, zeroed, **kw)
+        assert not as_zero.nonfinite.any()
+        assert torch.equal(out.tokens, as_zero.tokens) and torch.equal(out.num_accepted, as_zero.num_accepted)
+        first = first if first is not None else out
+        assert torch.equal(out.tokens, first.tokens), f"{backend} differs from {BACKENDS[0]}"
+        alone = layout["call"](clean, target[clean], probs[clean], **{**kw, "temperature": 0.9, "seed": seeds[clean]})
+        assert torch.equal(out.tokens[clean], alone.tokens)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_requests_never_read_the_draft(backend):
+    """Temperature 0 follows the argmax chain: NaN draft logits / probs are not read, not flagged
+    (the reference used to flag NaN draft logits of greedy requests; the kernels never did)."""
+    backend = _backend_or_skip(backend)
+    target, tokens, draft = make_problem(3, 3, 40, seed=12)
+    tokens = target[:, :3].argmax(-1)  # every draft accepted: all draft rows would be "used"
+    draft[1] = NAN
+    probs = torch.softmax(draft, -1)
+    for kw in ({"draft_logits": draft}, {"draft_probs": probs}, {}):
+        out = sk.verify(target, tokens, **kw, temperature=0.0, seed=1, backend=backend)
+        assert not out.nonfinite.any() and (out.num_accepted == 3).all()
