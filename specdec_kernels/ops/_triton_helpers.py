@@ -81,7 +81,7 @@ def load_probs(ptrs, mask):
 
 @triton.jit
 def order_key(x):
-    """int32 key with the same order as the float32 values (for bisection on thresholds)."""
+    """int32 key with the same order as the float32 values (for selecting thresholds)."""
     bits = x.to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
@@ -155,8 +155,152 @@ def lanes_argmax(best, best_idx):
 
 
 @triton.jit
-def filter_threshold(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.constexpr):
+def _unsigned_key(x):
+    """uint32 key with the same order as the float32 values, unsigned (bins from the top bits)."""
+    return (order_key(x) ^ -2147483648).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _bin_floor(bins, BIN_SHIFT: tl.constexpr):
+    """The smallest float32 value of each key bin (bins of the top 32 - BIN_SHIFT key bits)."""
+    u = bins.to(tl.uint32) << BIN_SHIFT
+    return key_to_float(u.to(tl.int32, bitcast=True) ^ -2147483648)
+
+
+@triton.jit
+def _largest_bin_reaching(h, want):
+    """Largest non-empty bin b with sum_{b' >= b} h[b'] >= want (-1 if none), and that sum.
+    h: [R, NB] (counts or mass bounds), want: [R]."""
+    bins = tl.arange(0, h.shape[1])[None, :]
+    at_or_above = tl.sum(h, axis=1)[:, None] - tl.cumsum(h, axis=1) + h
+    hit = (at_or_above >= want[:, None]) & (h > 0)
+    chosen = tl.max(tl.where(hit, bins, -1), axis=1)
+    return chosen, tl.sum(tl.where(bins >= chosen[:, None], h, 0), axis=1)
+
+
+@triton.jit
+def _kth_largest(vals, k):
+    """Exact k-th largest of each row of vals [R, CAP] (-inf = empty), by bisection on the key
+    in registers: the largest key t with #{v >= t} >= k."""
+    keys = order_key(vals).to(tl.int64)
+    live = vals > float("-inf")
+    lo = order_key(tl.full(k.shape, float("-inf"), tl.float32)).to(tl.int64)
+    hi = order_key(tl.full(k.shape, float("inf"), tl.float32)).to(tl.int64)
+    for _step in range(32):
+        mid = lo + (hi - lo) // 2
+        ok = tl.sum(((keys >= mid[:, None]) & live).to(tl.int32), axis=1) >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return key_to_float(lo)
+
+
+@triton.jit
+def _mass_threshold(vals, weights, goal, lo_val, hi_val):
+    """Largest value t in [lo_val, hi_val] with sum_{v >= t} weights >= goal, by bisection on the
+    key in registers. vals, weights: [R, CAP]; goal, lo_val, hi_val: [R]."""
+    keys = order_key(vals).to(tl.int64)
+    lo = order_key(lo_val).to(tl.int64)
+    hi = order_key(hi_val).to(tl.int64) + 1
+    for _step in range(32):
+        mid = lo + (hi - lo) // 2
+        ok = tl.sum(tl.where(keys >= mid[:, None], weights, 0.0), axis=1) >= goal
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return key_to_float(lo)
+
+
+@triton.jit
+def filter_threshold(
+    row_ptrs, buf_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK: tl.constexpr, CAP: tl.constexpr, NB_BITS: tl.constexpr
+):
     """Raw-logit threshold per row implementing top-k then top-p (keep x >= threshold).
+
+    row_ptrs: [R, 1] pointers to the start of each row; buf_ptrs: [R, 1] pointers to a CAP-entry
+    fp32 scratch row each; row_ok, inv_t, top_k, top_p: [R].
+      top-k: the k-th largest value t (largest t with #{x >= t} >= k); ties at t are kept.
+      top-p: after top-k, the largest t with sum_{x >= t} p(x) >= top_p; ties at t are kept.
+    Rows with top_k in {0} or >= V and top_p >= 1 get -inf (no filtering).
+
+    Exact, without sorting, in two passes over the row (pivot, then compaction):
+    1. the row max, its sum-exp and a histogram of the float order key's top NB_BITS bits (sign,
+       exponent, leading mantissa bits). The pivot is the lowest bin whose entries at or above it
+       still fit CAP: the largest candidate set the buffer holds.
+    2. the candidates are copied to the scratch row; the exact thresholds are then found among
+       them in registers (bisection on the key: no memory traffic). The candidates hold every
+       kept entry when the k-th largest lies at or above the pivot (top-k) or, for top-p alone,
+       when their mass reaches top_p (checked exactly on the copies).
+    Other rows (a very flat top-p row, a huge k) fall back to bisection over the row
+    (``bisect_threshold``, 32 passes per selection). Returns (threshold, took the two-pass path).
+    """
+    NB: tl.constexpr = 1 << NB_BITS
+    BIN_SHIFT: tl.constexpr = 32 - NB_BITS
+    R: tl.constexpr = row_ptrs.shape[0]
+    offs = tl.arange(0, BLOCK)[None, :]
+    use_k = row_ok & (top_k > 0) & (top_k < V)
+    use_p = row_ok & (top_p < 1.0)
+    active = use_k | use_p
+    thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
+    fast = active & False
+    if tl.max(active.to(tl.int32), axis=0) > 0:
+        # ---- pass 1: max, sum-exp and key histogram ----
+        m = tl.full([R, BLOCK], float("-inf"), tl.float32)
+        z = tl.zeros([R, BLOCK], tl.float32)
+        counts = tl.zeros([R * NB], tl.int32)
+        slot = (tl.arange(0, R) * NB)[:, None]
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            x, _bad = load_logits(row_ptrs + cols, active[:, None] & (cols < V))
+            m, z = lane_softmax_update(m, z, x, x > float("-inf"), inv_t[:, None])
+            b = slot + (_unsigned_key(x) >> BIN_SHIFT).to(tl.int32)
+            counts += tl.histogram(tl.reshape(b, [R * BLOCK]), R * NB, mask=tl.reshape(x > float("-inf"), [R * BLOCK]))
+        row_m, row_z = lanes_softmax(m, z, inv_t)
+        counts = tl.reshape(counts, [R, NB])
+        # ---- the pivot: the lowest bin whose entries at or above it fit the buffer ----
+        bins = tl.arange(0, NB)[None, :]
+        at_or_above = tl.sum(counts, axis=1)[:, None] - tl.cumsum(counts, axis=1) + counts
+        pivot_bin = tl.min(tl.where(at_or_above <= CAP, bins, NB), axis=1)
+        bin_k, _count = _largest_bin_reaching(counts, top_k)
+        has_k = use_k & (bin_k >= 0)  # fewer than k finite entries: no top-k
+        filtering = has_k | use_p
+        # top-k needs its k-th largest among the candidates (top-p is checked after the copy)
+        fast = filtering & (pivot_bin < NB) & (~has_k | (bin_k >= pivot_bin))
+        floors = _bin_floor(bins, BIN_SHIFT)
+        pivot = tl.sum(tl.where(bins == pivot_bin[:, None], floors, 0.0), axis=1)
+        # ---- pass 2: copy the candidates ----
+        if tl.max(fast.to(tl.int32), axis=0) > 0:
+            filled = tl.zeros(inv_t.shape, tl.int32)
+            for start in range(0, V, BLOCK):
+                cols = start + offs
+                x, _bad = load_logits(row_ptrs + cols, fast[:, None] & (cols < V))
+                # the key, not the float compare: -0.0 sits in the bin below +0.0
+                in_bins = (_unsigned_key(x) >> BIN_SHIFT).to(tl.int32) >= pivot_bin[:, None]
+                take = in_bins & (x > float("-inf")) & fast[:, None]
+                pos = filled[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+                tl.store(buf_ptrs + pos, x, mask=take & (pos < CAP))
+                filled += tl.sum(take.to(tl.int32), axis=1)
+            tl.debug_barrier()  # the copies of other threads must be visible before reading back
+            slots = tl.arange(0, CAP)[None, :]
+            vals = tl.load(buf_ptrs + slots, mask=fast[:, None] & (slots < filled[:, None]), other=float("-inf"))
+            t_k = tl.where(has_k, _kth_largest(vals, top_k), float("-inf"))
+            kept = (vals >= t_k[:, None]) & (vals > float("-inf"))
+            weights = tl.where(kept, tl.exp((vals - safe_max(row_m)[:, None]) * inv_t[:, None]), 0.0)
+            kept_mass = tl.sum(weights, axis=1)
+            goal = top_p * tl.where(has_k, kept_mass, row_z)
+            # top-p alone: the candidates must hold the goal's mass, else the threshold lies below
+            fast = fast & (has_k | ~use_p | (kept_mass >= goal))
+            t_p = _mass_threshold(vals, weights, goal, tl.maximum(t_k, pivot), row_m)
+            fast_thr = tl.where(use_p & (goal > 0.0), t_p, t_k)
+            thr = tl.where(fast, fast_thr, thr)
+        slow = filtering & ~fast
+        if tl.max(slow.to(tl.int32), axis=0) > 0:
+            thr = tl.where(slow, bisect_threshold(row_ptrs, slow, V, inv_t, top_k, top_p, BLOCK), thr)
+    return thr, fast
+
+
+@triton.jit
+def bisect_threshold(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.constexpr):
+    """``filter_threshold`` by bisection on the float order key: 32 passes over the row per
+    selection. The fallback for rows whose candidate set does not fit the selection buffer.
 
     row_ptrs: [R, 1] pointers to the start of each row; row_ok, inv_t, top_k, top_p: [R].
     Exact, without sorting: bisection on the float order key (32 passes each for top-k and

@@ -6,7 +6,7 @@ Three launches, no host synchronisation, no Python loop over requests:
    (and draft row) computes the online max / sum-exp of the processed logits and the greedy
    argmax. Each lane keeps its own running state (one exp per logit, no cross-lane reduction
    inside the loop); the lanes are combined once after it. With top-k / top-p the thresholds are
-   found first by bisection (no sort, extra passes).
+   found first by a radix select on the float order (no sort; 2-3 passes for bf16 rows).
 2. ``_verify_accept_kernel``     grid (request tiles, vocab chunks): combines the chunk statistics,
    tests every draft ``u * q(x) <= p(x)``, finds the first rejection j and, for sampled requests,
    runs one exponential race over row j: of the residual ``max(p - q, 0)`` when j < n_b (a
@@ -89,6 +89,7 @@ def _verify_row_stats_kernel(
     stats_ptr,  # [B*K*(G+1), C, NUM_STATS] fp32 out
     idx_ptr,  # [B*K*(G+1), C, NUM_IDX] int32 out
     thr_ptr,  # [B*K*(G+1), 2] fp32 out: raw-logit thresholds of target and draft (HAS_FILTER)
+    filter_buf_ptr,  # [B*K*(G+1), 2, FILTER_CAP] fp32 scratch: top-k/top-p candidates (HAS_FILTER)
     # strides
     stride_tb,
     stride_tk,
@@ -115,6 +116,9 @@ def _verify_row_stats_kernel(
     PER_REQ_P: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
+    FILTER_BLOCK: tl.constexpr,  # entries per tile of the threshold passes (HAS_FILTER)
+    FILTER_CAP: tl.constexpr,  # candidates a row may have for the in-register selection
+    FILTER_BINS: tl.constexpr,  # log2 of the pivot histogram's bins
     PLACEHOLDERS_END: tl.constexpr,  # a draft id outside [0, V) ends the draft (chains)
     GP2: tl.constexpr,  # next power of two >= G (PLACEHOLDERS_END)
     FLAT: tl.constexpr,  # flattened ragged layout (chains): bases from cu_ptr, strides are row strides
@@ -152,10 +156,24 @@ def _verify_row_stats_kernel(
         top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int64)
         top_k = tl.where(top_k >= V, 0, top_k).to(tl.int32)
         top_p = per_request(top_p_ptr, top_p, b, row_ok, PER_REQ_P).to(tl.float32)
-        thr_t = filter_threshold(t_rows, row_ok & ~greedy, V, inv_t, top_k, top_p, BLOCK_V)
+        buf = filter_buf_ptr + (rows * 2)[:, None].to(tl.int64) * FILTER_CAP
+        thr_t, _fast_t = filter_threshold(
+            t_rows, buf, row_ok & ~greedy, V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS
+        )
         tl.store(thr_ptr + rows * NUM_THR + THR_T, thr_t, mask=row_ok)
         if DRAFT_MODE == DRAFT_LOGITS:
-            thr_q = filter_threshold(d_rows, draft_ok & ~greedy, V, inv_t, top_k, top_p, BLOCK_V)
+            thr_q, _fast_q = filter_threshold(
+                d_rows,
+                buf + FILTER_CAP,
+                draft_ok & ~greedy,
+                V,
+                inv_t,
+                top_k,
+                top_p,
+                FILTER_BLOCK,
+                FILTER_CAP,
+                FILTER_BINS,
+            )
             tl.store(thr_ptr + rows * NUM_THR + THR_Q, thr_q, mask=draft_ok)
 
     # per-lane running values, [BLOCK_R, BLOCK_V]
@@ -609,7 +627,7 @@ def _plan_for(args, has_filter: bool, num_chunks, block_v, interpreted: bool, sm
     block_b = max(1, min(next_pow2(B), tile // block_v, max_block_b))
     blocks = triton.cdiv(V, block_v)
     if has_filter:
-        num_chunks = 1  # the bisection needs whole rows
+        num_chunks = 1  # the radix select needs whole rows
     elif num_chunks is None:
         num_chunks = 1 if interpreted else min(blocks, max(1, math.ceil(4 * sms / triton.cdiv(rows, block_r))), 256)
     num_chunks = max(1, min(int(num_chunks), blocks))
@@ -617,6 +635,21 @@ def _plan_for(args, has_filter: bool, num_chunks, block_v, interpreted: bool, sm
     num_chunks = triton.cdiv(V, chunk_size)
     num_warps = 8 if block_r * block_v >= 2048 else 4
     return _LaunchPlan(block_v, block_r, block_b, num_chunks, chunk_size, num_warps)
+
+
+def filter_constexprs(target: torch.Tensor, block_r: int) -> dict:
+    """Threshold-pass constexprs of the row-stats kernel: tile width, candidate capacity of the
+    in-register selection and pivot histogram size (2048 bins: sign, exponent, 2 mantissa bits)."""
+    interpreted = interpreter_requested() or target.device.type != "cuda"
+    if interpreted:  # the interpreter pays per operation: whole rows of candidates are cheap
+        return dict(FILTER_BLOCK=max(16, min(4096, (1 << 16) // max(1, block_r))), FILTER_CAP=4096, FILTER_BINS=11)
+    return dict(FILTER_BLOCK=max(16, 1024 // max(1, block_r)), FILTER_CAP=2048 // max(1, block_r), FILTER_BINS=11)
+
+
+def filter_buffer(rows: int, constexprs: dict, has_filter: bool, device) -> torch.Tensor:
+    """Scratch rows for the top-k/top-p candidates (target and draft per row); one float if unused."""
+    shape = (rows, 2, constexprs["FILTER_CAP"]) if has_filter else (1,)
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None = None) -> VerifyOutput:
@@ -639,6 +672,8 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
+    filter_args = filter_constexprs(args.target_logits, plan.block_r)
+    filter_buf = filter_buffer(rows, filter_args, has_filter, dev)
     first_reject = torch.empty((B,), dtype=torch.int32, device=dev)
     direct_token = torch.empty((B,), dtype=torch.int32, device=dev)
     race_key = torch.empty((B, C, 2), dtype=torch.float32, device=dev)
@@ -677,6 +712,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         stats,
         idx,
         thr,
+        filter_buf,
         stride_tb,
         0,
         stride_tg,
@@ -699,6 +735,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         PER_REQ_P=per_req_p,
         DRAFT_MODE=args.draft_mode,
         HAS_FILTER=has_filter,
+        **filter_args,
         PLACEHOLDERS_END=True,
         GP2=next_pow2(max(G, 1)),
         FLAT=flat,

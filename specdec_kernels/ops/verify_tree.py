@@ -60,6 +60,8 @@ from .verify import (
     _combine_row_stats_kernel,
     _prob_of,
     _verify_row_stats_kernel,
+    filter_buffer,
+    filter_constexprs,
 )
 
 RHO_POINTS = 16  # must match reference.verify_tree
@@ -470,10 +472,12 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     block_v = max(4, min(next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * K * (G + 1)
     block_r = max(1, min(next_pow2(rows), tile // block_v))
+    has_filter = args.has_filter
+    if has_filter and not interpreted:
+        block_r = min(block_r, 2)  # the radix-select passes hold [BLOCK_R, 16, FILTER_BLOCK] one-hot tiles
     np2 = max(2, next_pow2(N))
     # The walk holds [BLOCK_B, NP2, NP2] and [BLOCK_B, RHO_POINTS, BLOCK_V] tiles.
     block_b = max(1, min(next_pow2(B), tile // max(block_v * RHO_POINTS, np2 * np2, 1))) if interpreted else 1
-    has_filter = args.has_filter
 
     blocks = triton.cdiv(V, block_v)
     C = _row_pass_chunks(args, triton.cdiv(rows, block_r), blocks, interpreted, num_chunks)
@@ -482,6 +486,8 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
+    filter_args = filter_constexprs(args.target, block_r)
+    filter_buf = filter_buffer(rows, filter_args, has_filter, dev)
     target = args.target
     draft = args.draft if args.draft is not None else target
     d_strides = (draft.stride(0), draft.stride(1), draft.stride(2)) if args.draft is not None else (0, 0, 0)
@@ -506,6 +512,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
         stats,
         idx,
         thr,
+        filter_buf,
         target.stride(0),
         target.stride(1),
         target.stride(2),
@@ -526,6 +533,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
         PER_REQ_P=per_req_p,
         DRAFT_MODE=args.draft_mode,
         HAS_FILTER=has_filter,
+        **filter_args,
         PLACEHOLDERS_END=False,
         GP2=1,
         FLAT=False,

@@ -45,8 +45,8 @@ def verify_kernels():
         "draft_tokens_ptr": "*i64",
         "cu_ptr": "*i64",
     }
-    variants = itertools.product(["*bf16"], [0, 1, 2], [False, True], [(1, 2048), (64, 16)])
-    others = [("*fp16", 1, False, (1, 2048)), ("*fp32", 2, True, (64, 16))]
+    variants = itertools.product(["*bf16"], [0, 1, 2], [False, True], [(1, 2048), (2, 16)])
+    others = [("*fp16", 1, True, (1, 2048)), ("*fp32", 2, True, (2, 16)), ("*bf16", 1, False, (64, 16))]
     for dtype, mode, has_filter, (block, bv) in itertools.chain(variants, others):
         types = dict(ints, target_ptr=dtype, draft_ptr=dtype if mode == 1 else "*fp32")
         per_req = block > 1  # one variant with [B] tensors, one with scalar parameters
@@ -62,6 +62,9 @@ def verify_kernels():
                 PER_REQ_P=per_req,
                 DRAFT_MODE=mode,
                 HAS_FILTER=has_filter,
+                FILTER_BLOCK=max(16, 1024 // block),
+                FILTER_CAP=2048 // block,
+                FILTER_BINS=11,
                 PLACEHOLDERS_END=not per_req,
                 GP2=8,
                 FLAT=per_req,  # the flattened ragged layout rides on the per-request variant

@@ -1,0 +1,187 @@
+"""The radix-select top-k / top-p thresholds (ops/_triton_helpers.filter_threshold) against the
+reference's sort-based definition (reference/sampling.filter_threshold), value for value.
+
+Cases that break selection code: ties at the boundary, all-equal rows, runs of -inf, NaN entries,
+top-k >= V or > the finite count, top-p tiny and 1, negative and positive values, and every input
+dtype (bf16 / fp16 rows select on 2 / 3 key digits, fp32 on 4)."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from specdec_kernels.ops._triton_helpers import filter_threshold, inverse_temperature
+from specdec_kernels.reference.sampling import filter_threshold as reference_threshold
+from specdec_kernels.reference.sampling import sanitize_logits
+
+
+@triton.jit
+def _threshold_kernel(
+    x_ptr,  # [R, V] logits
+    t_ptr,  # [R] fp32 temperatures
+    k_ptr,  # [R] int32 top-k (0 = off)
+    p_ptr,  # [R] fp32 top-p (1 = off)
+    out_ptr,  # [R] fp32 thresholds
+    fast_ptr,  # [R] int32: 1 if the row took the two-pass path
+    buf_ptr,  # [R, CAP] fp32 scratch
+    stride_r,
+    R,
+    V,
+    BLOCK_R: tl.constexpr,
+    FILTER_BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    NB_BITS: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < R
+    _greedy, inv_t = inverse_temperature(tl.load(t_ptr + rows, mask=ok, other=1.0))
+    top_k = tl.load(k_ptr + rows, mask=ok, other=0)
+    top_p = tl.load(p_ptr + rows, mask=ok, other=1.0)
+    row_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_r
+    buf_ptrs = buf_ptr + rows[:, None].to(tl.int64) * CAP
+    thr, fast = filter_threshold(row_ptrs, buf_ptrs, ok, V, inv_t, top_k, top_p, FILTER_BLOCK, CAP, NB_BITS)
+    tl.store(out_ptr + rows, thr, mask=ok)
+    tl.store(fast_ptr + rows, fast.to(tl.int32), mask=ok)
+
+
+def _kernel_thresholds(x, temperature, top_k, top_p, block_r=2, filter_block=64, cap=4096, nb_bits=11, fast=None):
+    R, V = x.shape
+    out = torch.empty(R, dtype=torch.float32)
+    fast = torch.empty(R, dtype=torch.int32) if fast is None else fast
+    _threshold_kernel[(triton.cdiv(R, block_r),)](
+        x,
+        torch.tensor(temperature, dtype=torch.float32),
+        torch.tensor(top_k, dtype=torch.int32),
+        torch.tensor(top_p, dtype=torch.float32),
+        out,
+        fast,
+        torch.empty(R, cap),
+        x.stride(0),
+        R,
+        V,
+        BLOCK_R=block_r,
+        FILTER_BLOCK=filter_block,
+        CAP=cap,
+        NB_BITS=nb_bits,
+    )
+    return out
+
+
+def _reference_thresholds(x, temperature, top_k, top_p):
+    return torch.tensor(
+        [
+            reference_threshold(sanitize_logits(row)[0], t, k, p)
+            for row, t, k, p in zip(x, temperature, top_k, top_p, strict=True)
+        ],
+        dtype=torch.float32,
+    )
+
+
+def _check(x, temperature, top_k, top_p, **kw):
+    got = _kernel_thresholds(x, temperature, top_k, top_p, **kw)
+    want = _reference_thresholds(x, temperature, top_k, top_p)
+    assert torch.equal(got, want), (got, want)
+
+
+PARAMS = [  # (temperature, top_k, top_p) per row: each selection alone, both, neither, extremes
+    (1.0, 5, 1.0),
+    (0.7, 0, 0.9),
+    (0.7, 50, 0.9),
+    (1.3, 1, 0.5),
+    (0.5, 0, 1e-6),
+    (2.0, 7, 0.999),
+    (1.0, 0, 1.0),
+    (0.9, 10_000, 0.3),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("V", [111, 1000])
+def test_random_rows_match_reference(dtype, V):
+    gen = torch.Generator().manual_seed(V)
+    x = (torch.randn(len(PARAMS), V, generator=gen) * 3).to(dtype)
+    t, k, p = (list(c) for c in zip(*PARAMS, strict=True))
+    _check(x, t, k, p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ties_at_the_boundary_are_kept(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(-4, 5, (len(PARAMS), 300), generator=gen).to(dtype)  # 9 values, ~33 copies each
+    t, k, p = (list(c) for c in zip(*PARAMS, strict=True))
+    _check(x, t, k, p)
+
+
+def test_all_equal_rows_negative_rows_and_minus_inf_runs():
+    V = 200
+    x = torch.full((6, V), -3.25)
+    x[1] = 2.5  # all equal, positive
+    x[2, 50:] = float("-inf")  # a long -inf run: 50 finite values
+    x[3, :] = float("-inf")
+    x[3, 7] = 0.0  # a single finite value
+    x[4] = -torch.arange(V, dtype=torch.float32)  # all negative, distinct
+    x[5, ::3] = float("nan")  # NaN counts as -inf
+    x[5, 1::3] = torch.linspace(-1, 1, len(range(1, V, 3)))
+    t = [1.0, 0.7, 0.8, 1.0, 0.5, 1.0]
+    k = [3, 10, 60, 2, 20, 5]
+    p = [0.5, 0.9, 0.95, 0.5, 0.7, 1.0]
+    _check(x, t, k, p)
+    _check(x, t, [0] * 6, p)
+    _check(x, t, k, [1.0] * 6)
+
+
+def test_no_filter_rows_get_minus_inf():
+    x = torch.randn(3, 100)
+    got = _kernel_thresholds(x, [1.0] * 3, [0, 100, 1000], [1.0] * 3)
+    assert torch.equal(got, torch.full((3,), float("-inf")))
+
+
+def test_tile_width_does_not_change_the_threshold():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(len(PARAMS), 1000, generator=gen).to(torch.bfloat16)
+    t, k, p = (list(c) for c in zip(*PARAMS, strict=True))
+    wide = _kernel_thresholds(x, t, k, p, block_r=4, filter_block=1024)
+    narrow = _kernel_thresholds(x, t, k, p, block_r=1, filter_block=16)
+    assert torch.equal(wide, narrow)
+
+
+@pytest.mark.parametrize("cap", [16, 64])
+def test_rows_with_too_many_candidates_fall_back_to_bisection(cap):
+    """A small candidate buffer forces the bisection fallback on flat rows: same thresholds."""
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(len(PARAMS), 300, generator=gen) * 0.3).to(torch.bfloat16)
+    t, k, p = (list(c) for c in zip(*PARAMS, strict=True))
+    got = _kernel_thresholds(x, t, k, p, cap=cap)
+    assert torch.equal(got, _reference_thresholds(x, t, k, p))
+
+
+def test_coarse_pivot_bins_still_exact():
+    """Power check of the pivot: with 2 bins (sign only) nearly everything is a candidate, with
+    2**16 the pivot is tight; both must give the reference's thresholds."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(len(PARAMS), 500, generator=gen) * 2
+    t, k, p = (list(c) for c in zip(*PARAMS, strict=True))
+    want = _reference_thresholds(x, t, k, p)
+    assert torch.equal(_kernel_thresholds(x, t, k, p, nb_bits=1), want)
+    assert torch.equal(_kernel_thresholds(x, t, k, p, nb_bits=14, block_r=1), want)
+
+
+def test_peaked_rows_take_the_two_pass_path():
+    """The pivot must be tight where the kept set is small: 16 candidate slots suffice for top-k 5
+    and for top-p 0.9 of a peaked row (a pivot at the lowest bin would need all 5000)."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 5000, generator=gen)
+    x[:, :3] += 12.0  # three dominant tokens
+    fast = torch.empty(2, dtype=torch.int32)
+    got = _kernel_thresholds(x, [1.0, 1.0], [5, 0], [1.0, 0.9], cap=16, filter_block=1024, fast=fast)
+    assert fast.tolist() == [1, 1]
+    assert torch.equal(got, _reference_thresholds(x, [1.0, 1.0], [5, 0], [1.0, 0.9]))
+
+
+def test_a_wrong_threshold_is_caught():
+    """Power check of the comparison itself: a pivot one bin too high (cutting into the kept set)
+    would change thresholds, and this test's reference comparison sees a 1-ulp change."""
+    x = torch.randn(4, 200)
+    t, k, p = [1.0] * 4, [5] * 4, [1.0] * 4
+    got = _kernel_thresholds(x, t, k, p)
+    assert not torch.equal(torch.nextafter(got, torch.full_like(got, float("inf"))), _reference_thresholds(x, t, k, p))
