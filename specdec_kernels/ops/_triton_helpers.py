@@ -63,6 +63,19 @@ def race_noise(seed, start, c1, c2, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def race_inv_exp(seed, start, c1, c2, BLOCK_V: tl.constexpr):
+    """1 / E_x, E_x = -log(u_x) ~ Exp(1), with the uniforms of ``race_noise``: argmax r(x) / E_x
+    is the winner of argmax log r(x) + race_noise, without two logs per entry."""
+    quad = start // 4 + tl.arange(0, BLOCK_V // 4)[None, :]
+    zero = tl.zeros_like(c1 + quad).to(tl.int32)
+    c0 = (zero + quad).to(tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, c0, (zero + c1).to(tl.uint32), (zero + c2).to(tl.uint32), c0 * 0)
+    bits = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))  # word x % 4 at column x
+    u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+    return tl.fdiv(-1.0, tl.log(u), approx=True)  # 1/E itself needs no correct rounding
+
+
+@triton.jit
 def load_logits(ptrs, mask):
     """fp32 logits with NaN / +inf replaced by -inf; also returns the mask of replaced entries."""
     x = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -130,6 +143,30 @@ def lane_softmax_update(m, z, x, keep, inv_t):
     grow = d > 0.0
     z = tl.where(grow, z * e + 1.0, z + e)
     return tl.where(grow, xk, m), z
+
+
+LOG2E = tl.constexpr(1.4426950408889634)
+NO_MAX = tl.constexpr(-3.4028234663852886e38)  # running max of a lane that has seen no entry yet
+
+
+@triton.jit
+def lane_exp_update(m, z, x, c):
+    """Per-lane running (max, sum of 2^((x - max) c)) with c = log2(e) / T: the fast-pass form of
+    ``lane_softmax_update``. m starts at NO_MAX (finite), so -inf entries (masked or filtered) add
+    exactly 0 and no NaN arises from finite or -inf x; NaN / +inf x make z NaN (the caller redoes
+    such rows). One exp2 per entry: whichever of the old max and x is smaller is rescaled."""
+    d = (x - m) * c
+    e = tl.exp2(-tl.abs(d))
+    grow = d > 0.0
+    return tl.where(grow, x, m), tl.where(grow, z * e + 1.0, z + e)
+
+
+@triton.jit
+def lanes_exp_sum(m, z, row_max, c):
+    """Row sum-exp relative to row_max of per-lane pairs from ``lane_exp_update``; c: [R, 1].
+    Rows with no entry (row_max -inf) have every lane at NO_MAX with z = 0: their sum is 0."""
+    ref = tl.where(row_max == float("-inf"), NO_MAX, row_max)
+    return tl.sum(z * tl.exp2((m - ref[:, None]) * c), axis=1)
 
 
 @triton.jit

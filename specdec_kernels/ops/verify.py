@@ -5,8 +5,11 @@ Three launches, no host synchronisation, no Python loop over requests:
 1. ``_verify_row_stats_kernel``  grid (row tiles, vocab chunks): one pass over each target row
    (and draft row) computes the online max / sum-exp of the processed logits and the greedy
    argmax. Each lane keeps its own running state (one exp per logit, no cross-lane reduction
-   inside the loop); the lanes are combined once after it. With top-k / top-p the thresholds are
-   found first by a radix select on the float order (no sort; 2-3 passes for bf16 rows).
+   inside the loop); the lanes are combined once after it. Entries are not sanitised in this pass:
+   a NaN-propagating running max notices NaN / +inf, and only such rows are redone with every
+   entry checked (``_row_pass_exact``). With top-k / top-p the thresholds are
+   found first in two passes: key histogram -> pivot, copy of the candidates, selection
+   among them in registers (``filter_threshold``).
 2. ``_verify_accept_kernel``     grid (request tiles, vocab chunks): combines the chunk statistics,
    tests every draft ``u * q(x) <= p(x)``, finds the first rejection j and, for sampled requests,
    runs one exponential race over row j: of the residual ``max(p - q, 0)`` when j < n_b (a
@@ -31,21 +34,24 @@ from .._validation import VerifyArgs
 from ._triton_helpers import (
     DRAFT_LOGITS,
     DRAFT_PROBS,
+    LOG2E,
+    NO_MAX,
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
     filter_threshold,
-    first_argmax_update,
     inverse_temperature,
     lane_argmax_update,
+    lane_exp_update,
     lane_softmax_update,
     lanes_argmax,
+    lanes_exp_sum,
     lanes_softmax,
     load_logits,
     load_probs,
     next_pow2,
     per_request,
-    race_noise,
+    race_inv_exp,
     request_seed,
     safe_max,
     uniform_open,
@@ -73,6 +79,83 @@ NUM_RACES = tl.constexpr(2)
 THR_T = tl.constexpr(0)  # target
 THR_Q = tl.constexpr(1)  # draft (DRAFT_LOGITS)
 NUM_THR = tl.constexpr(2)
+
+
+@triton.jit
+def _row_pass_fast(
+    t_rows, d_rows, row_ok, draft_ok, thr_t, thr_q, inv_t, start_col, end_col, DRAFT_MODE, HAS_FILTER, BLOCK_V
+):
+    """One pass over [start_col, end_col) of each row: (max, sum-exp) of the processed target and
+    draft logits, greedy argmax, count of unusable draft probabilities. About 12 instructions per
+    entry: the running max is NaN-propagating (a row with NaN / +inf entries ends with a max that
+    is not < inf; the caller redoes it exactly), every lane keeps its own running state and the
+    lanes are reduced once at the end."""
+    BLOCK_R: tl.constexpr = t_rows.shape[0]
+    c = (inv_t * LOG2E)[:, None]
+    m_t = tl.full([BLOCK_R, BLOCK_V], NO_MAX, tl.float32)
+    z_t = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
+    top_t = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
+    top_idx = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
+    m_q = tl.full([BLOCK_R, BLOCK_V], NO_MAX, tl.float32)
+    z_q = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
+    top_q = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
+    bad_q = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
+    for start in range(start_col, end_col, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)[None, :]
+        in_chunk = cols < end_col
+        x = tl.load(t_rows + cols, mask=row_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
+        top_idx = tl.where(x > top_t, cols, top_idx)
+        top_t = tl.maximum(top_t, x, propagate_nan=tl.PropagateNan.ALL)
+        if HAS_FILTER:
+            x = tl.where(x >= thr_t[:, None], x, float("-inf"))
+        m_t, z_t = lane_exp_update(m_t, z_t, x, c)
+        if DRAFT_MODE == DRAFT_LOGITS:
+            xd = tl.load(d_rows + cols, mask=draft_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
+            top_q = tl.maximum(top_q, xd, propagate_nan=tl.PropagateNan.ALL)
+            if HAS_FILTER:
+                xd = tl.where(xd >= thr_q[:, None], xd, float("-inf"))
+            m_q, z_q = lane_exp_update(m_q, z_q, xd, c)
+        elif DRAFT_MODE == DRAFT_PROBS:  # only counted: unusable entries flag the request
+            _qd, qd_bad = load_probs(d_rows + cols, draft_ok[:, None] & in_chunk)
+            bad_q += qd_bad.to(tl.int32)
+    row_top, row_idx = lanes_argmax(top_t, top_idx)
+    row_top = tl.where(tl.max((top_t != top_t).to(tl.int32), axis=1) > 0, float("nan"), row_top)
+    row_z_t = lanes_exp_sum(m_t, z_t, row_top, c)
+    row_top_q = tl.max(top_q, axis=1)
+    row_top_q = tl.where(tl.max((top_q != top_q).to(tl.int32), axis=1) > 0, float("nan"), row_top_q)
+    row_z_q = lanes_exp_sum(m_q, z_q, row_top_q, c)
+    return row_top, row_z_t, row_idx, row_top_q, row_z_q, tl.sum(bad_q, axis=1)
+
+
+@triton.jit
+def _row_pass_exact(t_rows, d_rows, row_ok, draft_ok, thr_t, thr_q, inv_t, start_col, end_col, DRAFT_MODE, BLOCK_V):
+    """The row pass with every entry sanitised (NaN / +inf count as -inf and are counted): for
+    the rare rows whose fast pass met such entries."""
+    BLOCK_R: tl.constexpr = t_rows.shape[0]
+    m_t = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
+    z_t = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
+    m_q = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
+    z_q = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
+    g_max = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
+    g_idx = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
+    bad = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
+    bad_q = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
+    inv_t2 = inv_t[:, None]
+    for start in range(start_col, end_col, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)[None, :]
+        in_chunk = cols < end_col
+        x, x_bad = load_logits(t_rows + cols, row_ok[:, None] & in_chunk)
+        bad += x_bad.to(tl.int32)
+        g_max, g_idx = lane_argmax_update(g_max, g_idx, x, cols)
+        m_t, z_t = lane_softmax_update(m_t, z_t, x, x >= thr_t[:, None], inv_t2)
+        if DRAFT_MODE == DRAFT_LOGITS:
+            xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk)
+            bad_q += xd_bad.to(tl.int32)
+            m_q, z_q = lane_softmax_update(m_q, z_q, xd, xd >= thr_q[:, None], inv_t2)
+    row_m_t, row_z_t = lanes_softmax(m_t, z_t, inv_t)
+    row_g_max, row_g_idx = lanes_argmax(g_max, g_idx)
+    row_m_q, row_z_q = lanes_softmax(m_q, z_q, inv_t)
+    return row_m_t, row_z_t, row_g_max, row_g_idx, tl.sum(bad, axis=1), row_m_q, row_z_q, tl.sum(bad_q, axis=1)
 
 
 @triton.jit
@@ -176,49 +259,40 @@ def _verify_row_stats_kernel(
             )
             tl.store(thr_ptr + rows * NUM_THR + THR_Q, thr_q, mask=draft_ok)
 
-    # per-lane running values, [BLOCK_R, BLOCK_V]
-    m_t = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
-    z_t = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
-    m_q = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
-    z_q = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
-    g_max = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
-    g_idx = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
-    bad = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
-    bad_q = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
-    inv_t2 = inv_t[:, None]
     start_col = chunk * chunk_size
     end_col = tl.minimum(start_col + chunk_size, V)
-    for start in range(start_col, end_col, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)[None, :]
-        in_chunk = cols < end_col
-        x, x_bad = load_logits(t_rows + cols, row_ok[:, None] & in_chunk)
-        bad += x_bad.to(tl.int32)
-        g_max, g_idx = lane_argmax_update(g_max, g_idx, x, cols)
-        m_t, z_t = lane_softmax_update(m_t, z_t, x, x >= thr_t[:, None], inv_t2)
+    # Fast pass: no per-entry sanitising. NaN / +inf entries poison the NaN-propagating running max
+    # (which is also the row max and the greedy max); such rows are redone exactly below.
+    row_m_t, row_z_t, row_g_idx, row_m_q, row_z_q, bad_q = _row_pass_fast(
+        t_rows, d_rows, row_ok, draft_ok, thr_t, thr_q, inv_t, start_col, end_col, DRAFT_MODE, HAS_FILTER, BLOCK_V
+    )
+    redo = row_ok & ~(row_m_t < float("inf"))
+    if DRAFT_MODE == DRAFT_LOGITS:
+        redo = redo | (draft_ok & ~(row_m_q < float("inf")))
+    bad_t = tl.zeros([BLOCK_R], tl.int32)
+    if tl.max(redo.to(tl.int32), axis=0) > 0:
+        e_m_t, e_z_t, e_g_max, e_g_idx, e_bad_t, e_m_q, e_z_q, e_bad_q = _row_pass_exact(
+            t_rows, d_rows, redo, redo & draft_ok, thr_t, thr_q, inv_t, start_col, end_col, DRAFT_MODE, BLOCK_V
+        )
+        row_m_t = tl.where(redo, e_m_t, row_m_t)
+        row_z_t = tl.where(redo, e_z_t, row_z_t)
+        row_g_idx = tl.where(redo, e_g_idx, row_g_idx)
+        bad_t = tl.where(redo, e_bad_t, bad_t)
+        row_g_max = tl.where(redo, e_g_max, row_m_t)
         if DRAFT_MODE == DRAFT_LOGITS:
-            xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk)
-            bad_q += xd_bad.to(tl.int32)
-            m_q, z_q = lane_softmax_update(m_q, z_q, xd, xd >= thr_q[:, None], inv_t2)
-        elif DRAFT_MODE == DRAFT_PROBS:  # only counted: unusable entries flag the request
-            _qd, qd_bad = load_probs(d_rows + cols, draft_ok[:, None] & in_chunk)
-            bad_q += qd_bad.to(tl.int32)
-
-    row_m_t, row_z_t = lanes_softmax(m_t, z_t, inv_t)
-    row_g_max, row_g_idx = lanes_argmax(g_max, g_idx)
+            row_m_q = tl.where(redo, e_m_q, row_m_q)
+            row_z_q = tl.where(redo, e_z_q, row_z_q)
+            bad_q = tl.where(redo, e_bad_q, bad_q)
+    else:
+        row_g_max = row_m_t  # the max over kept entries is the row max: a threshold never drops it
     rec = (rows * num_chunks + chunk) * NUM_STATS
     tl.store(stats_ptr + rec + STAT_M_T, row_m_t, mask=row_ok)
     tl.store(stats_ptr + rec + STAT_Z_T, row_z_t, mask=row_ok)
     tl.store(stats_ptr + rec + STAT_GMAX, row_g_max, mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_BAD_T, tl.sum(bad, axis=1).to(tl.float32), mask=row_ok)
-    if DRAFT_MODE == DRAFT_LOGITS:
-        row_m_q, row_z_q = lanes_softmax(m_q, z_q, inv_t)
-        tl.store(stats_ptr + rec + STAT_M_Q, row_m_q, mask=row_ok)
-        tl.store(stats_ptr + rec + STAT_Z_Q, row_z_q, mask=row_ok)
-        tl.store(stats_ptr + rec + STAT_BAD_Q, tl.sum(bad_q, axis=1).to(tl.float32), mask=row_ok)
-    else:
-        tl.store(stats_ptr + rec + STAT_M_Q, tl.full([BLOCK_R], float("-inf"), tl.float32), mask=row_ok)
-        tl.store(stats_ptr + rec + STAT_Z_Q, tl.zeros([BLOCK_R], tl.float32), mask=row_ok)
-        tl.store(stats_ptr + rec + STAT_BAD_Q, tl.sum(bad_q, axis=1).to(tl.float32), mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_BAD_T, bad_t.to(tl.float32), mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_M_Q, row_m_q, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_Z_Q, row_z_q, mask=row_ok)
+    tl.store(stats_ptr + rec + STAT_BAD_Q, bad_q.to(tl.float32), mask=row_ok)
     tl.store(idx_ptr + (rows * num_chunks + chunk) * NUM_IDX + IDX_GREEDY, row_g_idx, mask=row_ok)
 
 
@@ -332,6 +406,77 @@ def _prob_of(x, m, z, thr, inv_t):
 def _select_row(vals, rows_i, j):
     """vals[b, j[b]] for a [BLOCK_B, ROWS] tile (a gather along the small row axis)."""
     return tl.sum(tl.where(rows_i == j[:, None], vals, 0), axis=1)
+
+
+@triton.jit
+def _kept_prob(x, m, c, inv_z, thr):
+    """p(x) from the row statistics: 2^((x - m) c) / z for kept finite x, else 0 (NaN, +inf, -inf
+    and filtered entries). m: safe row max, c = log2(e) / T, inv_z = 1 / z (0 for an empty row)."""
+    kept = (x >= thr) & (x > float("-inf")) & (x < float("inf"))
+    return tl.where(kept, tl.exp2((x - m) * c) * inv_z, 0.0)
+
+
+@triton.jit
+def _race_row_j(
+    tj_row,
+    dj_row,
+    need,
+    recover,
+    seed,
+    j,
+    purpose,
+    tok_j,
+    mj_t,
+    zj_t,
+    thrj_t,
+    mj_q,
+    zj_q,
+    thrj_q,
+    inv_t,
+    start_col,
+    end_col,
+    DRAFT_MODE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The exponential races over [start_col, end_col) of row j of each request: argmax_x r(x) / E_x
+    with E_x ~ Exp(1) (the same winner as argmax log r(x) - log E_x, without the logs) over the
+    residual r = max(p - q, 0) (over p at the bonus position) and over p itself (the fallback when
+    the residual is empty). Per-lane running winners, reduced once at the end.
+    Returns (residual key, index, p key, index) per request; -inf keys when nothing qualifies."""
+    BLOCK_B: tl.constexpr = need.shape[0]
+    c = (inv_t * LOG2E)[:, None]
+    inv_zt = tl.where(zj_t > 0.0, 1.0 / tl.where(zj_t > 0.0, zj_t, 1.0), 0.0)[:, None]
+    inv_zq = tl.where(zj_q > 0.0, 1.0 / tl.where(zj_q > 0.0, zj_q, 1.0), 0.0)[:, None]
+    best_r = tl.full([BLOCK_B, BLOCK_V], float("-inf"), tl.float32)
+    idx_r = tl.zeros([BLOCK_B, BLOCK_V], tl.int32)
+    best_p = tl.full([BLOCK_B, BLOCK_V], float("-inf"), tl.float32)
+    idx_p = tl.zeros([BLOCK_B, BLOCK_V], tl.int32)
+    for start in range(start_col, end_col, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)[None, :]
+        lane_ok = need[:, None] & (cols < end_col)
+        lane_q = lane_ok & recover[:, None]  # no draft row at the bonus position
+        x = tl.load(tj_row + cols, mask=lane_ok, other=float("-inf")).to(tl.float32)
+        p = _kept_prob(x, mj_t[:, None], c, inv_zt, thrj_t[:, None])
+        if DRAFT_MODE == DRAFT_LOGITS:
+            xd = tl.load(dj_row + cols, mask=lane_q, other=float("-inf")).to(tl.float32)
+            residual = tl.maximum(p - _kept_prob(xd, mj_q[:, None], c, inv_zq, thrj_q[:, None]), 0.0)
+        elif DRAFT_MODE == DRAFT_PROBS:
+            q, _bad_q = load_probs(dj_row + cols, lane_q)
+            residual = tl.maximum(p - q, 0.0)
+        else:
+            residual = tl.where(cols == tok_j[:, None], 0.0, p)
+        inv_e = race_inv_exp(seed[:, None], start, j[:, None], purpose[:, None], BLOCK_V)
+        key_p = tl.where(lane_ok & (p > 0.0), p * inv_e, float("-inf"))
+        key_r = tl.where(recover[:, None], tl.where(lane_ok & (residual > 0.0), residual * inv_e, float("-inf")), key_p)
+        take_r = key_r > best_r
+        best_r = tl.where(take_r, key_r, best_r)
+        idx_r = tl.where(take_r, cols, idx_r)
+        take_p = key_p > best_p
+        best_p = tl.where(take_p, key_p, best_p)
+        idx_p = tl.where(take_p, cols, idx_p)
+    key_r, at_r = lanes_argmax(best_r, idx_r)
+    key_p, at_p = lanes_argmax(best_p, idx_p)
+    return key_r, at_r, key_p, at_p
 
 
 @triton.jit
@@ -475,43 +620,36 @@ def _verify_accept_kernel(
     p_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
     p_idx = tl.zeros([BLOCK_B], tl.int32)
     if tl.max(need.to(tl.int32), axis=0) > 0:
-        mj_t = _select_row(m_t, i, j)
+        mj_t = safe_max(_select_row(m_t, i, j))
         zj_t = _select_row(z_t, i, j)
         thrj_t = _select_row(thr_t, i, j)
-        mj_q = _select_row(m_q, i, j)
+        mj_q = safe_max(_select_row(m_q, i, j))
         zj_q = _select_row(z_q, i, j)
         thrj_q = _select_row(thr_q, i, j)
         tok_j = _select_row(tok_safe, i, j)
-        log_zj = tl.log(tl.where(zj_t > 0.0, zj_t, 1.0))
         tj_row = target_ptr + t_base[:, None] + j[:, None].to(tl.int64) * stride_tg
         dj_row = draft_ptr + d_base[:, None] + j[:, None].to(tl.int64) * stride_dg
-        start_col = chunk * chunk_size
-        end_col = tl.minimum(start_col + chunk_size, V)
-        for start in range(start_col, end_col, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)[None, :]
-            lane_ok = need[:, None] & (cols < end_col)
-            lane_q = lane_ok & recover[:, None]  # no draft row at the bonus position
-            x, _bad_x = load_logits(tj_row + cols, lane_ok)
-            p = _prob_of(x, mj_t[:, None], zj_t[:, None], thrj_t[:, None], inv_t[:, None])
-            if DRAFT_MODE == DRAFT_LOGITS:
-                xd, _bad_d = load_logits(dj_row + cols, lane_q)
-                q = _prob_of(xd, mj_q[:, None], zj_q[:, None], thrj_q[:, None], inv_t[:, None])
-                residual = tl.maximum(p - q, 0.0)
-            elif DRAFT_MODE == DRAFT_PROBS:
-                q, _bad_q = load_probs(dj_row + cols, lane_q)
-                residual = tl.maximum(p - q, 0.0)
-            else:
-                residual = tl.where(cols == tok_j[:, None], 0.0, p)
-            noise = race_noise(seed[:, None], start, j[:, None], purpose[:, None], BLOCK_V)
-            log_p = (x - safe_max(mj_t)[:, None]) * inv_t[:, None] - log_zj[:, None]
-            keys_p = tl.where(lane_ok & (p > 0.0), log_p + noise, float("-inf"))
-            keys_r = tl.where(
-                recover[:, None],
-                tl.where(lane_ok & (residual > 0.0), tl.log(tl.maximum(residual, 1e-38)) + noise, float("-inf")),
-                keys_p,
-            )
-            res_key, res_idx = first_argmax_update(res_key, res_idx, keys_r, cols)
-            p_key, p_idx = first_argmax_update(p_key, p_idx, keys_p, cols)
+        res_key, res_idx, p_key, p_idx = _race_row_j(
+            tj_row,
+            dj_row,
+            need,
+            recover,
+            seed,
+            j,
+            purpose,
+            tok_j,
+            mj_t,
+            zj_t,
+            thrj_t,
+            mj_q,
+            zj_q,
+            thrj_q,
+            inv_t,
+            chunk * chunk_size,
+            tl.minimum(chunk * chunk_size + chunk_size, V),
+            DRAFT_MODE,
+            BLOCK_V,
+        )
     rec = (b * num_chunks + chunk) * NUM_RACES
     tl.store(race_key_ptr + rec + RACE_RESIDUAL, res_key, mask=b_ok)
     tl.store(race_key_ptr + rec + RACE_TARGET, p_key, mask=b_ok)
@@ -619,7 +757,7 @@ def gpu_plan(args: VerifyArgs, sms: int) -> _LaunchPlan:
 def _plan_for(args, has_filter: bool, num_chunks, block_v, interpreted: bool, sms: int) -> _LaunchPlan:
     B, G, V = args.B, args.G, args.V
     # The interpreter pays per operation, not per element: give it big tiles.
-    max_block_v, tile, max_block_b = (8192, 1 << 16, 4096) if interpreted else (2048, 4096, 2)
+    max_block_v, tile, max_block_b = (8192, 1 << 16, 4096) if interpreted else (1024, 2048, 2)
     block_v = max(4, min(next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * (G + 1)
     # On a GPU at most 2 rows per program: more programs, not wider ones, when blocks shrink.
