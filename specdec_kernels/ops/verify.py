@@ -1,15 +1,16 @@
 """Fused chain verification for speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
 
-Three launches, no host synchronisation, no Python loop over requests:
+Three launches (four with top-k / top-p), no host synchronisation, no Python loop over requests:
 
 1. ``_verify_row_stats_kernel``  grid (row tiles, vocab chunks): one pass over each target row
    (and draft row) computes the online max / sum-exp of the processed logits and the greedy
    argmax. Each lane keeps its own running state (one exp per logit, no cross-lane reduction
    inside the loop); the lanes are combined once after it. Entries are not sanitised in this pass:
    a NaN-propagating running max notices NaN / +inf, and only such rows are redone with every
-   entry checked (``_row_pass_exact``). With top-k / top-p the thresholds are
-   found first in two passes: key histogram -> pivot, copy of the candidates, selection
-   among them in registers (``filter_threshold``).
+   entry checked (``_row_pass_exact``). With top-k / top-p the same kernel runs once before,
+   as the threshold pass (grid: row tiles, whole rows): two passes per row - key histogram ->
+   pivot, copy of the candidates - and the selection among them in registers
+   (``filter_threshold``); the statistics pass then reads the thresholds and splits as usual.
 2. ``_verify_accept_kernel``     grid (request tiles, vocab chunks): combines the chunk statistics,
    tests every draft ``u * q(x) <= p(x)``, finds the first rejection j and, for sampled requests,
    runs one exponential race over row j: of the residual ``max(p - q, 0)`` when j < n_b (a
@@ -199,6 +200,7 @@ def _verify_row_stats_kernel(
     PER_REQ_P: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
+    THRESHOLD_PASS: tl.constexpr,  # this launch only finds top-k/top-p thresholds (grid: row tiles)
     FILTER_BLOCK: tl.constexpr,  # entries per tile of the threshold passes (HAS_FILTER)
     FILTER_CAP: tl.constexpr,  # candidates a row may have for the in-register selection
     FILTER_BINS: tl.constexpr,  # log2 of the pivot histogram's bins
@@ -234,33 +236,67 @@ def _verify_row_stats_kernel(
     d_rows = draft_ptr + d_base[:, None] + k[:, None] * stride_dk + i[:, None].to(tl.int64) * stride_dg
     thr_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
     thr_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    if HAS_FILTER:  # launched with a single chunk: each program owns whole rows
-        # top_k at full width: values >= V (int64 included) keep the whole row, i.e. no top-k.
-        top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int64)
-        top_k = tl.where(top_k >= V, 0, top_k).to(tl.int32)
-        top_p = per_request(top_p_ptr, top_p, b, row_ok, PER_REQ_P).to(tl.float32)
-        buf = filter_buf_ptr + (rows * 2)[:, None].to(tl.int64) * FILTER_CAP
-        thr_t, _fast_t = filter_threshold(
-            t_rows, buf, row_ok & ~greedy, V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS
-        )
-        tl.store(thr_ptr + rows * NUM_THR + THR_T, thr_t, mask=row_ok)
-        if DRAFT_MODE == DRAFT_LOGITS:
-            thr_q, _fast_q = filter_threshold(
+    if HAS_FILTER:
+        if THRESHOLD_PASS:  # grid (row tiles, 1): each program owns whole rows
+            _store_thresholds(
+                t_rows,
                 d_rows,
-                buf + FILTER_CAP,
-                draft_ok & ~greedy,
-                V,
+                filter_buf_ptr + (rows * 2)[:, None].to(tl.int64) * FILTER_CAP,
+                thr_ptr + rows * NUM_THR,
+                row_ok & ~greedy,
+                draft_ok,
+                per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K),
+                per_request(top_p_ptr, top_p, b, row_ok, PER_REQ_P).to(tl.float32),
                 inv_t,
-                top_k,
-                top_p,
+                V,
+                DRAFT_MODE,
                 FILTER_BLOCK,
                 FILTER_CAP,
                 FILTER_BINS,
             )
-            tl.store(thr_ptr + rows * NUM_THR + THR_Q, thr_q, mask=draft_ok)
+        else:  # thresholds from the threshold pass
+            thr_t = tl.load(thr_ptr + rows * NUM_THR + THR_T, mask=row_ok & ~greedy, other=float("-inf"))
+            if DRAFT_MODE == DRAFT_LOGITS:
+                thr_q = tl.load(thr_ptr + rows * NUM_THR + THR_Q, mask=draft_ok, other=float("-inf"))
+    if not THRESHOLD_PASS:
+        _row_stats_pass(
+            t_rows,
+            d_rows,
+            stats_ptr + (rows * num_chunks + chunk) * NUM_STATS,
+            idx_ptr + (rows * num_chunks + chunk) * NUM_IDX,
+            row_ok,
+            draft_ok,
+            thr_t,
+            thr_q,
+            inv_t,
+            chunk * chunk_size,
+            tl.minimum(chunk * chunk_size + chunk_size, V),
+            DRAFT_MODE,
+            HAS_FILTER,
+            BLOCK_V,
+        )
 
-    start_col = chunk * chunk_size
-    end_col = tl.minimum(start_col + chunk_size, V)
+
+@triton.jit
+def _row_stats_pass(
+    t_rows,
+    d_rows,
+    rec_ptr,
+    idx_rec_ptr,
+    row_ok,
+    draft_ok,
+    thr_t,
+    thr_q,
+    inv_t,
+    start_col,
+    end_col,
+    DRAFT_MODE: tl.constexpr,
+    HAS_FILTER: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Statistics of each row's chunk [start_col, end_col), written to its records rec_ptr /
+    idx_rec_ptr ([R] pointers)."""
+    BLOCK_R: tl.constexpr = t_rows.shape[0]
     # Fast pass: no per-entry sanitising. NaN / +inf entries poison the NaN-propagating running max
     # (which is also the row max and the greedy max); such rows are redone exactly below.
     row_m_t, row_z_t, row_g_idx, row_m_q, row_z_q, bad_q = _row_pass_fast(
@@ -285,15 +321,46 @@ def _verify_row_stats_kernel(
             bad_q = tl.where(redo, e_bad_q, bad_q)
     else:
         row_g_max = row_m_t  # the max over kept entries is the row max: a threshold never drops it
-    rec = (rows * num_chunks + chunk) * NUM_STATS
-    tl.store(stats_ptr + rec + STAT_M_T, row_m_t, mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_Z_T, row_z_t, mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_GMAX, row_g_max, mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_BAD_T, bad_t.to(tl.float32), mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_M_Q, row_m_q, mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_Z_Q, row_z_q, mask=row_ok)
-    tl.store(stats_ptr + rec + STAT_BAD_Q, bad_q.to(tl.float32), mask=row_ok)
-    tl.store(idx_ptr + (rows * num_chunks + chunk) * NUM_IDX + IDX_GREEDY, row_g_idx, mask=row_ok)
+    tl.store(rec_ptr + STAT_M_T, row_m_t, mask=row_ok)
+    tl.store(rec_ptr + STAT_Z_T, row_z_t, mask=row_ok)
+    tl.store(rec_ptr + STAT_GMAX, row_g_max, mask=row_ok)
+    tl.store(rec_ptr + STAT_BAD_T, bad_t.to(tl.float32), mask=row_ok)
+    tl.store(rec_ptr + STAT_M_Q, row_m_q, mask=row_ok)
+    tl.store(rec_ptr + STAT_Z_Q, row_z_q, mask=row_ok)
+    tl.store(rec_ptr + STAT_BAD_Q, bad_q.to(tl.float32), mask=row_ok)
+    tl.store(idx_rec_ptr + IDX_GREEDY, row_g_idx, mask=row_ok)
+
+
+@triton.jit
+def _store_thresholds(
+    t_rows,
+    d_rows,
+    buf_ptrs,
+    thr_ptrs,
+    target_ok,
+    draft_ok,
+    top_k,
+    top_p,
+    inv_t,
+    V,
+    DRAFT_MODE: tl.constexpr,
+    FILTER_BLOCK: tl.constexpr,
+    FILTER_CAP: tl.constexpr,
+    FILTER_BINS: tl.constexpr,
+):
+    """Top-k/top-p thresholds of the target (and draft) rows to thr_ptrs ([R] records)."""
+    # top_k at full width: values >= V (int64 included) keep the whole row, i.e. no top-k.
+    top_k = top_k.to(tl.int64)
+    top_k = tl.where(top_k >= V, 0, top_k).to(tl.int32)
+    thr_t, _fast_t = filter_threshold(
+        t_rows, buf_ptrs, target_ok, V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS
+    )
+    tl.store(thr_ptrs + THR_T, thr_t, mask=target_ok)
+    if DRAFT_MODE == DRAFT_LOGITS:
+        thr_q, _fast_q = filter_threshold(
+            d_rows, buf_ptrs + FILTER_CAP, draft_ok, V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS
+        )
+        tl.store(thr_ptrs + THR_Q, thr_q, mask=draft_ok)
 
 
 @triton.jit
@@ -734,27 +801,28 @@ class _LaunchPlan:
     num_warps: int
 
 
-def _plan(args: VerifyArgs, has_filter: bool, num_chunks: int | None, block_v: int | None) -> _LaunchPlan:
+def _plan(args: VerifyArgs, num_chunks: int | None, block_v: int | None) -> _LaunchPlan:
     interpreted = interpreter_requested() or args.target_logits.device.type != "cuda"
-    if interpreted or has_filter or num_chunks is not None or block_v is not None:
-        return _plan_for(args, has_filter, num_chunks, block_v, interpreted, sms=0)
+    if interpreted or num_chunks is not None or block_v is not None:
+        return _plan_for(args, num_chunks, block_v, interpreted, sms=0)
     return gpu_plan(args, torch.cuda.get_device_properties(args.target_logits.device).multi_processor_count)
 
 
 def gpu_plan(args: VerifyArgs, sms: int) -> _LaunchPlan:
-    """The launch plan of an unfiltered call on a GPU with `sms` SMs (a pure function of shapes).
+    """The launch plan of a call on a GPU with `sms` SMs (a pure function of shapes; with top-k /
+    top-p the threshold pass before it has its own whole-row grid, ``threshold_plan``).
 
     Split the vocabulary so that a small batch still fills the GPU (~4 programs per SM in the row
     pass). The accept kernel has one program per (request tile, chunk), so at B = 1 the chunk count
     alone must cover half the SMs: chunks go down to one block, and blocks shrink (to 256 entries)
     while there are too few of them (V = 32,000 at 2,048 per block has only 16)."""
-    plan = _plan_for(args, False, None, None, False, sms)
+    plan = _plan_for(args, None, None, False, sms)
     while plan.block_v > 256 and triton.cdiv(args.B, plan.block_b) * plan.num_chunks < (sms + 1) // 2:
-        plan = _plan_for(args, False, None, plan.block_v // 2, False, sms)
+        plan = _plan_for(args, None, plan.block_v // 2, False, sms)
     return plan
 
 
-def _plan_for(args, has_filter: bool, num_chunks, block_v, interpreted: bool, sms: int) -> _LaunchPlan:
+def _plan_for(args, num_chunks, block_v, interpreted: bool, sms: int) -> _LaunchPlan:
     B, G, V = args.B, args.G, args.V
     # The interpreter pays per operation, not per element: give it big tiles.
     max_block_v, tile, max_block_b = (8192, 1 << 16, 4096) if interpreted else (1024, 2048, 2)
@@ -764,9 +832,7 @@ def _plan_for(args, has_filter: bool, num_chunks, block_v, interpreted: bool, sm
     block_r = max(1, min(next_pow2(rows), tile // block_v, 1 << 30 if interpreted else 2))
     block_b = max(1, min(next_pow2(B), tile // block_v, max_block_b))
     blocks = triton.cdiv(V, block_v)
-    if has_filter:
-        num_chunks = 1  # the radix select needs whole rows
-    elif num_chunks is None:
+    if num_chunks is None:
         num_chunks = 1 if interpreted else min(blocks, max(1, math.ceil(4 * sms / triton.cdiv(rows, block_r))), 256)
     num_chunks = max(1, min(int(num_chunks), blocks))
     chunk_size = triton.cdiv(blocks, num_chunks) * block_v
@@ -775,13 +841,16 @@ def _plan_for(args, has_filter: bool, num_chunks, block_v, interpreted: bool, sm
     return _LaunchPlan(block_v, block_r, block_b, num_chunks, chunk_size, num_warps)
 
 
-def filter_constexprs(target: torch.Tensor, block_r: int) -> dict:
-    """Threshold-pass constexprs of the row-stats kernel: tile width, candidate capacity of the
-    in-register selection and pivot histogram size (2048 bins: sign, exponent, 2 mantissa bits)."""
-    interpreted = interpreter_requested() or target.device.type != "cuda"
-    if interpreted:  # the interpreter pays per operation: whole rows of candidates are cheap
-        return dict(FILTER_BLOCK=max(16, min(4096, (1 << 16) // max(1, block_r))), FILTER_CAP=4096, FILTER_BINS=11)
-    return dict(FILTER_BLOCK=max(16, 1024 // max(1, block_r)), FILTER_CAP=2048 // max(1, block_r), FILTER_BINS=11)
+def threshold_plan(target: torch.Tensor, rows: int) -> tuple[int, dict]:
+    """(rows per program, constexprs) of the threshold pass: tile width, candidate capacity of the
+    in-register selection and pivot histogram size (1024 bins: sign, exponent, 1 mantissa bit).
+    Rows are whole per program; on a GPU at most 2 per program (a program holds 2048 candidates)."""
+    if interpreter_requested() or target.device.type != "cuda":
+        # the interpreter pays per operation: many rows and whole rows of candidates are cheap
+        block_r = max(1, min(next_pow2(rows), 64))
+        return block_r, dict(FILTER_BLOCK=max(16, min(4096, (1 << 16) // block_r)), FILTER_CAP=4096, FILTER_BINS=10)
+    block_r = min(2, next_pow2(rows))
+    return block_r, dict(FILTER_BLOCK=1024 // block_r, FILTER_CAP=2048 // block_r, FILTER_BINS=10)
 
 
 def filter_buffer(rows: int, constexprs: dict, has_filter: bool, device) -> torch.Tensor:
@@ -803,14 +872,14 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         return VerifyOutput(tokens, num_accepted, nonfinite)
 
     has_filter = args.has_filter
-    plan = _plan(args, has_filter, num_chunks, block_v)
+    plan = _plan(args, num_chunks, block_v)
     C = plan.num_chunks
     rows = B * (G + 1)
     # Workspaces: torch.empty launches nothing.
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
-    filter_args = filter_constexprs(args.target_logits, plan.block_r)
+    thr_block_r, filter_args = threshold_plan(args.target_logits, rows)
     filter_buf = filter_buffer(rows, filter_args, has_filter, dev)
     first_reject = torch.empty((B,), dtype=torch.int32, device=dev)
     direct_token = torch.empty((B,), dtype=torch.int32, device=dev)
@@ -838,49 +907,55 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
     p_ptr, p_val, per_req_p = params["top_p"]
     s_ptr, s_val, per_req_s = params["seed"]
 
-    _verify_row_stats_kernel[(triton.cdiv(rows, plan.block_r), C)](
-        target,
-        draft,
-        draft_tokens,
-        cu,
-        n_ptr,
-        t_ptr,
-        k_ptr,
-        p_ptr,
-        stats,
-        idx,
-        thr,
-        filter_buf,
-        stride_tb,
-        0,
-        stride_tg,
-        stride_db,
-        0,
-        stride_dg,
-        stride_xb,
-        B,
-        1,
-        G,
-        V,
-        plan.chunk_size,
-        C,
-        float(t_val),
-        int(k_val),
-        float(p_val),
-        PER_REQ_N=per_req_n,
-        PER_REQ_T=per_req_t,
-        PER_REQ_K=per_req_k,
-        PER_REQ_P=per_req_p,
-        DRAFT_MODE=args.draft_mode,
-        HAS_FILTER=has_filter,
-        **filter_args,
-        PLACEHOLDERS_END=True,
-        GP2=next_pow2(max(G, 1)),
-        FLAT=flat,
-        BLOCK_R=plan.block_r,
-        BLOCK_V=plan.block_v,
-        num_warps=plan.num_warps,
-    )
+    def row_pass(threshold_pass: bool, block_r: int, block_v: int, chunks: int, num_warps: int) -> None:
+        _verify_row_stats_kernel[(triton.cdiv(rows, block_r), chunks)](
+            target,
+            draft,
+            draft_tokens,
+            cu,
+            n_ptr,
+            t_ptr,
+            k_ptr,
+            p_ptr,
+            stats,
+            idx,
+            thr,
+            filter_buf,
+            stride_tb,
+            0,
+            stride_tg,
+            stride_db,
+            0,
+            stride_dg,
+            stride_xb,
+            B,
+            1,
+            G,
+            V,
+            plan.chunk_size,
+            chunks,
+            float(t_val),
+            int(k_val),
+            float(p_val),
+            PER_REQ_N=per_req_n,
+            PER_REQ_T=per_req_t,
+            PER_REQ_K=per_req_k,
+            PER_REQ_P=per_req_p,
+            DRAFT_MODE=args.draft_mode,
+            HAS_FILTER=has_filter,
+            THRESHOLD_PASS=threshold_pass,
+            **filter_args,
+            PLACEHOLDERS_END=True,
+            GP2=next_pow2(max(G, 1)),
+            FLAT=flat,
+            BLOCK_R=block_r,
+            BLOCK_V=block_v,
+            num_warps=num_warps,
+        )
+
+    if has_filter:  # whole rows per program: thresholds first, then the (split) statistics pass
+        row_pass(True, thr_block_r, plan.block_v, 1, 8 if thr_block_r > 1 else 4)
+    row_pass(False, plan.block_r, plan.block_v, C, plan.num_warps)
     _verify_accept_kernel[(triton.cdiv(B, plan.block_b), C)](
         target,
         draft,

@@ -61,7 +61,7 @@ from .verify import (
     _prob_of,
     _verify_row_stats_kernel,
     filter_buffer,
-    filter_constexprs,
+    threshold_plan,
 )
 
 RHO_POINTS = 16  # must match reference.verify_tree
@@ -443,9 +443,7 @@ def _tree_walk_kernel(
 
 def _row_pass_chunks(args: TreeArgs, row_tiles: int, blocks: int, interpreted: bool, num_chunks: int | None) -> int:
     """Vocabulary chunks of the row pass: split rows so that a small batch still fills the GPU
-    (~4 programs per SM). Filtered rows stay whole (the threshold search needs the whole row)."""
-    if args.has_filter:
-        return 1
+    (~4 programs per SM). Filtered rows are split too: their thresholds come from a whole-row pass."""
     if num_chunks is None:
         if interpreted:
             return 1
@@ -473,8 +471,6 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     rows = B * K * (G + 1)
     block_r = max(1, min(next_pow2(rows), tile // block_v))
     has_filter = args.has_filter
-    if has_filter and not interpreted:
-        block_r = min(block_r, 2)  # the radix-select passes hold [BLOCK_R, 16, FILTER_BLOCK] one-hot tiles
     np2 = max(2, next_pow2(N))
     # The walk holds [BLOCK_B, NP2, NP2] and [BLOCK_B, RHO_POINTS, BLOCK_V] tiles.
     block_b = max(1, min(next_pow2(B), tile // max(block_v * RHO_POINTS, np2 * np2, 1))) if interpreted else 1
@@ -486,7 +482,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
-    filter_args = filter_constexprs(args.target, block_r)
+    thr_block_r, filter_args = threshold_plan(args.target, rows)
     filter_buf = filter_buffer(rows, filter_args, has_filter, dev)
     target = args.target
     draft = args.draft if args.draft is not None else target
@@ -498,49 +494,56 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     k_ptr, k_val, per_req_k = params["top_k"]
     p_ptr, p_val, per_req_p = params["top_p"]
     s_ptr, s_val, per_req_s = params["seed"]
+
     # Rows past a ragged tree's last node are skipped: "n_b" of the row pass is the node count
     # (row i of a single chain belongs to node i - 1); chains of verify_multi are never ragged.
-    _verify_row_stats_kernel[(triton.cdiv(rows, block_r), C)](
-        target,
-        draft,
-        target,  # draft tokens: unused (placeholders are handled by the walk)
-        target,  # cu: unused (no flattened layout for trees)
-        n_ptr,
-        t_ptr,
-        k_ptr,
-        p_ptr,
-        stats,
-        idx,
-        thr,
-        filter_buf,
-        target.stride(0),
-        target.stride(1),
-        target.stride(2),
-        *d_strides,
-        0,
-        B,
-        K,
-        G,
-        V,
-        chunk_size,
-        C,
-        float(t_val),
-        int(k_val),
-        float(p_val),
-        PER_REQ_N=per_req_n,
-        PER_REQ_T=per_req_t,
-        PER_REQ_K=per_req_k,
-        PER_REQ_P=per_req_p,
-        DRAFT_MODE=args.draft_mode,
-        HAS_FILTER=has_filter,
-        **filter_args,
-        PLACEHOLDERS_END=False,
-        GP2=1,
-        FLAT=False,
-        BLOCK_R=block_r,
-        BLOCK_V=block_v,
-        num_warps=4,
-    )
+    def row_pass(threshold_pass: bool, rows_per_program: int, chunks: int) -> None:
+        _verify_row_stats_kernel[(triton.cdiv(rows, rows_per_program), chunks)](
+            target,
+            draft,
+            target,  # draft tokens: unused (placeholders are handled by the walk)
+            target,  # cu: unused (no flattened layout for trees)
+            n_ptr,
+            t_ptr,
+            k_ptr,
+            p_ptr,
+            stats,
+            idx,
+            thr,
+            filter_buf,
+            target.stride(0),
+            target.stride(1),
+            target.stride(2),
+            *d_strides,
+            0,
+            B,
+            K,
+            G,
+            V,
+            chunk_size,
+            chunks,
+            float(t_val),
+            int(k_val),
+            float(p_val),
+            PER_REQ_N=per_req_n,
+            PER_REQ_T=per_req_t,
+            PER_REQ_K=per_req_k,
+            PER_REQ_P=per_req_p,
+            DRAFT_MODE=args.draft_mode,
+            HAS_FILTER=has_filter,
+            THRESHOLD_PASS=threshold_pass,
+            **filter_args,
+            PLACEHOLDERS_END=False,
+            GP2=1,
+            FLAT=False,
+            BLOCK_R=rows_per_program,
+            BLOCK_V=block_v,
+            num_warps=4,
+        )
+
+    if has_filter:  # whole rows per program: thresholds first, then the (split) statistics pass
+        row_pass(True, thr_block_r, 1)
+    row_pass(False, block_r, C)
     if C > 1:  # the walk reads one record per row
         whole = torch.empty((rows, 1, NUM_STATS_HOST), dtype=torch.float32, device=dev)
         whole_idx = torch.empty((rows, 1, NUM_IDX_HOST), dtype=torch.int32, device=dev)

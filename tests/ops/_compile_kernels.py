@@ -62,9 +62,10 @@ def verify_kernels():
                 PER_REQ_P=per_req,
                 DRAFT_MODE=mode,
                 HAS_FILTER=has_filter,
+                THRESHOLD_PASS=has_filter and block == 2,  # the filtered variants cover both launches
                 FILTER_BLOCK=max(16, 1024 // block),
                 FILTER_CAP=2048 // block,
-                FILTER_BINS=11,
+                FILTER_BINS=10,
                 PLACEHOLDERS_END=not per_req,
                 GP2=8,
                 FLAT=per_req,  # the flattened ragged layout rides on the per-request variant

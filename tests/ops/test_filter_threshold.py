@@ -44,7 +44,7 @@ def _threshold_kernel(
     tl.store(fast_ptr + rows, fast.to(tl.int32), mask=ok)
 
 
-def _kernel_thresholds(x, temperature, top_k, top_p, block_r=2, filter_block=64, cap=4096, nb_bits=11, fast=None):
+def _kernel_thresholds(x, temperature, top_k, top_p, block_r=2, filter_block=64, cap=4096, nb_bits=10, fast=None):
     R, V = x.shape
     out = torch.empty(R, dtype=torch.float32)
     fast = torch.empty(R, dtype=torch.int32) if fast is None else fast

@@ -89,6 +89,24 @@ def test_vocab_split_across_programs(mode, num_chunks, device):
             _assert_same(sk.verify(target, tokens, **kw), ref)
 
 
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_filtered_rows_split_across_programs(num_chunks, device):
+    """With top-k / top-p the thresholds come from a whole-row pass, then the statistics pass is
+    split like an unfiltered one: same tokens as the reference, per-request filters included."""
+    B, G, V = 4, 3, 1000
+    target, tokens, draft = make_problem(B, G, V, device=device, seed=4)
+    kw = dict(
+        draft_logits=draft,
+        temperature=torch.tensor([0.0, 0.7, 1.0, 1.3], device=device),
+        top_k=torch.tensor([0, 20, 0, 5], device=device),
+        top_p=torch.tensor([1.0, 0.9, 0.8, 1.0], device=device),
+        seed=torch.arange(B, dtype=torch.int64, device=device) + 11,
+    )
+    ref = verify_reference(target, tokens, **kw)
+    with launch_overrides(num_chunks=num_chunks, block_v=128):
+        _assert_same(sk.verify(target, tokens, **kw), ref)
+
+
 def test_greedy_ties_break_to_lowest_index(device):
     target = torch.zeros(2, 2, 16, device=device)
     target[:, :, 3] = 5.0
