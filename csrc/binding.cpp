@@ -80,9 +80,9 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   if (B == 0) return {tokens, accepted, nonfinite};
 
   if (has_filter && !dev.is_cpu()) num_chunks = 1;  // the GPU bisection needs whole rows
-  const int64_t quads = (V + 3) / 4;
-  num_chunks = std::max<int64_t>(1, std::min(num_chunks, quads));
-  const int64_t chunk_size = (quads + num_chunks - 1) / num_chunks * 4;
+  const int64_t octs = (V + 7) / 8;  // chunks start at multiples of 8 (runs of the row pass)
+  num_chunks = std::max<int64_t>(1, std::min(num_chunks, octs));
+  const int64_t chunk_size = (octs + num_chunks - 1) / num_chunks * 8;
   num_chunks = (V + chunk_size - 1) / chunk_size;
   const int64_t rows = B * (G + 1);
 

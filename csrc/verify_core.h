@@ -108,13 +108,69 @@ SK_HD float to_float(f16 x) {
 #endif
 }
 
-// fp32 logit with NaN / +inf replaced by -inf; `bad` counts replacements.
-template <class T>
-SK_HD float load_logit(const T* row, int64_t x, int& bad) {
-  const float v = to_float(row[x]);
+// A logit with NaN / +inf replaced by -inf; `bad` counts replacements.
+SK_HD float sanitize_logit(float v, int& bad) {
   const bool is_bad = (v != v) || v == INFINITY;
   bad += is_bad ? 1 : 0;
   return is_bad ? neg_inf() : v;
+}
+
+// fp32 logit with NaN / +inf replaced by -inf; `bad` counts replacements.
+template <class T>
+SK_HD float load_logit(const T* row, int64_t x, int& bad) {
+  return sanitize_logit(to_float(row[x]), bad);
+}
+
+// The raw values row[x0 .. x0 + 7] as fp32 (entries at or past `end`: -inf). On the GPU a whole,
+// aligned run is 128-bit loads: one for 16-bit types, two for fp32.
+template <class T>
+SK_HD void load_oct(const T* row, int64_t x0, int64_t end, float (&v)[8]) {
+#if defined(__CUDA_ARCH__)
+  const T* p = row + x0;
+  if (x0 + 8 <= end && reinterpret_cast<uintptr_t>(p) % 16 == 0) {
+    if constexpr (sizeof(T) == 2) {
+      const uint4 w = *reinterpret_cast<const uint4*>(p);
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+      for (int e = 0; e < 4; ++e) {
+        v[2 * e] = to_float(T{uint16_t(words[e] & 0xFFFFu)});
+        v[2 * e + 1] = to_float(T{uint16_t(words[e] >> 16)});
+      }
+    } else {
+      const float4 a = reinterpret_cast<const float4*>(p)[0];
+      const float4 b = reinterpret_cast<const float4*>(p)[1];
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+      v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    }
+    return;
+  }
+#endif
+  for (int e = 0; e < 8; ++e) v[e] = x0 + e < end ? to_float(row[x0 + e]) : neg_inf();
+}
+
+// The raw values row[x0 .. x0 + 3] as fp32 (entries at or past `end`: -inf). On the GPU a whole,
+// aligned quad is one vector load (8 bytes for 16-bit types, 16 for fp32) instead of four.
+template <class T>
+SK_HD void load_quad(const T* row, int64_t x0, int64_t end, float (&v)[4]) {
+#if defined(__CUDA_ARCH__)
+  const T* p = row + x0;
+  if (x0 + 4 <= end && reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0) {
+    if constexpr (sizeof(T) == 2) {
+      const uint2 w = *reinterpret_cast<const uint2*>(p);
+      v[0] = to_float(T{uint16_t(w.x & 0xFFFFu)});
+      v[1] = to_float(T{uint16_t(w.x >> 16)});
+      v[2] = to_float(T{uint16_t(w.y & 0xFFFFu)});
+      v[3] = to_float(T{uint16_t(w.y >> 16)});
+    } else {
+      const float4 w = *reinterpret_cast<const float4*>(p);
+      v[0] = w.x;
+      v[1] = w.y;
+      v[2] = w.z;
+      v[3] = w.w;
+    }
+    return;
+  }
+#endif
+  for (int e = 0; e < 4; ++e) v[e] = x0 + e < end ? to_float(row[x0 + e]) : neg_inf();
 }
 
 // fp32 draft probability with NaN / +inf / negative replaced by 0 (no probability: the accept
@@ -265,8 +321,10 @@ SK_HD float prob_of(float x, float m, float z, float thr, float inv_t) {
 
 // Element loop of one program over [start, end): thread `rank` takes the quads (4 consecutive
 // entries, start % 4 == 0) rank, rank + size, ... so a race needs one Philox call per quad.
-#define SK_FOR_QUADS(red, start, end, quad)                                              \
-  for (int64_t quad = (start) / 4 + (red).rank(); quad * 4 < (end); quad += (red).size())
+// 32-bit quad indices (V < 2^31): cheaper index math than int64 in the hottest loops.
+#define SK_FOR_QUADS(red, start, end, quad)                                                       \
+  for (int32_t quad = int32_t((start) / 4) + int32_t((red).rank()), quad##_end = int32_t(((end) + 3) / 4); \
+       quad < quad##_end; quad += int32_t((red).size()))
 
 // ------------------------------------------------------------------------------------------
 // top-k / top-p threshold
@@ -350,7 +408,7 @@ struct ChainParams {
   int64_t B, G, V;
   int64_t K = 1;      // chains per request (tree ops)
   int64_t n_max = 0;  // bound of num_draft / num_nodes: G (chains) or N = K * G (trees)
-  int64_t num_chunks, chunk_size;  // vocab split; chunk_size % 4 == 0; 1 chunk with filters
+  int64_t num_chunks, chunk_size;  // vocab split; chunk_size % 8 == 0; 1 chunk with filters
   bool has_filter;
   bool thresholds_given = false;  // thr holds every row's thresholds before the row pass
   bool placeholders_end = false;  // chains: a draft id outside [0, V) ends the draft there
@@ -443,15 +501,21 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
   Softmax st, sq;
   Argmax g;
   int bad = 0, bad_q = 0;
-  SK_FOR_QUADS(red, start, end, q) {
-    for (int e = 0; e < 4 && q * 4 + e < end; ++e) {
-      const int64_t x = q * 4 + e;
-      const float v = load_logit(t_row, x, bad);
+  const bool draft_logits = draft_row && P.draft_mode == DRAFT_LOGITS;
+  // runs of 8 entries (start is a multiple of 8): 128-bit loads of bf16 / fp16 rows
+  for (int32_t o = int32_t(start / 8) + int32_t(red.rank()), o_end = int32_t((end + 7) / 8); o < o_end;
+       o += int32_t(red.size())) {
+    float tv[8], dv[8];
+    load_oct(t_row, int64_t(o) * 8, end, tv);
+    if (draft_logits) load_oct(d_row, int64_t(o) * 8, end, dv);
+    for (int e = 0; e < 8 && o * 8 + e < end; ++e) {
+      const int64_t x = o * 8 + e;
+      const float v = sanitize_logit(tv[e], bad);
       g.add(v, x);
       if (rq.greedy) continue;  // greedy needs the argmax only
       st.add(v >= thr_t ? v : neg_inf(), rq.inv_t);
-      if (draft_row && P.draft_mode == DRAFT_LOGITS) {
-        const float d = load_logit(d_row, x, bad_q);
+      if (draft_logits) {
+        const float d = sanitize_logit(dv[e], bad_q);
         sq.add(d >= thr_q ? d : neg_inf(), rq.inv_t);
       } else if (draft_row) {  // probabilities are used as given: only count the unusable ones
         load_prob(d_row, x, bad_q);
@@ -587,11 +651,15 @@ SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red
     const float m_ref = safe_max(s.t.m);
     const int64_t start = chunk * P.chunk_size;
     const int64_t end = start + P.chunk_size < P.V ? start + P.chunk_size : P.V;
+    const bool draft_logits = recover && P.draft_mode == DRAFT_LOGITS;
     SK_FOR_QUADS(red, start, end, q4) {
       const Philox4 words = philox(rq.seed, uint32_t(q4), uint32_t(j), purpose, 0);
+      float tv[4], dv[4];
+      load_quad(t_row, q4 * 4, end, tv);
+      if (draft_logits) load_quad(d_row, q4 * 4, end, dv);
       for (int e = 0; e < 4 && q4 * 4 + e < end; ++e) {
         const int64_t x = q4 * 4 + e;
-        const float xt = load_logit(t_row, x, unused);
+        const float xt = sanitize_logit(tv[e], unused);
         const float p = prob_of(xt, s.t.m, s.t.z, s.thr_t, rq.inv_t);
         if (!(p > 0.0f)) continue;
         const float noise = race_noise_from_uniform(uniform_from_bits(words.w[e]));
@@ -599,7 +667,7 @@ SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red
         if (recover) {
           float w;
           if (P.draft_mode == DRAFT_LOGITS) {
-            const float q = prob_of(load_logit(d_row, x, unused), s.q.m, s.q.z, s.thr_q, rq.inv_t);
+            const float q = prob_of(sanitize_logit(dv[e], unused), s.q.m, s.q.z, s.thr_q, rq.inv_t);
             w = p - q > 0.0f ? p - q : 0.0f;
           } else if (P.draft_mode == DRAFT_PROBS) {
             const float q = load_prob(d_row, x, unused);
