@@ -18,12 +18,47 @@ of the scope of a kernel" inside the interpreter; we rebuild them as interpreter
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import os
 
 
 def interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Set by ``plan_as_gpu``: the launch plans are made as on a GPU with this many SMs.
+_PLAN_AS_GPU: contextvars.ContextVar[int | None] = contextvars.ContextVar("specdec_plan_as_gpu", default=None)
+
+
+@contextlib.contextmanager
+def plan_as_gpu(sms: int = 132):
+    """Make the launchers plan their grids and tiles as for a GPU with ``sms`` multiprocessors,
+    whatever the tensors' device (the static performance model, bench/bench_static.py, captures
+    these launches and compiles them for sm_90 without a GPU). Nothing must *run* inside."""
+    token = _PLAN_AS_GPU.set(int(sms))
+    try:
+        yield
+    finally:
+        _PLAN_AS_GPU.reset(token)
+
+
+def plans_for_interpreter(device) -> bool:
+    """Whether launches on `device` get the interpreter's plan (big tiles, no vocabulary split)."""
+    if _PLAN_AS_GPU.get() is not None:
+        return False
+    return interpreter_requested() or device.type != "cuda"
+
+
+def multiprocessors(device) -> int:
+    """SM count the launch plans fill (the device's, or the one ``plan_as_gpu`` sets)."""
+    sms = _PLAN_AS_GPU.get()
+    if sms is not None:
+        return sms
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def use_interpreter_without_cuda() -> bool:

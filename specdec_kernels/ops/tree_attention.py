@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._interpreter import interpreter_requested
+from .._interpreter import interpreter_requested, multiprocessors, plans_for_interpreter
 from .._params import FLOAT_DTYPES, INT_DTYPES
 from .._types import MAX_NODES
 from .._validation import _capturing, _require
@@ -247,9 +247,7 @@ def _tree_attention_combine_kernel(
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1 if plans_for_interpreter(device) else multiprocessors(device)
 
 
 def _choose_splits(programs: int, S: int, block_n: int, device: torch.device) -> int:
@@ -259,7 +257,7 @@ def _choose_splits(programs: int, S: int, block_n: int, device: torch.device) ->
     on a 132-SM H100; the partials cost 4 * D bytes per query row and split, against 4 * D bytes of K/V
     per key and KV head.
     """
-    if device.type != "cuda" or interpreter_requested():
+    if plans_for_interpreter(device):
         return 1
     want = triton.cdiv(2 * _num_sms(device), max(programs, 1))
     most = max(1, S // 128)

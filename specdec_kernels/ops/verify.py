@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._interpreter import interpreter_requested
+from .._interpreter import multiprocessors, plans_for_interpreter
 from .._types import VerifyOutput
 from .._validation import VerifyArgs
 from ._triton_helpers import (
@@ -576,6 +576,7 @@ def _verify_accept_kernel(
     V,
     chunk_size,
     num_chunks,
+    stat_chunks,  # chunks per record of stats_ptr (1 once merged by _combine_row_stats_kernel)
     # scalar parameters (used when the per-request tensor is absent)
     temperature,
     seed,
@@ -615,9 +616,9 @@ def _verify_accept_kernel(
     g_max = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
     g_idx = tl.zeros([BLOCK_B, ROWS], tl.int32)
     bad = tl.zeros([BLOCK_B, ROWS], tl.float32)
-    for c in range(0, num_chunks):
-        rec = (rows * num_chunks + c) * NUM_STATS
-        irec = (rows * num_chunks + c) * NUM_IDX
+    for c in range(0, stat_chunks):
+        rec = (rows * stat_chunks + c) * NUM_STATS
+        irec = (rows * stat_chunks + c) * NUM_IDX
         cm_t = tl.load(stats_ptr + rec + STAT_M_T, mask=row_ok, other=float("-inf"))
         cz_t = tl.load(stats_ptr + rec + STAT_Z_T, mask=row_ok, other=0.0)
         cm_q = tl.load(stats_ptr + rec + STAT_M_Q, mask=row_ok, other=float("-inf"))
@@ -802,10 +803,10 @@ class _LaunchPlan:
 
 
 def _plan(args: VerifyArgs, num_chunks: int | None, block_v: int | None) -> _LaunchPlan:
-    interpreted = interpreter_requested() or args.target_logits.device.type != "cuda"
+    interpreted = plans_for_interpreter(args.target_logits.device)
     if interpreted or num_chunks is not None or block_v is not None:
         return _plan_for(args, num_chunks, block_v, interpreted, sms=0)
-    return gpu_plan(args, torch.cuda.get_device_properties(args.target_logits.device).multi_processor_count)
+    return gpu_plan(args, multiprocessors(args.target_logits.device))
 
 
 def gpu_plan(args: VerifyArgs, sms: int) -> _LaunchPlan:
@@ -845,12 +846,33 @@ def threshold_plan(target: torch.Tensor, rows: int) -> tuple[int, dict]:
     """(rows per program, constexprs) of the threshold pass: tile width, candidate capacity of the
     in-register selection and pivot histogram size (1024 bins: sign, exponent, 1 mantissa bit).
     Rows are whole per program; on a GPU at most 2 per program (a program holds 2048 candidates)."""
-    if interpreter_requested() or target.device.type != "cuda":
+    if plans_for_interpreter(target.device):
         # the interpreter pays per operation: many rows and whole rows of candidates are cheap
         block_r = max(1, min(next_pow2(rows), 64))
         return block_r, dict(FILTER_BLOCK=max(16, min(4096, (1 << 16) // block_r)), FILTER_CAP=4096, FILTER_BINS=10)
     block_r = min(2, next_pow2(rows))
     return block_r, dict(FILTER_BLOCK=1024 // block_r, FILTER_CAP=2048 // block_r, FILTER_BINS=10)
+
+
+def merge_chunk_stats(stats, idx, rows: int, rows_per_request: int, t_ptr, t_val, per_req_t: bool):
+    """Whole-row records [rows, 1, ...] from the row pass's per-chunk ones (one small launch)."""
+    whole = torch.empty((rows, 1, NUM_STATS_HOST), dtype=torch.float32, device=stats.device)
+    whole_idx = torch.empty((rows, 1, NUM_IDX_HOST), dtype=torch.int32, device=stats.device)
+    block = min(next_pow2(rows), 128)
+    _combine_row_stats_kernel[(triton.cdiv(rows, block),)](
+        stats,
+        idx,
+        whole,
+        whole_idx,
+        t_ptr,
+        rows,
+        rows_per_request,
+        stats.shape[1],
+        float(t_val),
+        PER_REQ_T=per_req_t,
+        BLOCK_R=block,
+    )
+    return whole, whole_idx
 
 
 def filter_buffer(rows: int, constexprs: dict, has_filter: bool, device) -> torch.Tensor:
@@ -956,6 +978,10 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
     if has_filter:  # whole rows per program: thresholds first, then the (split) statistics pass
         row_pass(True, thr_block_r, plan.block_v, 1, 8 if thr_block_r > 1 else 4)
     row_pass(False, plan.block_r, plan.block_v, C, plan.num_warps)
+    stat_chunks = C
+    if C > 1:  # merge the chunks once, not once per accept program (each would loop over all C)
+        stats, idx = merge_chunk_stats(stats, idx, rows, G + 1, t_ptr, t_val, per_req_t)
+        stat_chunks = 1
     _verify_accept_kernel[(triton.cdiv(B, plan.block_b), C)](
         target,
         draft,
@@ -982,6 +1008,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
         V,
         plan.chunk_size,
         C,
+        stat_chunks,
         float(t_val),
         s_val,
         PER_REQ_N=per_req_n,

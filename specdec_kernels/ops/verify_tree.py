@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._interpreter import interpreter_requested
+from .._interpreter import multiprocessors, plans_for_interpreter
 from .._tree_args import TreeArgs
 from .._types import METHODS, TreeVerifyOutput
 from ._triton_helpers import (
@@ -57,10 +57,10 @@ from .verify import (
     STAT_Z_T,
     THR_Q,
     THR_T,
-    _combine_row_stats_kernel,
     _prob_of,
     _verify_row_stats_kernel,
     filter_buffer,
+    merge_chunk_stats,
     threshold_plan,
 )
 
@@ -447,7 +447,7 @@ def _row_pass_chunks(args: TreeArgs, row_tiles: int, blocks: int, interpreted: b
     if num_chunks is None:
         if interpreted:
             return 1
-        sms = torch.cuda.get_device_properties(args.target.device).multi_processor_count
+        sms = multiprocessors(args.target.device)
         num_chunks = min(64, max(1, -(-4 * sms // row_tiles)))
     return max(1, min(int(num_chunks), blocks))
 
@@ -465,7 +465,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     if B == 0:
         return TreeVerifyOutput(tokens, num_accepted, nodes, nonfinite)
 
-    interpreted = interpreter_requested() or dev.type != "cuda"
+    interpreted = plans_for_interpreter(dev)
     max_block_v, tile = (8192, 1 << 16) if interpreted else (1024, 4096)
     block_v = max(4, min(next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * K * (G + 1)
@@ -545,23 +545,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
         row_pass(True, thr_block_r, 1)
     row_pass(False, block_r, C)
     if C > 1:  # the walk reads one record per row
-        whole = torch.empty((rows, 1, NUM_STATS_HOST), dtype=torch.float32, device=dev)
-        whole_idx = torch.empty((rows, 1, NUM_IDX_HOST), dtype=torch.int32, device=dev)
-        block_c = min(next_pow2(rows), 128)
-        _combine_row_stats_kernel[(triton.cdiv(rows, block_c),)](
-            stats,
-            idx,
-            whole,
-            whole_idx,
-            t_ptr,
-            rows,
-            K * (G + 1),
-            C,
-            float(t_val),
-            PER_REQ_T=per_req_t,
-            BLOCK_R=block_c,
-        )
-        stats, idx = whole, whole_idx
+        stats, idx = merge_chunk_stats(stats, idx, rows, K * (G + 1), t_ptr, t_val, per_req_t)
     parents = args.parents if args.parents is not None else target
     _tree_walk_kernel[(triton.cdiv(B, block_b),)](
         target,
