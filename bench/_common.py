@@ -386,7 +386,10 @@ def print_run_header(name: str, meta: Mapping, args, copy_gbps: float | None = N
 
 def print_cpu_caveat(args) -> None:
     if not args.device.startswith("cuda") and not args.smoke:
-        print("# note: on CPU the Triton kernels (provider ours) run in the interpreter: not kernel performance")
+        print(
+            "# note: on CPU backend='auto' runs the native CPU build; only backend='triton' runs the"
+            " interpreter (not kernel performance)"
+        )
     sys.stdout.flush()
 
 

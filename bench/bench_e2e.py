@@ -41,8 +41,8 @@ How to read a row
 One row per (temperature, prompt set, mode):
 
 * ``new_tokens`` / ``wall_s`` / ``tokens_per_s``: totals over the prompt set (times ``--rep``).
-  On CPU the verification kernels run in the Triton *interpreter*, so CPU numbers only show that
-  the script works.
+  On CPU, verification runs the native CPU build (``backend="auto"``), so CPU rows are real
+  speedups on this machine; compare process CPU time (``cpu_s``) on a shared machine.
 * ``speedup_vs_target`` = tokens_per_s / target_only's tokens_per_s; ``speedup_vs_hf_assisted`` =
   tokens_per_s / hf_assisted's; both from this run, same prompts, same temperature.
 * ``acceptance_rate``: accepted / proposed draft tokens; ``mean_accepted_length``: tokens committed

@@ -247,6 +247,109 @@ def _mass_threshold(vals, weights, goal, lo_val, hi_val):
 
 
 @triton.jit
+def pivot_histogram(row_ptrs, active, start, end, inv_t, BLOCK: tl.constexpr, NB_BITS: tl.constexpr):
+    """Pass 1 of ``filter_threshold`` over [start, end) of each row: counts [R, 2**NB_BITS] int32
+    of the key bins of the finite entries, and the range's (max, sum-exp) per row."""
+    NB: tl.constexpr = 1 << NB_BITS
+    R: tl.constexpr = row_ptrs.shape[0]
+    offs = tl.arange(0, BLOCK)[None, :]
+    m = tl.full([R, BLOCK], float("-inf"), tl.float32)
+    z = tl.zeros([R, BLOCK], tl.float32)
+    counts = tl.zeros([R * NB], tl.int32)
+    slot = (tl.arange(0, R) * NB)[:, None]
+    for begin in range(start, end, BLOCK):
+        cols = begin + offs
+        x, _bad = load_logits(row_ptrs + cols, active[:, None] & (cols < end))
+        m, z = lane_softmax_update(m, z, x, x > float("-inf"), inv_t[:, None])
+        b = slot + (_unsigned_key(x) >> (32 - NB_BITS)).to(tl.int32)
+        counts += tl.histogram(tl.reshape(b, [R * BLOCK]), R * NB, mask=tl.reshape(x > float("-inf"), [R * BLOCK]))
+    row_m, row_z = lanes_softmax(m, z, inv_t)
+    return tl.reshape(counts, [R, NB]), row_m, row_z
+
+
+@triton.jit
+def choose_pivot(counts, use_k, use_p, top_k, CAP: tl.constexpr):
+    """(pivot bin, has top-k, fast) from a row's key histogram [R, NB]: the pivot is the lowest bin
+    whose entries at or above it fit CAP candidate slots; a top-k row is fast when its k-th largest
+    lies at or above the pivot (a top-p row is checked after the copy, ``select_thresholds``)."""
+    NB: tl.constexpr = counts.shape[1]
+    bins = tl.arange(0, NB)[None, :]
+    at_or_above = tl.sum(counts, axis=1)[:, None] - tl.cumsum(counts, axis=1) + counts
+    pivot_bin = tl.min(tl.where(at_or_above <= CAP, bins, NB), axis=1)
+    bin_k, _count = _largest_bin_reaching(counts, top_k)
+    has_k = use_k & (bin_k >= 0)  # fewer than k finite entries: no top-k
+    fast = (has_k | use_p) & (pivot_bin < NB) & (~has_k | (bin_k >= pivot_bin))
+    return pivot_bin, has_k, fast
+
+
+@triton.jit
+def candidates_at_or_above(counts, pivot_bin):
+    """Entries of each row's histogram [R, NB] in bins >= pivot_bin [R]."""
+    bins = tl.arange(0, counts.shape[1])[None, :]
+    return tl.sum(tl.where(bins >= pivot_bin[:, None], counts, 0), axis=1)
+
+
+@triton.jit
+def copy_candidates(
+    row_ptrs,
+    buf_ptrs,
+    rows_ok,
+    pivot_bin,
+    start,
+    end,
+    filled,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    NB_BITS: tl.constexpr,
+):
+    """Pass 2 of ``filter_threshold`` over [start, end): append the entries in bins >= pivot_bin to
+    each row's scratch buffer from slot `filled` on; returns the new fill."""
+    offs = tl.arange(0, BLOCK)[None, :]
+    for begin in range(start, end, BLOCK):
+        cols = begin + offs
+        x, _bad = load_logits(row_ptrs + cols, rows_ok[:, None] & (cols < end))
+        # the key, not the float compare: -0.0 sits in the bin below +0.0
+        in_bins = (_unsigned_key(x) >> (32 - NB_BITS)).to(tl.int32) >= pivot_bin[:, None]
+        take = in_bins & (x > float("-inf")) & rows_ok[:, None]
+        pos = filled[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+        tl.store(buf_ptrs + pos, x, mask=take & (pos < CAP))
+        filled += tl.sum(take.to(tl.int32), axis=1)
+    return filled
+
+
+@triton.jit
+def select_thresholds(
+    buf_ptrs,
+    filled,
+    fast,
+    has_k,
+    use_p,
+    top_k,
+    top_p,
+    row_m,
+    row_z,
+    pivot_bin,
+    inv_t,
+    CAP: tl.constexpr,
+    NB_BITS: tl.constexpr,
+):
+    """The exact thresholds among the copied candidates, in registers: (threshold, fast) where a
+    top-p row stays fast only if the candidates hold the goal's mass."""
+    slots = tl.arange(0, CAP)[None, :]
+    vals = tl.load(buf_ptrs + slots, mask=fast[:, None] & (slots < filled[:, None]), other=float("-inf"))
+    t_k = tl.where(has_k, _kth_largest(vals, top_k), float("-inf"))
+    kept = (vals >= t_k[:, None]) & (vals > float("-inf"))
+    weights = tl.where(kept, tl.exp((vals - safe_max(row_m)[:, None]) * inv_t[:, None]), 0.0)
+    kept_mass = tl.sum(weights, axis=1)
+    goal = top_p * tl.where(has_k, kept_mass, row_z)
+    # top-p alone: the candidates must hold the goal's mass, else the threshold lies below the pivot
+    fast = fast & (has_k | ~use_p | (kept_mass >= goal))
+    pivot = _bin_floor(pivot_bin, 32 - NB_BITS)
+    t_p = _mass_threshold(vals, weights, goal, tl.maximum(t_k, pivot), row_m)
+    return tl.where(use_p & (goal > 0.0), t_p, t_k), fast
+
+
+@triton.jit
 def filter_threshold(
     row_ptrs, buf_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK: tl.constexpr, CAP: tl.constexpr, NB_BITS: tl.constexpr
 ):
@@ -268,67 +371,26 @@ def filter_threshold(
        when their mass reaches top_p (checked exactly on the copies).
     Other rows (a very flat top-p row, a huge k) fall back to bisection over the row
     (``bisect_threshold``, 32 passes per selection). Returns (threshold, took the two-pass path).
+    The same steps split over vocabulary chunks are the threshold phases of ops/verify.py.
     """
-    NB: tl.constexpr = 1 << NB_BITS
-    BIN_SHIFT: tl.constexpr = 32 - NB_BITS
-    R: tl.constexpr = row_ptrs.shape[0]
-    offs = tl.arange(0, BLOCK)[None, :]
     use_k = row_ok & (top_k > 0) & (top_k < V)
     use_p = row_ok & (top_p < 1.0)
     active = use_k | use_p
     thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
     fast = active & False
     if tl.max(active.to(tl.int32), axis=0) > 0:
-        # ---- pass 1: max, sum-exp and key histogram ----
-        m = tl.full([R, BLOCK], float("-inf"), tl.float32)
-        z = tl.zeros([R, BLOCK], tl.float32)
-        counts = tl.zeros([R * NB], tl.int32)
-        slot = (tl.arange(0, R) * NB)[:, None]
-        for start in range(0, V, BLOCK):
-            cols = start + offs
-            x, _bad = load_logits(row_ptrs + cols, active[:, None] & (cols < V))
-            m, z = lane_softmax_update(m, z, x, x > float("-inf"), inv_t[:, None])
-            b = slot + (_unsigned_key(x) >> BIN_SHIFT).to(tl.int32)
-            counts += tl.histogram(tl.reshape(b, [R * BLOCK]), R * NB, mask=tl.reshape(x > float("-inf"), [R * BLOCK]))
-        row_m, row_z = lanes_softmax(m, z, inv_t)
-        counts = tl.reshape(counts, [R, NB])
-        # ---- the pivot: the lowest bin whose entries at or above it fit the buffer ----
-        bins = tl.arange(0, NB)[None, :]
-        at_or_above = tl.sum(counts, axis=1)[:, None] - tl.cumsum(counts, axis=1) + counts
-        pivot_bin = tl.min(tl.where(at_or_above <= CAP, bins, NB), axis=1)
-        bin_k, _count = _largest_bin_reaching(counts, top_k)
-        has_k = use_k & (bin_k >= 0)  # fewer than k finite entries: no top-k
-        filtering = has_k | use_p
-        # top-k needs its k-th largest among the candidates (top-p is checked after the copy)
-        fast = filtering & (pivot_bin < NB) & (~has_k | (bin_k >= pivot_bin))
-        floors = _bin_floor(bins, BIN_SHIFT)
-        pivot = tl.sum(tl.where(bins == pivot_bin[:, None], floors, 0.0), axis=1)
-        # ---- pass 2: copy the candidates ----
+        counts, row_m, row_z = pivot_histogram(row_ptrs, active, 0, V, inv_t, BLOCK, NB_BITS)
+        pivot_bin, has_k, fast = choose_pivot(counts, use_k, use_p, top_k, CAP)
         if tl.max(fast.to(tl.int32), axis=0) > 0:
-            filled = tl.zeros(inv_t.shape, tl.int32)
-            for start in range(0, V, BLOCK):
-                cols = start + offs
-                x, _bad = load_logits(row_ptrs + cols, fast[:, None] & (cols < V))
-                # the key, not the float compare: -0.0 sits in the bin below +0.0
-                in_bins = (_unsigned_key(x) >> BIN_SHIFT).to(tl.int32) >= pivot_bin[:, None]
-                take = in_bins & (x > float("-inf")) & fast[:, None]
-                pos = filled[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
-                tl.store(buf_ptrs + pos, x, mask=take & (pos < CAP))
-                filled += tl.sum(take.to(tl.int32), axis=1)
+            filled = copy_candidates(
+                row_ptrs, buf_ptrs, fast, pivot_bin, 0, V, tl.zeros(inv_t.shape, tl.int32), BLOCK, CAP, NB_BITS
+            )
             tl.debug_barrier()  # the copies of other threads must be visible before reading back
-            slots = tl.arange(0, CAP)[None, :]
-            vals = tl.load(buf_ptrs + slots, mask=fast[:, None] & (slots < filled[:, None]), other=float("-inf"))
-            t_k = tl.where(has_k, _kth_largest(vals, top_k), float("-inf"))
-            kept = (vals >= t_k[:, None]) & (vals > float("-inf"))
-            weights = tl.where(kept, tl.exp((vals - safe_max(row_m)[:, None]) * inv_t[:, None]), 0.0)
-            kept_mass = tl.sum(weights, axis=1)
-            goal = top_p * tl.where(has_k, kept_mass, row_z)
-            # top-p alone: the candidates must hold the goal's mass, else the threshold lies below
-            fast = fast & (has_k | ~use_p | (kept_mass >= goal))
-            t_p = _mass_threshold(vals, weights, goal, tl.maximum(t_k, pivot), row_m)
-            fast_thr = tl.where(use_p & (goal > 0.0), t_p, t_k)
+            fast_thr, fast = select_thresholds(
+                buf_ptrs, filled, fast, has_k, use_p, top_k, top_p, row_m, row_z, pivot_bin, inv_t, CAP, NB_BITS
+            )
             thr = tl.where(fast, fast_thr, thr)
-        slow = filtering & ~fast
+        slow = (has_k | use_p) & ~fast
         if tl.max(slow.to(tl.int32), axis=0) > 0:
             thr = tl.where(slow, bisect_threshold(row_ptrs, slow, V, inv_t, top_k, top_p, BLOCK), thr)
     return thr, fast
