@@ -194,7 +194,10 @@ def sass_loops(cubin: Path) -> list[dict]:
                 loops.append(
                     {"sass": len(body), "loads": sum("LDG" in b for b in body), "start": labels[target.group(1)]}
                 )
-    return sorted(loops, key=lambda loop: loop["start"]), len(instructions)
+    loops = sorted(loops, key=lambda loop: loop["start"])
+    # innermost loops only: a backward branch around another loop is control flow, not a hot loop
+    inner = [a for a in loops if not any(a["start"] < b["start"] < a["start"] + a["sass"] for b in loops)]
+    return inner, len(instructions)
 
 
 def occupancy(regs: int, smem: int, warps: int) -> tuple[float, str, int]:
@@ -221,11 +224,19 @@ def _loop_model(launch: Launch, loops: list[dict]) -> tuple[list[tuple[dict, flo
     bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
     reading = [loop for loop in loops if loop["loads"]]
     tensors = 2 if kw.get("DRAFT_MODE") in (1, 2) else 1  # logit rows read per row / request
-    if name == "_verify_row_stats_kernel" and kw.get("THRESHOLD_PASS"):
-        trips = bound["V"] / kw["FILTER_BLOCK"]
+    phase = kw.get("PHASE", 0)
+    if name == "_verify_row_stats_kernel" and phase:
         per_row = 2 if kw["DRAFT_MODE"] == 1 else 1  # target and draft rows are filtered one after the other
-        chosen = [(loop, trips) for loop in reading[:2]] * per_row
-        return chosen, kw["BLOCK_R"] * kw["FILTER_BLOCK"]
+        if phase == 1:  # whole rows: histogram pass and copy pass over V
+            trips = bound["V"] / kw["FILTER_BLOCK"]
+            return [(loop, trips) for loop in reading[: 2 * per_row]], kw["BLOCK_R"] * kw["FILTER_BLOCK"]
+        if phase in (2, 4):  # histogram / copy of one chunk (target, then draft)
+            trips = bound["chunk_size"] / kw["FILTER_BLOCK"]
+            return [(loop, trips) for loop in reading[:per_row]], kw["BLOCK_R"] * kw["FILTER_BLOCK"]
+        if phase == 3:  # merge the chunks' suffix counts, then their candidate offsets
+            return [(loop, bound["num_chunks"]) for loop in reading[: 2 * per_row]], 0.0
+        register_loops = [loop for loop in loops if not loop["loads"]]  # the 32-step selections
+        return [(loop, 32) for loop in register_loops[: 2 * per_row]], 0.0
     if name == "_verify_row_stats_kernel":
         return [(reading[0], bound["chunk_size"] / kw["BLOCK_V"])], kw["BLOCK_R"] * kw["BLOCK_V"] * tensors
     if name == "_verify_accept_kernel":  # (the chunk combine when not merged before,) the race over row j
@@ -244,9 +255,12 @@ def _bytes(case: dict, launch: Launch) -> float:
     sampled = case["temperature"] > 0
     draft_rows = B * G if (sampled and case["draft"] in ("logits", "probs")) else 0
     draft_esize = esize if case["draft"] == "logits" else 4
-    if name == "_verify_row_stats_kernel" and kw.get("THRESHOLD_PASS"):
+    if name == "_verify_row_stats_kernel" and kw.get("PHASE", 0) in (3, 5):  # scratch only (and the
+        return 0.0  # select phase's bisection fallback, which a row needs only when its kept set is huge)
+    if name == "_verify_row_stats_kernel" and kw.get("PHASE", 0) in (1, 2, 4):
         filtered = B * (G + 1) if sampled else 0
-        return 2 * V * (filtered * esize + (draft_rows * esize if case["draft"] == "logits" else 0))
+        passes = 2 if kw["PHASE"] == 1 else 1  # whole rows: histogram and copy; split: one each
+        return passes * V * (filtered * esize + (draft_rows * esize if case["draft"] == "logits" else 0))
     if name == "_verify_row_stats_kernel":
         return V * (B * (G + 1) * esize + draft_rows * draft_esize)
     if name == "_verify_accept_kernel" and sampled:  # row j of target and draft per request
@@ -259,6 +273,9 @@ def one_read(case: dict) -> float:
     B, G, V, esize = case["B"], case["G"], case["V"], case["esize"]
     draft = {"logits": esize, "probs": 4, "none": 0}[case["draft"]] if case["temperature"] > 0 else 0
     return V * (B * (G + 1) * esize + B * G * draft)
+
+
+_PHASES = ["", " (thresholds)", " (threshold histogram)", " (threshold pivot)", " (threshold copy)", " (select)"]
 
 
 def launch_row(case: dict, launch: Launch) -> dict:
@@ -278,7 +295,7 @@ def launch_row(case: dict, launch: Launch) -> dict:
     first = hot[-1][0]["sass"] if hot else 0
     return {
         "case": case["name"],
-        "kernel": launch.kernel.fn.__name__ + (" (thresholds)" if launch.kwargs.get("THRESHOLD_PASS") else ""),
+        "kernel": launch.kernel.fn.__name__ + _PHASES[launch.kwargs.get("PHASE", 0)],
         "grid": "x".join(map(str, launch.grid)),
         "config": ",".join(
             f"{k}={v}" for k, v in launch.kwargs.items() if k.startswith(("BLOCK", "FILTER", "num_")) and v is not None

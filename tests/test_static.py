@@ -79,7 +79,7 @@ def test_byte_model_matches_counted_loads(monkeypatch, draft, temperature, top_k
 class _FakeLaunch:
     def __init__(self, name, threshold_pass):
         self.kernel = SimpleNamespace(fn=SimpleNamespace(__name__=name))
-        self.kwargs = {"THRESHOLD_PASS": threshold_pass}
+        self.kwargs = {"PHASE": 1 if threshold_pass else 0}
 
 
 def test_occupancy_model():

@@ -205,17 +205,6 @@ def _bin_floor(bins, BIN_SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _largest_bin_reaching(h, want):
-    """Largest non-empty bin b with sum_{b' >= b} h[b'] >= want (-1 if none), and that sum.
-    h: [R, NB] (counts or mass bounds), want: [R]."""
-    bins = tl.arange(0, h.shape[1])[None, :]
-    at_or_above = tl.sum(h, axis=1)[:, None] - tl.cumsum(h, axis=1) + h
-    hit = (at_or_above >= want[:, None]) & (h > 0)
-    chosen = tl.max(tl.where(hit, bins, -1), axis=1)
-    return chosen, tl.sum(tl.where(bins >= chosen[:, None], h, 0), axis=1)
-
-
-@triton.jit
 def _kth_largest(vals, k):
     """Exact k-th largest of each row of vals [R, CAP] (-inf = empty), by bisection on the key
     in registers: the largest key t with #{v >= t} >= k."""
@@ -268,25 +257,25 @@ def pivot_histogram(row_ptrs, active, start, end, inv_t, BLOCK: tl.constexpr, NB
 
 
 @triton.jit
-def choose_pivot(counts, use_k, use_p, top_k, CAP: tl.constexpr):
-    """(pivot bin, has top-k, fast) from a row's key histogram [R, NB]: the pivot is the lowest bin
-    whose entries at or above it fit CAP candidate slots; a top-k row is fast when its k-th largest
-    lies at or above the pivot (a top-p row is checked after the copy, ``select_thresholds``)."""
-    NB: tl.constexpr = counts.shape[1]
-    bins = tl.arange(0, NB)[None, :]
-    at_or_above = tl.sum(counts, axis=1)[:, None] - tl.cumsum(counts, axis=1) + counts
-    pivot_bin = tl.min(tl.where(at_or_above <= CAP, bins, NB), axis=1)
-    bin_k, _count = _largest_bin_reaching(counts, top_k)
-    has_k = use_k & (bin_k >= 0)  # fewer than k finite entries: no top-k
-    fast = (has_k | use_p) & (pivot_bin < NB) & (~has_k | (bin_k >= pivot_bin))
-    return pivot_bin, has_k, fast
+def at_or_above(counts):
+    """Suffix sums of key histograms [R, NB]: entries in bins >= b, for every bin b."""
+    return tl.sum(counts, axis=1)[:, None] - tl.cumsum(counts, axis=1) + counts
 
 
 @triton.jit
-def candidates_at_or_above(counts, pivot_bin):
-    """Entries of each row's histogram [R, NB] in bins >= pivot_bin [R]."""
-    bins = tl.arange(0, counts.shape[1])[None, :]
-    return tl.sum(tl.where(bins >= pivot_bin[:, None], counts, 0), axis=1)
+def choose_pivot(above, use_k, use_p, top_k, CAP: tl.constexpr):
+    """(pivot bin, has top-k, fast) from a row's suffix counts [R, NB] (``at_or_above``): the pivot
+    is the lowest bin whose entries at or above it fit CAP candidate slots; a top-k row is fast
+    when its k-th largest lies at or above the pivot (top-p is checked after the copy,
+    ``select_thresholds``). The largest bin b with above[b] >= k holds the k-th largest (an empty
+    bin repeats the count of the bin above it, so the largest such b is never empty)."""
+    NB: tl.constexpr = above.shape[1]
+    bins = tl.arange(0, NB)[None, :]
+    pivot_bin = tl.min(tl.where(above <= CAP, bins, NB), axis=1)
+    bin_k = tl.max(tl.where(above >= top_k[:, None], bins, -1), axis=1)
+    has_k = use_k & (bin_k >= 0)  # fewer than k finite entries: no top-k
+    fast = (has_k | use_p) & (pivot_bin < NB) & (~has_k | (bin_k >= pivot_bin))
+    return pivot_bin, has_k, fast
 
 
 @triton.jit
@@ -380,7 +369,7 @@ def filter_threshold(
     fast = active & False
     if tl.max(active.to(tl.int32), axis=0) > 0:
         counts, row_m, row_z = pivot_histogram(row_ptrs, active, 0, V, inv_t, BLOCK, NB_BITS)
-        pivot_bin, has_k, fast = choose_pivot(counts, use_k, use_p, top_k, CAP)
+        pivot_bin, has_k, fast = choose_pivot(at_or_above(counts), use_k, use_p, top_k, CAP)
         if tl.max(fast.to(tl.int32), axis=0) > 0:
             filled = copy_candidates(
                 row_ptrs, buf_ptrs, fast, pivot_bin, 0, V, tl.zeros(inv_t.shape, tl.int32), BLOCK, CAP, NB_BITS

@@ -40,6 +40,10 @@ from ._triton_helpers import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
+    at_or_above,
+    bisect_threshold,
+    choose_pivot,
+    copy_candidates,
     filter_threshold,
     inverse_temperature,
     lane_argmax_update,
@@ -52,9 +56,11 @@ from ._triton_helpers import (
     load_probs,
     next_pow2,
     per_request,
+    pivot_histogram,
     race_inv_exp,
     request_seed,
     safe_max,
+    select_thresholds,
     uniform_open,
 )
 
@@ -76,6 +82,13 @@ NUM_IDX = tl.constexpr(NUM_IDX_HOST)
 RACE_RESIDUAL = tl.constexpr(0)  # over the residual max(p - q, 0) of the rejected row
 RACE_TARGET = tl.constexpr(1)  # over p itself (the fallback when the residual is empty)
 NUM_RACES = tl.constexpr(2)
+# Launches of the row-stats kernel: the statistics pass, and the top-k/top-p threshold phases.
+PHASE_STATS = tl.constexpr(0)  # grid (row tiles, chunks): statistics, thresholds read from thr_ptr
+PHASE_WHOLE = tl.constexpr(1)  # grid (row tiles, 1): thresholds of whole rows, one program each
+PHASE_HIST = tl.constexpr(2)  # grid (row tiles, TC): key histogram and (max, sum-exp) per chunk
+PHASE_PIVOT = tl.constexpr(3)  # grid (row tiles, 1): merge, pivot, per-chunk candidate offsets
+PHASE_COPY = tl.constexpr(4)  # grid (row tiles, TC): copy the candidates
+PHASE_SELECT = tl.constexpr(5)  # grid (row tiles, 1): thresholds among the candidates
 # Top-k/top-p thresholds per row (raw-logit units), written by kernel 1 when filtering.
 THR_T = tl.constexpr(0)  # target
 THR_Q = tl.constexpr(1)  # draft (DRAFT_LOGITS)
@@ -173,7 +186,8 @@ def _verify_row_stats_kernel(
     stats_ptr,  # [B*K*(G+1), C, NUM_STATS] fp32 out
     idx_ptr,  # [B*K*(G+1), C, NUM_IDX] int32 out
     thr_ptr,  # [B*K*(G+1), 2] fp32 out: raw-logit thresholds of target and draft (HAS_FILTER)
-    filter_buf_ptr,  # [B*K*(G+1), 2, FILTER_CAP] fp32 scratch: top-k/top-p candidates (HAS_FILTER)
+    filter_buf_ptr,  # fp32 scratch of the threshold phases: candidates [R, 2, FILTER_CAP], chunk (m, z)
+    filter_int_ptr,  # int32 scratch of the split threshold phases: histograms, offsets, pivots
     # strides
     stride_tb,
     stride_tk,
@@ -200,7 +214,7 @@ def _verify_row_stats_kernel(
     PER_REQ_P: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
-    THRESHOLD_PASS: tl.constexpr,  # this launch only finds top-k/top-p thresholds (grid: row tiles)
+    PHASE: tl.constexpr,  # PHASE_STATS, or one of the top-k/top-p threshold phases (see launch_verify)
     FILTER_BLOCK: tl.constexpr,  # entries per tile of the threshold passes (HAS_FILTER)
     FILTER_CAP: tl.constexpr,  # candidates a row may have for the in-register selection
     FILTER_BINS: tl.constexpr,  # log2 of the pivot histogram's bins
@@ -237,28 +251,29 @@ def _verify_row_stats_kernel(
     thr_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
     thr_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
     if HAS_FILTER:
-        if THRESHOLD_PASS:  # grid (row tiles, 1): each program owns whole rows
-            _store_thresholds(
-                t_rows,
-                d_rows,
-                filter_buf_ptr + (rows * 2)[:, None].to(tl.int64) * FILTER_CAP,
-                thr_ptr + rows * NUM_THR,
-                row_ok & ~greedy,
-                draft_ok,
-                per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K),
-                per_request(top_p_ptr, top_p, b, row_ok, PER_REQ_P).to(tl.float32),
-                inv_t,
-                V,
-                DRAFT_MODE,
-                FILTER_BLOCK,
-                FILTER_CAP,
-                FILTER_BINS,
-            )
-        else:  # thresholds from the threshold pass
+        if PHASE == PHASE_STATS:  # thresholds from the threshold phases
             thr_t = tl.load(thr_ptr + rows * NUM_THR + THR_T, mask=row_ok & ~greedy, other=float("-inf"))
             if DRAFT_MODE == DRAFT_LOGITS:
                 thr_q = tl.load(thr_ptr + rows * NUM_THR + THR_Q, mask=draft_ok, other=float("-inf"))
-    if not THRESHOLD_PASS:
+        else:
+            top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int64)
+            top_k = tl.where(top_k >= V, 0, top_k).to(tl.int32)  # k >= V (int64 too) keeps the whole row
+            top_p = per_request(top_p_ptr, top_p, b, row_ok, PER_REQ_P).to(tl.float32)
+            RS = B * K * (G + 1) * 2
+            start = chunk * chunk_size
+            end = tl.minimum(start + chunk_size, V)
+            _threshold_phase(
+                t_rows, rows * 2, row_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
+                filter_int_ptr, RS, num_chunks, chunk, start, end, V, inv_t, top_k, top_p,
+                PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS,
+            )  # fmt: skip
+            if DRAFT_MODE == DRAFT_LOGITS:
+                _threshold_phase(
+                    d_rows, rows * 2 + 1, draft_ok, thr_ptr + rows * NUM_THR + THR_Q, filter_buf_ptr,
+                    filter_int_ptr, RS, num_chunks, chunk, start, end, V, inv_t, top_k, top_p,
+                    PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS,
+                )  # fmt: skip
+    if PHASE == PHASE_STATS:
         _row_stats_pass(
             t_rows,
             d_rows,
@@ -332,35 +347,109 @@ def _row_stats_pass(
 
 
 @triton.jit
-def _store_thresholds(
-    t_rows,
-    d_rows,
-    buf_ptrs,
-    thr_ptrs,
-    target_ok,
-    draft_ok,
+def _threshold_phase(
+    row_ptrs,  # [R, 1] pointers to the rows (target or draft)
+    slot,  # [R] scratch slot of each row: 2 * row (+ 1 for the draft)
+    ok,  # [R] rows that sample (greedy rows never filter)
+    thr_out,  # [R] pointers: where the thresholds go
+    filter_buf_ptr,
+    filter_int_ptr,
+    RS,  # scratch slots in all: 2 * rows
+    TC,  # threshold chunks
+    chunk,
+    start,
+    end,
+    V,
+    inv_t,
     top_k,
     top_p,
-    inv_t,
-    V,
-    DRAFT_MODE: tl.constexpr,
-    FILTER_BLOCK: tl.constexpr,
-    FILTER_CAP: tl.constexpr,
-    FILTER_BINS: tl.constexpr,
+    PHASE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    NB_BITS: tl.constexpr,
 ):
-    """Top-k/top-p thresholds of the target (and draft) rows to thr_ptrs ([R] records)."""
-    # top_k at full width: values >= V (int64 included) keep the whole row, i.e. no top-k.
-    top_k = top_k.to(tl.int64)
-    top_k = tl.where(top_k >= V, 0, top_k).to(tl.int32)
-    thr_t, _fast_t = filter_threshold(
-        t_rows, buf_ptrs, target_ok, V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS
-    )
-    tl.store(thr_ptrs + THR_T, thr_t, mask=target_ok)
-    if DRAFT_MODE == DRAFT_LOGITS:
-        thr_q, _fast_q = filter_threshold(
-            d_rows, buf_ptrs + FILTER_CAP, draft_ok, V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS
-        )
-        tl.store(thr_ptrs + THR_Q, thr_q, mask=draft_ok)
+    """One step of the top-k/top-p thresholds of ``filter_threshold``: whole rows in one program
+    (PHASE_WHOLE), or split over TC vocabulary chunks so that a small batch fills the GPU:
+    histogram per chunk (PHASE_HIST), merge and pivot per row (PHASE_PIVOT), copy of the
+    candidates per chunk at offsets from the merged histogram (PHASE_COPY), selection per row
+    (PHASE_SELECT). Scratch (``ThresholdPlan.scratch``): fp32 candidates [RS, CAP], per-chunk
+    (max, sum-exp) [RS, TC, 2], merged (max, sum-exp) [RS, 2]; int32 suffix counts [RS, TC, NB],
+    per-chunk candidate offsets [RS, TC], (pivot bin, has top-k, fast, candidates) [RS, 4]."""
+    NB: tl.constexpr = 1 << NB_BITS
+    use_k = ok & (top_k > 0) & (top_k < V)
+    use_p = ok & (top_p < 1.0)
+    active = use_k | use_p
+    s64 = slot.to(tl.int64)
+    cand = filter_buf_ptr + s64 * CAP
+    mz = filter_buf_ptr + RS * CAP + s64 * TC * 2
+    row_mz = filter_buf_ptr + RS * CAP + RS * TC * 2 + s64 * 2
+    hist = filter_int_ptr + s64 * TC * NB
+    offsets = filter_int_ptr + RS * TC * NB + s64 * TC
+    info = filter_int_ptr + RS * TC * NB + RS * TC + s64 * 4
+    bins = tl.arange(0, NB)[None, :]
+    if PHASE == PHASE_WHOLE:
+        thr, _fast = filter_threshold(row_ptrs, cand[:, None], ok, V, inv_t, top_k, top_p, BLOCK, CAP, NB_BITS)
+        tl.store(thr_out, thr, mask=ok)
+    elif PHASE == PHASE_HIST:
+        if tl.max(active.to(tl.int32), axis=0) > 0:
+            counts, m, z = pivot_histogram(row_ptrs, active, start, end, inv_t, BLOCK, NB_BITS)
+            # suffix sums: the merge then needs no reduction per chunk (see PHASE_PIVOT)
+            tl.store(hist[:, None] + chunk * NB + bins, at_or_above(counts), mask=active[:, None])
+            tl.store(mz + chunk * 2, m, mask=active)
+            tl.store(mz + chunk * 2 + 1, z, mask=active)
+    elif PHASE == PHASE_PIVOT:
+        if tl.max(active.to(tl.int32), axis=0) > 0:
+            above = tl.zeros([slot.shape[0], NB], tl.int32)
+            m = tl.full(inv_t.shape, float("-inf"), tl.float32)
+            z = tl.zeros(inv_t.shape, tl.float32)
+            for c in range(0, TC):  # elementwise: suffix counts add up
+                above += tl.load(hist[:, None] + c * NB + bins, mask=active[:, None], other=0).to(tl.int32)
+                c_m = tl.load(mz + c * 2, mask=active, other=float("-inf"))
+                m, z = _combine_softmax(m, z, c_m, tl.load(mz + c * 2 + 1, mask=active, other=0.0), inv_t)
+            pivot_bin, has_k, fast = choose_pivot(above, use_k, use_p, top_k, CAP)
+            filled = tl.zeros(inv_t.shape, tl.int32)
+            for c in range(0, TC):  # each chunk's candidates go after the earlier chunks' ones
+                tl.store(offsets + c, filled, mask=active)
+                filled += tl.load(
+                    hist + c * NB + tl.minimum(pivot_bin, NB - 1), mask=active & (pivot_bin < NB), other=0
+                )
+            tl.store(info, pivot_bin, mask=active)
+            tl.store(info + 1, has_k.to(tl.int32), mask=active)
+            tl.store(info + 2, fast.to(tl.int32), mask=active)
+            tl.store(info + 3, filled, mask=active)
+            tl.store(row_mz, m, mask=active)
+            tl.store(row_mz + 1, z, mask=active)
+    elif PHASE == PHASE_COPY:
+        fast = active & (tl.load(info + 2, mask=active, other=0) != 0)
+        if tl.max(fast.to(tl.int32), axis=0) > 0:
+            pivot_bin = tl.load(info, mask=fast, other=0)
+            first = tl.load(offsets + chunk, mask=fast, other=0)
+            copy_candidates(row_ptrs, cand[:, None], fast, pivot_bin, start, end, first, BLOCK, CAP, NB_BITS)
+    else:  # PHASE_SELECT
+        thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
+        has_k = active & (tl.load(info + 1, mask=active, other=0) != 0)
+        fast = active & (tl.load(info + 2, mask=active, other=0) != 0)
+        if tl.max(fast.to(tl.int32), axis=0) > 0:
+            t, fast = select_thresholds(
+                cand[:, None],
+                tl.load(info + 3, mask=fast, other=0),
+                fast,
+                has_k,
+                use_p,
+                top_k,
+                top_p,
+                tl.load(row_mz, mask=fast, other=float("-inf")),
+                tl.load(row_mz + 1, mask=fast, other=0.0),
+                tl.load(info, mask=fast, other=0),
+                inv_t,
+                CAP,
+                NB_BITS,
+            )
+            thr = tl.where(fast, t, thr)
+        slow = (has_k | use_p) & ~fast
+        if tl.max(slow.to(tl.int32), axis=0) > 0:
+            thr = tl.where(slow, bisect_threshold(row_ptrs, slow, V, inv_t, top_k, top_p, BLOCK), thr)
+        tl.store(thr_out, thr, mask=ok)
 
 
 @triton.jit
@@ -842,16 +931,61 @@ def _plan_for(args, num_chunks, block_v, interpreted: bool, sms: int) -> _Launch
     return _LaunchPlan(block_v, block_r, block_b, num_chunks, chunk_size, num_warps)
 
 
-def threshold_plan(target: torch.Tensor, rows: int) -> tuple[int, dict]:
-    """(rows per program, constexprs) of the threshold pass: tile width, candidate capacity of the
-    in-register selection and pivot histogram size (1024 bins: sign, exponent, 1 mantissa bit).
-    Rows are whole per program; on a GPU at most 2 per program (a program holds 2048 candidates)."""
+def launch_threshold_phases(row_pass, tplan: ThresholdPlan) -> None:
+    """The threshold launches of the row-stats kernel; row_pass(phase, block_r, grid_chunks,
+    num_chunks, chunk_size, num_warps) launches it with the call's other arguments."""
+    warps, tc = (8 if tplan.block_r > 1 else 4), tplan.chunks
+    if tc == 1:
+        row_pass(PHASE_WHOLE.value, tplan.block_r, 1, 1, tplan.chunk_size, warps)
+        return
+    for phase, grid_chunks in ((PHASE_HIST, tc), (PHASE_PIVOT, 1), (PHASE_COPY, tc), (PHASE_SELECT, 1)):
+        row_pass(phase.value, tplan.block_r, grid_chunks, tc, tplan.chunk_size, warps)
+
+
+@dataclass(frozen=True)
+class ThresholdPlan:
+    """The top-k/top-p threshold launches: rows per program, vocabulary chunks (1: whole rows in
+    one PHASE_WHOLE launch; more: the four split phases) and the kernel's FILTER_* constexprs."""
+
+    block_r: int
+    chunks: int
+    chunk_size: int
+    constexprs: dict
+
+    def scratch(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32, int32) scratch of the phases (layout in ``_threshold_phase``)."""
+        slots, tc, nb = 2 * rows, self.chunks, 1 << self.constexprs["FILTER_BINS"]
+        floats = slots * (self.constexprs["FILTER_CAP"] + 2 * tc + 2)
+        ints = slots * (tc * nb + tc + 4) if tc > 1 else 1
+        return (
+            torch.empty(floats, dtype=torch.float32, device=device),
+            torch.empty(ints, dtype=torch.int32, device=device),
+        )
+
+
+def threshold_plan(target: torch.Tensor, rows: int, V: int, chunks: int | None = None) -> ThresholdPlan:
+    """Threshold launches for `rows` rows: tile width, candidate capacity of the in-register
+    selection, pivot histogram size (1024 bins: sign, exponent, 1 mantissa bit), and the split:
+    a small batch on a GPU splits every row over chunks (~1 program per SM) so that the
+    histogram and copy passes fill the GPU (B = 1: 3 whole-row programs otherwise)."""
     if plans_for_interpreter(target.device):
         # the interpreter pays per operation: many rows and whole rows of candidates are cheap
         block_r = max(1, min(next_pow2(rows), 64))
-        return block_r, dict(FILTER_BLOCK=max(16, min(4096, (1 << 16) // block_r)), FILTER_CAP=4096, FILTER_BINS=10)
-    block_r = min(2, next_pow2(rows))
-    return block_r, dict(FILTER_BLOCK=1024 // block_r, FILTER_CAP=2048 // block_r, FILTER_BINS=10)
+        width = 128 if (chunks or 1) > 1 else 4096  # a forced split (tests) needs several tiles per row
+        constexprs = dict(FILTER_BLOCK=max(16, min(width, (1 << 16) // block_r)), FILTER_CAP=4096, FILTER_BINS=10)
+        chunks = chunks or 1
+    else:
+        block_r = min(2, next_pow2(rows))
+        constexprs = dict(FILTER_BLOCK=1024 // block_r, FILTER_CAP=2048 // block_r, FILTER_BINS=10)
+        if chunks is None:
+            tiles = triton.cdiv(rows, block_r)
+            sms = multiprocessors(target.device)
+            # ~1 program per SM: the pivot phase merges every chunk serially, so no more than that
+            chunks = 1 if 2 * tiles >= sms else min(64, triton.cdiv(sms, tiles))
+    blocks = triton.cdiv(V, constexprs["FILTER_BLOCK"])
+    chunks = max(1, min(int(chunks), blocks))
+    chunk_size = triton.cdiv(blocks, chunks) * constexprs["FILTER_BLOCK"]
+    return ThresholdPlan(block_r, triton.cdiv(V, chunk_size), chunk_size, constexprs)
 
 
 def merge_chunk_stats(stats, idx, rows: int, rows_per_request: int, t_ptr, t_val, per_req_t: bool):
@@ -875,16 +1009,13 @@ def merge_chunk_stats(stats, idx, rows: int, rows_per_request: int, t_ptr, t_val
     return whole, whole_idx
 
 
-def filter_buffer(rows: int, constexprs: dict, has_filter: bool, device) -> torch.Tensor:
-    """Scratch rows for the top-k/top-p candidates (target and draft per row); one float if unused."""
-    shape = (rows, 2, constexprs["FILTER_CAP"]) if has_filter else (1,)
-    return torch.empty(shape, dtype=torch.float32, device=device)
+def launch_verify(
+    args: VerifyArgs, num_chunks: int | None = None, block_v: int | None = None, threshold_chunks: int | None = None
+) -> VerifyOutput:
+    """Run the kernels on checked arguments (``_validation.check_verify_args``).
 
-
-def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int | None = None) -> VerifyOutput:
-    """Run the three kernels on checked arguments (``_validation.check_verify_args``).
-
-    num_chunks / block_v override the launch plan (tests use them to split small vocabularies)."""
+    num_chunks / block_v / threshold_chunks override the launch plan (tests use them to split
+    small vocabularies)."""
     B, G, V = args.B, args.G, args.V
     dev = args.target_logits.device
     tokens = torch.empty((B, G + 1), dtype=torch.int64, device=dev)
@@ -901,8 +1032,8 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
-    thr_block_r, filter_args = threshold_plan(args.target_logits, rows)
-    filter_buf = filter_buffer(rows, filter_args, has_filter, dev)
+    tplan = threshold_plan(args.target_logits, rows, V, threshold_chunks)
+    filter_buf, filter_int = tplan.scratch(rows, dev) if has_filter else (thr, thr)
     first_reject = torch.empty((B,), dtype=torch.int32, device=dev)
     direct_token = torch.empty((B,), dtype=torch.int32, device=dev)
     race_key = torch.empty((B, C, 2), dtype=torch.float32, device=dev)
@@ -929,8 +1060,8 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
     p_ptr, p_val, per_req_p = params["top_p"]
     s_ptr, s_val, per_req_s = params["seed"]
 
-    def row_pass(threshold_pass: bool, block_r: int, block_v: int, chunks: int, num_warps: int) -> None:
-        _verify_row_stats_kernel[(triton.cdiv(rows, block_r), chunks)](
+    def row_pass(phase: int, block_r: int, grid_chunks: int, chunks: int, chunk_size: int, num_warps: int) -> None:
+        _verify_row_stats_kernel[(triton.cdiv(rows, block_r), grid_chunks)](
             target,
             draft,
             draft_tokens,
@@ -943,6 +1074,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
             idx,
             thr,
             filter_buf,
+            filter_int,
             stride_tb,
             0,
             stride_tg,
@@ -954,7 +1086,7 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
             1,
             G,
             V,
-            plan.chunk_size,
+            chunk_size,
             chunks,
             float(t_val),
             int(k_val),
@@ -965,19 +1097,19 @@ def launch_verify(args: VerifyArgs, num_chunks: int | None = None, block_v: int 
             PER_REQ_P=per_req_p,
             DRAFT_MODE=args.draft_mode,
             HAS_FILTER=has_filter,
-            THRESHOLD_PASS=threshold_pass,
-            **filter_args,
+            PHASE=phase,
+            **tplan.constexprs,
             PLACEHOLDERS_END=True,
             GP2=next_pow2(max(G, 1)),
             FLAT=flat,
             BLOCK_R=block_r,
-            BLOCK_V=block_v,
+            BLOCK_V=plan.block_v,
             num_warps=num_warps,
         )
 
-    if has_filter:  # whole rows per program: thresholds first, then the (split) statistics pass
-        row_pass(True, thr_block_r, plan.block_v, 1, 8 if thr_block_r > 1 else 4)
-    row_pass(False, plan.block_r, plan.block_v, C, plan.num_warps)
+    if has_filter:  # thresholds first (whole rows, or split over chunks), then the statistics pass
+        launch_threshold_phases(row_pass, tplan)
+    row_pass(PHASE_STATS.value, plan.block_r, C, C, plan.chunk_size, plan.num_warps)
     stat_chunks = C
     if C > 1:  # merge the chunks once, not once per accept program (each would loop over all C)
         stats, idx = merge_chunk_stats(stats, idx, rows, G + 1, t_ptr, t_val, per_req_t)

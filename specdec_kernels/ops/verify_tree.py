@@ -49,6 +49,7 @@ from .verify import (
     NUM_STATS,
     NUM_STATS_HOST,
     NUM_THR,
+    PHASE_STATS,
     STAT_BAD_Q,
     STAT_BAD_T,
     STAT_M_Q,
@@ -59,7 +60,7 @@ from .verify import (
     THR_T,
     _prob_of,
     _verify_row_stats_kernel,
-    filter_buffer,
+    launch_threshold_phases,
     merge_chunk_stats,
     threshold_plan,
 )
@@ -482,8 +483,8 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
-    thr_block_r, filter_args = threshold_plan(args.target, rows)
-    filter_buf = filter_buffer(rows, filter_args, has_filter, dev)
+    tplan = threshold_plan(args.target, rows, V)
+    filter_buf, filter_int = tplan.scratch(rows, dev) if has_filter else (thr, thr)
     target = args.target
     draft = args.draft if args.draft is not None else target
     d_strides = (draft.stride(0), draft.stride(1), draft.stride(2)) if args.draft is not None else (0, 0, 0)
@@ -497,8 +498,8 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
 
     # Rows past a ragged tree's last node are skipped: "n_b" of the row pass is the node count
     # (row i of a single chain belongs to node i - 1); chains of verify_multi are never ragged.
-    def row_pass(threshold_pass: bool, rows_per_program: int, chunks: int) -> None:
-        _verify_row_stats_kernel[(triton.cdiv(rows, rows_per_program), chunks)](
+    def row_pass(phase: int, rows_per_program: int, grid_chunks: int, chunks: int, chunk_size: int, warps: int) -> None:
+        _verify_row_stats_kernel[(triton.cdiv(rows, rows_per_program), grid_chunks)](
             target,
             draft,
             target,  # draft tokens: unused (placeholders are handled by the walk)
@@ -511,6 +512,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
             idx,
             thr,
             filter_buf,
+            filter_int,
             target.stride(0),
             target.stride(1),
             target.stride(2),
@@ -531,19 +533,19 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
             PER_REQ_P=per_req_p,
             DRAFT_MODE=args.draft_mode,
             HAS_FILTER=has_filter,
-            THRESHOLD_PASS=threshold_pass,
-            **filter_args,
+            PHASE=phase,
+            **tplan.constexprs,
             PLACEHOLDERS_END=False,
             GP2=1,
             FLAT=False,
             BLOCK_R=rows_per_program,
             BLOCK_V=block_v,
-            num_warps=4,
+            num_warps=warps,
         )
 
-    if has_filter:  # whole rows per program: thresholds first, then the (split) statistics pass
-        row_pass(True, thr_block_r, 1)
-    row_pass(False, block_r, C)
+    if has_filter:  # thresholds first (whole rows, or split over chunks), then the statistics pass
+        launch_threshold_phases(row_pass, tplan)
+    row_pass(PHASE_STATS.value, block_r, C, C, chunk_size, 4)
     if C > 1:  # the walk reads one record per row
         stats, idx = merge_chunk_stats(stats, idx, rows, K * (G + 1), t_ptr, t_val, per_req_t)
     parents = args.parents if args.parents is not None else target

@@ -44,6 +44,7 @@ def verify_kernels():
         "idx_ptr": "*i32",
         "draft_tokens_ptr": "*i64",
         "cu_ptr": "*i64",
+        "filter_int_ptr": "*i32",
     }
     variants = itertools.product(["*bf16"], [0, 1, 2], [False, True], [(1, 2048), (2, 16)])
     others = [("*fp16", 1, True, (1, 2048)), ("*fp32", 2, True, (2, 16)), ("*bf16", 1, False, (64, 16))]
@@ -52,27 +53,29 @@ def verify_kernels():
         per_req = block > 1  # one variant with [B] tensors, one with scalar parameters
         flags = dict(PER_REQ_N=per_req, PER_REQ_T=per_req, PER_REQ_SEED=per_req)
         types.update(temperature="fp32", top_k="i32", top_p="fp32", seed="i64")
-        yield (
-            v._verify_row_stats_kernel,
-            types,
-            dict(
-                PER_REQ_N=per_req,
-                PER_REQ_T=per_req,
-                PER_REQ_K=per_req,
-                PER_REQ_P=per_req,
-                DRAFT_MODE=mode,
-                HAS_FILTER=has_filter,
-                THRESHOLD_PASS=has_filter and block == 2,  # the filtered variants cover both launches
-                FILTER_BLOCK=max(16, 1024 // block),
-                FILTER_CAP=2048 // block,
-                FILTER_BINS=10,
-                PLACEHOLDERS_END=not per_req,
-                GP2=8,
-                FLAT=per_req,  # the flattened ragged layout rides on the per-request variant
-                BLOCK_R=block,
-                BLOCK_V=bv,
-            ),
-        )
+        phases = range(6) if has_filter and block == 2 else [0]  # statistics pass, threshold phases
+        for phase in phases:
+            yield (
+                v._verify_row_stats_kernel,
+                types,
+                dict(
+                    PER_REQ_N=per_req,
+                    PER_REQ_T=per_req,
+                    PER_REQ_K=per_req,
+                    PER_REQ_P=per_req,
+                    DRAFT_MODE=mode,
+                    HAS_FILTER=has_filter,
+                    PHASE=phase,
+                    FILTER_BLOCK=max(16, 1024 // block),
+                    FILTER_CAP=2048 // block,
+                    FILTER_BINS=10,
+                    PLACEHOLDERS_END=not per_req,
+                    GP2=8,
+                    FLAT=per_req,  # the flattened ragged layout rides on the per-request variant
+                    BLOCK_R=block,
+                    BLOCK_V=bv,
+                ),
+            )
         types2 = dict(
             types,
             draft_tokens_ptr="*i64",

@@ -89,10 +89,11 @@ def test_vocab_split_across_programs(mode, num_chunks, device):
             _assert_same(sk.verify(target, tokens, **kw), ref)
 
 
-@pytest.mark.parametrize("num_chunks", [1, 3])
-def test_filtered_rows_split_across_programs(num_chunks, device):
-    """With top-k / top-p the thresholds come from a whole-row pass, then the statistics pass is
-    split like an unfiltered one: same tokens as the reference, per-request filters included."""
+@pytest.mark.parametrize("num_chunks, threshold_chunks", [(1, 1), (3, 1), (1, 3), (3, 7)])
+def test_filtered_rows_split_across_programs(num_chunks, threshold_chunks, device):
+    """With top-k / top-p the thresholds come first - whole rows per program, or split over chunks
+    (histogram, pivot, copy, selection phases) - then the statistics pass is split like an
+    unfiltered one: same tokens as the reference, per-request filters included."""
     B, G, V = 4, 3, 1000
     target, tokens, draft = make_problem(B, G, V, device=device, seed=4)
     kw = dict(
@@ -103,7 +104,7 @@ def test_filtered_rows_split_across_programs(num_chunks, device):
         seed=torch.arange(B, dtype=torch.int64, device=device) + 11,
     )
     ref = verify_reference(target, tokens, **kw)
-    with launch_overrides(num_chunks=num_chunks, block_v=128):
+    with launch_overrides(num_chunks=num_chunks, block_v=128, threshold_chunks=threshold_chunks):
         _assert_same(sk.verify(target, tokens, **kw), ref)
 
 
