@@ -241,7 +241,8 @@ def _loop_model(launch: Launch, loops: list[dict]) -> tuple[list[tuple[dict, flo
         return [(reading[0], bound["chunk_size"] / kw["BLOCK_V"])], kw["BLOCK_R"] * kw["BLOCK_V"] * tensors
     if name == "_verify_accept_kernel":  # (the chunk combine when not merged before,) the race over row j
         race = reading[-1]
-        hot = [(race, bound["chunk_size"] / kw["BLOCK_V"])]
+        greedy = not kw["PER_REQ_T"] and bound["temperature"] == 0.0  # greedy requests run no race
+        hot = [(race, 0 if greedy else bound["chunk_size"] / kw["BLOCK_V"])]
         if len(reading) > 1:
             hot.insert(0, (reading[0], bound["stat_chunks"]))
         return hot, kw["BLOCK_B"] * kw["BLOCK_V"] * tensors

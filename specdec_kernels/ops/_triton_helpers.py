@@ -205,34 +205,41 @@ def _bin_floor(bins, BIN_SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _unsigned_to_float(u):
+    return key_to_float(u.to(tl.int32, bitcast=True) ^ -2147483648)
+
+
+@triton.jit
 def _kth_largest(vals, k):
-    """Exact k-th largest of each row of vals [R, CAP] (-inf = empty), by bisection on the key
-    in registers: the largest key t with #{v >= t} >= k."""
-    keys = order_key(vals).to(tl.int64)
+    """Exact k-th largest of each row of vals [R, CAP] (-inf = empty), by bisection on the
+    unsigned key in registers (32-bit: no int64 pairs): the largest key t with #{v >= t} >= k."""
+    keys = _unsigned_key(vals)
     live = vals > float("-inf")
-    lo = order_key(tl.full(k.shape, float("-inf"), tl.float32)).to(tl.int64)
-    hi = order_key(tl.full(k.shape, float("inf"), tl.float32)).to(tl.int64)
+    lo = tl.zeros(k.shape, tl.uint32)  # invariant: #{v >= lo} >= k (every entry is >= key 0)
+    hi = tl.full(k.shape, 0xFFFFFFFF, tl.uint32)  # the answer is < hi or equals it (checked last)
     for _step in range(32):
-        mid = lo + (hi - lo) // 2
+        mid = lo + ((hi - lo) >> 1)
         ok = tl.sum(((keys >= mid[:, None]) & live).to(tl.int32), axis=1) >= k
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid)
-    return key_to_float(lo)
+    top = tl.sum(((keys >= hi[:, None]) & live).to(tl.int32), axis=1) >= k
+    return _unsigned_to_float(tl.where(top, hi, lo))
 
 
 @triton.jit
 def _mass_threshold(vals, weights, goal, lo_val, hi_val):
     """Largest value t in [lo_val, hi_val] with sum_{v >= t} weights >= goal, by bisection on the
-    key in registers. vals, weights: [R, CAP]; goal, lo_val, hi_val: [R]."""
-    keys = order_key(vals).to(tl.int64)
-    lo = order_key(lo_val).to(tl.int64)
-    hi = order_key(hi_val).to(tl.int64) + 1
+    unsigned key in registers. vals, weights: [R, CAP]; goal, lo_val, hi_val: [R]."""
+    keys = _unsigned_key(vals)
+    lo = _unsigned_key(lo_val)
+    hi = _unsigned_key(hi_val)
     for _step in range(32):
-        mid = lo + (hi - lo) // 2
+        mid = lo + ((hi - lo) >> 1)
         ok = tl.sum(tl.where(keys >= mid[:, None], weights, 0.0), axis=1) >= goal
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid)
-    return key_to_float(lo)
+    top = tl.sum(tl.where(keys >= hi[:, None], weights, 0.0), axis=1) >= goal
+    return _unsigned_to_float(tl.where(top, hi, lo))
 
 
 @triton.jit
@@ -300,9 +307,10 @@ def copy_candidates(
         # the key, not the float compare: -0.0 sits in the bin below +0.0
         in_bins = (_unsigned_key(x) >> (32 - NB_BITS)).to(tl.int32) >= pivot_bin[:, None]
         take = in_bins & (x > float("-inf")) & rows_ok[:, None]
-        pos = filled[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
-        tl.store(buf_ptrs + pos, x, mask=take & (pos < CAP))
-        filled += tl.sum(take.to(tl.int32), axis=1)
+        if tl.max(tl.max(take.to(tl.int32), axis=1), axis=0) > 0:  # most tiles hold no candidate: no scan
+            pos = filled[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+            tl.store(buf_ptrs + pos, x, mask=take & (pos < CAP))
+            filled += tl.sum(take.to(tl.int32), axis=1)
     return filled
 
 
