@@ -467,7 +467,9 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
         return TreeVerifyOutput(tokens, num_accepted, nodes, nonfinite)
 
     interpreted = plans_for_interpreter(dev)
-    max_block_v, tile = (8192, 1 << 16) if interpreted else (1024, 4096)
+    # On a GPU 2 rows x 1024 entries per program (8 warps): the row pass keeps per-lane running state
+    # (about 60 registers of it at 8 entries per thread; 4 rows x 4 warps spilled).
+    max_block_v, tile = (8192, 1 << 16) if interpreted else (1024, 2048)
     block_v = max(4, min(next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * K * (G + 1)
     block_r = max(1, min(next_pow2(rows), tile // block_v))
@@ -545,7 +547,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
 
     if has_filter:  # thresholds first (whole rows, or split over chunks), then the statistics pass
         launch_threshold_phases(row_pass, tplan)
-    row_pass(PHASE_STATS.value, block_r, C, C, chunk_size, 4)
+    row_pass(PHASE_STATS.value, block_r, C, C, chunk_size, 8 if block_r * block_v >= 2048 else 4)
     if C > 1:  # the walk reads one record per row
         stats, idx = merge_chunk_stats(stats, idx, rows, K * (G + 1), t_ptr, t_val, per_req_t)
     parents = args.parents if args.parents is not None else target
