@@ -99,7 +99,10 @@ def _check_tensor(name: str, t, ndim: int, dtypes, device) -> None:
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+    if t.stride(-1) == 1:
+        return t
+    # An empty tensor counts as contiguous whatever its strides, so .contiguous() would keep them.
+    return t.contiguous() if t.numel() else t.new_empty(t.shape)
 
 
 def check_verify_args(

@@ -162,6 +162,19 @@ def test_empty_batches(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batches_as_strided_views(backend):
+    # An empty tensor is "contiguous" whatever its strides: found by the property test (B = 0 with
+    # a stride-2 last dimension reached the CPU build's layout check).
+    backend = _backend_or_skip(backend)
+    t, x = _strided(torch.randn(0, 2, 2)), _strided(torch.zeros(0, 1, dtype=torch.long))
+    for kw in ({}, {"draft_logits": _strided(torch.randn(0, 1, 2))}, {"draft_probs": _strided(torch.ones(0, 1, 2))}):
+        out = sk.verify(t, x, **kw, temperature=0.7, backend=backend, seed=torch.zeros(0, dtype=torch.long))
+        assert out.tokens.shape == (0, 2)
+    multi = sk.verify_multi(_strided(torch.randn(0, 2, 3, 10)), _strided(torch.zeros(0, 2, 2, dtype=torch.long)))
+    assert multi.tokens.shape[0] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_int32_outputs(backend):
     backend = _backend_or_skip(backend)
     target, tokens, draft = make_problem(3, 3, 50, seed=8)
