@@ -623,8 +623,9 @@ class CheckFailed(Exception):
     """A provider's output failed its check: an error without a traceback, that provider not timed."""
 
 
-def timed_row(fn: Callable[[], object], run: Run, nbytes: int, *, check=None, warmup=None, rep=None):
-    """Time ``fn`` after one untimed call (compile / autotune, and ``check(out)``: a list of problems).
+def timed_row(fn: Callable[[], object], run: Run, nbytes: int, *, check=None, cap: tuple[int, int] | None = None):
+    """Time ``fn`` after one untimed call (compile / autotune, and ``check(out)``: a list of problems);
+    ``cap`` = (most warmup, most rep) for a slow provider (a reference that loops in Python).
 
     Returns (the measured columns, the first call's output); raises CheckFailed on problems."""
     args = run.args
@@ -632,8 +633,7 @@ def timed_row(fn: Callable[[], object], run: Run, nbytes: int, *, check=None, wa
     problems = check(out) if check else []
     if problems:
         raise CheckFailed("; ".join(problems))
-    warmup = args.warmup if warmup is None else warmup
-    rep = args.rep if rep is None else rep
+    warmup, rep = (min(args.warmup, cap[0]), min(args.rep, cap[1])) if cap else (args.warmup, args.rep)
     timing = time_fn(fn, warmup=warmup, rep=rep, device=args.device)
     return {
         **timing,

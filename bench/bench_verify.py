@@ -217,15 +217,10 @@ def run_shape(B: int, G: int, V: int, mode: Mode, run: common.Run) -> list[dict]
 
     def measure(provider: str) -> dict:
         torch.manual_seed(args.seed)  # eager's torch.rand / multinomial draw from the global RNG
-        slow = provider == "reference"
-        measured, outputs[provider] = common.timed_row(
-            provider_fn(provider, inputs, mode, args.validate),
-            run,
-            bytes_read_once(inputs, mode),
-            check=lambda out: output_problems(out, inputs),
-            warmup=min(args.warmup, REFERENCE_MAX_WARMUP) if slow else None,
-            rep=min(args.rep, REFERENCE_MAX_REP) if slow else None,
-        )
+        fn = provider_fn(provider, inputs, mode, args.validate)
+        cap = (REFERENCE_MAX_WARMUP, REFERENCE_MAX_REP) if provider == "reference" else None
+        check = lambda out: output_problems(out, inputs)  # noqa: E731
+        measured, outputs[provider] = common.timed_row(fn, run, bytes_read_once(inputs, mode), check=check, cap=cap)
         mean_accepted = float(outputs[provider][1].float().mean().item())
         shape = dict(provider=provider, mode=mode.name, B=B, G=G, V=V, dtype=args.dtype)
         return {**run.meta, **shape, **measured, "mean_accepted": mean_accepted}
