@@ -584,14 +584,16 @@ def bench_main(
     header: Callable[[Run], None] | None = None,
     after: Callable[[Run, list[dict]], None] | None = None,
     bandwidth: bool = True,
+    extra_meta: Callable[[], dict] | None = None,
 ) -> int:
-    """The main of every script: environment, metadata, copy bandwidth, header, sweep, rows, exit code."""
+    """The main of every script: environment, metadata (+ ``extra_meta()``), copy bandwidth (unless
+    ``bandwidth=False``), header lines (``header``), the sweep, the rows, ``after``, the exit code."""
     prepare_environment(args.device)  # before anything imports specdec_kernels
     if getattr(args, "threads", None):
         import torch
 
         torch.set_num_threads(args.threads)
-    run = Run(args, environment_metadata(args.device))
+    run = Run(args, {**environment_metadata(args.device), **(extra_meta() if extra_meta else {})})
     if bandwidth:
         run.copy_gbps = measure_copy_bandwidth(args.device)
     print_run_header(name, run.meta, args, run.copy_gbps)

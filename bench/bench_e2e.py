@@ -72,17 +72,13 @@ import copy
 import sys
 import sysconfig
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-_BENCH_DIR = Path(__file__).resolve().parent
-if str(_BENCH_DIR) not in sys.path:  # `import _common` also when this file is imported, not run
-    sys.path.insert(0, str(_BENCH_DIR))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import _common` when run or imported
 import _common as common  # noqa: E402
 
 MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup", "hf_prompt_lookup")
@@ -90,7 +86,6 @@ DEFAULT_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", 
 SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_prompt_lookup")
 DRAFT_MODES = ("hf_assisted", "ours_k1", "ours_k2", "ours_k4")  # need a draft model
 PROMPT_SETS = ("code", "prose")
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 DEFAULT_MAX_NEW, SMOKE_MAX_NEW = 128, 8
 DEFAULT_G = 4
@@ -102,19 +97,9 @@ WARMUP_NEW_TOKENS = 16  # max_new_tokens of the untimed warm-up calls
 # Standard-library modules whose first top-level def/class opens a code prompt (in this order;
 # modules missing from an unusual Python are skipped).
 STDLIB_MODULES = (
-    "heapq.py",
-    "bisect.py",
-    "textwrap.py",
-    "fnmatch.py",
-    "shlex.py",
-    "colorsys.py",
-    "glob.py",
-    "string.py",
-    "fractions.py",
-    "statistics.py",
-    "graphlib.py",
-    "difflib.py",
-)
+    "heapq.py bisect.py textwrap.py fnmatch.py shlex.py colorsys.py glob.py string.py fractions.py statistics.py "
+    "graphlib.py difflib.py"
+).split()
 
 PROSE_PROMPTS = (
     (
@@ -140,77 +125,17 @@ SMOKE_INIT_STD, SMOKE_DRAFT_NOISE = 0.5, 0.01
 SMOKE_BOS, SMOKE_EOS, SMOKE_PAD = 0, 1, 2
 
 CSV_COLUMNS = (
-    "date",
-    "commit",
-    "device",
-    "torch",
-    "triton",
-    "transformers",
-    "target_model",
-    "draft_model",
-    "model_dtype",
-    "mode",
-    "status",
-    "G",
-    "K",
-    "method",
-    "temperature",
-    "top_k",
-    "top_p",
-    "prompt_set",
-    "prompts",
-    "prompt_tokens_mean",
-    "batch_size",
-    "max_new_tokens",
-    "rep",
-    "new_tokens",
-    "wall_s",
-    "cpu_s",
-    "tokens_per_s",
-    "speedup_vs_target",
-    "cpu_speedup_vs_target",
-    "speedup_vs_hf_assisted",
-    "acceptance_rate",
-    "mean_accepted_length",
-    "target_forwards",
-    "draft_forwards",
-    "time_draft",
-    "time_target",
-    "time_verify",
-    "time_commit",
-    "time_other",
-    "drafts_per_step",
-    "greedy_equal",
-    "greedy_equal_prompts",
-    "seed",
-    "warmup",
-    "cache",
-    "compiled",
-    "triton_interpret",
-    "cuda",
-    "python",
-)
+    "date commit device torch triton transformers target_model draft_model model_dtype mode status G K method "
+    "temperature top_k top_p prompt_set prompts prompt_tokens_mean batch_size max_new_tokens rep new_tokens wall_s "
+    "cpu_s tokens_per_s speedup_vs_target cpu_speedup_vs_target speedup_vs_hf_assisted acceptance_rate "
+    "mean_accepted_length target_forwards draft_forwards time_draft time_target time_verify time_commit time_other "
+    "drafts_per_step greedy_equal greedy_equal_prompts seed warmup cache compiled triton_interpret cuda python"
+).split()
 TABLE_COLUMNS = (
-    "temperature",
-    "prompt_set",
-    "mode",
-    "G",
-    "K",
-    "new_tokens",
-    "wall_s",
-    "cpu_s",
-    "tokens_per_s",
-    "speedup_vs_target",
-    "cpu_speedup_vs_target",
-    "speedup_vs_hf_assisted",
-    "acceptance_rate",
-    "mean_accepted_length",
-    "target_forwards",
-    "time_draft",
-    "time_other",
-    "greedy_equal",
-    "status",
-)
+    "temperature prompt_set mode G K new_tokens wall_s cpu_s tokens_per_s speedup_vs_target cpu_speedup_vs_target "
+    "speedup_vs_hf_assisted acceptance_rate mean_accepted_length target_forwards time_draft time_other greedy_equal "
+    "status"
+).split()
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,20 +259,9 @@ def _eos_list(eos) -> list[int]:
 
 
 NEUTRAL_KEYS = (
-    "do_sample",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "typical_p",
-    "repetition_penalty",
-    "no_repeat_ngram_size",
-    "num_beams",
-    "min_length",
-    "min_new_tokens",
-    "max_length",
-    "max_new_tokens",
-)
+    "do_sample temperature top_k top_p min_p typical_p repetition_penalty no_repeat_ngram_size num_beams min_length "
+    "min_new_tokens max_length max_new_tokens"
+).split()
 
 
 def neutralize_generation_config(model, eos: list[int], pad: int) -> dict:
@@ -586,8 +500,9 @@ def batches(prompts: list[str], size: int) -> list[list[str]]:
     return [prompts[i : i + size] for i in range(0, len(prompts), size)]
 
 
-def warm_up(pair: Pair, modes: list[str], prompts: list[str], args, errors: list) -> None:
+def warm_up(pair: Pair, modes: list[str], prompts: list[str], run: common.Run) -> None:
     """Untimed calls of every mode on the first batch: Triton compilation, cuBLAS handles, allocator."""
+    args = run.args
     ids, mask = encode(pair.tokenizer, prompts[: args.batch_size], args.device)
     new = min(WARMUP_NEW_TOKENS, args.max_new_tokens)
     for _ in range(args.warmup):
@@ -596,13 +511,13 @@ def warm_up(pair: Pair, modes: list[str], prompts: list[str], args, errors: list
                 try:
                     run_mode(mode, pair, ids, mask, temperature, new, args.seed, args)
                 except Exception as e:  # the timed run reports it again
-                    errors.append(f"warm-up of {mode} (temperature {temperature}): {e!r}")
-                    traceback.print_exc()
+                    run.error(f"warm-up of {mode} (temperature {temperature})", e)
 
 
 def measure_set(
-    pair: Pair, set_name: str, prompts: list[str], temperature: float, modes: list[str], args, errors: list
+    pair: Pair, set_name: str, prompts: list[str], temperature: float, modes: list[str], run: common.Run
 ) -> dict[str, Totals]:
+    args, errors = run.args, run.errors
     totals = {m: Totals() for m in modes}
     greedy = temperature == 0.0
     for bi, texts in enumerate(batches(prompts, args.batch_size)):
@@ -618,8 +533,7 @@ def measure_set(
                 try:
                     result = run_mode(mode, pair, ids, mask, temperature, args.max_new_tokens, seed, args)
                 except Exception as e:
-                    errors.append(f"{label}: {e!r}")
-                    traceback.print_exc()
+                    run.error(label, e)
                     t.status = "error"
                     continue
                 t.add(result)
@@ -718,14 +632,15 @@ def fill_speedups(rows: list[dict], by_mode: dict[str, dict]) -> None:
             r["cpu_speedup_vs_target"] = (r["new_tokens"] / r["cpu_s"]) / (base["new_tokens"] / base["cpu_s"])
 
 
-def run(pair: Pair, sets: dict[str, list[str]], args, meta: dict, errors: list) -> list[dict]:
+def run_pair(pair: Pair, sets: dict[str, list[str]], run: common.Run) -> list[dict]:
+    args, meta = run.args, run.meta
     skipped = {m: why for m in args.modes if (why := mode_unavailable(m, pair, args.batch_size))}
     for mode, why in skipped.items():
         print(f"[skip] {mode}: {why}", file=sys.stderr)
     modes = [m for m in args.modes if m not in skipped]
     first = next(iter(sets.values()))
     if args.warmup:
-        warm_up(pair, modes, first, args, errors)
+        warm_up(pair, modes, first, run)
     draft_name = pair.draft_name if pair.draft is not None else "none"
     base = {**meta, "target_model": pair.target_name, "draft_model": draft_name, "model_dtype": args.dtype}
     rows = []
@@ -737,7 +652,7 @@ def run(pair: Pair, sets: dict[str, list[str]], args, meta: dict, errors: list) 
             for gi, g in enumerate(sweep):  # baselines once (first G); ours at every G of the sweep
                 args.G = g
                 run_modes = modes if gi == 0 else [m for m in modes if m.startswith("ours")]
-                totals = measure_set(pair, set_name, prompts, temperature, run_modes, args, errors)
+                totals = measure_set(pair, set_name, prompts, temperature, run_modes, run)
                 mode_args = argparse.Namespace(
                     **{**vars(args), "modes": [m for m in args.modes if m in run_modes or m in skipped]}
                 )
@@ -777,9 +692,14 @@ def report_best_g(rows: list[dict], set_name: str, temperature: float) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="End-to-end tokens/s: specdec_kernels.hf.speculative_generate vs target.generate and HF "
-        "assisted generation. See the module docstring for the columns.",
+    p = common.make_parser(
+        "e2e",
+        "End-to-end tokens/s: specdec_kernels.hf.speculative_generate vs target.generate and HF assisted "
+        "generation. See the module docstring for the columns.",
+        dtype_help="model dtype (default: bf16 on CUDA, fp32 on CPU)",
+        smoke_help="tiny random Llama models on CPU, batch 1, 8 new tokens; exits non-zero on any error",
+        seed_help="seed of the sampled runs",
+        timing=False,
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--target", help="target model: a local Hugging Face directory (tokenizer read from it)")
@@ -833,7 +753,6 @@ def parse_args(argv=None):
         help=f"prompt length in characters (default {DEFAULT_PROMPT_CHARS}; smoke: {SMOKE_PROMPT_CHARS})",
     )
     p.add_argument("--vocab-size", type=int, help="real token count, if the models pad their vocabularies differently")
-    p.add_argument("--dtype", choices=tuple(DTYPES), help="model dtype (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--warmup", type=int, help="untimed rounds of every mode before timing (default 1; smoke: 0)")
     p.add_argument("--rep", type=int, default=1, help="timed calls per batch and mode (default 1)")
     p.add_argument(
@@ -841,13 +760,6 @@ def parse_args(argv=None):
         action="store_true",
         help="count a greedy output that differs from target_only as an error (on in --smoke)",
     )
-    common.add_output_args(p, "e2e", timing=False)
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny random Llama models on CPU, batch 1, 8 new tokens; exits non-zero on any error",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
     args = p.parse_args(argv)
     return resolve_defaults(args, p)
 
@@ -890,8 +802,17 @@ def resolve_defaults(args, parser):
     return args
 
 
-def print_header(meta: dict, args, pair: Pair, sets: dict) -> None:
-    common.print_run_header("e2e", meta, args)
+def sweep(run: common.Run) -> list[dict]:
+    """Load the models and prompts (setup errors: exit code 2), then every mode on every prompt set."""
+    args = run.args
+    try:
+        pair = load_pair(args, common.torch_dtype(args.dtype))
+    except (OSError, ValueError, ImportError) as e:
+        raise common.SetupError(f"could not load the models: {e}") from e
+    configure_hf_assistant(pair, args)
+    sets = prompt_sets(args)
+    if not sets:
+        raise common.SetupError("no prompts selected")
     print(
         f"# target {pair.target_name}  draft {pair.draft_name}  {args.dtype}  eos {pair.eos_token_id}  "
         f"pad {pair.pad_token_id}"
@@ -903,33 +824,26 @@ def print_header(meta: dict, args, pair: Pair, sets: dict) -> None:
     )
     if pair.dropped_generation_settings:
         print(f"# target generation config reset to neutral; dropped: {pair.dropped_generation_settings}")
-    common.print_cpu_caveat(args)
+    sys.stdout.flush()
+    return run_pair(pair, sets, run)
+
+
+def transformers_version() -> dict:
+    import transformers
+
+    return {"transformers": transformers.__version__}
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    common.prepare_environment(args.device)  # before anything imports specdec_kernels
-
-    import transformers
-
-    meta = {**common.environment_metadata(args.device), "transformers": transformers.__version__}
-    try:
-        pair = load_pair(args, getattr(torch, DTYPES[args.dtype]))
-    except (OSError, ValueError, ImportError) as e:
-        print(f"error: could not load the models: {e}", file=sys.stderr)
-        return 2
-    configure_hf_assistant(pair, args)
-    sets = prompt_sets(args)
-    if not sets:
-        print("error: no prompts selected", file=sys.stderr)
-        return 2
-    print_header(meta, args, pair, sets)
-
-    errors: list[str] = []
-    rows = run(pair, sets, args, meta, errors)
-
-    common.save_rows(rows, args, "e2e", meta, TABLE_COLUMNS, CSV_COLUMNS)
-    return common.exit_code(errors)
+    return common.bench_main(
+        "e2e",
+        parse_args(argv),
+        sweep,
+        table_columns=TABLE_COLUMNS,
+        csv_columns=CSV_COLUMNS,
+        bandwidth=False,
+        extra_meta=transformers_version,
+    )
 
 
 if __name__ == "__main__":
