@@ -504,7 +504,8 @@ class Axis:
     def add_to(self, parser, name: str) -> None:
         default, smoke = (list(self.default), list(self.smoke)) if self.many else (self.default, self.smoke)
         text = f"{self.help} (default {default}; smoke: {smoke})"
-        parser.add_argument(f"--{name}", type=int, nargs="+" if self.many else None, help=text)
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=name, type=int, nargs="+" if self.many else None, help=text)
 
     def resolve(self, args, name: str) -> None:
         if getattr(args, name) is None:

@@ -86,11 +86,18 @@ SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_prompt_
 DRAFT_MODES = ("hf_assisted", "ours_k1", "ours_k2", "ours_k4")  # need a draft model
 PROMPT_SETS = ("code", "prose")
 
-DEFAULT_MAX_NEW, SMOKE_MAX_NEW = 128, 8
-DEFAULT_G = 4
-DEFAULT_CODE_PROMPTS, SMOKE_CODE_PROMPTS = 8, 1
-DEFAULT_PROSE_PROMPTS, SMOKE_PROSE_PROMPTS = 3, 1
-DEFAULT_PROMPT_CHARS, SMOKE_PROMPT_CHARS = 800, 120
+AXES = {
+    "G": common.Axis(
+        "draft tokens per chain (the maximum with adaptive drafting) for ours and hf_prompt_lookup; several "
+        "values sweep gamma in one run and report the best",
+        (4,),
+        (4,),
+    ),
+    "max_new_tokens": common.Axis("new tokens per prompt", 128, 8, many=False),
+    "code_prompts": common.Axis("number of standard-library code prompts", 8, 1, many=False),
+    "prose_prompts": common.Axis(f"number of prose prompts, <= {len(PROSE_PROMPTS)}", 3, 1, many=False),
+    "prompt_chars": common.Axis("prompt length in characters", 800, 120, many=False),
+}
 WARMUP_NEW_TOKENS = 16  # max_new_tokens of the untimed warm-up calls
 
 CSV_COLUMNS = (
@@ -472,6 +479,7 @@ def parse_args(argv=None):
         dtype_help="model dtype (default: bf16 on CUDA, fp32 on CPU)",
         smoke_help="tiny random Llama models on CPU, batch 1, 8 new tokens; exits non-zero on any error",
         seed_help="seed of the sampled runs",
+        axes=AXES,
         timing=False,
     )
     src = p.add_mutually_exclusive_group()
@@ -479,13 +487,6 @@ def parse_args(argv=None):
     src.add_argument("--pair", choices=("demo",), help="demo: the embedded byte-level pair of specdec_kernels.demo")
     p.add_argument("--draft", help="draft model: a local Hugging Face directory (with --target)")
     p.add_argument("--modes", nargs="+", choices=MODES, help=f"default: {' '.join(DEFAULT_MODES)}")
-    p.add_argument(
-        "--G",
-        type=int,
-        nargs="+",
-        help=f"draft tokens per chain (the maximum with adaptive drafting) for ours and hf_prompt_lookup "
-        f"(default {DEFAULT_G}); several values sweep gamma in one run and report the best",
-    )
     p.add_argument(
         "--cache",
         choices=["dynamic", "static"],
@@ -506,25 +507,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, nargs="+", help="0 = greedy (default: 0); e.g. --temperature 0 0.7")
     p.add_argument("--top-k", type=int, default=0, help="sampled runs: top-k (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampled runs: top-p (1 = off)")
-    p.add_argument("--max-new-tokens", type=int, help=f"default {DEFAULT_MAX_NEW}; smoke: {SMOKE_MAX_NEW}")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (hf_assisted: 1 only)")
     p.add_argument("--prompts", nargs="+", choices=PROMPT_SETS, help="prompt sets (default: code prose)")
-    p.add_argument(
-        "--code-prompts",
-        type=int,
-        help=f"number of standard-library code prompts (default {DEFAULT_CODE_PROMPTS}; smoke: {SMOKE_CODE_PROMPTS})",
-    )
-    p.add_argument(
-        "--prose-prompts",
-        type=int,
-        help=f"number of prose prompts, <= {len(PROSE_PROMPTS)} (default {DEFAULT_PROSE_PROMPTS}; "
-        f"smoke: {SMOKE_PROSE_PROMPTS})",
-    )
-    p.add_argument(
-        "--prompt-chars",
-        type=int,
-        help=f"prompt length in characters (default {DEFAULT_PROMPT_CHARS}; smoke: {SMOKE_PROMPT_CHARS})",
-    )
     p.add_argument("--vocab-size", type=int, help="real token count, if the models pad their vocabularies differently")
     p.add_argument("--warmup", type=int, help="untimed rounds of every mode before timing (default 1; smoke: 0)")
     p.add_argument("--rep", type=int, default=1, help="timed calls per batch and mode (default 1)")
@@ -540,25 +524,16 @@ def parse_args(argv=None):
 def resolve_defaults(args, parser):
     """Fill unset options: smoke defaults in --smoke, sweep defaults otherwise; explicit flags win."""
     smoke = args.smoke
+    for name, axis in AXES.items():
+        axis.resolve(args, name)
     if not smoke and not args.target and not args.pair:
         parser.error("choose the models: --target DIR [--draft DIR], --pair demo, or --smoke")
     if args.draft and not args.target:
         parser.error("--draft goes with --target")
     args.modes = args.modes or list(SMOKE_MODES if smoke else DEFAULT_MODES)
-    args.G_sweep = args.G or [DEFAULT_G]
-    args.G = args.G_sweep[0]
+    args.G_sweep, args.G = args.G, args.G[0]
     args.temperature = args.temperature or [0.0]
-    args.max_new_tokens = args.max_new_tokens or (SMOKE_MAX_NEW if smoke else DEFAULT_MAX_NEW)
     args.prompts = args.prompts or list(PROMPT_SETS)
-    args.code_prompts = (
-        args.code_prompts if args.code_prompts is not None else (SMOKE_CODE_PROMPTS if smoke else DEFAULT_CODE_PROMPTS)
-    )
-    args.prose_prompts = (
-        args.prose_prompts
-        if args.prose_prompts is not None
-        else (SMOKE_PROSE_PROMPTS if smoke else DEFAULT_PROSE_PROMPTS)
-    )
-    args.prompt_chars = args.prompt_chars or (SMOKE_PROMPT_CHARS if smoke else DEFAULT_PROMPT_CHARS)
     args.warmup = args.warmup if args.warmup is not None else (0 if smoke else 1)
     args.strict_greedy = args.strict_greedy or smoke
     if args.compile:
