@@ -517,7 +517,7 @@ def make_parser(
     name: str,
     description: str,
     *,
-    axes: Mapping[str, Axis] = (),
+    axes: Mapping[str, Axis] | None = None,
     providers: Sequence[str] = (),
     smoke_help: str,
     seed_help: str,
@@ -528,7 +528,7 @@ def make_parser(
 ) -> argparse.ArgumentParser:
     """The flags every script shares; the script adds its own before calling ``parse_args``."""
     p = argparse.ArgumentParser(description=description)
-    for axis_name, axis in dict(axes).items():
+    for axis_name, axis in (axes or {}).items():
         axis.add_to(p, axis_name)
     if providers:
         p.add_argument("--providers", nargs="+", choices=tuple(providers), help="default: all")
@@ -544,10 +544,10 @@ def make_parser(
     return p
 
 
-def resolve_common(args, parser, axes: Mapping[str, Axis] = (), providers: Sequence[str] = ()) -> None:
+def resolve_common(args, parser, axes: Mapping[str, Axis] | None = None, providers: Sequence[str] = ()) -> None:
     """Fill the shared options: the axes, all providers, fp32 in --smoke (bf16 otherwise), the timing
     (``resolve_timing``; it also picks the device)."""
-    for axis_name, axis in dict(axes).items():
+    for axis_name, axis in (axes or {}).items():
         axis.resolve(args, axis_name)
     if providers:
         args.providers = args.providers or list(providers)
