@@ -13,7 +13,7 @@ from . import _dispatch
 from ._params import MAX_FLOAT32, MIN_TEMPERATURE
 from ._tree_args import check_tree_args
 from ._types import TreeVerifyOutput, VerifyOutput
-from ._validation import check_flat_verify_args, check_verify_args
+from ._validation import VerifyArgs, check_flat_verify_args, check_verify_args
 
 
 def verify(
@@ -34,6 +34,8 @@ def verify(
     validate: bool = True,
     backend: str = "auto",
     out_dtype: torch.dtype = torch.int64,
+    process_group=None,
+    vocab_size: int | None = None,
 ) -> VerifyOutput:
     """Verify one draft chain per request; the emitted tokens are exactly target-distributed.
 
@@ -112,46 +114,57 @@ def verify(
         >>> out = sk.verify(target_logits, draft_tokens, draft_logits, temperature=0.7, seed=seeds)
         >>> n = out.num_accepted  # commit out.tokens[b, : n[b] + 1]
     """
-    backend = _dispatch.check_backend(backend)
-    target_logits = _target_input(target_logits, target_probs)
-    if logits_scaled:
-        temperature = _unit_temperature(temperature)
-    if cu_num_draft_tokens is not None:
-        if num_draft_tokens is not None:
-            raise ValueError("pass num_draft_tokens or cu_num_draft_tokens, not both (cu implies the counts)")
-        args = check_flat_verify_args(
-            target_logits,
-            draft_tokens,
-            draft_logits,
-            draft_probs,
-            temperature,
-            top_k,
-            top_p,
-            cu_num_draft_tokens,
-            max_num_draft_tokens,
-            seed,
-            validate=validate,
-        )
+    _check_vocab_size_use(process_group, vocab_size)
+
+    def checked() -> VerifyArgs:
+        nonlocal target_logits, temperature
+        if process_group is None:
+            _dispatch.check_backend(backend)
+        else:
+            _dispatch.check_sharded_backend(backend)
+        _check_out_dtype(out_dtype)
+        target_logits = _target_input(target_logits, target_probs)
+        if logits_scaled:
+            temperature = _unit_temperature(temperature)
+        if cu_num_draft_tokens is not None:
+            if num_draft_tokens is not None:
+                raise ValueError("pass num_draft_tokens or cu_num_draft_tokens, not both (cu implies the counts)")
+            args = check_flat_verify_args(
+                target_logits,
+                draft_tokens,
+                draft_logits,
+                draft_probs,
+                temperature,
+                top_k,
+                top_p,
+                cu_num_draft_tokens,
+                max_num_draft_tokens,
+                seed,
+                validate=validate and process_group is None,
+            )
+        else:
+            if max_num_draft_tokens is not None:
+                raise ValueError("max_num_draft_tokens belongs to the flattened layout (cu_num_draft_tokens=)")
+            args = check_verify_args(
+                target_logits,
+                draft_tokens,
+                draft_logits,
+                draft_probs,
+                temperature,
+                top_k,
+                top_p,
+                num_draft_tokens,
+                seed,
+                validate=validate and process_group is None,
+            )
+        return args
+
+    if process_group is not None:  # vocabulary shards: see ops/vocab_parallel.py
+        out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate)
+    elif torch.compiler.is_compiling():  # one opaque custom op in the graph
+        out = _dispatch.call_verify_chain(checked(), backend)
     else:
-        if max_num_draft_tokens is not None:
-            raise ValueError("max_num_draft_tokens belongs to the flattened layout (cu_num_draft_tokens=)")
-        args = check_verify_args(
-            target_logits,
-            draft_tokens,
-            draft_logits,
-            draft_probs,
-            temperature,
-            top_k,
-            top_p,
-            num_draft_tokens,
-            seed,
-            validate=validate,
-        )
-    _check_out_dtype(out_dtype)
-    if torch.compiler.is_compiling():  # one opaque custom op in the graph
-        out = _dispatch.call_verify_chain(args, backend)
-    else:
-        out = _dispatch.run_verify(args, backend)
+        out = _dispatch.run_verify(checked(), backend)
     return out if out_dtype == torch.int64 else VerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.nonfinite)
 
 
@@ -172,6 +185,8 @@ def verify_tree(
     validate: bool = True,
     backend: str = "auto",
     out_dtype: torch.dtype = torch.int64,
+    process_group=None,
+    vocab_size: int | None = None,
 ) -> TreeVerifyOutput:
     """Verify a token tree of drafts per request; the emitted tokens are exactly target-distributed.
 
@@ -224,6 +239,8 @@ def verify_tree(
         max_depth,
         validate=validate,
         out_dtype=out_dtype,
+        process_group=process_group,
+        vocab_size=vocab_size,
     )
 
 
@@ -241,6 +258,8 @@ def verify_multi(
     validate: bool = True,
     backend: str = "auto",
     out_dtype: torch.dtype = torch.int64,
+    process_group=None,
+    vocab_size: int | None = None,
 ) -> TreeVerifyOutput:
     """Verify K independent draft chains per request (SpecTr multi-draft).
 
@@ -272,21 +291,47 @@ def verify_multi(
         validate=validate,
         multi=True,
         out_dtype=out_dtype,
+        process_group=process_group,
+        vocab_size=vocab_size,
     )
 
 
-def _run_tree(backend, *tree_args, validate: bool, multi: bool = False, out_dtype=torch.int64) -> TreeVerifyOutput:
+def _run_tree(
+    backend,
+    *tree_args,
+    validate: bool,
+    multi: bool = False,
+    out_dtype=torch.int64,
+    process_group=None,
+    vocab_size=None,
+) -> TreeVerifyOutput:
     """verify_tree and verify_multi: one check (``check_tree_args``), one dispatch."""
-    backend = _dispatch.check_backend(backend)
-    _check_out_dtype(out_dtype)
-    args = check_tree_args(*tree_args, validate=validate, multi=multi)
-    if torch.compiler.is_compiling():  # one opaque custom op in the graph
-        out = _dispatch.call_verify_tree(args, backend)
+    _check_vocab_size_use(process_group, vocab_size)
+    if process_group is not None:  # vocabulary shards: see ops/vocab_parallel.py
+
+        def checked():
+            _dispatch.check_sharded_backend(backend)
+            _check_out_dtype(out_dtype)
+            args = check_tree_args(*tree_args, validate=False, multi=multi)
+            return args, tree_args[-1] is None and not multi  # max_depth not given: the deepest tree
+
+        out = _dispatch.run_tree_sharded(checked, process_group, vocab_size, validate, multi)
     else:
-        out = _dispatch.run_tree(args, backend)
+        backend = _dispatch.check_backend(backend)
+        _check_out_dtype(out_dtype)
+        args = check_tree_args(*tree_args, validate=validate, multi=multi)
+        if torch.compiler.is_compiling():  # one opaque custom op in the graph
+            out = _dispatch.call_verify_tree(args, backend)
+        else:
+            out = _dispatch.run_tree(args, backend)
     if out_dtype == torch.int64:
         return out
     return TreeVerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.accepted_nodes.to(out_dtype), out.nonfinite)
+
+
+def _check_vocab_size_use(process_group, vocab_size) -> None:
+    if vocab_size is not None and process_group is None:
+        raise ValueError("vocab_size= describes vocabulary shards: it needs process_group=")
 
 
 def _check_out_dtype(out_dtype) -> None:
