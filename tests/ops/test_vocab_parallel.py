@@ -1,0 +1,304 @@
+"""Vocabulary-parallel verification (``process_group=``): 2, 3 and 4 gloo processes on CPU.
+
+Each rank passes its contiguous vocabulary shard (uneven: V = 1000 over 3 ranks is 300 / 450 /
+250); every rank must return exactly the tokens, num_accepted and nonfinite flags of the
+unsharded call with the same seed, for backend="torch" (the reference) and backend="cpu" (csrc).
+One process group per world size runs every case (starting processes is the slow part: they
+fork from a server that has imported the package once); the parent computes the unsharded calls
+and compares.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import specdec_kernels as sk
+from specdec_kernels.ops import _cuda_ext
+from specdec_kernels.reference.philox import philox4x32, philox4x32_torch, uniform_open, uniform_open_torch
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+V = 1000
+SHARDS = {2: [400, 600], 3: [300, 450, 250], 4: [250, 100, 400, 250]}
+CHAIN_PARAMS = {
+    "greedy": dict(temperature=0.0),
+    "sampled": dict(temperature=0.8),
+    "top_k": dict(temperature=0.9, top_k=20),
+    "top_p": dict(temperature=0.7, top_p=0.8),
+    "per_request": "per_request",  # tensors: mixed greedy / filters, per-request seeds
+}
+MODES = ("logits", "probs", "ngram")
+
+
+# --------------------------------------------------------------------------------------------
+# the cases (pure functions of their spec: parent and workers build the same tensors)
+
+
+def _params(spec: dict, B: int) -> dict:
+    p = spec["params"]
+    if p == "per_request":
+        return dict(
+            temperature=torch.tensor([0.0, 0.9, 1.3, 0.6][:B]),
+            top_k=torch.tensor([0, 5, 0, 40][:B]),
+            top_p=torch.tensor([1.0, 0.9, 0.5, 1.0][:B]),
+            seed=torch.tensor([11, -3, 2**40 + 5, 7][:B], dtype=torch.int64),
+        )
+    return dict(CHAIN_PARAMS[p], seed=spec["seed"] * 101 + 1)
+
+
+def _inputs(spec: dict):
+    """Full (unsharded) inputs of a case: target, drafts, draft logits, kwargs."""
+    g = torch.Generator().manual_seed(spec["seed"])
+    B, G = spec["B"], spec["G"]
+    lead = (B, spec["K"]) if spec["op"] == "multi" else (B,)
+    target = torch.randn(*lead, G + 1, V, generator=g) * 2
+    if spec.get("ties"):  # few distinct values: ties at the argmax and the top-k / top-p pivots
+        target = target.round()
+    draft = target[..., :G, :] + torch.randn(*lead, G, V, generator=g) * 0.7
+    # drafts sampled from the draft (accepted often enough that every path runs)
+    tokens = torch.multinomial(torch.softmax(draft.reshape(-1, V), -1), 1, generator=g).reshape(*lead, G)
+    if spec["op"] == "multi" and spec["K"] > 1:
+        tokens[0, 1, 0] = tokens[0, 0, 0]  # chains sharing a prefix: candidates with multiplicity
+        if spec["method"] == "rrs_wor":  # without replacement: distinct first tokens
+            first, second = tokens[:, 0, 0], tokens[:, 1, 0]
+            tokens[:, 1, 0] = torch.where(second == first, (first + 7) % V, second)
+    kw = _params(spec, B)
+    if spec.get("nan"):  # NaN logits inside rank 1's shard, request 1 only
+        off = SHARDS[spec["world"]][0]
+        target[1, ..., off + 3] = float("nan")
+        if spec["mode"] == "logits":
+            draft[1, ..., off + 5] = float("nan")
+    if spec["mode"] == "logits":
+        kw["draft_logits"] = draft
+    elif spec["mode"] == "probs":
+        kw["draft_probs"] = torch.softmax(draft, -1)
+    if spec["op"] == "chain":
+        kw["num_draft_tokens"] = torch.tensor([G, 1, 0, G - 1][:B])
+        if spec.get("placeholder"):
+            tokens[0, 1] = -1
+            kw["validate"] = False
+    else:
+        kw["method"] = spec["method"]
+    if spec.get("int32"):
+        kw["out_dtype"] = torch.int32
+    return target, tokens, kw
+
+
+def _shard(t: torch.Tensor | None, sl: slice):
+    return None if t is None else t[..., sl]
+
+
+def _call(spec: dict, sl: slice | None = None, **extra):
+    """The op on the full inputs (sl None) or on the vocabulary slice sl."""
+    target, tokens, kw = _inputs(spec)
+    if sl is not None:
+        target = target[..., sl]
+        for name in ("draft_logits", "draft_probs"):
+            if name in kw:
+                kw[name] = _shard(kw[name], sl)
+    kw.update(spec.get("extra", {}) if sl is not None else {}, **extra)  # extra: sharded-call options
+    if spec["op"] == "chain":
+        return sk.verify(target, tokens, **kw)
+    if spec["op"] == "tree":
+        parents = torch.tensor([[-1, -1, 0, 0, 2, 1], [-1, 0, 1, -1, 3, 3]])[: tokens.shape[0]]
+        return sk.verify_tree(target, tokens, parents, **kw)
+    return sk.verify_multi(target, tokens, **kw)
+
+
+def _chain(world, seed, mode, params, **more):
+    return dict(op="chain", world=world, seed=seed, B=4, G=4, K=1, mode=mode, params=params, **more)
+
+
+def _multi(world, seed, mode, params, method, **more):
+    return dict(op="multi", world=world, seed=seed, B=3, G=3, K=2, mode=mode, params=params, method=method, **more)
+
+
+def suite(world: int) -> dict[str, dict]:
+    """name -> case spec, per world size (each world size runs in one process group)."""
+    cases = {}
+    if world == 2:  # the chain sweep: every mode x every parameter kind (ragged drafts in all)
+        for i, (mode, params) in enumerate((m, p) for m in MODES for p in CHAIN_PARAMS):
+            cases[f"chain-{mode}-{params}"] = _chain(world, i, mode, params)
+        cases["chain-placeholder"] = _chain(world, 40, "logits", "sampled", placeholder=True)
+        cases["chain-placeholder-greedy"] = _chain(world, 41, "ngram", "greedy", placeholder=True)
+        cases["chain-ties-topk-topp"] = _chain(world, 42, "probs", "per_request", ties=True)
+        cases["chain-ties-greedy"] = _chain(world, 43, "logits", "greedy", ties=True)
+        cases["chain-int32-vocab_size"] = _chain(world, 44, "logits", "top_p", int32=True, extra={"vocab_size": V})
+        cases["multi-kseq-logits"] = _multi(world, 45, "logits", "sampled", "kseq")
+    if world == 3:  # verify_multi K=2: every method x mode, filters, greedy; verify_tree; NaN
+        for i, (method, mode) in enumerate((m, d) for m in ("kseq", "rrs", "rrs_wor") for d in MODES):
+            cases[f"multi-{method}-{mode}"] = _multi(world, 50 + i, mode, "sampled", method)
+            cases[f"multi-{method}-{mode}-filters"] = _multi(world, 60 + i, mode, "per_request", method)
+        cases["multi-greedy"] = _multi(world, 70, "logits", "greedy", "kseq")
+        cases["multi-ties"] = _multi(world, 71, "probs", "top_k", "kseq", ties=True)
+        tree = dict(op="tree", world=world, seed=72, B=2, G=6, K=1, mode="logits", params="top_p", method="rrs")
+        cases["tree-rrs"] = tree
+        cases["chain-nan"] = _chain(world, 73, "logits", "sampled", nan=True)
+        cases["chain-nan-greedy"] = _chain(world, 74, "ngram", "greedy", nan=True)
+        cases["multi-nan"] = _multi(world, 75, "logits", "top_k", "kseq", nan=True)
+    if world == 4:  # a few of everything with a 100-entry shard
+        cases["chain-logits-top_k"] = _chain(world, 80, "logits", "top_k")
+        cases["chain-probs-per_request"] = _chain(world, 81, "probs", "per_request")
+        cases["chain-ngram-greedy"] = _chain(world, 82, "ngram", "greedy")
+        cases["multi-rrs-probs"] = _multi(world, 83, "probs", "top_p", "rrs")
+        cases["multi-kseq-ngram"] = _multi(world, 84, "ngram", "per_request", "kseq")
+        cases["chain-int32"] = _chain(world, 85, "ngram", "top_p", int32=True)
+    return cases
+
+
+# errors every rank must raise: name -> (spec, extra kwargs, per-rank override, exception, message part)
+def error_cases(world: int) -> dict:
+    base = _chain(world, 90, "logits", "sampled")
+    return {
+        "vocab_size": (base, {"vocab_size": V + 1}, None, "ShardError", "do not add up"),
+        "draft_id_range": (dict(base, extra={}), {}, "bad_id", "ValueError", "draft_tokens must be in [0, V=1000)"),
+        "backend": (base, {"backend": "triton"}, None, "ValueError", "backend must be one of"),
+        "rank_shape": (base, {}, "bad_shape", "ShardError", "failed their argument checks"),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# the worker (one process per rank)
+
+
+def _summary(out) -> dict:
+    d = {"tokens": out.tokens, "num_accepted": out.num_accepted, "nonfinite": out.nonfinite}
+    if hasattr(out, "accepted_nodes"):
+        d["accepted_nodes"] = out.accepted_nodes
+    return d
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    sizes = SHARDS[world]
+    off = sum(sizes[:rank])
+    sl = slice(off, off + sizes[rank])
+    results: dict = {}
+    try:
+        for name, spec in suite(world).items():
+            results[name] = _summary(_call(spec, sl, backend="torch", process_group=dist.group.WORLD))
+        for name, (spec, extra, override, _, _) in error_cases(world).items():
+            target, tokens, kw = _inputs(spec)
+            kw = {k: (_shard(v, sl) if k.startswith("draft_") else v) for k, v in kw.items()}
+            target = target[..., sl]
+            if override == "bad_id":
+                tokens = tokens.clone()
+                tokens[0, 0] = V + 3  # within no shard: a global id out of range
+            if override == "bad_shape" and rank == world - 1:
+                target = target[:, :-1]  # one rank's shapes are wrong: every rank must raise
+            try:
+                sk.verify(target, tokens, **kw, **extra, process_group=dist.group.WORLD)
+                results[f"error-{name}"] = None
+            except Exception as exc:  # noqa: BLE001  (the test checks type and message)
+                results[f"error-{name}"] = (type(exc).__name__, str(exc))
+    except Exception:  # noqa: BLE001
+        results["crash"] = traceback.format_exc()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+_RUNS: dict[int, list[dict]] = {}
+
+
+def run_world(world: int) -> list[dict]:
+    """Every rank's results for the world size's suite (run once per test session)."""
+    if world not in _RUNS:
+        with tempfile.TemporaryDirectory() as tmp:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(["specdec_kernels", __name__])
+            init_file = os.path.join(tmp, "init")
+            mp.start_processes(_worker, args=(world, init_file, tmp), nprocs=world, start_method="forkserver")
+            _RUNS[world] = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    for r, res in enumerate(_RUNS[world]):
+        assert "crash" not in res, f"rank {r} crashed:\n{res['crash']}"
+    return _RUNS[world]
+
+
+def _cpu_ready() -> bool:
+    try:
+        return _cuda_ext.cpu_backend_ready()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _assert_same(got: dict, want, name: str, who: str) -> None:
+    for field, value in _summary(want).items():
+        assert torch.equal(got[field], value), f"{name}: {field} differs ({who}): {got[field]} vs {value}"
+
+
+def _check_world(world: int) -> None:
+    runs = run_world(world)
+    backends = ["torch"] + (["cpu"] if _cpu_ready() else [])
+    for name, spec in suite(world).items():
+        for backend in backends:
+            want = _call(spec, None, backend=backend)
+            for rank, res in enumerate(runs):
+                _assert_same(res[name], want, name, f"rank {rank} vs unsharded backend={backend}")
+    for name, (_, _, _, exc_type, message) in error_cases(world).items():
+        for rank, res in enumerate(runs):
+            err = res[f"error-{name}"]
+            assert err is not None, f"{name}: rank {rank} raised nothing"
+            if name == "rank_shape" and rank == world - 1:
+                assert err[0] == "ValueError" and "draft_tokens must have shape" in err[1], err
+            else:
+                assert err[0] == exc_type and message in err[1], (name, rank, err)
+
+
+# --------------------------------------------------------------------------------------------
+# tests
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shards_match_unsharded_call(world):
+    """Every case of the world size's suite, every rank, against backend="torch" and "cpu";
+    argument errors raise on every rank (none is left waiting in a collective)."""
+    _check_world(world)
+
+
+def test_nan_on_one_rank_flags_the_request_everywhere():
+    runs = run_world(3)
+    for name in ("chain-nan", "chain-nan-greedy", "multi-nan"):
+        for res in runs:
+            assert res[name]["nonfinite"].tolist() == [False, True, False, False][: len(res[name]["nonfinite"])], name
+
+
+def test_cases_cover_the_contract():
+    """The suites exercise every mode, filter, method, ragged drafts and placeholder ids (so a
+    passing run means something)."""
+    all_cases = [spec for w in SHARDS for spec in suite(w).values()]
+    chain = [s for s in all_cases if s["op"] == "chain"]
+    multi = [s for s in all_cases if s["op"] == "multi"]
+    assert {(s["mode"], s["params"]) for s in chain} >= {(m, p) for m in MODES for p in CHAIN_PARAMS}
+    assert {(s["method"], s["mode"]) for s in multi} >= {(m, d) for m in ("kseq", "rrs", "rrs_wor") for d in MODES}
+    assert any(s.get("placeholder") for s in chain) and any(s.get("nan") for s in all_cases)
+    assert {s["world"] for s in all_cases} == {2, 3, 4}
+
+
+def test_torch_philox_matches_numpy():
+    seeds = torch.tensor([0, 1, -3, 2**63 - 1, -(2**63), 2**40 + 7], dtype=torch.int64)[:, None]
+    c0 = torch.arange(0, 4000, 37)[None, :]
+    want = philox4x32(seeds.numpy(), c0.numpy(), 9, 2, 0)
+    got = philox4x32_torch(seeds, c0, 9, 2, 0)
+    for w, g in zip(want, got, strict=True):
+        assert (torch.from_numpy(w.astype("int64")) == g).all()
+    assert torch.equal(uniform_open_torch(got[0]), torch.from_numpy(uniform_open(want[0])))
+
+
+def test_vocab_size_needs_process_group():
+    with pytest.raises(ValueError, match="vocab_size= describes vocabulary shards"):
+        sk.verify(torch.zeros(1, 1, 4), torch.zeros(1, 0, dtype=torch.int64), vocab_size=4)
+
+
+def test_process_group_needs_initialised_distributed():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="initialised torch.distributed"):
+        sk.verify(torch.zeros(1, 1, 4), torch.zeros(1, 0, dtype=torch.int64), process_group=object())
