@@ -107,6 +107,33 @@ def verify(
         ``accepted_nodes`` (verify_tree) and its predicts the emitted tokens; FlashInfer's
         chain_speculative_sampling output = ``tokens`` with -1 padding.
 
+    Vocabulary parallel (the LM head sharded over the vocabulary, as tensor-parallel engines hold it):
+        process_group:    a torch.distributed process group (NCCL on GPU, gloo on CPU). Each rank passes
+                          its contiguous vocabulary shard in rank order (sizes may differ): target_logits
+                          [B, G+1, V_r] and draft_logits / draft_probs [B, G, V_r] (or target_probs).
+                          draft_tokens (global ids in [0, V)), num_draft_tokens, temperature, top_k,
+                          top_p and seed are the same on every rank; seed=None uses rank 0's draw.
+                          Every rank returns the tokens, num_accepted and nonfinite of the unsharded
+                          call with the same seed (float sums run in another order across shards:
+                          equal except at measure-zero ties). backend: "auto" or "torch" (a
+                          vectorised PyTorch shard implementation, any device).
+        vocab_size:       V; checked against the sum of the shard sizes, which one tiny all-gather
+                          always exchanges (it also makes an argument error raise on every rank
+                          instead of leaving the others waiting in a collective).
+        Math: instead of all-gathering B (G+1) V logits, ranks exchange O(B (G+1)) numbers per
+        collective: per row the max and first argmax (all-gather of per-rank pairs), the softmax
+        normaliser with the owner's w(x_i) folded in (all-reduce: p(x_i) = w(x_i) / Z exactly as
+        unsharded), the exact top-k / top-p thresholds by radix select over the 32-bit order keys of
+        the logits (4 all-reduces of [rows, 256] histograms each: counts for top-k, softmax mass for
+        top-p; ties kept as the reference keeps them), and the race winner at the emitting row: the
+        race key of entry x uses Philox(seed; x // 4, row, purpose) with the global index x, so each
+        shard draws the unsharded call's numbers, and the winner is the (max key, lowest index) over
+        ranks (all-gather). NaN logits in one rank's shard flag the request on every rank.
+        Example (rank r of world w, V divisible by w):
+            >>> lo, hi = r * V // w, (r + 1) * V // w
+            >>> out = sk.verify(target_logits[..., lo:hi], draft_tokens, draft_logits[..., lo:hi],
+            ...                 temperature=0.8, seed=seeds, process_group=dist.group.WORLD)
+
     Returns:
         VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool).
 
@@ -207,6 +234,11 @@ def verify_tree(
         max_depth:     output width D; default: the deepest tree (found while validating, a host
                        sync) or N when validate=False. Pass it to stay sync-free (CUDA graphs).
         backend:       "auto" | "triton" | "cuda" | "torch" (reference), as for :func:`verify`.
+        process_group, vocab_size: vocabulary shards, as for :func:`verify`: each rank passes
+                       target_logits [B, N+1, V_r] and draft rows [B, N, V_r] of its contiguous shard;
+                       tokens are global ids. The walk runs one depth per step with the per-row
+                       collectives of :func:`verify`, plus the K-SEQ rho search (4 all-reduces of
+                       16 sums of min(q, p / rho)) or, for RRS, one lookup and one sum per candidate.
 
     Math: walk from the root; at each position the children are samples from the draft's q there;
     K-SEQ accepts child X_i (first in order) w.p. min(1, p(X_i) / (rho* q(X_i))) with rho* solving
@@ -271,8 +303,14 @@ def verify_multi(
     With K = 1 this is exactly :func:`verify` (same tokens for the same seeds). accepted_nodes
     index chain * G + slot.
 
+    Vocabulary parallel: ``process_group=`` (and ``vocab_size=``) as for :func:`verify`: each rank
+    passes target_logits [B, K, G+1, V_r] and draft_logits / draft_probs [B, K, G, V_r] of its
+    contiguous shard; draft ids are global; every rank returns the unsharded call's output.
+
     Example:
         >>> out = sk.verify_multi(logits, drafts, draft_logits, method="kseq", seed=seeds)
+        >>> out = sk.verify_multi(logits[..., lo:hi], drafts, draft_logits[..., lo:hi], seed=seeds,
+        ...                       process_group=dist.group.WORLD)  # this rank's shard [lo, hi)
     """
     return _run_tree(
         backend,
