@@ -266,22 +266,23 @@ def _group_device(process_group, args, attr: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _agree_on_values(shard, validate_fn) -> object:
-    """Run the value checks on every rank and raise everywhere if any rank failed them."""
-    result, error = _local_check(validate_fn)
-    vocab_parallel.agree(shard, error)
-    return result
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def run_verify_sharded(check: Callable[[], VerifyArgs], process_group, vocab_size, validate: bool) -> VerifyOutput:
     """Chain verification over vocabulary shards. ``check`` returns this rank's checked arguments
     (shapes only: ids are global, checked here against the full vocabulary)."""
     args, error = _local_check(check)
-    dims = None if args is None else (args.B, args.G, 0)
     device = _group_device(process_group, args, "target_logits")
-    shard, args = vocab_parallel.exchange_layout(process_group, device, _KIND_CHAIN, args, error, vocab_size, dims)
-    if validate and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _agree_on_values(shard, lambda: validate_sharded_verify_values(args, shard.V))
+    validate = validate and not _capturing(device)
+    dims = None if args is None else (args.B, args.G, 0)
+    checksum = vocab_parallel.replicated_checksum(args) if validate and args is not None else -1
+    shard, args = vocab_parallel.exchange_layout(
+        process_group, device, _KIND_CHAIN, args, error, vocab_size, dims, checksum
+    )
+    if validate:  # the replicated arguments are equal on every rank (checksum): the same verdict everywhere
+        validate_sharded_verify_values(args, shard.V)
     return vocab_parallel.verify_chain_sharded(shard, args.padded())
 
 
@@ -293,12 +294,14 @@ def run_tree_sharded(
     validation does)."""
     checked, error = _local_check(check)
     args, tighten = checked if checked is not None else (None, False)
-    dims = None if args is None else (args.B, args.K, args.G)
     device = _group_device(process_group, args, "target")
+    validate = validate and not _capturing(device)
+    dims = None if args is None else (args.B, args.K, args.G)
+    checksum = vocab_parallel.replicated_checksum(args) if validate and args is not None else -1
     kind = _KIND_MULTI if multi else _KIND_TREE
-    shard, args = vocab_parallel.exchange_layout(process_group, device, kind, args, error, vocab_size, dims)
-    if validate and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        depth = _agree_on_values(shard, lambda: validate_sharded_tree_values(args, shard.V, multi))
+    shard, args = vocab_parallel.exchange_layout(process_group, device, kind, args, error, vocab_size, dims, checksum)
+    if validate:
+        depth = validate_sharded_tree_values(args, shard.V, multi)
         if tighten and depth is not None:
             args.max_depth = depth
     return vocab_parallel.verify_tree_sharded(shard, args)

@@ -28,13 +28,14 @@ values (identical on every rank), so all ranks run the same collectives and retu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import zlib
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
 
 from .._params import SamplingParams
-from .._types import DRAFT_NONE, DRAFT_PROBS, TreeVerifyOutput, VerifyOutput
+from .._types import DRAFT_LOGITS, DRAFT_NONE, DRAFT_PROBS, TreeVerifyOutput, VerifyOutput
 from ..reference.philox import philox4x32_torch, uniform_open_torch
 from ..reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
 from ..reference.verify_tree import RHO_POINTS, RHO_ROUNDS, kseq_scale
@@ -43,11 +44,12 @@ NEG_INF = float("-inf")
 _DIGIT_BITS = 8
 _BINS = 1 << _DIGIT_BITS
 _SHIFTS = (24, 16, 8, 0)  # radix select over 32-bit keys, most significant digit first
+TOPK_GATHER_MAX = 256  # top-k up to this: all-gather each rank's k largest values (else radix select)
 _MIN_TEMPERATURE = 2.0**-126
 _NO_INDEX = float(2**53)  # "no index" in float64 stat records (exact integers below it)
 
-# signature record exchanged first: [ok, V_r, kind, B, dim1, dim2, draft mode, seed is int, seed, vocab_size]
-_SIG_LEN = 10
+# signature record exchanged first:
+# [ok, V_r, kind, B, dim1, dim2, draft mode, seed is int, seed, vocab_size, checksum of the replicated args]
 
 
 class ShardError(ValueError):
@@ -82,6 +84,25 @@ class Shard:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
+    def gather_many(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One all-gather for several float64 tensors: [world, *part.shape] each."""
+        flat = torch.cat([t.reshape(-1).double() for t in parts]).to(self.device)
+        allr = self.gather(flat).to(parts[0].device)
+        out, start = [], 0
+        for t in parts:
+            out.append(allr[:, start : start + t.numel()].reshape(self.world, *t.shape))
+            start += t.numel()
+        return out
+
+    def sum_many(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One all-reduce (sum) for several float64 tensors."""
+        flat = self.sum(torch.cat([t.reshape(-1).double() for t in parts]).to(self.device)).to(parts[0].device)
+        out, start = [], 0
+        for t in parts:
+            out.append(flat[start : start + t.numel()].reshape(t.shape))
+            start += t.numel()
+        return out
+
     def local(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(whether this rank owns each global id, its local index clamped into the shard)."""
         own = (ids >= self.offset) & (ids < self.offset + self.size)
@@ -96,7 +117,29 @@ class Shard:
         return torch.where(own, rows.gather(-1, idx), torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
-def _signature(kind: int, args, error, vocab_size, B_dims) -> torch.Tensor:
+_SHARDED_FIELDS = ("target_logits", "target", "draft")  # per-rank shards; everything else is replicated
+
+
+def replicated_checksum(args) -> int:
+    """CRC32 of the arguments every rank must pass identically (ids, counts, parameters, seeds,
+    parents, method): a host copy of small tensors (only when validating)."""
+    crc = 0
+    values = [getattr(args, f.name) for f in fields(args) if f.name not in _SHARDED_FIELDS]
+    seed = args.sampling.seed  # an int seed may differ (seed=None draws per rank): rank 0's is used
+    values += [getattr(args.sampling, f.name) for f in fields(args.sampling) if f.name != "seed"]
+    values += [seed] if isinstance(seed, torch.Tensor) else []
+    for v in values:
+        if isinstance(v, SamplingParams):
+            continue
+        if isinstance(v, torch.Tensor):
+            data = v.detach().cpu().contiguous().numpy().tobytes() + str(v.dtype).encode()
+        else:
+            data = repr(v).encode()
+        crc = zlib.crc32(data, crc)
+    return crc
+
+
+def _signature(kind: int, args, error, vocab_size, B_dims, checksum) -> torch.Tensor:
     ok = error is None
     V_r, B, d1, d2, mode, seed_int, seed = 0, 0, 0, 0, 0, 0, 0
     if ok:
@@ -106,22 +149,26 @@ def _signature(kind: int, args, error, vocab_size, B_dims) -> torch.Tensor:
         seed_int = int(not isinstance(args.sampling.seed, torch.Tensor))
         seed = args.sampling.seed if seed_int else 0
     vs = -1 if vocab_size is None else int(vocab_size)
-    return torch.tensor([int(ok), V_r, kind, B, d1, d2, mode, seed_int, seed, vs], dtype=torch.int64)
+    return torch.tensor([int(ok), V_r, kind, B, d1, d2, mode, seed_int, seed, vs, checksum], dtype=torch.int64)
 
 
-def exchange_layout(process_group, device, kind: int, args, error, vocab_size, dims) -> tuple[Shard, object]:
+def exchange_layout(
+    process_group, device, kind: int, args, error, vocab_size, dims, checksum: int = -1
+) -> tuple[Shard, object]:
     """The one collective before any work: every rank's shard size and argument signature.
 
     Raises on every rank (the rank's own error where it has one) when a rank's arguments failed
     their checks, when ranks disagree on shapes / draft mode / seed kind, or when ``vocab_size``
     differs from the sum of the shard sizes. Int seeds (``seed=None`` draws one per rank) are
-    replaced by rank 0's so that every rank draws the same random numbers."""
+    replaced by rank 0's so that every rank draws the same random numbers. ``checksum``
+    (``replicated_checksum``, or -1 when not validating) catches ranks passing different
+    replicated arguments; then value checks give the same verdict on every rank."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("process_group= needs an initialised torch.distributed process group")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)):
         error = error or TypeError(f"vocab_size must be an int or None, got {vocab_size!r}")
     comm_device = device if dist.get_backend(process_group) == "nccl" else torch.device("cpu")
-    sig = _signature(kind, args, error, vocab_size, dims).to(comm_device)
+    sig = _signature(kind, args, error, vocab_size, dims, checksum).to(comm_device)
     world = dist.get_world_size(process_group)
     out = [torch.empty_like(sig) for _ in range(world)]
     dist.all_gather(out, sig, group=process_group)
@@ -136,6 +183,11 @@ def exchange_layout(process_group, device, kind: int, args, error, vocab_size, d
             raise ShardError(f"ranks disagree on the {what}: {sigs[:, col].tolist()} (every rank passes the same call)")
     if len(set(sigs[:, 7].tolist())) > 1:
         raise ShardError("ranks disagree on the seed kind (int on some, tensor on others)")
+    if len(set(sigs[:, 10].tolist())) > 1:
+        raise ShardError(
+            "ranks pass different draft tokens, counts, sampling parameters or seeds (checksums "
+            f"{sigs[:, 10].tolist()}): everything but the vocabulary shards must be the same on every rank"
+        )
     sizes = sigs[:, 1].tolist()
     V = sum(sizes)
     if vocab_size is not None and len(set(sigs[:, 9].tolist())) > 1:
@@ -147,15 +199,6 @@ def exchange_layout(process_group, device, kind: int, args, error, vocab_size, d
     if int(sigs[0, 7]):
         args = replace(args, sampling=replace(args.sampling, seed=int(sigs[0, 8])))
     return Shard(process_group, comm_device, sizes), args
-
-
-def agree(shard: Shard, error: Exception | None) -> None:
-    """Raise on every rank when any rank's value checks failed (one small all-reduce)."""
-    flag = shard.sum(torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64, device=shard.device))
-    if error is not None:
-        raise error
-    if float(flag[0]) > 0:
-        raise ShardError("another rank of the process group failed its value checks (see its error)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,8 +235,9 @@ def _key_to_float(key: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-def _row_stats(shard: Shard, x: torch.Tensor, flags: list[torch.Tensor]) -> tuple:
-    """Global (max, first argmax, OR of each flag) of rows x [R, V_r] (sanitised fp32)."""
+def _row_stats(shard: Shard, x: torch.Tensor, bad: torch.Tensor, extra: torch.Tensor | None) -> tuple:
+    """Global (max, first argmax, any NaN / +inf) of rows x [R, V_r] (sanitised fp32; bad: the
+    local flags), and the OR over ranks of the extra flags (another row set), in one all-gather."""
     R = x.shape[0]
     if shard.size:
         mx = x.max(-1).values
@@ -202,12 +246,13 @@ def _row_stats(shard: Shard, x: torch.Tensor, flags: list[torch.Tensor]) -> tupl
     else:
         mx = torch.full((R,), NEG_INF, device=x.device)
         first = torch.full((R,), _NO_INDEX, dtype=torch.float64, device=x.device)
-    rec = torch.stack([mx.double(), first, *(f.double() for f in flags)], -1)
-    allr = shard.gather(rec.to(shard.device)).to(x.device)  # [world, R, s]
+    rec = torch.stack([mx.double(), first, bad.double()], -1)
+    extra = torch.zeros(0, dtype=torch.bool, device=x.device) if extra is None else extra
+    allr, all_extra = shard.gather_many([rec, extra])  # [world, R, 3], [world, ...]
     gmax = allr[..., 0].max(0).values
     at_max = allr[..., 0] == gmax[None]
     argmax = torch.where(at_max, allr[..., 1], _NO_INDEX).min(0).values.long()
-    return gmax.float(), argmax, [allr[..., 2 + i].amax(0) > 0 for i in range(len(flags))]
+    return gmax.float(), argmax, allr[..., 2].amax(0) > 0, all_extra.amax(0) > 0
 
 
 def _radix_select(shard: Shard, keys: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor | None, goal):
@@ -246,6 +291,21 @@ def _radix_select(shard: Shard, keys: torch.Tensor, valid: torch.Tensor, weights
     return prefix, total
 
 
+def _kth_largest_gathered(shard: Shard, x: torch.Tensor, k: torch.Tensor, k_max: int):
+    """(k-th largest finite value [R] fp32, number of finite entries up to world * k_max [R]):
+    one all-gather of every rank's k_max largest values. Exact: each rank's share of the global
+    top k is among its own top k; the finite count reaches k iff the row has k finite entries."""
+    R = x.shape[0]
+    take = min(k_max, shard.size)
+    local = torch.full((R, k_max), NEG_INF, dtype=torch.float32, device=x.device)
+    if take:
+        local[:, :take] = torch.topk(x, take, dim=-1).values
+    union = shard.gather(local.to(shard.device)).to(x.device).permute(1, 0, 2).reshape(R, -1)
+    union = torch.sort(union, dim=-1, descending=True).values
+    count = (union > NEG_INF).sum(-1)
+    return union.gather(1, (k - 1).clamp(0, union.shape[1] - 1)[:, None])[:, 0], count
+
+
 def _thresholds(shard: Shard, x, gmax, temp, top_k, top_p, sampled) -> torch.Tensor:
     """``reference.sampling.filter_threshold`` of every row, globally: fp32 [R] (-inf = no filter)."""
     R = x.shape[0]
@@ -256,8 +316,13 @@ def _thresholds(shard: Shard, x, gmax, temp, top_k, top_p, sampled) -> torch.Ten
     use_k = sampled & (top_k > 0) & (top_k < shard.V)
     if bool(use_k.any()):  # replicated parameters: the same decision on every rank
         k = torch.where(use_k, top_k, torch.ones_like(top_k))
-        kth, count = _radix_select(shard, keys, finite, None, k)
-        thr = torch.where(use_k & (count >= top_k), _key_to_float(kth), thr)
+        k_max = int(k.max())
+        if k_max <= TOPK_GATHER_MAX:  # the global top k lie in the union of the ranks' local top k
+            kth, count = _kth_largest_gathered(shard, x, k, k_max)
+        else:
+            kth_key, count = _radix_select(shard, keys, finite, None, k)
+            kth = _key_to_float(kth_key)
+        thr = torch.where(use_k & (count >= top_k), kth, thr)
     use_p = sampled & (top_p < 1.0)
     if bool(use_p.any()):
         kept = finite & (x >= thr[:, None])
@@ -306,31 +371,34 @@ class Rows:
     def empty(self) -> torch.Tensor:
         return self.gmax == NEG_INF
 
+    def take(self, rows: slice) -> Rows:
+        return Rows(*(getattr(self, f)[rows] for f in ("w", "Z", "gmax", "argmax", "bad", "at_ids")))
 
-def process_rows(shard: Shard, raw, params, sampled, ids, probs: bool = False) -> Rows:
-    """Sanitise, filter (global thresholds) and exponentiate rows raw [R, V_r]; look up p at the
-    global ids [R, J] (negative: none). ``probs``: rows are draft probabilities (used as given).
-    params: (temperature f64 [R], top_k int64 [R], top_p f64 [R])."""
-    if probs:
-        q, bad = sanitize_probs(raw)
-        looked = shard.sum(shard.lookup(q, ids.clamp(min=0)).to(shard.device)).to(q.device)
-        looked = torch.where(ids >= 0, looked, torch.zeros_like(looked))
-        zeros = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device)
-        bad = shard.gather(bad.double().to(shard.device)).amax(0).to(q.device) > 0
-        return Rows(q, zeros + 1.0, zeros.float(), zeros.long(), bad, looked)
+
+def process_rows(shard: Shard, logits, params, sampled, ids, probs=None, probs_ids=None) -> tuple[Rows, Rows | None]:
+    """Sanitise, filter (global thresholds) and exponentiate logit rows [R, V_r] and look up p at
+    the global ids [R, J] (negative: none); optionally also draft-probability rows probs [Rq, V_r]
+    (used as given) with their ids [Rq, Jq]. Both row sets share each collective.
+    params: (temperature f64 [R], top_k int64 [R], top_p f64 [R]); sampled: [R] bool."""
     temp, top_k, top_p = params
-    x, bad = sanitize(raw)
-    gmax, argmax, (bad,) = _row_stats(shard, x, [bad])
+    x, bad = sanitize(logits)
+    q, q_bad = sanitize_probs(probs) if probs is not None else (None, None)
+    gmax, argmax, bad, q_bad = _row_stats(shard, x, bad, q_bad)
     t = torch.where(sampled, temp, torch.ones_like(temp))
     thr = _thresholds(shard, x, gmax, t, top_k, top_p, sampled)
     w = _weights(x, thr, gmax, t)
     w = torch.where(sampled[:, None], w, torch.zeros_like(w))
     local = torch.cat([w.sum(-1, keepdim=True), shard.lookup(w, ids.clamp(min=0))], -1)
-    sums = shard.sum(local.to(shard.device)).to(w.device)
-    Z = sums[:, 0]
-    at = sums[:, 1:] / torch.where(Z > 0, Z, torch.ones_like(Z))[:, None]
-    at = torch.where(ids >= 0, at, torch.zeros_like(at))
-    return Rows(w, Z, gmax, argmax, bad, at)
+    parts = [local] if q is None else [local, shard.lookup(q, probs_ids.clamp(min=0))]
+    sums = shard.sum_many(parts)
+    Z = sums[0][:, 0]
+    at = sums[0][:, 1:] / torch.where(Z > 0, Z, torch.ones_like(Z))[:, None]
+    rows = Rows(w, Z, gmax, argmax, bad, torch.where(ids >= 0, at, torch.zeros_like(at)))
+    if q is None:
+        return rows, None
+    ones = torch.ones(q.shape[0], dtype=torch.float64, device=q.device)
+    q_at = torch.where(probs_ids >= 0, sums[1], torch.zeros_like(sums[1]))
+    return rows, Rows(q, ones, ones.float(), ones.long(), q_bad, q_at)
 
 
 def race_uniforms(seeds, rows, purposes, start: int, count: int) -> torch.Tensor:
@@ -410,27 +478,34 @@ def verify_chain_sharded(shard: Shard, args) -> VerifyOutput:
 
     rows_sampled = per_row(~greedy)
     params = (per_row(temp), per_row(top_k), per_row(top_p))
-    target = process_rows(
-        shard, args.target_logits.reshape(B * G1, -1), params, rows_sampled, ids.reshape(-1, 1), probs=False
-    )
+    logits = args.target_logits.reshape(B * G1, -1)
+    has_draft = args.draft_mode != DRAFT_NONE and G > 0
+    if has_draft:
+        d_rows = (slice(None), slice(0, G))
+        d_params = tuple(v.reshape(B, G1)[d_rows].reshape(-1) for v in params)
+        d_sampled = rows_sampled.reshape(B, G1)[d_rows].reshape(-1)
+        d_ids = ids[:, :G].reshape(-1, 1)
+    if has_draft and args.draft_mode == DRAFT_LOGITS:  # target and draft rows share the collectives
+        rows, _ = process_rows(
+            shard,
+            torch.cat([logits.float(), args.draft.reshape(B * G, -1).float()]),
+            tuple(torch.cat([t, d]) for t, d in zip(params, d_params, strict=True)),
+            torch.cat([rows_sampled, d_sampled]),
+            torch.cat([ids.reshape(-1, 1), d_ids]),
+        )
+        target, draft = rows.take(slice(0, B * G1)), rows.take(slice(B * G1, None))
+    elif has_draft:
+        probs = args.draft.reshape(B * G, -1)
+        target, draft = process_rows(shard, logits, params, rows_sampled, ids.reshape(-1, 1), probs, d_ids)
+    else:
+        (target, _), draft = process_rows(shard, logits, params, rows_sampled, ids.reshape(-1, 1)), None
     p_tok = target.at_ids.reshape(B, G1)
     t_bad, t_empty = target.bad.reshape(B, G1), target.empty.reshape(B, G1)
     argmax = target.argmax.reshape(B, G1)
-    if args.draft_mode == DRAFT_NONE or G == 0:
+    if draft is None:
         q_tok = torch.ones((B, G1), dtype=torch.float64, device=dev)
         d_bad = torch.zeros((B, G1), dtype=torch.bool, device=dev)
-        draft = None
     else:
-        sub = (slice(None), slice(0, G))
-        d_params = tuple(v.reshape(B, G1)[sub].reshape(-1) for v in params)
-        draft = process_rows(
-            shard,
-            args.draft.reshape(B * G, -1),
-            d_params,
-            rows_sampled.reshape(B, G1)[sub].reshape(-1),
-            ids[:, :G].reshape(-1, 1),
-            probs=args.draft_mode == DRAFT_PROBS,
-        )
         pad = torch.zeros((B, 1), dtype=torch.float64, device=dev)
         q_tok = torch.cat([draft.at_ids.reshape(B, G), pad], 1)
         d_bad = torch.cat([draft.bad.reshape(B, G), pad.bool()], 1)
@@ -455,11 +530,13 @@ def verify_chain_sharded(shard: Shard, args) -> VerifyOutput:
             q_row[own, loc[own]] = 1.0
     else:
         q_row = draft.p_rows(b_idx * G + j.clamp(max=G - 1))
-    residual = torch.clamp(p_row - q_row, min=0)
-    purposes = torch.where(bonus, PURPOSE_BONUS, PURPOSE_RECOVER)
-    res_tok, p_tok_won = race(shard, [safe_log(residual), safe_log(p_row)], seeds, j, purposes)
-    sampled_tok = torch.where(bonus | (res_tok < 0), p_tok_won, res_tok).clamp(min=0)
-    token = torch.where(greedy, argmax[b_idx, j], sampled_tok)
+    token = argmax[b_idx, j]
+    if not bool(greedy.all()):  # replicated: every rank takes the same branch
+        residual = torch.clamp(p_row - q_row, min=0)
+        purposes = torch.where(bonus, PURPOSE_BONUS, PURPOSE_RECOVER)
+        res_tok, p_tok_won = race(shard, [safe_log(residual), safe_log(p_row)], seeds, j, purposes)
+        sampled_tok = torch.where(bonus | (res_tok < 0), p_tok_won, res_tok).clamp(min=0)
+        token = torch.where(greedy, token, sampled_tok)
     tokens = torch.full((B, G1), -1, dtype=torch.int64, device=dev)
     if G:
         tokens[:, :G] = torch.where(row[None, :G] < j[:, None], drafts, -1)
@@ -505,7 +582,21 @@ def verify_tree_sharded(shard: Shard, args) -> TreeVerifyOutput:
         order = torch.where(cand, node[None], N).sort(1).values
         cnode = torch.where(order < N, order, -1)
         ctok = torch.where(cnode >= 0, toks.gather(1, cnode.clamp(min=0)), -1)
-        target = process_rows(shard, x_raw, params, ~greedy, ctok)
+        c0 = cnode[:, 0].clamp(min=0)  # the position's draft row: the first candidate's
+        d_raw = None if args.draft is None else args.draft[b_idx, c0 // G, c0 % G]
+        if args.draft_mode == DRAFT_LOGITS:  # target and draft rows share the collectives
+            both, _ = process_rows(
+                shard,
+                torch.cat([x_raw.float(), d_raw.float()]),
+                tuple(torch.cat([v, v]) for v in params),
+                torch.cat([~greedy, ~greedy]),
+                torch.cat([ctok, ctok]),
+            )
+            target, draft = both.take(slice(0, B)), both.take(slice(B, None))
+        elif args.draft_mode == DRAFT_PROBS:
+            target, draft = process_rows(shard, x_raw, params, ~greedy, ctok, d_raw, ctok)
+        else:
+            (target, _), draft = process_rows(shard, x_raw, params, ~greedy, ctok), None
         flag |= live & (target.bad | (~greedy & target.empty))
         # greedy requests: follow the first candidate equal to the argmax
         best = target.argmax
@@ -515,30 +606,23 @@ def verify_tree_sharded(shard: Shard, args) -> TreeVerifyOutput:
         # sampled requests
         s_live = live & ~greedy
         leaf = s_live & (ncand == 0)
-        c0 = cnode[:, 0].clamp(min=0)
-        d_rows = c0 // G, c0 % G
-        if args.draft_mode == DRAFT_NONE:
-            q_at = None
-            draft = None
-        else:
-            draft = process_rows(
-                shard,
-                args.draft[b_idx, d_rows[0], d_rows[1]],
-                params,
-                ~greedy,
-                ctok,
-                probs=args.draft_mode == DRAFT_PROBS,
-            )
-            q_at = draft.at_ids
+        q_at = None if draft is None else draft.at_ids
+        if draft is not None:
             flag |= s_live & (ncand > 0) & draft.bad
         q_rows = None if draft is None else draft.p
-        chosen, residual = _choose(shard, target, q_rows, q_at, ctok, ncand, args.method, seeds, r, s_live & ~leaf)
-        rejected = s_live & ~leaf & (chosen < 0)
-        purposes = torch.where(leaf, PURPOSE_BONUS, PURPOSE_RECOVER)
-        p = target.p
-        res_tok, p_tok = race(shard, [safe_log(residual), safe_log(p)], seeds, r, purposes)
-        drawn = torch.where(leaf | (res_tok < 0), p_tok, res_tok).clamp(min=0)
-        token = torch.where(leaf | rejected, drawn, token)
+        testing = s_live & ~leaf
+        if bool(testing.any()):  # replicated / reduced values: every rank takes the same branch
+            chosen, residual = _choose(shard, target, q_rows, q_at, ctok, ncand, args.method, seeds, r, testing)
+        else:
+            chosen, residual = torch.full((B,), -1, dtype=torch.int64, device=dev), None
+        rejected = testing & (chosen < 0)
+        if bool((leaf | rejected).any()):
+            purposes = torch.where(leaf, PURPOSE_BONUS, PURPOSE_RECOVER)
+            p = target.p
+            residual = p if residual is None else residual
+            res_tok, p_tok = race(shard, [safe_log(residual), safe_log(p)], seeds, r, purposes)
+            drawn = torch.where(leaf | (res_tok < 0), p_tok, res_tok).clamp(min=0)
+            token = torch.where(leaf | rejected, drawn, token)
         s_acc = s_live & ~leaf & (chosen >= 0)
         # move S: to the candidates spelling the accepted token
         acc_tok = torch.where(greedy, best, ctok.gather(1, chosen.clamp(min=0)[:, None])[:, 0])

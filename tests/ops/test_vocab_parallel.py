@@ -161,6 +161,8 @@ def error_cases(world: int) -> dict:
         "draft_id_range": (dict(base, extra={}), {}, "bad_id", "ValueError", "draft_tokens must be in [0, V=1000)"),
         "backend": (base, {"backend": "triton"}, None, "ValueError", "backend must be one of"),
         "rank_shape": (base, {}, "bad_shape", "ShardError", "failed their argument checks"),
+        "not_replicated": (base, {}, "rank_tokens", "ShardError", "ranks pass different draft tokens"),
+        "seed_none": (dict(base, extra={}), {"seed": None}, None, None, None),
     }
 
 
@@ -192,11 +194,16 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             if override == "bad_id":
                 tokens = tokens.clone()
                 tokens[0, 0] = V + 3  # within no shard: a global id out of range
+            if override == "rank_tokens" and rank == 0:
+                tokens = tokens.clone()
+                tokens[1, 0] = (tokens[1, 0] + 1) % V
             if override == "bad_shape" and rank == world - 1:
                 target = target[:, :-1]  # one rank's shapes are wrong: every rank must raise
             try:
-                sk.verify(target, tokens, **kw, **extra, process_group=dist.group.WORLD)
+                kw.update(extra)
+                out = sk.verify(target, tokens, **kw, process_group=dist.group.WORLD)
                 results[f"error-{name}"] = None
+                results[f"out-{name}"] = _summary(out)
             except Exception as exc:  # noqa: BLE001  (the test checks type and message)
                 results[f"error-{name}"] = (type(exc).__name__, str(exc))
     except Exception:  # noqa: BLE001
@@ -243,6 +250,12 @@ def _check_world(world: int) -> None:
             for rank, res in enumerate(runs):
                 _assert_same(res[name], want, name, f"rank {rank} vs unsharded backend={backend}")
     for name, (_, _, _, exc_type, message) in error_cases(world).items():
+        if exc_type is None:  # no error: every rank returns the same output (seed=None: rank 0's seed)
+            assert all(res[f"error-{name}"] is None for res in runs), [res[f"error-{name}"] for res in runs]
+            for res in runs[1:]:
+                for field, value in runs[0][f"out-{name}"].items():
+                    assert torch.equal(res[f"out-{name}"][field], value), (name, field)
+            continue
         for rank, res in enumerate(runs):
             err = res[f"error-{name}"]
             assert err is not None, f"{name}: rank {rank} raised nothing"
