@@ -33,6 +33,7 @@ CHAIN_PARAMS = {
     "top_k": dict(temperature=0.9, top_k=20),
     "top_p": dict(temperature=0.7, top_p=0.8),
     "per_request": "per_request",  # tensors: mixed greedy / filters, per-request seeds
+    "big_top_k": dict(temperature=0.9, top_k=300, top_p=0.95),  # k > 256: radix select, not a gather
 }
 MODES = ("logits", "probs", "ngram")
 
@@ -50,7 +51,7 @@ def _params(spec: dict, B: int) -> dict:
             top_p=torch.tensor([1.0, 0.9, 0.5, 1.0][:B]),
             seed=torch.tensor([11, -3, 2**40 + 5, 7][:B], dtype=torch.int64),
         )
-    return dict(CHAIN_PARAMS[p], seed=spec["seed"] * 101 + 1)
+    return dict(p if isinstance(p, dict) else CHAIN_PARAMS[p], seed=spec["seed"] * 101 + 1)
 
 
 def _inputs(spec: dict):
@@ -59,7 +60,9 @@ def _inputs(spec: dict):
     B, G = spec["B"], spec["G"]
     lead = (B, spec["K"]) if spec["op"] == "multi" else (B,)
     target = torch.randn(*lead, G + 1, V, generator=g) * 2
-    if spec.get("ties"):  # few distinct values: ties at the argmax and the top-k / top-p pivots
+    if spec.get("ties") == "coarse":  # 5 values: more ties at the top-k pivot than a rank sends
+        target = (target * 0.3).round()
+    elif spec.get("ties"):  # few distinct values: ties at the argmax and the top-k / top-p pivots
         target = target.round()
     draft = target[..., :G, :] + torch.randn(*lead, G, V, generator=g) * 0.7
     # drafts sampled from the draft (accepted often enough that every path runs)
@@ -150,6 +153,10 @@ def suite(world: int) -> dict[str, dict]:
         cases["multi-rrs-probs"] = _multi(world, 83, "probs", "top_p", "rrs")
         cases["multi-kseq-ngram"] = _multi(world, 84, "ngram", "per_request", "kseq")
         cases["chain-int32"] = _chain(world, 85, "ngram", "top_p", int32=True)
+        cases["chain-ties-big_top_k"] = _chain(world, 86, "logits", "big_top_k", ties=True)
+        coarse = dict(temperature=0.3, top_k=30, top_p=0.5)  # the top-p mass needs every tie at the pivot
+        cases["chain-coarse-ties"] = _chain(world, 88, "ngram", coarse, ties="coarse")
+        cases["multi-ties-per_request"] = _multi(world, 87, "logits", "per_request", "rrs", ties=True)
     return cases
 
 
@@ -289,7 +296,7 @@ def test_cases_cover_the_contract():
     all_cases = [spec for w in SHARDS for spec in suite(w).values()]
     chain = [s for s in all_cases if s["op"] == "chain"]
     multi = [s for s in all_cases if s["op"] == "multi"]
-    assert {(s["mode"], s["params"]) for s in chain} >= {(m, p) for m in MODES for p in CHAIN_PARAMS}
+    assert {(s["mode"], str(s["params"])) for s in chain} >= {(m, p) for m in MODES for p in CHAIN_PARAMS}
     assert {(s["method"], s["mode"]) for s in multi} >= {(m, d) for m in ("kseq", "rrs", "rrs_wor") for d in MODES}
     assert any(s.get("placeholder") for s in chain) and any(s.get("nan") for s in all_cases)
     assert {s["world"] for s in all_cases} == {2, 3, 4}
