@@ -25,7 +25,7 @@ from specdec_kernels.reference.philox import philox4x32, philox4x32_torch, unifo
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
-V = 1000
+VOCAB = V = 1000
 SHARDS = {2: [400, 600], 3: [300, 450, 250], 4: [250, 100, 400, 250]}
 CHAIN_PARAMS = {
     "greedy": dict(temperature=0.0),
@@ -45,11 +45,12 @@ MODES = ("logits", "probs", "ngram")
 def _params(spec: dict, B: int) -> dict:
     p = spec["params"]
     if p == "per_request":
+        cycle = torch.arange(B) % 4
         return dict(
-            temperature=torch.tensor([0.0, 0.9, 1.3, 0.6][:B]),
-            top_k=torch.tensor([0, 5, 0, 40][:B]),
-            top_p=torch.tensor([1.0, 0.9, 0.5, 1.0][:B]),
-            seed=torch.tensor([11, -3, 2**40 + 5, 7][:B], dtype=torch.int64),
+            temperature=torch.tensor([0.0, 0.9, 1.3, 0.6])[cycle],
+            top_k=torch.tensor([0, 5, 0, 40])[cycle],
+            top_p=torch.tensor([1.0, 0.9, 0.5, 1.0])[cycle],
+            seed=torch.tensor([11, -3, 2**40 + 5, 7], dtype=torch.int64)[cycle] + torch.arange(B),
         )
     return dict(p if isinstance(p, dict) else CHAIN_PARAMS[p], seed=spec["seed"] * 101 + 1)
 
@@ -57,7 +58,7 @@ def _params(spec: dict, B: int) -> dict:
 def _inputs(spec: dict):
     """Full (unsharded) inputs of a case: target, drafts, draft logits, kwargs."""
     g = torch.Generator().manual_seed(spec["seed"])
-    B, G = spec["B"], spec["G"]
+    B, G, V = spec["B"], spec["G"], spec.get("V", VOCAB)
     lead = (B, spec["K"]) if spec["op"] == "multi" else (B,)
     target = torch.randn(*lead, G + 1, V, generator=g) * 2
     if spec.get("ties") == "coarse":  # 5 values: more ties at the top-k pivot than a rank sends
@@ -74,7 +75,7 @@ def _inputs(spec: dict):
             tokens[:, 1, 0] = torch.where(second == first, (first + 7) % V, second)
     kw = _params(spec, B)
     if spec.get("nan"):  # NaN logits inside rank 1's shard, request 1 only
-        off = SHARDS[spec["world"]][0]
+        off = _sizes(spec)[0]
         target[1, ..., off + 3] = float("nan")
         if spec["mode"] == "logits":
             draft[1, ..., off + 5] = float("nan")
@@ -83,7 +84,7 @@ def _inputs(spec: dict):
     elif spec["mode"] == "probs":
         kw["draft_probs"] = torch.softmax(draft, -1)
     if spec["op"] == "chain":
-        kw["num_draft_tokens"] = torch.tensor([G, 1, 0, G - 1][:B])
+        kw["num_draft_tokens"] = torch.tensor([G, 1, 0, G - 1])[torch.arange(B) % 4]
         if spec.get("placeholder"):
             tokens[0, 1] = -1
             kw["validate"] = False
@@ -92,6 +93,15 @@ def _inputs(spec: dict):
     if spec.get("int32"):
         kw["out_dtype"] = torch.int32
     return target, tokens, kw
+
+
+def _sizes(spec: dict) -> list[int]:
+    return spec.get("sizes") or SHARDS[spec["world"]]
+
+
+def _slice(spec: dict, rank: int) -> slice:
+    sizes = _sizes(spec)
+    return slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
 
 
 def _shard(t: torch.Tensor | None, sl: slice):
@@ -116,11 +126,12 @@ def _call(spec: dict, sl: slice | None = None, **extra):
 
 
 def _chain(world, seed, mode, params, **more):
-    return dict(op="chain", world=world, seed=seed, B=4, G=4, K=1, mode=mode, params=params, **more)
+    return dict(dict(op="chain", world=world, seed=seed, B=4, G=4, K=1, mode=mode, params=params), **more)
 
 
 def _multi(world, seed, mode, params, method, **more):
-    return dict(op="multi", world=world, seed=seed, B=3, G=3, K=2, mode=mode, params=params, method=method, **more)
+    spec = dict(op="multi", world=world, seed=seed, B=3, G=3, K=2, mode=mode, params=params, method=method)
+    return dict(spec, **more)
 
 
 def suite(world: int) -> dict[str, dict]:
@@ -160,6 +171,23 @@ def suite(world: int) -> dict[str, dict]:
     return cases
 
 
+def slow_suite(world: int) -> dict[str, dict]:
+    """Random cases at V = 32000 over uneven shards: every op, mode, method and parameter kind."""
+    g = torch.Generator().manual_seed(world)
+    V_big = 32000
+    cuts = sorted(torch.randperm(V_big - 1, generator=g)[: world - 1].add(1).tolist())
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, V_big], strict=True)]
+    params = [*CHAIN_PARAMS, dict(temperature=1.1, top_k=1000, top_p=0.7), dict(temperature=0.5, top_p=0.99)]
+    cases = {}
+    for i in range(24):
+        mode, p = MODES[i % 3], params[i % len(params)]
+        more = dict(V=V_big, sizes=sizes, B=6, G=5)
+        cases[f"chain-{i}"] = _chain(world, 1000 + i, mode, p, **more)
+        method = ("kseq", "rrs", "rrs_wor")[(i // 3) % 3]
+        cases[f"multi-{i}"] = _multi(world, 2000 + i, mode, p, method, **dict(more, B=4, G=3, K=3))
+    return cases
+
+
 # errors every rank must raise: name -> (spec, extra kwargs, per-rank override, exception, message part)
 def error_cases(world: int) -> dict:
     base = _chain(world, 90, "logits", "sampled")
@@ -173,6 +201,9 @@ def error_cases(world: int) -> dict:
     }
 
 
+SUITES = {"fast": suite, "slow": slow_suite}
+
+
 # --------------------------------------------------------------------------------------------
 # the worker (one process per rank)
 
@@ -184,17 +215,15 @@ def _summary(out) -> dict:
     return d
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, init_file: str, out_dir: str, suite_name: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    sizes = SHARDS[world]
-    off = sum(sizes[:rank])
-    sl = slice(off, off + sizes[rank])
     results: dict = {}
     try:
-        for name, spec in suite(world).items():
-            results[name] = _summary(_call(spec, sl, backend="torch", process_group=dist.group.WORLD))
-        for name, (spec, extra, override, _, _) in error_cases(world).items():
+        for name, spec in SUITES[suite_name](world).items():
+            results[name] = _summary(_call(spec, _slice(spec, rank), backend="torch", process_group=dist.group.WORLD))
+        for name, (spec, extra, override, _, _) in (error_cases(world) if suite_name == "fast" else {}).items():
+            sl = _slice(spec, rank)
             target, tokens, kw = _inputs(spec)
             kw = {k: (_shard(v, sl) if k.startswith("draft_") else v) for k, v in kw.items()}
             target = target[..., sl]
@@ -219,21 +248,23 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-_RUNS: dict[int, list[dict]] = {}
+_RUNS: dict[tuple, list[dict]] = {}
 
 
-def run_world(world: int) -> list[dict]:
+def run_world(world: int, suite_name: str = "fast") -> list[dict]:
     """Every rank's results for the world size's suite (run once per test session)."""
-    if world not in _RUNS:
+    key = (world, suite_name)
+    if key not in _RUNS:
         with tempfile.TemporaryDirectory() as tmp:
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(["specdec_kernels", __name__])
             init_file = os.path.join(tmp, "init")
-            mp.start_processes(_worker, args=(world, init_file, tmp), nprocs=world, start_method="forkserver")
-            _RUNS[world] = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
-    for r, res in enumerate(_RUNS[world]):
+            args = (world, init_file, tmp, suite_name)
+            mp.start_processes(_worker, args=args, nprocs=world, start_method="forkserver")
+            _RUNS[key] = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    for r, res in enumerate(_RUNS[key]):
         assert "crash" not in res, f"rank {r} crashed:\n{res['crash']}"
-    return _RUNS[world]
+    return _RUNS[key]
 
 
 def _cpu_ready() -> bool:
@@ -248,15 +279,15 @@ def _assert_same(got: dict, want, name: str, who: str) -> None:
         assert torch.equal(got[field], value), f"{name}: {field} differs ({who}): {got[field]} vs {value}"
 
 
-def _check_world(world: int) -> None:
-    runs = run_world(world)
+def _check_world(world: int, suite_name: str = "fast") -> None:
+    runs = run_world(world, suite_name)
     backends = ["torch"] + (["cpu"] if _cpu_ready() else [])
-    for name, spec in suite(world).items():
+    for name, spec in SUITES[suite_name](world).items():
         for backend in backends:
             want = _call(spec, None, backend=backend)
             for rank, res in enumerate(runs):
                 _assert_same(res[name], want, name, f"rank {rank} vs unsharded backend={backend}")
-    for name, (_, _, _, exc_type, message) in error_cases(world).items():
+    for name, (_, _, _, exc_type, message) in (error_cases(world) if suite_name == "fast" else {}).items():
         if exc_type is None:  # no error: every rank returns the same output (seed=None: rank 0's seed)
             assert all(res[f"error-{name}"] is None for res in runs), [res[f"error-{name}"] for res in runs]
             for res in runs[1:]:
@@ -281,6 +312,13 @@ def test_shards_match_unsharded_call(world):
     """Every case of the world size's suite, every rank, against backend="torch" and "cpu";
     argument errors raise on every rank (none is left waiting in a collective)."""
     _check_world(world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 4])
+def test_shards_match_unsharded_call_random_large(world):
+    """24 random chain and 24 random K=3 multi-draft cases at V = 32000 over random uneven shards."""
+    _check_world(world, "slow")
 
 
 def test_nan_on_one_rank_flags_the_request_everywhere():
