@@ -111,18 +111,38 @@ def _shard(t: torch.Tensor | None, sl: slice):
 def _call(spec: dict, sl: slice | None = None, **extra):
     """The op on the full inputs (sl None) or on the vocabulary slice sl."""
     target, tokens, kw = _inputs(spec)
+    if spec.get("flat"):  # the engines' flattened ragged layout (cu_num_draft_tokens)
+        target, tokens, kw = _flatten(target, tokens, kw)
+    if spec.get("target_probs"):  # probabilities of the full vocabulary, sharded like the logits
+        kw["target_probs"] = torch.softmax(target, -1)
+        target = kw["target_probs"][..., :0]  # placeholder, replaced below
     if sl is not None:
         target = target[..., sl]
+        if "target_probs" in kw:
+            kw["target_probs"] = kw["target_probs"][..., sl]
         for name in ("draft_logits", "draft_probs"):
             if name in kw:
                 kw[name] = _shard(kw[name], sl)
     kw.update(spec.get("extra", {}) if sl is not None else {}, **extra)  # extra: sharded-call options
     if spec["op"] == "chain":
-        return sk.verify(target, tokens, **kw)
+        return sk.verify(None if "target_probs" in kw else target, tokens, **kw)
     if spec["op"] == "tree":
         parents = torch.tensor([[-1, -1, 0, 0, 2, 1], [-1, 0, 1, -1, 3, 3]])[: tokens.shape[0]]
         return sk.verify_tree(target, tokens, parents, **kw)
     return sk.verify_multi(target, tokens, **kw)
+
+
+def _flatten(target, tokens, kw):
+    """The padded chain inputs in the flattened layout: request b's n_b draft rows, then its bonus row."""
+    n = kw.pop("num_draft_tokens").tolist()
+    B = len(n)
+    flat_target = torch.cat([target[b, : n[b] + 1] for b in range(B)])
+    flat_tokens = torch.cat([tokens[b, : n[b]] for b in range(B)])
+    for name in ("draft_logits", "draft_probs"):
+        if name in kw:
+            kw[name] = torch.cat([kw[name][b, : n[b]] for b in range(B)])
+    kw["cu_num_draft_tokens"] = torch.tensor([0, *n]).cumsum(0)
+    return flat_target, flat_tokens, kw
 
 
 def _chain(world, seed, mode, params, **more):
@@ -146,6 +166,8 @@ def suite(world: int) -> dict[str, dict]:
         cases["chain-ties-greedy"] = _chain(world, 43, "logits", "greedy", ties=True)
         cases["chain-int32-vocab_size"] = _chain(world, 44, "logits", "top_p", int32=True, extra={"vocab_size": V})
         cases["multi-kseq-logits"] = _multi(world, 45, "logits", "sampled", "kseq")
+        cases["chain-flat-layout"] = _chain(world, 46, "probs", "per_request", flat=True)
+        cases["chain-target_probs"] = _chain(world, 47, "ngram", "top_k", target_probs=True)
     if world == 3:  # verify_multi K=2: every method x mode, filters, greedy; verify_tree; NaN
         for i, (method, mode) in enumerate((m, d) for m in ("kseq", "rrs", "rrs_wor") for d in MODES):
             cases[f"multi-{method}-{mode}"] = _multi(world, 50 + i, mode, "sampled", method)
