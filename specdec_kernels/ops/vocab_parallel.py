@@ -430,6 +430,10 @@ def process_rows(shard: Shard, logits, params, sampled, ids, probs=None, probs_i
     x, bad = sanitize(logits)
     q, q_bad = sanitize_probs(probs) if probs is not None else (None, None)
     gmax, argmax, bad, q_bad = _row_stats(shard, x, bad, q_bad)
+    if q is None and not bool(sampled.any()):  # greedy rows only need the argmax: no weights, no sums
+        zeros = torch.zeros((), dtype=torch.float64, device=x.device)
+        none = zeros.expand(x.shape[0])
+        return Rows(zeros.expand(x.shape), none, gmax, argmax, bad, zeros.expand(ids.shape)), None
     t = torch.where(sampled, temp, torch.ones_like(temp))
     thr = _thresholds(shard, x, gmax, t, top_k, top_p, sampled)
     w = _weights(x, thr, gmax, t)
@@ -525,7 +529,7 @@ def verify_chain_sharded(shard: Shard, args) -> VerifyOutput:
     rows_sampled = per_row(~greedy)
     params = (per_row(temp), per_row(top_k), per_row(top_p))
     logits = args.target_logits.reshape(B * G1, -1)
-    has_draft = args.draft_mode != DRAFT_NONE and G > 0
+    has_draft = args.draft_mode != DRAFT_NONE and G > 0 and not bool(greedy.all())  # greedy never reads q
     if has_draft:
         d_rows = (slice(None), slice(0, G))
         d_params = tuple(v.reshape(B, G1)[d_rows].reshape(-1) for v in params)
@@ -606,6 +610,7 @@ def verify_tree_sharded(shard: Shard, args) -> TreeVerifyOutput:
     node = torch.arange(N, device=dev)
     usable = (node[None] < num_nodes[:, None]) & (toks >= 0) & (toks < V)
     b_idx = torch.arange(B, device=dev)
+    all_greedy = bool(greedy.all())
 
     cur = torch.zeros((B, N), dtype=torch.bool, device=dev)  # the node set S (empty: the root)
     at_root = torch.ones(B, dtype=torch.bool, device=dev)
@@ -630,7 +635,9 @@ def verify_tree_sharded(shard: Shard, args) -> TreeVerifyOutput:
         ctok = torch.where(cnode >= 0, toks.gather(1, cnode.clamp(min=0)), -1)
         c0 = cnode[:, 0].clamp(min=0)  # the position's draft row: the first candidate's
         d_raw = None if args.draft is None else args.draft[b_idx, c0 // G, c0 % G]
-        if args.draft_mode == DRAFT_LOGITS:  # target and draft rows share the collectives
+        if all_greedy:  # greedy never reads q
+            (target, _), draft = process_rows(shard, x_raw, params, ~greedy, ctok), None
+        elif args.draft_mode == DRAFT_LOGITS:  # target and draft rows share the collectives
             both, _ = process_rows(
                 shard,
                 torch.cat([x_raw.float(), d_raw.float()]),
