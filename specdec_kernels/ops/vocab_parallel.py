@@ -209,7 +209,7 @@ def sanitize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 logits with NaN / +inf -> -inf, and whether each row held any."""
     x = x.to(torch.float32)
     bad = torch.isnan(x) | (x == float("inf"))
-    return torch.where(bad, torch.full_like(x, NEG_INF), x), bad.any(-1)
+    return x.masked_fill(bad, NEG_INF), bad.any(-1)
 
 
 def sanitize_probs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,9 +240,8 @@ def _row_stats(shard: Shard, x: torch.Tensor, bad: torch.Tensor, extra: torch.Te
     local flags), and the OR over ranks of the extra flags (another row set), in one all-gather."""
     R = x.shape[0]
     if shard.size:
-        mx = x.max(-1).values
-        cols = torch.arange(shard.size, device=x.device)
-        first = torch.where(x == mx[:, None], cols, shard.size).min(-1).values.double() + shard.offset
+        mx, first = x.max(-1)  # the first index of the max (documented for torch.max)
+        first = first.double() + shard.offset
     else:
         mx = torch.full((R,), NEG_INF, device=x.device)
         first = torch.full((R,), _NO_INDEX, dtype=torch.float64, device=x.device)
@@ -386,11 +385,13 @@ def _thresholds(shard: Shard, x, gmax, temp, top_k, top_p, sampled) -> torch.Ten
 
 
 def _weights(x, thr, gmax, temp) -> torch.Tensor:
-    """exp((x - max) / T) on the kept entries (x >= thr, finite), 0 elsewhere: float64."""
+    """exp((x - max) / T) on the kept entries (x >= thr, finite), 0 elsewhere: float64, computed
+    as the reference does (x and max in float64, then / T, then exp)."""
     kept = (x >= thr[:, None]) & (x > NEG_INF)
-    xd = x.double()
     m = torch.where(gmax > NEG_INF, gmax.double(), torch.zeros_like(gmax, dtype=torch.float64))
-    return torch.where(kept, torch.exp((xd - m[:, None]) / temp[:, None]), torch.zeros_like(xd))
+    w = x.double()
+    w.sub_(m[:, None]).div_(temp[:, None]).exp_()
+    return w.masked_fill_(~kept, 0.0)
 
 
 @dataclass
@@ -483,9 +484,8 @@ def race(shard: Shard, log_ws: list[torch.Tensor], seeds, rows, purposes) -> lis
         keys = lw.double() - noise
         keys = torch.where(torch.isnan(keys), torch.full_like(keys, NEG_INF), keys)
         if shard.size:
-            best = keys.max(-1).values
-            cols = torch.arange(shard.size, device=dev)
-            idx = torch.where(keys == best[:, None], cols, shard.size).min(-1).values.double() + shard.offset
+            best, idx = keys.max(-1)  # the first index of the max (documented for torch.max)
+            idx = idx.double() + shard.offset
         else:
             best = torch.full((R,), NEG_INF, dtype=torch.float64, device=dev)
             idx = torch.full((R,), _NO_INDEX, dtype=torch.float64, device=dev)
