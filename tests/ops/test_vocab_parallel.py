@@ -73,6 +73,8 @@ def _inputs(spec: dict):
         if spec["method"] == "rrs_wor":  # without replacement: distinct first tokens
             first, second = tokens[:, 0, 0], tokens[:, 1, 0]
             tokens[:, 1, 0] = torch.where(second == first, (first + 7) % V, second)
+    if spec.get("dtype"):  # half-precision logits (the kernels read them as fp32)
+        target, draft = target.to(spec["dtype"]), draft.to(spec["dtype"])
     kw = _params(spec, B)
     if spec.get("nan"):  # NaN logits inside rank 1's shard, request 1 only
         off = _sizes(spec)[0]
@@ -188,6 +190,8 @@ def suite(world: int) -> dict[str, dict]:
         cases["chain-int32"] = _chain(world, 85, "ngram", "top_p", int32=True)
         cases["chain-ties-big_top_k"] = _chain(world, 86, "logits", "big_top_k", ties=True)
         coarse = dict(temperature=0.3, top_k=30, top_p=0.5)  # the top-p mass needs every tie at the pivot
+        cases["chain-bf16"] = _chain(world, 89, "logits", "per_request", dtype=torch.bfloat16)
+        cases["multi-fp16"] = _multi(world, 91, "probs", "top_p", "kseq", dtype=torch.float16)
         cases["chain-coarse-ties"] = _chain(world, 88, "ngram", coarse, ties="coarse")
         cases["multi-ties-per_request"] = _multi(world, 87, "logits", "per_request", "rrs", ties=True)
     return cases
