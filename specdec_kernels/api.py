@@ -116,20 +116,22 @@ def verify(
                           Every rank returns the tokens, num_accepted and nonfinite of the unsharded
                           call with the same seed (float sums run in another order across shards:
                           equal except at measure-zero ties). backend: "auto" or "torch" (a
-                          vectorised PyTorch shard implementation, any device).
+                          vectorised PyTorch shard implementation, any device; it synchronises
+                          with the host, so it cannot be captured in a CUDA graph).
         vocab_size:       V; checked against the sum of the shard sizes, which one tiny all-gather
                           always exchanges (it also makes an argument error raise on every rank
                           instead of leaving the others waiting in a collective).
         Math: instead of all-gathering B (G+1) V logits, ranks exchange O(B (G+1)) numbers per
-        collective: per row the max and first argmax (all-gather of per-rank pairs), the softmax
-        normaliser with the owner's w(x_i) folded in (all-reduce: p(x_i) = w(x_i) / Z exactly as
-        unsharded), the exact top-k / top-p thresholds by radix select over the 32-bit order keys of
-        the logits (4 all-reduces of [rows, 256] histograms each: counts for top-k, softmax mass for
-        top-p; ties kept as the reference keeps them), and the race winner at the emitting row: the
-        race key of entry x uses Philox(seed; x // 4, row, purpose) with the global index x, so each
-        shard draws the unsharded call's numbers, and the winner is the (max key, lowest index) over
-        ranks (all-gather). NaN logits in one rank's shard flag the request on every rank.
-        Example (rank r of world w, V divisible by w):
+        collective: per row the max and first argmax (all-gather of per-rank pairs); the softmax
+        normaliser with the owner's w(x_i) folded in (all-reduce: p(x_i) = w(x_i) / Z as unsharded);
+        the exact top-k / top-p thresholds (top-k <= 256: one all-gather of every rank's k largest
+        values, on which top-p is computed as unsharded; else radix select over the 32-bit order
+        keys of the logits, 4 all-reduces of [rows, 256] histograms: counts for top-k, softmax mass
+        for top-p; ties kept as the reference keeps them); and the race winner at the emitting row:
+        the race key of entry x uses Philox(seed; x // 4, row, purpose) with the global index x, so
+        each shard draws the unsharded call's numbers, and the winner is the (max key, lowest index)
+        over ranks (all-gather). NaN logits in one rank's shard flag the request on every rank.
+        Example (rank r of w ranks, an even split):
             >>> lo, hi = r * V // w, (r + 1) * V // w
             >>> out = sk.verify(target_logits[..., lo:hi], draft_tokens, draft_logits[..., lo:hi],
             ...                 temperature=0.8, seed=seeds, process_group=dist.group.WORLD)

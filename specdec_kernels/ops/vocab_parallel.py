@@ -10,20 +10,25 @@ the unsharded call draws for its entries; the winner is the (max key, lowest ind
 
 Collectives (``torch.distributed``: NCCL on GPU, gloo on CPU), per call:
 
-* one tiny all-gather of each rank's argument signature and shard size (offsets, V, and argument
-  errors that then raise on every rank instead of leaving the others in a collective);
-* per batch of rows: an all-gather of per-rank row stats (max, first argmax, non-finite flags), an
-  all-reduce of the softmax sums (with the owners' values at the draft tokens folded in), and an
-  all-gather of the race winners. With top-k / top-p: 4 + 4 all-reduces of [rows, 256] key
-  histograms (radix select over the 32-bit order keys of the logits: counts for top-k, softmax
-  mass for top-p), which give the reference's exact thresholds, ties included.
+* one tiny all-gather of each rank's argument signature: shard size (offsets, V), shapes, a CRC
+  of the replicated arguments when validating, and whether its argument checks passed (an error
+  then raises on every rank instead of leaving the others waiting in a collective);
+* per batch of rows (target and draft rows together): an all-gather of per-rank row stats (max,
+  first argmax, non-finite flags), an all-reduce of the softmax sums with the owners' weights at
+  the draft tokens folded in, and an all-gather of the race winners at the emitting rows;
+* top-k <= 256: one all-gather of each rank's k largest values (plus its count of ties at its
+  k-th) gives the k-th largest value and the kept set, on which top-p is computed as the
+  reference does; larger k, or top-p alone: radix select over the 32-bit order keys of the logits,
+  4 all-reduces of [rows, 256] histograms (counts for top-k, softmax mass for top-p). Either way
+  the thresholds are the reference's exactly, ties included;
 * the tree walk (``verify_multi`` / ``verify_tree``) does this once per depth, plus the K-SEQ rho
-  search (4 all-reduces of 16 sums) or one all-reduce per candidate (RRS).
+  search (1 + 4 all-reduces of 16 sums) or two all-reduces per tested candidate (RRS).
 
 Arithmetic follows ``reference/`` elementwise in float64 (same operations, same order), so the only
 difference to the unsharded call is the order of float sums across shards: tokens are equal except
 at measure-zero ties. Every control-flow decision depends only on replicated inputs or on reduced
 values (identical on every rank), so all ranks run the same collectives and return the same tokens.
+Those decisions read values on the host: the sharded path synchronises (no CUDA-graph capture).
 """
 
 from __future__ import annotations
