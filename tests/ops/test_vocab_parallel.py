@@ -130,6 +130,8 @@ def _call(spec: dict, sl: slice | None = None, **extra):
         return sk.verify(None if "target_probs" in kw else target, tokens, **kw)
     if spec["op"] == "tree":
         parents = torch.tensor([[-1, -1, 0, 0, 2, 1], [-1, 0, 1, -1, 3, 3]])[: tokens.shape[0]]
+        if "num_nodes" in spec:
+            kw["num_nodes"] = torch.tensor(spec["num_nodes"])
         return sk.verify_tree(target, tokens, parents, **kw)
     return sk.verify_multi(target, tokens, **kw)
 
@@ -188,6 +190,8 @@ def suite(world: int) -> dict[str, dict]:
         cases["multi-rrs-probs"] = _multi(world, 83, "probs", "top_p", "rrs")
         cases["multi-kseq-ngram"] = _multi(world, 84, "ngram", "per_request", "kseq")
         cases["chain-int32"] = _chain(world, 85, "ngram", "top_p", int32=True)
+        ragged = dict(op="tree", world=world, seed=92, B=2, G=6, K=1, mode="probs", params="per_request")
+        cases["tree-kseq-ragged"] = dict(ragged, method="kseq", num_nodes=[4, 6])
         cases["chain-ties-big_top_k"] = _chain(world, 86, "logits", "big_top_k", ties=True)
         coarse = dict(temperature=0.3, top_k=30, top_p=0.5)  # the top-p mass needs every tie at the pivot
         cases["chain-bf16"] = _chain(world, 89, "logits", "per_request", dtype=torch.bfloat16)
@@ -282,11 +286,14 @@ def run_world(world: int, suite_name: str = "fast") -> list[dict]:
     key = (world, suite_name)
     if key not in _RUNS:
         with tempfile.TemporaryDirectory() as tmp:
-            ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(["specdec_kernels", __name__])
+            # forkserver: like spawn (fresh interpreters, no inherited threads), but the package is
+            # imported once in the server instead of once per rank (seconds each on a busy machine)
+            method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+            if method == "forkserver":
+                mp.get_context(method).set_forkserver_preload(["specdec_kernels", __name__])
             init_file = os.path.join(tmp, "init")
             args = (world, init_file, tmp, suite_name)
-            mp.start_processes(_worker, args=args, nprocs=world, start_method="forkserver")
+            mp.start_processes(_worker, args=args, nprocs=world, start_method=method)
             _RUNS[key] = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
     for r, res in enumerate(_RUNS[key]):
         assert "crash" not in res, f"rank {r} crashed:\n{res['crash']}"
