@@ -39,7 +39,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.distributed as dist
 
-from .._params import SamplingParams
+from .._params import SamplingParams, mix_seed
 from .._types import DRAFT_LOGITS, DRAFT_NONE, DRAFT_PROBS, TreeVerifyOutput, VerifyOutput
 from ..reference.philox import philox4x32_torch, uniform_open_torch
 from ..reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
@@ -152,7 +152,7 @@ def _signature(kind: int, args, error, vocab_size, B_dims, checksum) -> torch.Te
         B, d1, d2 = B_dims
         mode = args.draft_mode
         seed_int = int(not isinstance(args.sampling.seed, torch.Tensor))
-        seed = args.sampling.seed if seed_int else 0
+        seed = mix_seed(args.sampling.seed) if seed_int else 0  # the key the kernels use; fits int64
     vs = -1 if vocab_size is None else int(vocab_size)
     return torch.tensor([int(ok), V_r, kind, B, d1, d2, mode, seed_int, seed, vs, checksum], dtype=torch.int64)
 
@@ -263,8 +263,8 @@ def _radix_select(shard: Shard, keys: torch.Tensor, valid: torch.Tensor, weights
     """Per row, the key of the threshold entry, by 4 all-reduced 256-bin histograms.
 
     weights None: the goal-th largest key (goal [R] int64 >= 1; counts). Else: the largest key v
-    with mass(keys >= v) >= goal (the top-p pivot; goal [R] float64 or None = total * fraction,
-    see ``mass_fraction``). Returns (keys [R], total of the first histogram [R])."""
+    with mass(keys >= v) >= goal (the top-p pivot; goal [R] float64, or a function of the first
+    level's row totals: top_p * total). Returns (keys [R], the first level's row totals [R])."""
     R = keys.shape[0]
     dev = keys.device
     prefix = torch.zeros(R, dtype=torch.int64, device=dev)
@@ -443,7 +443,7 @@ def process_rows(shard: Shard, logits, params, sampled, ids, probs=None, probs_i
     t = torch.where(sampled, temp, torch.ones_like(temp))
     thr = _thresholds(shard, x, gmax, t, top_k, top_p, sampled)
     w = _weights(x, thr, gmax, t)
-    w = torch.where(sampled[:, None], w, torch.zeros_like(w))
+    w.masked_fill_(~sampled[:, None], 0.0)
     local = torch.cat([w.sum(-1, keepdim=True), shard.lookup(w, ids.clamp(min=0))], -1)
     parts = [local] if q is None else [local, shard.lookup(q, probs_ids.clamp(min=0))]
     sums = shard.sum_many(parts)

@@ -228,6 +228,7 @@ def error_cases(world: int) -> dict:
         "rank_shape": (base, {}, "bad_shape", "ShardError", "failed their argument checks"),
         "not_replicated": (base, {}, "rank_tokens", "ShardError", "ranks pass different draft tokens"),
         "seed_none": (dict(base, extra={}), {"seed": None}, None, None, None),
+        "seed_huge": (dict(base, extra={}), {"seed": 2**70 + 5}, None, None, None),
     }
 
 
@@ -326,6 +327,9 @@ def _check_world(world: int, suite_name: str = "fast") -> None:
             for res in runs[1:]:
                 for field, value in runs[0][f"out-{name}"].items():
                     assert torch.equal(res[f"out-{name}"][field], value), (name, field)
+            if name == "seed_huge":  # an int seed beyond int64 still gives the unsharded call's tokens
+                spec, extra = error_cases(world)[name][:2]
+                _assert_same(runs[0][f"out-{name}"], _call(spec, None, backend="torch", **extra), name, "unsharded")
             continue
         for rank, res in enumerate(runs):
             err = res[f"error-{name}"]
