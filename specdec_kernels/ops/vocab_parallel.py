@@ -471,6 +471,23 @@ def race_uniforms(seeds, rows, purposes, start: int, count: int) -> torch.Tensor
     return uniform_open_torch(words)
 
 
+def _live_uniforms(live: torch.Tensor, seeds, rows, purposes, start: int) -> torch.Tensor:
+    """float64 race uniforms [R, V_r] where ``live`` (an entry with weight 0 loses whatever its
+    number: 0.5 stands in). Sparse rows (top-k / top-p keep few entries) draw Philox for their live
+    entries only (one block per entry) instead of one block per 4 entries of the shard."""
+    R, count = live.shape
+    n_live = int(live.sum())
+    if 4 * n_live >= R * count:  # dense: every block once
+        return race_uniforms(seeds, rows, purposes, start, count).double()
+    u = torch.full((R, count), 0.5, dtype=torch.float64, device=live.device)
+    if n_live:
+        r, c = live.nonzero(as_tuple=True)
+        x = c + start
+        words = torch.stack(philox4x32_torch(seeds[r], x // 4, rows[r], purposes[r], 0), -1)
+        u[r, c] = uniform_open_torch(words.gather(1, (x % 4)[:, None])[:, 0]).double()
+    return u
+
+
 def accept_uniforms(seeds, c0, rows) -> torch.Tensor:
     """float64 accept-test uniforms of counters (c0, row, ACCEPT, 0), as ``reference.sampling.uniforms``."""
     bits, _, _, _ = philox4x32_torch(seeds, c0, rows, PURPOSE_ACCEPT, 0)
@@ -482,7 +499,10 @@ def race(shard: Shard, log_ws: list[torch.Tensor], seeds, rows, purposes) -> lis
     each log-weight tensor [R, V_r] in ``log_ws``; all share the uniforms of (seed, row, purpose)."""
     R = seeds.shape[0]
     dev = seeds.device
-    u = race_uniforms(seeds, rows, purposes, shard.offset, shard.size).double()
+    live = torch.zeros((R, shard.size), dtype=torch.bool, device=dev)
+    for lw in log_ws:
+        live |= lw > NEG_INF
+    u = _live_uniforms(live, seeds, rows, purposes, shard.offset)
     noise = torch.log(-torch.log(u))
     recs = []
     for lw in log_ws:
