@@ -92,6 +92,9 @@ def _inputs(spec: dict):
             kw["validate"] = False
     else:
         kw["method"] = spec["method"]
+        if spec.get("placeholder"):  # a chain whose second draft is padding: it ends there
+            tokens[0, -1, 1] = -1
+            kw["validate"] = False
     if spec.get("int32"):
         kw["out_dtype"] = torch.int32
     return target, tokens, kw
@@ -177,6 +180,8 @@ def suite(world: int) -> dict[str, dict]:
             cases[f"multi-{method}-{mode}"] = _multi(world, 50 + i, mode, "sampled", method)
             cases[f"multi-{method}-{mode}-filters"] = _multi(world, 60 + i, mode, "per_request", method)
         cases["multi-greedy"] = _multi(world, 70, "logits", "greedy", "kseq")
+        cases["multi-placeholder"] = _multi(world, 76, "probs", "sampled", "rrs", placeholder=True)
+        cases["multi-placeholder-ngram"] = _multi(world, 77, "ngram", "top_p", "kseq", placeholder=True)
         cases["multi-ties"] = _multi(world, 71, "probs", "top_k", "kseq", ties=True)
         tree = dict(op="tree", world=world, seed=72, B=2, G=6, K=1, mode="logits", params="top_p", method="rrs")
         cases["tree-rrs"] = tree
