@@ -8,7 +8,8 @@ Each of ``--world`` processes holds a contiguous vocabulary shard. Two providers
 
 Bytes: what one rank receives into collective result buffers (all-gather: world x input, all-reduce:
 the buffer), counted by wrapping ``torch.distributed.all_gather`` / ``all_reduce`` /
-``all_gather_into_tensor``; for ``allgather`` also computed from the shapes (``bytes_model``). Times:
+``all_gather_into_tensor``, and computed from the shapes (``bytes_model``: B (2G+1) V logits for
+``allgather``; ``sharded_bytes_model`` for ours, O(B (G+1)) float64 records). Times:
 median wall and process-CPU milliseconds per call on rank 0, after a barrier. Both providers must
 return the same tokens (checked). Rows are appended to bench/results/vocab_parallel.csv
 (``--smoke``: a tiny run on CPU, rows to a temporary file unless ``--out``).
@@ -82,6 +83,20 @@ def _inputs(B, G, V, mode, seed):
     return target, draft, tokens, dict(MODES[mode], seed=seed)
 
 
+def sharded_bytes_model(B, G, world, mode) -> int:
+    """What our collectives should move for a chain call with draft logits (result buffers, one
+    rank; float64 records): the signature all-gather (11 numbers), row stats (3 per row), softmax
+    sums with the draft-token lookups (2 per row), the top-k gather (k + 2 per row) and the race
+    winners (4 per request). Greedy calls need the target rows' stats only."""
+    rows = B * (G + 1) + (0 if mode == "greedy" else B * G)  # target rows, then draft rows
+    total = world * 11 + world * rows * 3
+    if mode != "greedy":
+        total += rows * 2 + world * B * 4
+    if "top_k" in MODES[mode]:
+        total += world * rows * (MODES[mode]["top_k"] + 2)
+    return 8 * total
+
+
 def _timed(fn, rep):
     walls, cpus, out = [], [], None
     for _ in range(rep):
@@ -120,13 +135,14 @@ def _measure(sk, counter, world, rank, B, G, V, mode, rep) -> list[dict]:
         stats[name] = (out, counted, calls, wall, cpu)
     same = torch.equal(stats["sharded"][0].tokens, stats["allgather"][0].tokens)
     assert same, f"sharded and all-gathered tokens differ (B={B} V={V} {mode})"
-    model = (B * (G + 1) * V + B * G * V) * target.element_size()
+    models = {"allgather": (B * (G + 1) * V + B * G * V) * target.element_size()}
+    models["sharded"] = sharded_bytes_model(B, G, world, mode)
     rows = []
     for name, (out, counted, calls, wall, cpu) in stats.items():
         rows.append(
             dict(
                 world=world, mode=mode, B=B, G=G, V=V, dtype="fp32", provider=name,
-                bytes_counted=counted, bytes_model=model if name == "allgather" else "",
+                bytes_counted=counted, bytes_model=models[name],
                 collectives=calls, bytes_ratio_vs_allgather=counted / stats["allgather"][1],
                 wall_ms=wall, cpu_ms=cpu, speedup_vs_allgather=stats["allgather"][3] / wall,
                 rep=rep, mean_accepted=float(out.num_accepted.float().mean()),
