@@ -40,6 +40,7 @@ _UNIFORM_SHIFT = 9  # 23 random bits: ((bits >> 9) + 0.5) * 2**-23
 _MIN_TEMPERATURE = 2.0**-126  # below (or NaN): greedy, as the reference and the kernels
 _TOP_P_FIRST_WIDTH = 256  # entries of the first partial sort for top-p (doubled until enough)
 _SPARSE_RACE = 0.25  # race only over the positive entries when they are at most this fraction
+_BLOCK = 1 << 18  # entries per block of the float64 passes (a block's buffer stays in cache)
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,15 +51,19 @@ def philox(seed: Tensor, c0: Tensor, c1: Tensor, c2: Tensor) -> tuple[Tensor, Te
     """Philox4x32-10, key = 64-bit ``seed``, counter (c0, c1, c2, 0); int64 tensors that broadcast.
 
     Returns the four output words as int64 tensors in [0, 2**32)."""
-    k0 = seed & _MASK32
+    k0 = seed & _MASK32  # the keys keep the seed's (small) shape: the schedule is per seed
     k1 = (seed >> 32) & _MASK32
-    c0, c1, c2, k0, k1 = torch.broadcast_tensors(c0 & _MASK32, c1 & _MASK32, c2 & _MASK32, k0, k1)
-    c3 = torch.zeros_like(c0)
+    shape = torch.broadcast_shapes(seed.shape, c0.shape, c1.shape, c2.shape)
+    c0, c1, c2 = ((c & _MASK32).expand(shape) for c in (c0, c1, c2))
+    c3 = None  # 0
     for _ in range(10):
         prod_b = c2 * _ROUND_B  # < 2**64 as unsigned; int64 wraps, the bits are the same
         prod_a = c0 * _ROUND_A
-        c0, c2 = ((prod_b >> 32) & _MASK32) ^ c1 ^ k0, ((prod_a >> 32) & _MASK32) ^ c3 ^ k1
-        c1, c3 = prod_b & _MASK32, prod_a & _MASK32
+        new_c0 = (prod_b >> 32).bitwise_and_(_MASK32).bitwise_xor_(c1).bitwise_xor_(k0)
+        new_c2 = (prod_a >> 32).bitwise_and_(_MASK32).bitwise_xor_(k1)
+        if c3 is not None:
+            new_c2.bitwise_xor_(c3)
+        c0, c1, c2, c3 = new_c0, prod_b.bitwise_and_(_MASK32), new_c2, prod_a.bitwise_and_(_MASK32)
         k0 = (k0 + _KEY_A) & _MASK32
         k1 = (k1 + _KEY_B) & _MASK32
     return c0, c1, c2, c3
@@ -95,98 +100,164 @@ def race_noise_at(seed: Tensor, x: Tensor, row: Tensor, purpose: Tensor) -> Tens
 def sanitize(x: Tensor) -> tuple[Tensor, Tensor]:
     """(fp32 logits with NaN / +inf -> -inf, [rows] whether a row had any)."""
     x = x.to(torch.float32)
-    bad = torch.isnan(x) | torch.isposinf(x)
-    row_bad = bad.any(-1)
+    ok = x < float("inf")  # False at NaN and +inf
+    row_bad = ~ok.all(-1)
     if bool(row_bad.any()):
-        x = x.masked_fill(bad, float("-inf"))
+        x = x.masked_fill(~ok, float("-inf"))
     return x, row_bad
 
 
-def sanitize_probs(q: Tensor) -> tuple[Tensor, Tensor]:
-    """(float64 probabilities with NaN / +inf / negative -> 0, [rows] whether a row had any)."""
+def usable_probs(q: Tensor) -> Tensor:
+    """float64 draft probabilities with NaN / +inf / negative -> 0 (no probability)."""
     q = q.to(torch.float64)
-    bad = ~((q >= 0) & (q < float("inf")))
-    row_bad = bad.any(-1)
-    if bool(row_bad.any()):
-        q = q.masked_fill(bad, 0.0)
-    return q, row_bad
+    return q.masked_fill(~((q >= 0) & (q < float("inf"))), 0.0)
+
+
+def unusable_prob_rows(q: Tensor) -> Tensor:
+    """[rows] whether a draft_probs row holds NaN, +inf or a negative value."""
+    return ~((q >= 0) & (q < float("inf"))).all(-1)
 
 
 def _weights(x: Tensor, thr: Tensor, m: Tensor, t: Tensor) -> Tensor:
     """float64 exp((x - m) / T) at the kept entries (x >= thr, finite), 0 elsewhere.
 
-    x [..., V]; thr, m (a finite row max), t: [...]."""
-    w = torch.exp((x.to(torch.float64) - m[..., None]) / t[..., None])
-    return w.masked_fill(~((x >= thr[..., None]) & (x > float("-inf"))), 0.0)
+    x [..., V]; thr, m (a finite row max), t: [...]. One float64 buffer, updated in place."""
+    w = x.to(torch.float64)
+    w.sub_(m[..., None]).div_(t[..., None]).exp_()  # exp(-inf) = 0: -inf logits need no mask
+    if bool((thr > float("-inf")).any()):
+        w.masked_fill_(x < thr[..., None], 0.0)
+    return w
 
 
-def filter_thresholds(x: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Raw-logit thresholds [R] of top-k then top-p (keep x >= thr; -inf: nothing filtered) for
-    sanitised fp32 rows x [R, V]; t, top_p float64 [R], top_k int64 [R]. As the reference's
-    ``filter_threshold``: the k-th largest finite logit (ties kept); then the kept logit at the
-    first position of the descending cumulative mass that reaches top_p * the total."""
+def _complete(vals: Tensor, thr: Tensor, V: int) -> Tensor:
+    """[r] whether a descending prefix vals [r, w] of each row holds every kept entry (>= thr)."""
+    if vals.shape[1] >= V:
+        return torch.ones(vals.shape[0], dtype=torch.bool, device=vals.device)
+    last = vals[:, -1]
+    return (last < thr) | (last == float("-inf"))
+
+
+def _row_stats(x: Tensor, m: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool):
+    """(thresholds [R], normalisers Z [R] float64) of sanitised fp32 rows x [R, V] with row max m
+    (0 for rows with nothing finite), temperature t and top_p float64, top_k int64 (all [R]).
+
+    The threshold is the reference's ``filter_threshold`` (keep x >= thr; -inf: nothing filtered):
+    the k-th largest finite logit (ties kept), then the kept logit at the first position of the
+    descending cumulative mass reaching top_p * the total. Z = sum of exp((x - m) / T) over the kept
+    entries: from the descending prefix (``topk``) when it holds all of them, else one pass over V."""
     R, V = x.shape
     thr = torch.full((R,), float("-inf"), dtype=torch.float32, device=x.device)
-    use_k = (top_k > 0) & (top_k < V)
-    if bool(use_k.any()):
-        rows = use_k.nonzero().squeeze(1)
-        k = top_k[rows]
-        top = torch.topk(x[rows], int(k.max()), dim=-1).values
-        # fewer than k finite logits: the k-th is -inf, and -inf filters nothing (as the reference)
-        thr[rows] = top.gather(1, (k - 1)[:, None]).squeeze(1)
-    use_p = top_p < 1.0
-    if bool(use_p.any()):
-        rows = use_p.nonzero().squeeze(1)
-        thr[rows] = _top_p_thresholds(x[rows], thr[rows], t[rows], top_p[rows])
-    return thr
+    z = torch.zeros(R, dtype=torch.float64, device=x.device)
+    known = torch.zeros(R, dtype=torch.bool, device=x.device)
+    if filtered:
+        use_k = (top_k > 0) & (top_k < V)
+        use_p = top_p < 1.0
+        rows = (use_k | use_p).nonzero().squeeze(1)
+        if rows.numel() > 0:
+            thr[rows], z[rows], known[rows] = _filtered_stats(
+                _take(x, rows), m[rows], t[rows], top_k[rows], top_p[rows], use_k[rows], use_p[rows]
+            )
+    if not bool(known.all()):
+        rows = (~known).nonzero().squeeze(1)
+        z[rows] = _exp_sums(x, rows, thr[rows], m[rows], t[rows])
+    return thr, z
 
 
-def _top_p_thresholds(x: Tensor, thr: Tensor, t: Tensor, top_p: Tensor) -> Tensor:
-    """top-p on rows already cut at thr (top-k): the smallest descending prefix of the kept logits
-    whose mass reaches top_p times the total, ties at its end kept. A partial sort (``topk``) that
-    doubles in width until it holds that position; the weights and the cumulative mass are float64
-    exp((x - max) / T), as the reference computes them on its full sort."""
-    R, V = x.shape
-    kept = torch.where(x >= thr[:, None], x, torch.full_like(x, float("-inf")))
-    m = kept.amax(-1)
-    finite = m > float("-inf")  # rows with nothing kept keep their threshold
-    count = (kept > float("-inf")).sum(-1)
-    total = torch.exp((kept.to(torch.float64) - torch.where(finite, m, 0.0)[:, None]) / t[:, None]).sum(-1)
-    goal = top_p.to(torch.float64) * total
-    out = thr.clone()
-    pending = finite.nonzero().squeeze(1)
-    width = min(V, _TOP_P_FIRST_WIDTH)
+def _take(x: Tensor, rows: Tensor) -> Tensor:
+    """x[rows] (no copy when rows are all of x's rows, in order)."""
+    return x if rows.numel() == x.shape[0] else x[rows]
+
+
+def _exp_sums(x: Tensor, rows: Tensor, thr: Tensor, m: Tensor, t: Tensor) -> Tensor:
+    """Sum over the kept entries of exp((x - m) / T) (float64) of the rows ``rows`` of x [R, V];
+    thr, m, t are those rows' values. In blocks of rows whose float64 buffer stays in cache."""
+    per_block = max(1, _BLOCK // max(x.shape[1], 1))
+    if rows.numel() <= per_block:
+        return _weights(_take(x, rows), thr, m, t).sum(-1)
+    parts = []
+    for start in range(0, rows.numel(), per_block):
+        sl = slice(start, start + per_block)
+        block = x[rows[sl]] if rows.numel() < x.shape[0] else x[sl]
+        parts.append(_weights(block, thr[sl], m[sl], t[sl]).sum(-1))
+    return torch.cat(parts)
+
+
+def _filtered_stats(x, m, t, top_k, top_p, use_k, use_p):
+    """(thr, Z, Z known) of rows with top-k and / or top-p; see ``_row_stats``."""
+    r, V = x.shape
+    width = min(V, int(top_k[use_k].max())) if bool(use_k.any()) else min(V, _TOP_P_FIRST_WIDTH)
+    vals = torch.topk(x, width, dim=-1).values  # descending
+    # fewer than k finite logits: the k-th is -inf, which filters nothing (as the reference)
+    kth = vals.gather(1, (top_k.clamp(1, width) - 1)[:, None]).squeeze(1)
+    thr = torch.where(use_k, kth, torch.full_like(kth, float("-inf")))
+    wts = _weights(vals, thr, m, t)
+    z = wts.sum(-1)
+    known = _complete(vals, thr, V)
+    rows = use_p.nonzero().squeeze(1)
+    if rows.numel() > 0:
+        thr[rows], z[rows], known[rows] = _top_p(_take(x, rows), vals[rows], thr[rows], m[rows], t[rows], top_p[rows])
+    return thr, z, known
+
+
+def _top_p(x, vals, thr, m, t, top_p):
+    """top-p on rows cut at thr (top-k, or -inf): (thr, Z, Z known) given a descending prefix vals.
+
+    The reference sorts the kept logits, takes the float64 cumulative mass of exp((x - max) / T)
+    and keeps the prefix up to its first position reaching top_p * the total. Here the prefix widens
+    (``topk``, 4x each time) until it holds that position; the total is the prefix's own when it
+    holds every kept entry (then every number is the reference's), else one pass over the row."""
+    r, V = x.shape
+    out_thr, out_z = thr.clone(), torch.zeros(r, dtype=torch.float64, device=x.device)
+    out_known = torch.zeros(r, dtype=torch.bool, device=x.device)
+    live = vals[:, 0] > float("-inf")  # rows with nothing finite keep their threshold
+    total = torch.full((r,), float("nan"), dtype=torch.float64, device=x.device)
+    incomplete = (~_complete(vals, thr, V)) & live
+    if bool(incomplete.any()):
+        rows = incomplete.nonzero().squeeze(1)
+        total[rows] = _exp_sums(x, rows, thr[rows], m[rows], t[rows])
+    pending = live.nonzero().squeeze(1)
+    vals = vals if pending.numel() == r else vals[pending]
     while pending.numel() > 0:
-        vals = torch.topk(kept[pending], width, dim=-1).values  # descending
-        mass = torch.cumsum(torch.exp((vals.to(torch.float64) - m[pending, None]) / t[pending, None]), -1)
-        n = count[pending]
-        # the prefix holds the answer when its mass reaches the goal or it holds every kept entry
-        done = (mass[:, -1] >= goal[pending]) | (n <= width)
-        first = (mass < goal[pending, None]).sum(-1)  # searchsorted (left) on the nondecreasing mass
-        first = torch.minimum(first, n - 1).clamp(max=width - 1)
-        chosen = vals.gather(1, first[:, None]).squeeze(1)
-        out[pending[done]] = chosen[done]
+        th = thr[pending]
+        wts = _weights(vals, th, m[pending], t[pending])
+        mass = torch.cumsum(wts, -1)
+        complete = _complete(vals, th, V)
+        goal = top_p[pending] * torch.where(complete, mass[:, -1], total[pending])
+        done = complete | (mass[:, -1] >= goal)
+        kept = ((vals >= th[:, None]) & (vals > float("-inf"))).sum(-1)
+        first = torch.minimum((mass < goal[:, None]).sum(-1), kept - 1).clamp(min=0)  # searchsorted, left
+        new_thr = vals.gather(1, first[:, None]).squeeze(1)
+        z = (wts * (vals >= new_thr[:, None])).sum(-1)
+        finished = pending[done]
+        out_thr[finished], out_z[finished] = new_thr[done], z[done]
+        out_known[finished] = _complete(vals, new_thr, V)[done]
         pending = pending[~done]
-        width = min(V, width * 4)
-    return out
+        if pending.numel() > 0:
+            width = min(V, vals.shape[1] * 4)
+            vals = torch.topk(_take(x, pending), width, dim=-1).values
+    return out_thr, out_z, out_known
 
 
 class _Rows:
     """The processed distributions of a stack of sanitised rows x [..., V] (per-row temperature,
-    top_k, top_p: [...]): threshold, max and normaliser of each row, as ``processed_probs``."""
+    top_k, top_p: [...]; row maxima m): threshold, max and normaliser of each row, as the
+    reference's ``processed_probs``."""
 
-    def __init__(self, x: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool):
+    def __init__(self, x: Tensor, m: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool):
         lead, V = x.shape[:-1], x.shape[-1]
         self.x, self.t = x, t
-        if filtered:
-            flat = filter_thresholds(x.reshape(-1, V), t.reshape(-1), top_k.reshape(-1), top_p.reshape(-1))
-            self.thr = flat.reshape(lead)
-        else:
-            self.thr = torch.full(lead, float("-inf"), dtype=torch.float32, device=x.device)
-        m = x.amax(-1)  # the largest finite logit is always kept
         self.empty = m == float("-inf")  # nothing to sample: p = 0 everywhere
         self.m = m.masked_fill(self.empty, 0.0)
-        self.z = _weights(x, self.thr, self.m, t).sum(-1).masked_fill(self.empty, 1.0)
+        thr, z = _row_stats(
+            x.reshape(-1, V),
+            self.m.reshape(-1),
+            t.reshape(-1),
+            top_k.reshape(-1),
+            top_p.reshape(-1),
+            filtered,
+        )
+        self.thr = thr.reshape(lead)
+        self.z = z.reshape(lead).masked_fill(self.empty, 1.0)
 
     def prob_at(self, x_at: Tensor, rows: int) -> Tensor:
         """float64 p(x) for logits x_at [M, rows], one read from each of the first ``rows`` rows of
@@ -226,7 +297,7 @@ def verify_vectorized(args: VerifyArgs) -> VerifyOutput:
     sampled = (~greedy).nonzero().squeeze(1)
     chain = None
     if sampled.numel() > 0:
-        chain = _SampledChain(args, params, x, tok, n, sampled)
+        chain = _SampledChain(args, params, x, g_max, tok, n, sampled)
         accept[sampled] = chain.accept
     j = (accept & (pos[None, :G] < n[:, None])).to(torch.int64).cumprod(-1).sum(-1)  # first rejection
     flagged = (flag_rows & (pos[None, :] <= j[:, None])).any(-1)
@@ -245,7 +316,7 @@ class _SampledChain:
     """The sampled requests (rows ``index`` of the batch): accept tests of every draft, then the
     race over each request's row j."""
 
-    def __init__(self, args: VerifyArgs, params: dict, x: Tensor, tok: Tensor, n: Tensor, index: Tensor):
+    def __init__(self, args: VerifyArgs, params: dict, x: Tensor, g_max: Tensor, tok: Tensor, n: Tensor, index):
         B, G, V = args.B, args.G, args.V
         whole = index.numel() == B
         pick = (lambda t: t) if whole else (lambda t: t[index])
@@ -258,21 +329,31 @@ class _SampledChain:
         G1 = G + 1
         xs = pick(x)
         self.target = _Rows(
-            xs, t[:, None].expand(-1, G1), top_k[:, None].expand(-1, G1), top_p[:, None].expand(-1, G1), filtered
+            xs,
+            pick(g_max),
+            t[:, None].expand(-1, G1),
+            top_k[:, None].expand(-1, G1),
+            top_p[:, None].expand(-1, G1),
+            filtered,
         )
         p_tok = self.target.prob_at(xs[:, :G].gather(2, self.tok[:, :, None]).squeeze(2), G)
         draft = pick(args.draft) if args.draft is not None else None
-        self.draft = self.qs = None
+        self.draft, self.probs = None, draft
         self.draft_bad = torch.zeros(self.tok.shape, dtype=torch.bool, device=x.device)
         if self.mode == DRAFT_LOGITS:
             xd, self.draft_bad = sanitize(draft)
             self.draft = _Rows(
-                xd, t[:, None].expand(-1, G), top_k[:, None].expand(-1, G), top_p[:, None].expand(-1, G), filtered
+                xd,
+                xd.amax(-1),
+                t[:, None].expand(-1, G),
+                top_k[:, None].expand(-1, G),
+                top_p[:, None].expand(-1, G),
+                filtered,
             )
             q_tok = self.draft.prob_at(xd.gather(2, self.tok[:, :, None]).squeeze(2), G)
         elif self.mode == DRAFT_PROBS:
-            self.qs, self.draft_bad = sanitize_probs(draft)
-            q_tok = self.qs.gather(2, self.tok[:, :, None]).squeeze(2)
+            self.draft_bad = unusable_prob_rows(draft)
+            q_tok = usable_probs(draft.gather(2, self.tok[:, :, None]).squeeze(2))
         else:
             q_tok = torch.ones_like(p_tok)
         rows = torch.arange(G, device=x.device, dtype=torch.int64)
@@ -299,31 +380,32 @@ class _SampledChain:
             if self.mode == DRAFT_LOGITS:
                 q = self.draft.probs((ar, jq))
             elif self.mode == DRAFT_PROBS:
-                q = self.qs[ar, jq]
+                q = usable_probs(self.probs[ar, jq])
             else:  # one-hot q: the residual is p without the draft token
                 q = torch.zeros_like(p).scatter_(1, self.tok[ar, jq][:, None], 1.0)
             w = torch.where(recover[:, None], torch.clamp(p - q, min=0), p)
         purpose = torch.where(recover, PURPOSE_RECOVER, PURPOSE_BONUS).to(torch.int64)
-        noise = self._noise(p > 0, j, purpose)
-        res_key = _safe_log(w) - noise
-        p_key = _safe_log(p) - noise
-        res_best, res_idx = res_key.max(-1)
-        p_best, p_idx = p_key.max(-1)
-        p_idx = torch.where(p_best > float("-inf"), p_idx, torch.zeros_like(p_idx))  # nothing: token 0
-        return torch.where(recover & (res_best > float("-inf")), res_idx, p_idx)
+        best = self._race(w, j, purpose)
+        # an empty residual (p == q to rounding) falls back to p, with the same uniforms
+        redo = (best < 0) & recover
+        if bool(redo.any()):
+            rows = redo.nonzero().squeeze(1)
+            best[rows] = self._race(p[rows], j[rows], purpose[rows], self.seed[rows])
+        return best.clamp(min=0)  # nothing to sample at all: token 0
 
-    def _noise(self, positive: Tensor, j: Tensor, purpose: Tensor) -> Tensor:
-        """log(-log u_x) of row j's race at the entries with p > 0 (0 elsewhere: their key is -inf)."""
-        M, V = positive.shape
+    def _race(self, w: Tensor, j: Tensor, purpose: Tensor, seed: Tensor | None = None) -> Tensor:
+        """argmax_x log w(x) - log(-log u_x) per row of w [M, V] (float64, >= 0): the exponential
+        race of row j, lowest index on ties; -1 for a row with no positive weight. Only the
+        entries with w > 0 get a uniform when they are few (after top-k / top-p)."""
+        seed = self.seed if seed is None else seed
+        M, V = w.shape
+        positive = w > 0
         count = int(positive.sum())
         if count > _SPARSE_RACE * M * V:
-            return race_noise_dense(self.seed, j, purpose, V)
-        r, x = positive.nonzero(as_tuple=True)
-        noise = torch.zeros((M, V), dtype=torch.float64, device=j.device)
-        noise[r, x] = race_noise_at(self.seed[r], x, j[r], purpose[r])
-        return noise
-
-
-def _safe_log(w: Tensor) -> Tensor:
-    """log w where w > 0, -inf elsewhere."""
-    return torch.log(w).masked_fill(~(w > 0), float("-inf"))
+            keys = torch.log(w).sub_(race_noise_dense(seed, j, purpose, V))  # log 0 = -inf
+        else:
+            r, x = positive.nonzero(as_tuple=True)
+            keys = torch.full((M, V), float("-inf"), dtype=torch.float64, device=w.device)
+            keys[r, x] = torch.log(w[r, x]) - race_noise_at(seed[r], x, j[r], purpose[r])
+        top, idx = keys.max(-1)  # the first index among equal maxima
+        return torch.where(top > float("-inf"), idx, torch.full_like(idx, -1))
