@@ -41,6 +41,7 @@ _MIN_TEMPERATURE = 2.0**-126  # below (or NaN): greedy, as the reference and the
 _TOP_P_FIRST_WIDTH = 256  # entries of the first partial sort for top-p (doubled until enough)
 _SPARSE_RACE = 0.25  # race only over the positive entries when they are at most this fraction
 _BLOCK = 1 << 18  # entries per block of the float64 passes (a block's buffer stays in cache)
+_PHILOX_BLOCK = 1 << 15  # counters per block of Philox (its int64 temporaries stay in cache)
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,11 +77,17 @@ def uniform_from_bits(bits: Tensor) -> Tensor:
 
 def race_noise_dense(seed: Tensor, row: Tensor, purpose: Tensor, V: int) -> Tensor:
     """log(-log u_x) [R, V] (float64) for every vocabulary entry x of R rows: u_x is word x % 4 of
-    Philox(seed; x // 4, row, purpose). One Philox call per quad of entries. seed, row, purpose: [R]."""
-    quads = torch.arange((V + 3) // 4, device=seed.device, dtype=torch.int64)
-    words = philox(seed[:, None], quads[None, :], row[:, None], purpose[:, None])
-    bits = torch.stack(words, -1).reshape(seed.shape[0], -1)[:, :V]
-    return torch.log(-torch.log(uniform_from_bits(bits).to(torch.float64)))
+    Philox(seed; x // 4, row, purpose). One Philox call per quad of entries, in blocks of quads
+    small enough for Philox's int64 temporaries to stay in cache. seed, row, purpose: [R]."""
+    R, Q = seed.shape[0], (V + 3) // 4
+    out = torch.empty((R, 4 * Q), dtype=torch.float64, device=seed.device)
+    per_block = max(256, _PHILOX_BLOCK // max(R, 1))
+    for start in range(0, Q, per_block):
+        quads = torch.arange(start, min(Q, start + per_block), device=seed.device, dtype=torch.int64)
+        words = philox(seed[:, None], quads[None, :], row[:, None], purpose[:, None])
+        u = uniform_from_bits(torch.stack(words, -1).reshape(R, -1)).to(torch.float64)
+        out[:, 4 * start : 4 * start + u.shape[1]] = u.log_().neg_().log_()
+    return out[:, :V]
 
 
 def race_noise_at(seed: Tensor, x: Tensor, row: Tensor, purpose: Tensor) -> Tensor:
@@ -97,14 +104,27 @@ def race_noise_at(seed: Tensor, x: Tensor, row: Tensor, purpose: Tensor) -> Tens
 # logit processing (batched rows [R, V]; per-row temperature, top_k, top_p)
 
 
-def sanitize(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(fp32 logits with NaN / +inf -> -inf, [rows] whether a row had any)."""
-    x = x.to(torch.float32)
-    ok = x < float("inf")  # False at NaN and +inf
-    row_bad = ~ok.all(-1)
+def sanitize(raw: Tensor, with_index: bool = False):
+    """(fp32 logits with NaN / +inf -> -inf, [rows] whether a row had any, row max, and with_index
+    the first index of the row max). The max propagates NaN and is +inf at +inf, so it finds the
+    rows to clean: clean inputs are read once (the max), never copied."""
+    x = raw.to(torch.float32)
+    if with_index:
+        m, idx = torch.max(x, dim=-1)  # the first index among equal maxima
+    else:
+        m, idx = x.amax(-1), None
+    row_bad = ~(m < float("inf"))
     if bool(row_bad.any()):
-        x = x.masked_fill(~ok, float("-inf"))
-    return x, row_bad
+        rows = row_bad.nonzero(as_tuple=True)
+        x = x.clone() if x is raw else x  # never write into the caller's tensor
+        clean = x[rows]
+        clean.masked_fill_(~(clean < float("inf")), float("-inf"))
+        x[rows] = clean
+        if with_index:
+            m[rows], idx[rows] = torch.max(clean, dim=-1)
+        else:
+            m[rows] = clean.amax(-1)
+    return x, row_bad, m, idx
 
 
 def usable_probs(q: Tensor) -> Tensor:
@@ -289,8 +309,7 @@ def verify_vectorized(args: VerifyArgs) -> VerifyOutput:
     n = usable.to(torch.int64).cumprod(-1).sum(-1)
     tok = drafts.clamp(0, max(V - 1, 0))
 
-    x, row_bad = sanitize(args.target_logits)  # [B, G+1, V]
-    g_max, g_idx = torch.max(x, dim=-1)  # the first index among equal maxima
+    x, row_bad, g_max, g_idx = sanitize(args.target_logits, with_index=True)  # [B, G+1, V]
     flag_rows = row_bad | (g_max == float("-inf"))  # nothing to choose from: token 0, flagged
     accept = tok == g_idx[:, :G]  # greedy requests
     greedy = ~(params["temperature"] >= _MIN_TEMPERATURE)  # NaN / subnormal act as greedy
@@ -341,10 +360,10 @@ class _SampledChain:
         self.draft, self.probs = None, draft
         self.draft_bad = torch.zeros(self.tok.shape, dtype=torch.bool, device=x.device)
         if self.mode == DRAFT_LOGITS:
-            xd, self.draft_bad = sanitize(draft)
+            xd, self.draft_bad, xd_max, _ = sanitize(draft)
             self.draft = _Rows(
                 xd,
-                xd.amax(-1),
+                xd_max,
                 t[:, None].expand(-1, G),
                 top_k[:, None].expand(-1, G),
                 top_p[:, None].expand(-1, G),
