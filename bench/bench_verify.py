@@ -19,6 +19,8 @@ in, accepted tokens and counts out. Providers:
                    GPU or when the extension cannot be built.
 * ``auto``      -- ``specdec_kernels.verify(..., backend="auto")``, what a user gets: on CPU tensors the
                    native CPU backend (csrc compiled with OpenMP), on a GPU the faster compiled backend.
+* ``vectorized`` -- ``specdec_kernels.verify(..., backend="vectorized")``: batched PyTorch ops, what auto
+                   falls back to on CPU tensors when the CPU build cannot be compiled.
 
 On CPU (``--device cpu``) rows also carry ``cpu_us``: process CPU time per call (all threads), the
 steadier number on a shared machine; ``--threads`` pins torch's (and OpenMP's) thread count.
@@ -26,7 +28,8 @@ steadier number on a shared machine; ``--threads`` pins torch's (and OpenMP's) t
 Modes: ``stochastic`` (temperature 1, draft logits), ``greedy`` (temperature 0; draft logits are
 passed as a caller with a draft model would, but are not counted as must-read bytes because greedy
 verification never needs them), ``ngram`` (temperature 1, no draft logits: one-hot q, as for
-n-gram / prompt-lookup drafters), ``topk_topp`` (temperature 1, top_k=50, top_p=0.9).
+n-gram / prompt-lookup drafters), ``topk_topp`` (temperature 1, top_k=50, top_p=0.9), ``t0.7`` and
+``t0.7_topk_topp`` (the same at temperature 0.7).
 
 How to read a row
 -----------------
@@ -73,8 +76,8 @@ if str(_BENCH_DIR) not in sys.path:  # `import _common` also when this file is i
 
 import _common as common  # noqa: E402
 
-PROVIDERS = ("eager", "reference", "ours", "cuda", "auto")
-MODES = ("stochastic", "greedy", "ngram", "topk_topp")
+PROVIDERS = ("eager", "reference", "ours", "cuda", "auto", "vectorized")
+MODES = ("stochastic", "greedy", "ngram", "topk_topp", "t0.7", "t0.7_topk_topp")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 DEFAULT_B = (1, 8, 64, 256)
@@ -162,6 +165,8 @@ MODE_SETTINGS = {
     "greedy": Mode("greedy", temperature=0.0, needs_draft_logits=False),
     "ngram": Mode("ngram", temperature=1.0, passes_draft_logits=False, needs_draft_logits=False),
     "topk_topp": Mode("topk_topp", temperature=1.0, top_k=50, top_p=0.9),
+    "t0.7": Mode("t0.7", temperature=0.7),
+    "t0.7_topk_topp": Mode("t0.7_topk_topp", temperature=0.7, top_k=50, top_p=0.9),
 }
 
 
@@ -366,12 +371,17 @@ def auto_provider(inputs: VerifyInputs, mode: Mode, validate: bool) -> Callable:
     return _sk_provider(inputs, mode, validate, "auto")
 
 
+def vectorized_provider(inputs: VerifyInputs, mode: Mode, validate: bool) -> Callable:
+    return _sk_provider(inputs, mode, validate, "vectorized")
+
+
 PROVIDER_FACTORIES = {
     "eager": eager_provider,
     "reference": reference_provider,
     "ours": ours_provider,
     "cuda": cuda_provider,
     "auto": auto_provider,
+    "vectorized": vectorized_provider,
 }
 
 

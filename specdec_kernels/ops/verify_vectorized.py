@@ -26,11 +26,15 @@ Works on any device (it is plain tensor code); ``auto`` uses it only for CPU ten
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 from torch import Tensor
 
 from .._types import DRAFT_LOGITS, DRAFT_PROBS, VerifyOutput
 from .._validation import VerifyArgs
+from ..reference.philox import philox4x32
 from ..reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
 
 _MASK32 = 0xFFFFFFFF
@@ -42,6 +46,7 @@ _TOP_P_FIRST_WIDTH = 256  # entries of the first partial sort for top-p (doubled
 _SPARSE_RACE = 0.25  # race only over the positive entries when they are at most this fraction
 _BLOCK = 1 << 18  # entries per block of the float64 passes (a block's buffer stays in cache)
 _PHILOX_BLOCK = 1 << 15  # counters per block of Philox (its int64 temporaries stay in cache)
+_NUMPY_PHILOX = 1 << 12  # up to this many counters the reference's NumPy Philox (the same bits) is cheaper
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,9 +57,12 @@ def philox(seed: Tensor, c0: Tensor, c1: Tensor, c2: Tensor) -> tuple[Tensor, Te
     """Philox4x32-10, key = 64-bit ``seed``, counter (c0, c1, c2, 0); int64 tensors that broadcast.
 
     Returns the four output words as int64 tensors in [0, 2**32)."""
+    shape = torch.Size(np.broadcast_shapes(seed.shape, c0.shape, c1.shape, c2.shape))
+    if seed.device.type == "cpu" and math.prod(shape) <= _NUMPY_PHILOX:  # few numbers: NumPy has less overhead
+        words = philox4x32(*(v.numpy() for v in (seed, c0, c1, c2)), 0)
+        return tuple(torch.from_numpy(w.astype(np.int64)).reshape(shape) for w in words)
     k0 = seed & _MASK32  # the keys keep the seed's (small) shape: the schedule is per seed
     k1 = (seed >> 32) & _MASK32
-    shape = torch.broadcast_shapes(seed.shape, c0.shape, c1.shape, c2.shape)
     c0, c1, c2 = ((c & _MASK32).expand(shape) for c in (c0, c1, c2))
     c3 = None  # 0
     for _ in range(10):
