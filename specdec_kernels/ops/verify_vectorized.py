@@ -267,37 +267,40 @@ def _top_p(x, vals, thr, m, t, top_p):
 
 
 class _Rows:
-    """The processed distributions of a stack of sanitised rows x [..., V] (per-row temperature,
-    top_k, top_p: [...]; row maxima m): threshold, max and normaliser of each row, as the
-    reference's ``processed_probs``."""
+    """The processed distributions of the rows x[b, i] of a sanitised fp32 stack x [B, R, V] with
+    row maxima m [B, R] and per-request temperature, top_k, top_p [B]: threshold, max and
+    normaliser of each row (the reference's ``processed_probs``), computed by :meth:`fill` only for
+    the rows a verification reaches."""
 
     def __init__(self, x: Tensor, m: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool):
-        lead, V = x.shape[:-1], x.shape[-1]
-        self.x, self.t = x, t
+        self.x, self.t, self.top_k, self.top_p, self.filtered = x, t, top_k, top_p, filtered
         self.empty = m == float("-inf")  # nothing to sample: p = 0 everywhere
         self.m = m.masked_fill(self.empty, 0.0)
-        thr, z = _row_stats(
-            x.reshape(-1, V),
-            self.m.reshape(-1),
-            t.reshape(-1),
-            top_k.reshape(-1),
-            top_p.reshape(-1),
-            filtered,
-        )
-        self.thr = thr.reshape(lead)
-        self.z = z.reshape(lead).masked_fill(self.empty, 1.0)
+        self.thr = torch.full(m.shape, float("-inf"), dtype=torch.float32, device=x.device)
+        self.z = torch.ones(m.shape, dtype=torch.float64, device=x.device)
 
-    def prob_at(self, x_at: Tensor, rows: int) -> Tensor:
-        """float64 p(x) for logits x_at [M, rows], one read from each of the first ``rows`` rows of
-        every request (rows [M, rows] of the stack [M, R, V])."""
-        thr, m, t, z = (v[:, :rows] for v in (self.thr, self.m, self.t, self.z))
+    def rows(self, b: Tensor, i) -> Tensor:
+        """x[b, i] [len(b), V] (a view when b is the whole batch in order and i one row)."""
+        if isinstance(i, int) and b.numel() == self.x.shape[0] and bool((b == torch.arange(b.numel())).all()):
+            return self.x[:, i]
+        return self.x[b, i]
+
+    def fill(self, b: Tensor, i: int) -> None:
+        """Compute the statistics of rows (b, i) for requests b (a [M] index) and row i."""
+        thr, z = _row_stats(self.rows(b, i), self.m[b, i], self.t[b], self.top_k[b], self.top_p[b], self.filtered)
+        self.thr[b, i] = thr
+        self.z[b, i] = z.masked_fill(self.empty[b, i], 1.0)
+
+    def prob_at(self, b: Tensor, i, x_at: Tensor) -> Tensor:
+        """float64 p(x) of rows (b, i) at their logits x_at [M]."""
+        thr, m, z = self.thr[b, i], self.m[b, i], self.z[b, i]
         kept = (x_at >= thr) & (x_at > float("-inf"))
-        p = torch.exp((x_at.to(torch.float64) - m) / t) / z
+        p = torch.exp((x_at.to(torch.float64) - m) / self.t[b]) / z
         return p.masked_fill(~kept, 0.0)
 
-    def probs(self, index: tuple) -> Tensor:
-        """float64 probabilities [M, V] of the rows picked by an advanced index of the leading dims."""
-        return _weights(self.x[index], self.thr[index], self.m[index], self.t[index]) / self.z[index][:, None]
+    def probs(self, b: Tensor, i: Tensor) -> Tensor:
+        """float64 probabilities [M, V] of rows (b[k], i[k])."""
+        return _weights(self.rows(b, i), self.thr[b, i], self.m[b, i], self.t[b]) / self.z[b, i][:, None]
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,54 +343,51 @@ def verify_vectorized(args: VerifyArgs) -> VerifyOutput:
 
 
 class _SampledChain:
-    """The sampled requests (rows ``index`` of the batch): accept tests of every draft, then the
-    race over each request's row j."""
+    """The sampled requests (``index``: their rows of the batch): the accept tests position by
+    position (a row's statistics are computed only for the requests that reach it), then the race
+    over each request's row j."""
 
     def __init__(self, args: VerifyArgs, params: dict, x: Tensor, g_max: Tensor, tok: Tensor, n: Tensor, index):
-        B, G, V = args.B, args.G, args.V
-        whole = index.numel() == B
-        pick = (lambda t: t) if whole else (lambda t: t[index])
-        self.mode, self.V, self.G = args.draft_mode, V, G
-        self.tok, self.n = pick(tok), pick(n)
-        self.seed = pick(params["seed"])
-        t = pick(params["temperature"]).to(torch.float64)
-        top_k, top_p = pick(params["top_k"]), pick(params["top_p"]).to(torch.float64)
-        filtered = args.has_filter and bool((((top_k > 0) & (top_k < V)) | (top_p < 1.0)).any())
-        G1 = G + 1
-        xs = pick(x)
-        self.target = _Rows(
-            xs,
-            pick(g_max),
-            t[:, None].expand(-1, G1),
-            top_k[:, None].expand(-1, G1),
-            top_p[:, None].expand(-1, G1),
-            filtered,
-        )
-        p_tok = self.target.prob_at(xs[:, :G].gather(2, self.tok[:, :, None]).squeeze(2), G)
-        draft = pick(args.draft) if args.draft is not None else None
-        self.draft, self.probs = None, draft
-        self.draft_bad = torch.zeros(self.tok.shape, dtype=torch.bool, device=x.device)
+        G, V = args.G, args.V
+        self.mode, self.V, self.G, self.index = args.draft_mode, V, G, index
+        self.tok, self.n, self.seed = tok[index], n[index], params["seed"][index]
+        t = params["temperature"].to(torch.float64)
+        top_k, top_p = params["top_k"], params["top_p"].to(torch.float64)
+        filtered = args.has_filter and bool((((top_k > 0) & (top_k < V)) | (top_p < 1.0))[index].any())
+        self.target = _Rows(x, g_max, t, top_k, top_p, filtered)
+        self.draft, self.probs = None, args.draft
+        M = index.numel()
+        self.draft_bad = torch.zeros((M, G), dtype=torch.bool, device=x.device)
         if self.mode == DRAFT_LOGITS:
-            xd, self.draft_bad, xd_max, _ = sanitize(draft)
-            self.draft = _Rows(
-                xd,
-                xd_max,
-                t[:, None].expand(-1, G),
-                top_k[:, None].expand(-1, G),
-                top_p[:, None].expand(-1, G),
-                filtered,
-            )
-            q_tok = self.draft.prob_at(xd.gather(2, self.tok[:, :, None]).squeeze(2), G)
+            xd, draft_bad, xd_max, _ = sanitize(args.draft)
+            self.draft, self.draft_bad = _Rows(xd, xd_max, t, top_k, top_p, filtered), draft_bad[index]
         elif self.mode == DRAFT_PROBS:
-            self.draft_bad = unusable_prob_rows(draft)
-            q_tok = usable_probs(draft.gather(2, self.tok[:, :, None]).squeeze(2))
-        else:
-            q_tok = torch.ones_like(p_tok)
+            self.draft_bad = unusable_prob_rows(args.draft)[index]
         rows = torch.arange(G, device=x.device, dtype=torch.int64)
         u = uniform_from_bits(
             philox(self.seed[:, None], torch.zeros_like(rows), rows, torch.full_like(rows, PURPOSE_ACCEPT))[0]
-        )
-        self.accept = (p_tok > 0) & (u.to(torch.float64) * q_tok <= p_tok)
+        ).to(torch.float64)
+        self.accept = torch.zeros((M, G), dtype=torch.bool, device=x.device)
+        alive = torch.arange(M, device=x.device)  # requests whose first rejection is not found yet
+        for i in range(G + 1):
+            self.target.fill(index[alive], i)  # row i: a draft's accept test, or the bonus row
+            testing = alive[self.n[alive] > i]
+            if i == G or testing.numel() == 0:
+                break
+            b, x_tok = index[testing], self.tok[testing, i]
+            p_tok = self.target.prob_at(b, i, x[b, i, x_tok])
+            if self.mode == DRAFT_LOGITS:
+                self.draft.fill(b, i)
+                q_tok = self.draft.prob_at(b, i, xd[b, i, x_tok])
+            elif self.mode == DRAFT_PROBS:
+                q_tok = usable_probs(args.draft[b, i, x_tok])
+            else:
+                q_tok = torch.ones_like(p_tok)
+            accepted = (p_tok > 0) & (u[testing, i] * q_tok <= p_tok)
+            self.accept[testing, i] = accepted
+            alive = testing[accepted]
+            if alive.numel() == 0:
+                break
 
     def draft_flags(self, j: Tensor) -> Tensor:
         """Unusable values in the draft rows a request used: rows 0 .. j that are drafts."""
@@ -397,19 +397,18 @@ class _SampledChain:
 
     def race(self, j: Tensor) -> Tensor:
         """The recovered (j < n: residual max(p - q, 0), else p) or bonus (p) token of row j."""
-        M = j.numel()
-        ar = torch.arange(M, device=j.device)
-        p = self.target.probs((ar, j))  # [M, V]
+        b = self.index
+        p = self.target.probs(b, j)  # [M, V]
         recover = j < self.n
         w = p
         if bool(recover.any()):
-            jq = j.clamp(max=max(self.G - 1, 0))
+            jq = j.clamp(max=max(self.G - 1, 0))  # (rows of requests with j = n are not used)
             if self.mode == DRAFT_LOGITS:
-                q = self.draft.probs((ar, jq))
+                q = self.draft.probs(b, jq)
             elif self.mode == DRAFT_PROBS:
-                q = usable_probs(self.probs[ar, jq])
+                q = usable_probs(self.probs[b, jq])
             else:  # one-hot q: the residual is p without the draft token
-                q = torch.zeros_like(p).scatter_(1, self.tok[ar, jq][:, None], 1.0)
+                q = torch.zeros_like(p).scatter_(1, self.tok.gather(1, jq[:, None]), 1.0)
             w = torch.where(recover[:, None], torch.clamp(p - q, min=0), p)
         purpose = torch.where(recover, PURPOSE_RECOVER, PURPOSE_BONUS).to(torch.int64)
         best = self._race(w, j, purpose)
