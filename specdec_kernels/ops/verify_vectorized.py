@@ -2,26 +2,32 @@
 
 What ``backend="auto"`` runs on CPU tensors when the csrc CPU build cannot be compiled (no C++
 compiler): the same tokens as the reference (``reference/verify.py``) for the same seeds, without
-its Python loops over requests and rows. Every request and every row is one slice of a
-``[B, G+1, V]`` tensor operation; the only loops are over the rounds of Philox and, for top-p, over
-a few widenings of a partial sort.
+its Python loop over requests. Every step works on all requests at once; the loops are over the G+1
+positions (a row's statistics are computed only for the requests whose drafts reach it), the
+rounds of Philox, blocks of rows that keep float64 buffers in cache, and the widenings of top-p's
+partial sort.
 
 It follows the reference step by step, in float64 where the reference is float64:
 
-* logits are read as fp32 with NaN / +inf -> -inf (flagged); draft probabilities as float64 with
-  NaN / +inf / negative -> 0 (flagged);
+* logits are read as fp32 with NaN / +inf -> -inf (flagged; found by the row max, which NaN and
+  +inf poison, so clean rows are never copied); draft probabilities as float64 with NaN / +inf /
+  negative -> 0 (flagged);
+* greedy: the first index of the row max (``torch.max``), the first mismatch by a cumulative product;
 * top-k: the k-th largest finite logit (``torch.topk``, ties kept); top-p: the first position of
   the descending cumulative mass reaching ``top_p`` times the total, found on a partial sort that
   widens until it holds that position (the whole row is never sorted unless it must be);
-* p(x) = exp((x - max) / T) / Z over the kept entries; the accept test u * q(x) <= p(x) with u from
-  Philox(seed; 0, i, ACCEPT); the first rejection j by a cumulative product;
+* p(x) = exp((x - max) / T) / Z over the kept entries (Z from the sorted prefix when it holds every
+  kept entry, else one pass over the row); the accept test u * q(x) <= p(x) with u from
+  Philox(seed; 0, i, ACCEPT), position by position;
 * the recovered / bonus token: the exponential race over row j with the uniforms of
-  Philox(seed; x // 4, j, RECOVER | BONUS) word x % 4 (only at the entries with positive weight:
-  after top-k that is a handful), keys log w(x) - log(-log u_x), lowest index on ties.
+  Philox(seed; x // 4, j, RECOVER | BONUS) word x % 4 (only at the entries with positive weight
+  when they are few, as after top-k), keys log w(x) - log(-log u_x), lowest index on ties; an
+  empty residual falls back to p with the same uniforms.
 
 Philox runs on int64 tensors: a product of two 32-bit words wraps modulo 2**64 and its high and low
-words are taken with a shift and a mask, bit-identical to ``reference/philox.py`` (tested).
-Works on any device (it is plain tensor code); ``auto`` uses it only for CPU tensors.
+words are taken with a shift and a mask, bit-identical to ``reference/philox.py`` (tested); a few
+counters use the reference's NumPy Philox itself. Plain tensor code, so it runs on any device;
+``auto`` uses it only for CPU tensors. Tree / multi-draft verification has no vectorised path yet.
 """
 
 from __future__ import annotations
