@@ -143,8 +143,8 @@ def sanitize(raw: Tensor, with_index: bool = False):
 
 def usable_probs(q: Tensor) -> Tensor:
     """float64 draft probabilities with NaN / +inf / negative -> 0 (no probability)."""
-    q = q.to(torch.float64)
-    return q.masked_fill(~((q >= 0) & (q < float("inf"))), 0.0)
+    q = q.to(torch.float64, copy=True)
+    return q.masked_fill_(~((q >= 0) & (q < float("inf"))), 0.0)
 
 
 def unusable_prob_rows(q: Tensor) -> Tensor:
@@ -306,7 +306,7 @@ class _Rows:
 
     def probs(self, b: Tensor, i: Tensor) -> Tensor:
         """float64 probabilities [M, V] of rows (b[k], i[k])."""
-        return _weights(self.rows(b, i), self.thr[b, i], self.m[b, i], self.t[b]) / self.z[b, i][:, None]
+        return _weights(self.rows(b, i), self.thr[b, i], self.m[b, i], self.t[b]).div_(self.z[b, i][:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,16 +406,18 @@ class _SampledChain:
         b = self.index
         p = self.target.probs(b, j)  # [M, V]
         recover = j < self.n
-        w = p
+        w = p  # bonus rows only: the race may consume p
         if bool(recover.any()):
             jq = j.clamp(max=max(self.G - 1, 0))  # (rows of requests with j = n are not used)
             if self.mode == DRAFT_LOGITS:
-                q = self.draft.probs(b, jq)
+                w = self.draft.probs(b, jq).neg_().add_(p).clamp_(min=0)  # max(p - q, 0), in place
             elif self.mode == DRAFT_PROBS:
-                q = usable_probs(self.probs[b, jq])
+                w = usable_probs(self.probs[b, jq]).neg_().add_(p).clamp_(min=0)
             else:  # one-hot q: the residual is p without the draft token
-                q = torch.zeros_like(p).scatter_(1, self.tok.gather(1, jq[:, None]), 1.0)
-            w = torch.where(recover[:, None], torch.clamp(p - q, min=0), p)
+                w = p.clone().scatter_(1, self.tok.gather(1, jq[:, None]), 0.0)
+            if not bool(recover.all()):
+                bonus = (~recover).nonzero().squeeze(1)
+                w[bonus] = p[bonus]
         purpose = torch.where(recover, PURPOSE_RECOVER, PURPOSE_BONUS).to(torch.int64)
         best = self._race(w, j, purpose)
         # an empty residual (p == q to rounding) falls back to p, with the same uniforms
@@ -426,15 +428,15 @@ class _SampledChain:
         return best.clamp(min=0)  # nothing to sample at all: token 0
 
     def _race(self, w: Tensor, j: Tensor, purpose: Tensor, seed: Tensor | None = None) -> Tensor:
-        """argmax_x log w(x) - log(-log u_x) per row of w [M, V] (float64, >= 0): the exponential
-        race of row j, lowest index on ties; -1 for a row with no positive weight. Only the
-        entries with w > 0 get a uniform when they are few (after top-k / top-p)."""
+        """argmax_x log w(x) - log(-log u_x) per row of w [M, V] (float64, >= 0; overwritten): the
+        exponential race of row j, lowest index on ties; -1 for a row with no positive weight. Only
+        the entries with w > 0 get a uniform when they are few (after top-k / top-p)."""
         seed = self.seed if seed is None else seed
         M, V = w.shape
         positive = w > 0
         count = int(positive.sum())
         if count > _SPARSE_RACE * M * V:
-            keys = torch.log(w).sub_(race_noise_dense(seed, j, purpose, V))  # log 0 = -inf
+            keys = w.log_().sub_(race_noise_dense(seed, j, purpose, V))  # log 0 = -inf
         else:
             r, x = positive.nonzero(as_tuple=True)
             keys = torch.full((M, V), float("-inf"), dtype=torch.float64, device=w.device)
