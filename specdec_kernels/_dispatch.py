@@ -15,9 +15,9 @@ Backends, ``backend="auto" | "triton" | "cuda" | "cpu" | "vectorized" | "torch"`
 * ``"cpu"``:    the same csrc core compiled for the host (-O3, OpenMP over rows and vocab chunks), for
   CPU tensors; built just in time on first use (about a minute, cached) or by
   ``SPECDEC_BUILD_CPU=1 pip install -e .``.
-* ``"vectorized"``: chain verification as batched PyTorch tensor ops (``ops/verify_vectorized.py``):
-  no compiler needed, no Python loop over requests, the reference's tokens. Tree / multi-draft
-  verification has no vectorised path yet: there it runs the reference.
+* ``"vectorized"``: batched PyTorch tensor ops (``ops/verify_vectorized.py``, the tree walk in
+  ``ops/verify_tree_vectorized.py``): no compiler needed, no Python loop over requests, the
+  reference's tokens.
 * ``"torch"``:  the plain-PyTorch references of ``specdec_kernels.reference`` (float64 loops; slow,
   the specification).
 * ``"auto"``:   on CPU tensors ``"cpu"``, or ``"vectorized"`` if the CPU build cannot be compiled (said
@@ -48,6 +48,7 @@ from ._validation import VerifyArgs
 from .ops import _cuda_ext
 from .ops.verify import launch_verify
 from .ops.verify_tree import launch_tree
+from .ops.verify_tree_vectorized import verify_tree_vectorized
 from .ops.verify_vectorized import verify_vectorized
 from .reference.verify import verify_checked as reference_verify
 from .reference.verify_tree import verify_tree_checked as reference_tree
@@ -182,9 +183,8 @@ def cpu_auto_backend() -> str:
             _CPU_AUTO = "vectorized"
             reason = str(_cuda_ext.cpu_failure() or "unknown reason")
             warnings.warn(
-                "specdec_kernels: backend='auto' on CPU tensors uses 'vectorized' (batched PyTorch ops, same "
-                f"tokens, slower than the CPU build; trees use the reference) because the CPU build is "
-                f"unavailable: {reason}",
+                "specdec_kernels: backend='auto' on CPU tensors uses 'vectorized' (batched PyTorch ops, the "
+                f"same tokens as the CPU build) because the CPU build is unavailable: {reason}",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -230,8 +230,10 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
         backend = cpu_auto_backend()
     if backend == "cpu":
         return _cuda_ext.verify_tree_cpu(args)
-    if backend in ("torch", "vectorized"):  # no vectorised tree walk yet: the reference
+    if backend == "torch":
         return reference_tree(args)
+    if backend == "vectorized":
+        return verify_tree_vectorized(args)
     if backend == "cuda":
         return _cuda_ext.verify_tree(args)
     candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks)}

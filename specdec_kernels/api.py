@@ -195,7 +195,7 @@ def verify_tree(
         max_depth:     output width D; default: the deepest tree (found while validating, a host
                        sync) or N when validate=False. Pass it to stay sync-free (CUDA graphs).
         backend:       "auto" | "triton" | "cuda" | "cpu" | "vectorized" | "torch" (reference), as for
-                       :func:`verify`; trees have no vectorised path yet: "vectorized" runs the reference.
+                       :func:`verify`.
 
     Math: walk from the root; at each position the children are samples from the draft's q there;
     K-SEQ accepts child X_i (first in order) w.p. min(1, p(X_i) / (rho* q(X_i))) with rho* solving

@@ -27,7 +27,7 @@ It follows the reference step by step, in float64 where the reference is float64
 Philox runs on int64 tensors: a product of two 32-bit words wraps modulo 2**64 and its high and low
 words are taken with a shift and a mask, bit-identical to ``reference/philox.py`` (tested); a few
 counters use the reference's NumPy Philox itself. Plain tensor code, so it runs on any device;
-``auto`` uses it only for CPU tensors. Tree / multi-draft verification has no vectorised path yet.
+``auto`` uses it only for CPU tensors. Tree / multi-draft verification: ``verify_tree_vectorized.py``.
 """
 
 from __future__ import annotations
@@ -419,27 +419,37 @@ class _SampledChain:
                 bonus = (~recover).nonzero().squeeze(1)
                 w[bonus] = p[bonus]
         purpose = torch.where(recover, PURPOSE_RECOVER, PURPOSE_BONUS).to(torch.int64)
-        best = self._race(w, j, purpose)
+        best = race(w, self.seed, j, purpose)
         # an empty residual (p == q to rounding) falls back to p, with the same uniforms
         redo = (best < 0) & recover
         if bool(redo.any()):
             rows = redo.nonzero().squeeze(1)
-            best[rows] = self._race(p[rows], j[rows], purpose[rows], self.seed[rows])
+            best[rows] = race(p[rows], self.seed[rows], j[rows], purpose[rows])
         return best.clamp(min=0)  # nothing to sample at all: token 0
 
-    def _race(self, w: Tensor, j: Tensor, purpose: Tensor, seed: Tensor | None = None) -> Tensor:
-        """argmax_x log w(x) - log(-log u_x) per row of w [M, V] (float64, >= 0; overwritten): the
-        exponential race of row j, lowest index on ties; -1 for a row with no positive weight. Only
-        the entries with w > 0 get a uniform when they are few (after top-k / top-p)."""
-        seed = self.seed if seed is None else seed
-        M, V = w.shape
-        positive = w > 0
-        count = int(positive.sum())
-        if count > _SPARSE_RACE * M * V:
-            keys = w.log_().sub_(race_noise_dense(seed, j, purpose, V))  # log 0 = -inf
-        else:
-            r, x = positive.nonzero(as_tuple=True)
-            keys = torch.full((M, V), float("-inf"), dtype=torch.float64, device=w.device)
-            keys[r, x] = torch.log(w[r, x]) - race_noise_at(seed[r], x, j[r], purpose[r])
-        top, idx = keys.max(-1)  # the first index among equal maxima
-        return torch.where(top > float("-inf"), idx, torch.full_like(idx, -1))
+
+def race(w: Tensor, seed: Tensor, row: Tensor, purpose: Tensor) -> Tensor:
+    """argmax_x log w(x) - log(-log u_x) per row of w [M, V] (float64, >= 0; overwritten): the
+    exponential race with the uniforms of Philox(seed; x // 4, row, purpose) word x % 4, lowest
+    index on ties; -1 for a row with no positive weight. Only the entries with w > 0 get a uniform
+    when they are few (after top-k / top-p). seed, row, purpose: [M] int64."""
+    M, V = w.shape
+    positive = w > 0
+    count = int(positive.sum())
+    if count > _SPARSE_RACE * M * V:
+        keys = w.log_().sub_(race_noise_dense(seed, row, purpose, V))  # log 0 = -inf
+    else:
+        r, x = positive.nonzero(as_tuple=True)
+        keys = torch.full((M, V), float("-inf"), dtype=torch.float64, device=w.device)
+        keys[r, x] = torch.log(w[r, x]) - race_noise_at(seed[r], x, row[r], purpose[r])
+    top, idx = keys.max(-1)  # the first index among equal maxima
+    return torch.where(top > float("-inf"), idx, torch.full_like(idx, -1))
+
+
+def processed_probs(x: Tensor, m: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool) -> Tensor:
+    """float64 probabilities [M, V] of sanitised fp32 rows x with row maxima m (-inf: nothing
+    finite, all zeros) after temperature, top-k and top-p (per-row t, top_k, top_p: [M])."""
+    empty = m == float("-inf")
+    m = m.masked_fill(empty, 0.0)
+    thr, z = _row_stats(x, m, t, top_k, top_p, filtered)
+    return _weights(x, thr, m, t).div_(z.masked_fill(empty, 1.0)[:, None])

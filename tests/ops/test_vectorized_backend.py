@@ -1,8 +1,9 @@
 """backend="vectorized": chain verification as batched PyTorch ops, what auto runs on CPU tensors
-when the CPU build cannot be compiled.
+when the CPU build cannot be compiled; and tree / multi-draft verification the same way.
 
 Token for token against the reference (the specification) over modes, dtypes, vocabularies, ragged
-drafts, per-request filters, ties, non-finite inputs, placeholders and strided views; its Philox is
+drafts, per-request filters, ties, non-finite inputs, placeholders and strided views; trees and
+K chains over every method and draft mode, ragged, filtered, non-finite; its Philox is
 bit-identical to the reference's; with the compiler hidden auto picks it, says so once, and gives
 the reference's tokens (in this process, and in a fresh one with CXX pointing nowhere).
 """
@@ -21,7 +22,7 @@ import specdec_kernels as sk
 from specdec_kernels import _dispatch
 from specdec_kernels.ops import _cuda_ext
 from specdec_kernels.ops.verify_vectorized import philox, race_noise_at, race_noise_dense
-from specdec_kernels.reference import verify_reference, verify_tree_reference
+from specdec_kernels.reference import verify_multi_reference, verify_reference, verify_tree_reference
 from specdec_kernels.reference.philox import philox4x32
 from specdec_kernels.reference.sampling import race_uniforms
 
@@ -189,12 +190,85 @@ def test_degenerate_shapes(B, G, V):
         _same(*_both(target, tokens, draft_logits=draft, temperature=t, top_p=0.5, seed=4))
 
 
-def test_trees_run_the_reference():
-    target, tokens, parents, draft = make_tree_problem(3, 7, 80, seed=3)
-    kw = dict(draft_logits=draft, seed=torch.arange(3), method="kseq")
-    fields = ("tokens", "num_accepted", "accepted_nodes", "nonfinite")
+TREE_FIELDS = ("tokens", "num_accepted", "accepted_nodes", "nonfinite")
+TREE_MODES = ["greedy", "logits", "probs", "onehot"]
+
+
+def _tree_kwargs(mode, draft, temperature=1.0):
+    if mode == "greedy":
+        return {"draft_logits": draft, "temperature": 0.0}
+    if mode == "logits":
+        return {"draft_logits": draft, "temperature": temperature}
+    if mode == "probs":
+        return {"draft_probs": torch.softmax(draft.float() / temperature, -1), "temperature": temperature}
+    return {"temperature": temperature}
+
+
+@pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
+@pytest.mark.parametrize("mode", TREE_MODES)
+def test_tree_matches_reference(method, mode):
+    B, N, V = 4, 9, 300
+    target, tokens, parents, draft = make_tree_problem(B, N, V, seed=len(method) + len(mode), without_replacement=True)
+    for filters in ({}, {"top_k": 40}, {"top_p": 0.8}):
+        kw = {"seed": torch.arange(B) + 11, "method": method, "num_nodes": torch.tensor([9, 4, 0, 7])}
+        kw.update(_tree_kwargs(mode, draft, 0.9), **filters)
+        ref = verify_tree_reference(target, tokens, parents, **kw)
+        _same(sk.verify_tree(target, tokens, parents, **kw, backend="vectorized"), ref, TREE_FIELDS)
+
+
+@pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
+@pytest.mark.parametrize("mode", TREE_MODES)
+def test_multi_matches_reference(method, mode):
+    """K chains with shared prefixes (merged with multiplicity) and repeated siblings (rrs_wor
+    unchecked: a repeated token is rejected)."""
+    B, K, G, V = 3, 3, 3, 200
+    g = torch.Generator().manual_seed(len(method) * 7 + len(mode))
+    target = torch.randn(B, K, G + 1, V, generator=g) * 2
+    draft = target[:, :, :G] + torch.randn(B, K, G, V, generator=g)
+    tokens = torch.where(torch.rand(B, K, G, generator=g) < 0.5, target[:, :, :G].argmax(-1), draft.argmax(-1))
+    tokens[:, 1, :2] = tokens[:, 0, :2]  # chains 0 and 1 share a prefix
+    kw = dict(_tree_kwargs(mode, draft, 0.8), seed=torch.arange(B) + 5, method=method, validate=False)
+    ref = verify_multi_reference(target, tokens, **kw)
+    _same(sk.verify_multi(target, tokens, **kw, backend="vectorized"), ref, TREE_FIELDS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tree_dtypes_per_request_parameters_and_out_dtype(dtype):
+    B, N, V = 5, 8, 150
+    target, tokens, parents, draft = make_tree_problem(B, N, V, dtype=dtype, seed=3)
+    kw = dict(
+        draft_logits=draft,
+        temperature=torch.tensor([0.0, 0.6, 1.0, 1.4, 0.9]),
+        top_k=torch.tensor([0, 10, 0, 149, 3]),
+        top_p=torch.tensor([1.0, 0.9, 0.5, 1.0, 1.0]),
+        seed=torch.arange(B) * 3,
+        num_nodes=torch.tensor([8, 1, 5, 0, 6]),
+    )
     ref = verify_tree_reference(target, tokens, parents, **kw)
-    _same(sk.verify_tree(target, tokens, parents, **kw, backend="vectorized"), ref, fields)
+    out = sk.verify_tree(target, tokens, parents, **kw, backend="vectorized", out_dtype=torch.int32)
+    assert out.tokens.dtype == torch.int32 and out.accepted_nodes.dtype == torch.int32
+    _same(out, ref, ("num_accepted", "nonfinite"))
+    assert torch.equal(out.tokens.long(), ref.tokens) and torch.equal(out.accepted_nodes.long(), ref.accepted_nodes)
+
+
+@pytest.mark.parametrize("mode", TREE_MODES)
+def test_tree_nonfinite_and_placeholders_match_reference(mode):
+    B, N, V = 4, 8, 120
+    target, tokens, parents, draft = make_tree_problem(B, N, V, seed=13)
+    target[0, 0, 3] = float("nan")  # the root row
+    target[1, :, :] = float("-inf")  # nothing finite anywhere
+    target[2, 2, 5] = float("inf")
+    draft[3, :, 7] = float("nan")
+    tokens[2, 1] = -1  # placeholders: no candidates
+    tokens[3, 0] = V + 2
+    for method in ("kseq", "rrs"):
+        kw = dict(_tree_kwargs(mode, draft, 0.9), seed=torch.arange(B), method=method, validate=False)
+        if mode == "probs":
+            kw["draft_probs"][0, 2, 4] = -1.0
+        ref = verify_tree_reference(target, tokens, parents, **kw)
+        out = sk.verify_tree(target, tokens, parents, **kw, backend="vectorized")
+        _same(out, ref, TREE_FIELDS)
+        assert out.nonfinite.any()
 
 
 def _hide_the_compiler(monkeypatch):
@@ -203,6 +277,8 @@ def _hide_the_compiler(monkeypatch):
     monkeypatch.setattr(_cuda_ext, "_CPU_FAILURE", "building the CPU backend failed: no C++ compiler (test)")
     monkeypatch.setattr(_dispatch, "launch_verify", lambda *a, **k: pytest.fail("entered the interpreter"))
     monkeypatch.setattr(_dispatch, "reference_verify", lambda *a, **k: pytest.fail("ran the reference loops"))
+    monkeypatch.setattr(_dispatch, "reference_tree", lambda *a, **k: pytest.fail("ran the reference loops"))
+    monkeypatch.setattr(_dispatch, "launch_tree", lambda *a, **k: pytest.fail("entered the interpreter"))
 
 
 def test_auto_without_a_compiler_is_vectorized_and_says_so_once(monkeypatch):
@@ -216,7 +292,8 @@ def test_auto_without_a_compiler_is_vectorized_and_says_so_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once: no second warning
         _same(sk.verify(target, tokens, draft, **kw), out)
-        sk.verify_tree(*make_tree_problem(2, 5, 64, seed=2), seed=1)
+        tree = make_tree_problem(2, 5, 64, seed=2)
+        _same(sk.verify_tree(*tree, seed=1), verify_tree_reference(*tree, seed=1), TREE_FIELDS)
     assert _dispatch.cpu_auto_backend() == "vectorized"
 
 
