@@ -11,6 +11,8 @@ method ``verify_multi`` supports (``kseq``, ``rrs``, ``rrs_wor``) and every prov
                    slow). Skipped when B*K*(G+1)*V > 1e7 unless ``--all-providers``, and timed with
                    few repetitions.
 * ``ours``      -- ``specdec_kernels.verify_multi`` (the Triton kernels: row-statistics pass + tree walk).
+* ``vectorized`` -- ``specdec_kernels.verify_multi(..., backend="vectorized")``: batched PyTorch ops, the
+                   CPU fallback when the CPU build cannot be compiled.
 
 ``--api tree`` also times the same chains through ``verify_tree`` / ``verify_tree_reference``
 (explicit parents, N = K*G nodes); the walk is the same, so the results are too.
@@ -81,7 +83,7 @@ if str(_BENCH_DIR) not in sys.path:  # `import _common` also when this file is i
 
 import _common as common  # noqa: E402
 
-PROVIDERS = ("reference", "ours")
+PROVIDERS = ("reference", "ours", "vectorized")
 APIS = ("multi", "tree")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -393,7 +395,16 @@ def ours_provider(api: str, inputs: TreeInputs, method: str, validate: bool) -> 
     return _provider(sk.verify_multi, sk.verify_tree, api, inputs, method, validate)
 
 
-PROVIDER_FACTORIES = {"reference": reference_provider, "ours": ours_provider}
+def vectorized_provider(api: str, inputs: TreeInputs, method: str, validate: bool) -> Callable:
+    import functools
+
+    import specdec_kernels as sk
+
+    multi, tree = (functools.partial(f, backend="vectorized") for f in (sk.verify_multi, sk.verify_tree))
+    return _provider(multi, tree, api, inputs, method, validate)
+
+
+PROVIDER_FACTORIES = {"reference": reference_provider, "ours": ours_provider, "vectorized": vectorized_provider}
 
 
 def reference_too_slow(B: int, K: int, G: int, V: int) -> bool:
