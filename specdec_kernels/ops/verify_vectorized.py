@@ -26,8 +26,9 @@ It follows the reference step by step, in float64 where the reference is float64
 
 Philox runs on int64 tensors: a product of two 32-bit words wraps modulo 2**64 and its high and low
 words are taken with a shift and a mask, bit-identical to ``reference/philox.py`` (tested); a few
-counters use the reference's NumPy Philox itself. Plain tensor code, so it runs on any device;
-``auto`` uses it only for CPU tensors. Tree / multi-draft verification: ``verify_tree_vectorized.py``.
+counters use the reference's NumPy Philox itself. Plain tensor code (devices follow the inputs),
+but tested on CPU tensors only, and ``auto`` uses it only for CPU tensors. Tree / multi-draft
+verification: ``verify_tree_vectorized.py``.
 """
 
 from __future__ import annotations
@@ -287,7 +288,8 @@ class _Rows:
 
     def rows(self, b: Tensor, i) -> Tensor:
         """x[b, i] [len(b), V] (a view when b is the whole batch in order and i one row)."""
-        if isinstance(i, int) and b.numel() == self.x.shape[0] and bool((b == torch.arange(b.numel())).all()):
+        whole = b.numel() == self.x.shape[0]
+        if isinstance(i, int) and whole and bool((b == torch.arange(b.numel(), device=b.device)).all()):
             return self.x[:, i]
         return self.x[b, i]
 
