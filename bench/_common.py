@@ -1,22 +1,46 @@
-"""Helpers shared by the microbenchmarks in ``bench/``.
+"""Helpers shared by the microbenchmarks in ``bench/``: the scaffolding, so that each script is only
+its shapes, its providers and its columns.
 
-Every benchmark script here follows the same recipe:
+Every benchmark script here follows the same recipe (``bench_main`` runs it):
 
-1. ``prepare_environment(device)`` first: puts the repo root on ``sys.path`` (so the working-tree
-   ``specdec_kernels`` is benchmarked without installing it) and, when CUDA is absent, sets
-   ``TRITON_INTERPRET=1`` *before* anything imports Triton kernels.
-2. ``measure_copy_bandwidth(device)`` once per run: the practical memory-bandwidth ceiling that
-   the rows' ``floor_us`` is computed against.
-3. ``time_fn(fn, warmup, rep)`` per (provider, shape): median and p20/p80 in microseconds.
-4. ``print_table`` for people, ``append_rows_csv`` (and optionally ``write_json``) for history;
-   ``environment_metadata()`` goes into every row so that rows from different runs, commits and
-   machines can share one CSV.
+1. ``parse_args``: ``make_parser`` (``--smoke``, ``--seed``, ``--device``, ``--out``, ``--json``,
+   ``--warmup``/``--rep``, the script's sweep ``Axis`` flags, ``--providers``, ``--dtype``...), then
+   ``resolve_common`` fills what was not given (smoke values under ``--smoke``; explicit flags win).
+2. ``prepare_environment(device)`` before anything imports ``specdec_kernels``: puts the repo root
+   on ``sys.path`` and, when CUDA is absent, sets ``TRITON_INTERPRET=1`` *before* Triton kernels are
+   decorated.
+3. ``measure_copy_bandwidth(device)`` once per run: the practical memory-bandwidth ceiling the
+   rows' ``floor_us`` is computed against.
+4. The script's sweep: per shape, ``make_or_report`` its inputs, ``run_providers`` over its
+   providers, each ``timed_row`` (untimed first call + output check, ``time_fn``, the bandwidth
+   columns).
+5. ``save_rows``: ``print_table`` for people, ``append_rows_csv`` (and ``write_json`` with
+   ``--json``) for history; ``environment_metadata()`` is in every row (date, commit, GPU name,
+   torch / triton / CUDA / Python versions) so that rows of different runs share one CSV.
+
+Columns every microbenchmark shares
+-----------------------------------
+* ``median_us`` (``p20_us``/``p80_us``): wall time of one call. CUDA: CUDA events around each call
+  (launch gaps count when the host cannot keep the GPU fed). CPU: ``time.perf_counter`` (and
+  ``cpu_us``, process CPU time per call, the steadier number on a shared machine); on CPU the
+  Triton kernels run in the *interpreter*, so CPU numbers only show that a script works.
+* ``bytes_read_once``: the bytes any implementation must read at least once (each script says
+  which); outputs are small and ignored.
+* ``copy_GBps``: device-to-device copy bandwidth measured in this run ((read + write) / time on a
+  1 GiB buffer on GPU, 64 MiB on CPU) -- the practical bandwidth ceiling of this machine.
+* ``GBps`` = bytes_read_once / median time: the effective bandwidth of the provider.
+* ``floor_us`` = bytes_read_once / copy bandwidth: the time a kernel that streams its inputs once at
+  copy speed would take; no memory-bound implementation can be much faster.
+* ``frac_of_floor`` = floor_us / median_us, in (0, ~1]: the fraction of the bandwidth-bound ideal
+  achieved (0.5: twice the ideal, e.g. two passes or launch overhead at small shapes). Shapes that
+  fit in L2 (caches are not flushed between repetitions) can read above 1.
 
 Units: times in microseconds, bandwidth in GB/s with GB = 1e9 bytes.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import json
@@ -26,7 +50,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +62,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # there anyway: CPU runs go through the Triton interpreter and are not about bandwidth).
 GPU_COPY_BYTES = 1 << 30
 CPU_COPY_BYTES = 64 << 20
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype names -> torch attributes
+
+# The columns that open and close every microbenchmark's CSV rows (environment_metadata and timing).
+LEAD_COLUMNS = ("date", "commit", "device", "torch", "triton")
+TRAIL_COLUMNS = ("warmup", "rep", "triton_interpret", "cuda", "python")
 
 
 # --------------------------------------------------------------------------------------------
@@ -417,3 +449,255 @@ def exit_code(errors: Sequence[str]) -> int:
     for e in errors:
         print(f"  {e}", file=sys.stderr)
     return 1
+
+
+# --------------------------------------------------------------------------------------------
+# Scaffolding: columns, sweep axes, the parse / resolve / main skeleton, the provider loop
+# --------------------------------------------------------------------------------------------
+
+
+def csv_columns(middle: str) -> tuple[str, ...]:
+    """A script's CSV columns: LEAD_COLUMNS, the space-separated ``middle``, TRAIL_COLUMNS."""
+    return (*LEAD_COLUMNS, *middle.split(), *TRAIL_COLUMNS)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def free_device_memory(device: str) -> None:
+    """Give cached CUDA blocks back between shapes (a no-op on CPU)."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    import torch
+
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, (RuntimeError, MemoryError)) and ("out of memory" in text or "can't allocate" in text)
+
+
+def bandwidth_columns(nbytes: int, median_us: float, copy_gbps: float) -> dict:
+    """``GBps``, ``floor_us`` and ``frac_of_floor`` of a call that must read ``nbytes``."""
+    floor_us = nbytes / (copy_gbps * 1e9) * 1e6
+    return {"GBps": nbytes / (median_us * 1e-6) / 1e9, "floor_us": floor_us, "frac_of_floor": floor_us / median_us}
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One swept dimension: ``--NAME`` with ``default`` values in a sweep, ``smoke`` values in --smoke.
+
+    ``many=False`` makes it a single value (e.g. head count) instead of a list."""
+
+    help: str
+    default: object
+    smoke: object
+    many: bool = True
+
+    def add_to(self, parser, name: str) -> None:
+        default, smoke = (list(self.default), list(self.smoke)) if self.many else (self.default, self.smoke)
+        text = f"{self.help} (default {default}; smoke: {smoke})"
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=name, type=int, nargs="+" if self.many else None, help=text)
+
+    def resolve(self, args, name: str) -> None:
+        if getattr(args, name) is None:
+            value = self.smoke if args.smoke else self.default
+            setattr(args, name, list(value) if self.many else value)
+
+
+def make_parser(
+    name: str,
+    description: str,
+    *,
+    axes: Mapping[str, Axis] | None = None,
+    providers: Sequence[str] = (),
+    smoke_help: str,
+    seed_help: str,
+    dtype_help: str | None = None,
+    validate_help: str | None = None,
+    all_providers_help: str | None = None,
+    timing: bool = True,
+) -> argparse.ArgumentParser:
+    """The flags every script shares; the script adds its own before calling ``parse_args``."""
+    p = argparse.ArgumentParser(description=description)
+    for axis_name, axis in (axes or {}).items():
+        axis.add_to(p, axis_name)
+    if providers:
+        p.add_argument("--providers", nargs="+", choices=tuple(providers), help="default: all")
+    if dtype_help:
+        p.add_argument("--dtype", choices=tuple(DTYPES), help=dtype_help)
+    add_output_args(p, name, timing=timing)
+    p.add_argument("--smoke", action="store_true", help=smoke_help)
+    if all_providers_help:
+        p.add_argument("--all-providers", action="store_true", help=all_providers_help)
+    if validate_help:
+        p.add_argument("--validate", action="store_true", help=validate_help)
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
+    return p
+
+
+def resolve_common(args, parser, axes: Mapping[str, Axis] | None = None, providers: Sequence[str] = ()) -> None:
+    """Fill the shared options: the axes, all providers, fp32 in --smoke (bf16 otherwise), the timing
+    (``resolve_timing``; it also picks the device)."""
+    for axis_name, axis in (axes or {}).items():
+        axis.resolve(args, axis_name)
+    if providers:
+        args.providers = args.providers or list(providers)
+    args.dtype = args.dtype or ("fp32" if args.smoke else "bf16")
+    resolve_timing(args, parser)
+
+
+class SetupError(Exception):
+    """Raised by a sweep before it measures anything (models missing, bad method): exit code 2."""
+
+
+@dataclass
+class Run:
+    """What a sweep needs besides its own options: the metadata every row carries, the copy
+    bandwidth of this run, and the list errors are collected in (any error: exit code 1)."""
+
+    args: argparse.Namespace
+    meta: dict
+    copy_gbps: float | None = None
+    errors: list[str] = field(default_factory=list)
+
+    def error(self, what: str, e: BaseException | None = None) -> None:
+        self.errors.append(f"{what}: {e!r}" if e is not None else what)
+        if e is not None:
+            traceback.print_exc()
+
+
+def bench_main(
+    name: str,
+    args,
+    sweep: Callable[[Run], list[dict]],
+    *,
+    table_columns: Sequence[str],
+    csv_columns: Sequence[str],
+    header: Callable[[Run], None] | None = None,
+    after: Callable[[Run, list[dict]], None] | None = None,
+    bandwidth: bool = True,
+    extra_meta: Callable[[], dict] | None = None,
+) -> int:
+    """The main of every script: environment, metadata (+ ``extra_meta()``), copy bandwidth (unless
+    ``bandwidth=False``), header lines (``header``), the sweep, the rows, ``after``, the exit code."""
+    prepare_environment(args.device)  # before anything imports specdec_kernels
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    run = Run(args, {**environment_metadata(args.device), **(extra_meta() if extra_meta else {})})
+    if bandwidth:
+        run.copy_gbps = measure_copy_bandwidth(args.device)
+    print_run_header(name, run.meta, args, run.copy_gbps)
+    if header:
+        header(run)
+    print_cpu_caveat(args)
+    try:
+        rows = sweep(run)
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    meta = {**run.meta, "copy_GBps": run.copy_gbps} if bandwidth else run.meta
+    save_rows(rows, args, name, meta, table_columns, csv_columns)
+    if after:
+        after(run, rows)
+    return exit_code(run.errors)
+
+
+def make_or_report(make: Callable[[], object], label: str, run: Run):
+    """``make()``, or None after recording the error (e.g. out of memory for the inputs themselves)."""
+    try:
+        return make()
+    except Exception as e:
+        run.error(f"{label}: making inputs failed", e)
+        return None
+
+
+class CheckFailed(Exception):
+    """A provider's output failed its check: an error without a traceback, that provider not timed."""
+
+
+def timed_row(fn: Callable[[], object], run: Run, nbytes: int, *, check=None, cap: tuple[int, int] | None = None):
+    """Time ``fn`` after one untimed call (compile / autotune, and ``check(out)``: a list of problems);
+    ``cap`` = (most warmup, most rep) for a slow provider (a reference that loops in Python).
+
+    Returns (the measured columns, the first call's output); raises CheckFailed on problems."""
+    args = run.args
+    out = fn()
+    problems = check(out) if check else []
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    warmup, rep = (min(args.warmup, cap[0]), min(args.rep, cap[1])) if cap else (args.warmup, args.rep)
+    timing = time_fn(fn, warmup=warmup, rep=rep, device=args.device)
+    return {
+        **timing,
+        **bandwidth_columns(nbytes, timing["median_us"], run.copy_gbps),
+        "copy_GBps": run.copy_gbps,
+        "bytes_read_once": nbytes,
+        "warmup": warmup,
+        "rep": rep,
+    }, out
+
+
+def run_providers(
+    providers: Sequence[str],
+    label: str,
+    run: Run,
+    measure: Callable[[str], dict],
+    *,
+    skip: Callable[[str], str | None] | None = None,
+    on_oom: Callable[[str], dict] | None = None,
+) -> list[dict]:
+    """``measure(provider)`` -> row for each provider; skips (``skip`` gives why), records errors
+    (out of memory: ``on_oom`` gives the row to keep instead), prints one progress line each."""
+    rows = []
+    width = max(len(p) for p in providers) if providers else 0
+    for provider in providers:
+        if skip and (why := skip(provider)):
+            print(f"[skip] {provider} at {label}: {why}", file=sys.stderr)
+            continue
+        try:
+            row = measure(provider)
+        except CheckFailed as e:
+            print(f"[FAIL] {provider} at {label}: {e}", file=sys.stderr)
+            run.errors.append(f"{provider} at {label}: {e}")
+            continue
+        except Exception as e:
+            free_device_memory(run.args.device)
+            if on_oom and is_out_of_memory(e):
+                print(f"[skip] {provider} at {label}: out of memory", file=sys.stderr)
+                rows.append(on_oom(provider))
+                continue
+            run.error(f"{provider} at {label}", e)
+            continue
+        rows.append(row)
+        print(
+            f"[done] {provider:{width}s} {label}: median {row['median_us']:.1f} us, "
+            f"frac_of_floor {row['frac_of_floor']:.3g}",
+            file=sys.stderr,
+        )
+    free_device_memory(run.args.device)
+    return rows
+
+
+def ratio_columns(rows: list[dict], key: str, **baselines: tuple[str, bool]) -> None:
+    """Per row of one shape, ``column = baseline / row`` (or ``row / baseline`` when the flag is
+    False) of ``key`` where the baseline provider ran; None where it did not."""
+    for column, (baseline, baseline_over_row) in baselines.items():
+        base = next((r for r in rows if r.get("provider") == baseline and r.get(key)), None)
+        for r in rows:
+            if not r.get(key):
+                continue
+            if base is None:
+                r[column] = None
+            else:
+                r[column] = base[key] / r[key] if baseline_over_row else r[key] / base[key]

@@ -68,356 +68,50 @@ Usage
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
-import sysconfig
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-_BENCH_DIR = Path(__file__).resolve().parent
-if str(_BENCH_DIR) not in sys.path:  # `import _common` also when this file is imported, not run
-    sys.path.insert(0, str(_BENCH_DIR))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import _common` when run or imported
 import _common as common  # noqa: E402
+from _e2e_inputs import PROSE_PROMPTS, Pair, encode, load_pair, prompt_sets  # noqa: E402
 
 MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup", "hf_prompt_lookup")
 DEFAULT_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup")
 SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_prompt_lookup")
 DRAFT_MODES = ("hf_assisted", "ours_k1", "ours_k2", "ours_k4")  # need a draft model
 PROMPT_SETS = ("code", "prose")
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
-DEFAULT_MAX_NEW, SMOKE_MAX_NEW = 128, 8
-DEFAULT_G = 4
-DEFAULT_CODE_PROMPTS, SMOKE_CODE_PROMPTS = 8, 1
-DEFAULT_PROSE_PROMPTS, SMOKE_PROSE_PROMPTS = 3, 1
-DEFAULT_PROMPT_CHARS, SMOKE_PROMPT_CHARS = 800, 120
+AXES = {
+    "G": common.Axis(
+        "draft tokens per chain (the maximum with adaptive drafting) for ours and hf_prompt_lookup; several "
+        "values sweep gamma in one run and report the best",
+        (4,),
+        (4,),
+    ),
+    "max_new_tokens": common.Axis("new tokens per prompt", 128, 8, many=False),
+    "code_prompts": common.Axis("number of standard-library code prompts", 8, 1, many=False),
+    "prose_prompts": common.Axis(f"number of prose prompts, <= {len(PROSE_PROMPTS)}", 3, 1, many=False),
+    "prompt_chars": common.Axis("prompt length in characters", 800, 120, many=False),
+}
 WARMUP_NEW_TOKENS = 16  # max_new_tokens of the untimed warm-up calls
 
-# Standard-library modules whose first top-level def/class opens a code prompt (in this order;
-# modules missing from an unusual Python are skipped).
-STDLIB_MODULES = (
-    "heapq.py",
-    "bisect.py",
-    "textwrap.py",
-    "fnmatch.py",
-    "shlex.py",
-    "colorsys.py",
-    "glob.py",
-    "string.py",
-    "fractions.py",
-    "statistics.py",
-    "graphlib.py",
-    "difflib.py",
-)
-
-PROSE_PROMPTS = (
-    (
-        "The harbour town woke slowly on winter mornings. Fishing boats knocked against the pier while the "
-        "gulls argued over scraps, and the baker on the corner lifted the first trays of bread from the oven "
-        "before the sun had cleared the hills. By eight o'clock the market square was full of"
-    ),
-    (
-        "Photosynthesis is the process by which green plants turn light into chemical energy. Inside the "
-        "chloroplasts, chlorophyll absorbs mostly red and blue light, and that energy is used to split water "
-        "molecules and release oxygen. The hydrogen that remains is then combined with carbon dioxide to"
-    ),
-    (
-        "Dear members of the committee, thank you for the opportunity to present our proposal for the new "
-        "community library. Over the past year we have spoken with parents, teachers and local businesses "
-        "about what they would like the library to offer, and three themes came up again and again. First,"
-    ),
-)
-
-# Smoke models: tiny random Llama models (the peaked init gives few argmax near-ties in fp32).
-SMOKE_VOCAB, SMOKE_LAYERS, SMOKE_HIDDEN, SMOKE_HEADS, SMOKE_KV_HEADS = 100, 2, 64, 4, 2
-SMOKE_INIT_STD, SMOKE_DRAFT_NOISE = 0.5, 0.01
-SMOKE_BOS, SMOKE_EOS, SMOKE_PAD = 0, 1, 2
-
 CSV_COLUMNS = (
-    "date",
-    "commit",
-    "device",
-    "torch",
-    "triton",
-    "transformers",
-    "target_model",
-    "draft_model",
-    "model_dtype",
-    "mode",
-    "status",
-    "G",
-    "K",
-    "method",
-    "temperature",
-    "top_k",
-    "top_p",
-    "prompt_set",
-    "prompts",
-    "prompt_tokens_mean",
-    "batch_size",
-    "max_new_tokens",
-    "rep",
-    "new_tokens",
-    "wall_s",
-    "cpu_s",
-    "tokens_per_s",
-    "speedup_vs_target",
-    "cpu_speedup_vs_target",
-    "speedup_vs_hf_assisted",
-    "acceptance_rate",
-    "mean_accepted_length",
-    "target_forwards",
-    "draft_forwards",
-    "time_draft",
-    "time_target",
-    "time_verify",
-    "time_commit",
-    "time_other",
-    "drafts_per_step",
-    "greedy_equal",
-    "greedy_equal_prompts",
-    "seed",
-    "warmup",
-    "cache",
-    "compiled",
-    "triton_interpret",
-    "cuda",
-    "python",
-)
+    "date commit device torch triton transformers target_model draft_model model_dtype mode status G K method "
+    "temperature top_k top_p prompt_set prompts prompt_tokens_mean batch_size max_new_tokens rep new_tokens wall_s "
+    "cpu_s tokens_per_s speedup_vs_target cpu_speedup_vs_target speedup_vs_hf_assisted acceptance_rate "
+    "mean_accepted_length target_forwards draft_forwards time_draft time_target time_verify time_commit time_other "
+    "drafts_per_step greedy_equal greedy_equal_prompts seed warmup cache compiled triton_interpret cuda python"
+).split()
 TABLE_COLUMNS = (
-    "temperature",
-    "prompt_set",
-    "mode",
-    "G",
-    "K",
-    "new_tokens",
-    "wall_s",
-    "cpu_s",
-    "tokens_per_s",
-    "speedup_vs_target",
-    "cpu_speedup_vs_target",
-    "speedup_vs_hf_assisted",
-    "acceptance_rate",
-    "mean_accepted_length",
-    "target_forwards",
-    "time_draft",
-    "time_other",
-    "greedy_equal",
-    "status",
-)
-
-
-# --------------------------------------------------------------------------------------------
-# Prompts
-# --------------------------------------------------------------------------------------------
-
-
-def code_snippet(path: Path, chars: int) -> str | None:
-    """From the first top-level ``def``/``class`` line, whole lines until at least ``chars`` characters."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    except OSError:
-        return None
-    start = next((i for i, line in enumerate(lines) if line.startswith(("def ", "class "))), None)
-    if start is None:
-        return None
-    out = ""
-    for line in lines[start:]:
-        out += line
-        if len(out) >= chars:
-            break
-    return out
-
-
-def code_prompts(n: int, chars: int) -> list[str]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    prompts = []
-    for name in STDLIB_MODULES:
-        if len(prompts) == n:
-            break
-        snippet = code_snippet(stdlib / name, chars)
-        if snippet:
-            prompts.append(snippet)
-    if len(prompts) < n:
-        print(f"[warn] only {len(prompts)} of {n} code prompts found under {stdlib}", file=sys.stderr)
-    return prompts
-
-
-def prose_prompts(n: int, chars: int) -> list[str]:
-    """The first n paragraphs, each cut to at most ``chars`` characters at a word boundary."""
-    out = []
-    for text in PROSE_PROMPTS[:n]:
-        out.append(text if len(text) <= chars else text[:chars].rsplit(" ", 1)[0])
-    return out
-
-
-def prompt_sets(args) -> dict[str, list[str]]:
-    sets = {}
-    if "code" in args.prompts and args.code_prompts > 0:
-        sets["code"] = code_prompts(args.code_prompts, args.prompt_chars)
-    if "prose" in args.prompts and args.prose_prompts > 0:
-        sets["prose"] = prose_prompts(args.prose_prompts, args.prompt_chars)
-    return {k: v for k, v in sets.items() if v}
-
-
-# --------------------------------------------------------------------------------------------
-# Models and tokenizers
-# --------------------------------------------------------------------------------------------
-
-
-class SmokeTokenizer:
-    """Bytes -> ids 3 + byte % 97 (0 = BOS, 1 = EOS, 2 = padding), left padding like a HF tokenizer."""
-
-    pad_token_id, eos_token_id, bos_token_id = SMOKE_PAD, SMOKE_EOS, SMOKE_BOS
-
-    def encode(self, text: str) -> list[int]:
-        return [3 + b % (SMOKE_VOCAB - 3) for b in text.encode("utf-8")]
-
-    def __call__(self, texts: list[str], return_tensors: str = "pt") -> dict:
-        seqs = [self.encode(t) for t in texts]
-        width = max(len(s) for s in seqs)
-        ids = [[self.pad_token_id] * (width - len(s)) + s for s in seqs]
-        mask = [[0] * (width - len(s)) + [1] * len(s) for s in seqs]
-        return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
-
-
-@dataclass
-class Pair:
-    target: object
-    draft: object | None
-    tokenizer: object
-    target_name: str
-    draft_name: str
-    eos_token_id: list[int]
-    pad_token_id: int
-    vocab_size: int | None  # passed to speculative_generate when the models' output rows differ
-    dropped_generation_settings: dict = field(default_factory=dict)
-
-
-def smoke_models(device: str, dtype) -> tuple[object, object]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=SMOKE_VOCAB,
-        hidden_size=SMOKE_HIDDEN,
-        intermediate_size=2 * SMOKE_HIDDEN,
-        num_hidden_layers=SMOKE_LAYERS,
-        num_attention_heads=SMOKE_HEADS,
-        num_key_value_heads=SMOKE_KV_HEADS,
-        max_position_embeddings=512,
-        initializer_range=SMOKE_INIT_STD,
-        bos_token_id=SMOKE_BOS,
-        eos_token_id=SMOKE_EOS,
-        pad_token_id=SMOKE_PAD,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(config).eval()
-    draft = copy.deepcopy(target)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # the draft is the target plus small noise: acceptance well above zero
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * SMOKE_DRAFT_NOISE * p.std().clamp_min(1e-3))
-    return target.to(device=device, dtype=dtype), draft.to(device=device, dtype=dtype)
-
-
-def _eos_list(eos) -> list[int]:
-    if eos is None:
-        return []
-    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
-
-
-NEUTRAL_KEYS = (
-    "do_sample",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "typical_p",
-    "repetition_penalty",
-    "no_repeat_ngram_size",
-    "num_beams",
-    "min_length",
-    "min_new_tokens",
-    "max_length",
-    "max_new_tokens",
-)
-
-
-def neutralize_generation_config(model, eos: list[int], pad: int) -> dict:
-    """Give ``model`` a neutral generation config (plain greedy/sampling); return the settings dropped."""
-    from transformers import GenerationConfig
-
-    old = getattr(model, "generation_config", None)
-    defaults = GenerationConfig()
-    dropped = {}
-    if old is not None:
-        for key in NEUTRAL_KEYS:
-            value = getattr(old, key, None)
-            if value is not None and value != getattr(defaults, key, None):
-                dropped[key] = value
-    model.generation_config = GenerationConfig(
-        eos_token_id=eos or None, pad_token_id=pad, bos_token_id=getattr(old, "bos_token_id", None)
-    )
-    return dropped
-
-
-def _output_rows(model) -> int:
-    emb = model.get_output_embeddings()
-    return emb.weight.shape[0] if emb is not None else model.config.vocab_size
-
-
-def load_pair(args, dtype) -> Pair:
-    """The models and tokenizer of this run (smoke / demo / local directories)."""
-    device = args.device
-    if args.smoke:
-        target, draft = smoke_models(device, dtype)
-        tok = SmokeTokenizer()
-        names = (
-            f"smoke-tiny-llama-V{SMOKE_VOCAB}-L{SMOKE_LAYERS}-h{SMOKE_HIDDEN}",
-            f"smoke-tiny-llama+noise{SMOKE_DRAFT_NOISE:g}",
-        )
-        eos, pad = [], SMOKE_PAD  # no EOS: a random model would stop at a random point; always max_new_tokens
-    elif args.pair == "demo":
-        from specdec_kernels.demo import load_demo_pair
-
-        target, draft, tok = load_demo_pair(device=device, dtype=dtype)
-        names = ("demo-target", "demo-draft")
-        eos, pad = [tok.eos_token_id], tok.pad_token_id
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.target)
-        tok.padding_side = "left"
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval() if args.draft else None
-        names = (Path(args.target).name, Path(args.draft).name if args.draft else "none")
-        eos = _eos_list(getattr(target.generation_config, "eos_token_id", None)) or _eos_list(tok.eos_token_id)
-        pad = tok.pad_token_id
-    dropped = neutralize_generation_config(target, eos, pad)
-    if draft is not None:
-        neutralize_generation_config(draft, eos, pad)
-    vocab = args.vocab_size
-    if vocab is None and draft is not None and _output_rows(target) != _output_rows(draft):
-        vocab = len(tok)  # the models pad their embedding matrices differently: compare real tokens only
-    return Pair(target, draft, tok, names[0], names[1], eos, pad, vocab, dropped)
-
-
-def encode(tokenizer, texts: list[str], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    batch = (
-        tokenizer(texts, return_tensors="pt")
-        if isinstance(tokenizer, SmokeTokenizer)
-        else tokenizer(texts, return_tensors="pt", padding=True)
-    )
-    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    "temperature prompt_set mode G K new_tokens wall_s cpu_s tokens_per_s speedup_vs_target cpu_speedup_vs_target "
+    "speedup_vs_hf_assisted acceptance_rate mean_accepted_length target_forwards time_draft time_other greedy_equal "
+    "status"
+).split()
 
 
 # --------------------------------------------------------------------------------------------
@@ -586,8 +280,9 @@ def batches(prompts: list[str], size: int) -> list[list[str]]:
     return [prompts[i : i + size] for i in range(0, len(prompts), size)]
 
 
-def warm_up(pair: Pair, modes: list[str], prompts: list[str], args, errors: list) -> None:
+def warm_up(pair: Pair, modes: list[str], prompts: list[str], run: common.Run) -> None:
     """Untimed calls of every mode on the first batch: Triton compilation, cuBLAS handles, allocator."""
+    args = run.args
     ids, mask = encode(pair.tokenizer, prompts[: args.batch_size], args.device)
     new = min(WARMUP_NEW_TOKENS, args.max_new_tokens)
     for _ in range(args.warmup):
@@ -596,13 +291,13 @@ def warm_up(pair: Pair, modes: list[str], prompts: list[str], args, errors: list
                 try:
                     run_mode(mode, pair, ids, mask, temperature, new, args.seed, args)
                 except Exception as e:  # the timed run reports it again
-                    errors.append(f"warm-up of {mode} (temperature {temperature}): {e!r}")
-                    traceback.print_exc()
+                    run.error(f"warm-up of {mode} (temperature {temperature})", e)
 
 
 def measure_set(
-    pair: Pair, set_name: str, prompts: list[str], temperature: float, modes: list[str], args, errors: list
+    pair: Pair, set_name: str, prompts: list[str], temperature: float, modes: list[str], run: common.Run
 ) -> dict[str, Totals]:
+    args, errors = run.args, run.errors
     totals = {m: Totals() for m in modes}
     greedy = temperature == 0.0
     for bi, texts in enumerate(batches(prompts, args.batch_size)):
@@ -618,8 +313,7 @@ def measure_set(
                 try:
                     result = run_mode(mode, pair, ids, mask, temperature, args.max_new_tokens, seed, args)
                 except Exception as e:
-                    errors.append(f"{label}: {e!r}")
-                    traceback.print_exc()
+                    run.error(label, e)
                     t.status = "error"
                     continue
                 t.add(result)
@@ -718,14 +412,15 @@ def fill_speedups(rows: list[dict], by_mode: dict[str, dict]) -> None:
             r["cpu_speedup_vs_target"] = (r["new_tokens"] / r["cpu_s"]) / (base["new_tokens"] / base["cpu_s"])
 
 
-def run(pair: Pair, sets: dict[str, list[str]], args, meta: dict, errors: list) -> list[dict]:
+def run_pair(pair: Pair, sets: dict[str, list[str]], run: common.Run) -> list[dict]:
+    args, meta = run.args, run.meta
     skipped = {m: why for m in args.modes if (why := mode_unavailable(m, pair, args.batch_size))}
     for mode, why in skipped.items():
         print(f"[skip] {mode}: {why}", file=sys.stderr)
     modes = [m for m in args.modes if m not in skipped]
     first = next(iter(sets.values()))
     if args.warmup:
-        warm_up(pair, modes, first, args, errors)
+        warm_up(pair, modes, first, run)
     draft_name = pair.draft_name if pair.draft is not None else "none"
     base = {**meta, "target_model": pair.target_name, "draft_model": draft_name, "model_dtype": args.dtype}
     rows = []
@@ -737,7 +432,7 @@ def run(pair: Pair, sets: dict[str, list[str]], args, meta: dict, errors: list) 
             for gi, g in enumerate(sweep):  # baselines once (first G); ours at every G of the sweep
                 args.G = g
                 run_modes = modes if gi == 0 else [m for m in modes if m.startswith("ours")]
-                totals = measure_set(pair, set_name, prompts, temperature, run_modes, args, errors)
+                totals = measure_set(pair, set_name, prompts, temperature, run_modes, run)
                 mode_args = argparse.Namespace(
                     **{**vars(args), "modes": [m for m in args.modes if m in run_modes or m in skipped]}
                 )
@@ -777,22 +472,21 @@ def report_best_g(rows: list[dict], set_name: str, temperature: float) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="End-to-end tokens/s: specdec_kernels.hf.speculative_generate vs target.generate and HF "
-        "assisted generation. See the module docstring for the columns.",
+    p = common.make_parser(
+        "e2e",
+        "End-to-end tokens/s: specdec_kernels.hf.speculative_generate vs target.generate and HF assisted "
+        "generation. See the module docstring for the columns.",
+        dtype_help="model dtype (default: bf16 on CUDA, fp32 on CPU)",
+        smoke_help="tiny random Llama models on CPU, batch 1, 8 new tokens; exits non-zero on any error",
+        seed_help="seed of the sampled runs",
+        axes=AXES,
+        timing=False,
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--target", help="target model: a local Hugging Face directory (tokenizer read from it)")
     src.add_argument("--pair", choices=("demo",), help="demo: the embedded byte-level pair of specdec_kernels.demo")
     p.add_argument("--draft", help="draft model: a local Hugging Face directory (with --target)")
     p.add_argument("--modes", nargs="+", choices=MODES, help=f"default: {' '.join(DEFAULT_MODES)}")
-    p.add_argument(
-        "--G",
-        type=int,
-        nargs="+",
-        help=f"draft tokens per chain (the maximum with adaptive drafting) for ours and hf_prompt_lookup "
-        f"(default {DEFAULT_G}); several values sweep gamma in one run and report the best",
-    )
     p.add_argument(
         "--cache",
         choices=["dynamic", "static"],
@@ -813,27 +507,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, nargs="+", help="0 = greedy (default: 0); e.g. --temperature 0 0.7")
     p.add_argument("--top-k", type=int, default=0, help="sampled runs: top-k (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampled runs: top-p (1 = off)")
-    p.add_argument("--max-new-tokens", type=int, help=f"default {DEFAULT_MAX_NEW}; smoke: {SMOKE_MAX_NEW}")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (hf_assisted: 1 only)")
     p.add_argument("--prompts", nargs="+", choices=PROMPT_SETS, help="prompt sets (default: code prose)")
-    p.add_argument(
-        "--code-prompts",
-        type=int,
-        help=f"number of standard-library code prompts (default {DEFAULT_CODE_PROMPTS}; smoke: {SMOKE_CODE_PROMPTS})",
-    )
-    p.add_argument(
-        "--prose-prompts",
-        type=int,
-        help=f"number of prose prompts, <= {len(PROSE_PROMPTS)} (default {DEFAULT_PROSE_PROMPTS}; "
-        f"smoke: {SMOKE_PROSE_PROMPTS})",
-    )
-    p.add_argument(
-        "--prompt-chars",
-        type=int,
-        help=f"prompt length in characters (default {DEFAULT_PROMPT_CHARS}; smoke: {SMOKE_PROMPT_CHARS})",
-    )
     p.add_argument("--vocab-size", type=int, help="real token count, if the models pad their vocabularies differently")
-    p.add_argument("--dtype", choices=tuple(DTYPES), help="model dtype (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--warmup", type=int, help="untimed rounds of every mode before timing (default 1; smoke: 0)")
     p.add_argument("--rep", type=int, default=1, help="timed calls per batch and mode (default 1)")
     p.add_argument(
@@ -841,13 +517,6 @@ def parse_args(argv=None):
         action="store_true",
         help="count a greedy output that differs from target_only as an error (on in --smoke)",
     )
-    common.add_output_args(p, "e2e", timing=False)
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny random Llama models on CPU, batch 1, 8 new tokens; exits non-zero on any error",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampled runs")
     args = p.parse_args(argv)
     return resolve_defaults(args, p)
 
@@ -855,25 +524,16 @@ def parse_args(argv=None):
 def resolve_defaults(args, parser):
     """Fill unset options: smoke defaults in --smoke, sweep defaults otherwise; explicit flags win."""
     smoke = args.smoke
+    for name, axis in AXES.items():
+        axis.resolve(args, name)
     if not smoke and not args.target and not args.pair:
         parser.error("choose the models: --target DIR [--draft DIR], --pair demo, or --smoke")
     if args.draft and not args.target:
         parser.error("--draft goes with --target")
     args.modes = args.modes or list(SMOKE_MODES if smoke else DEFAULT_MODES)
-    args.G_sweep = args.G or [DEFAULT_G]
-    args.G = args.G_sweep[0]
+    args.G_sweep, args.G = args.G, args.G[0]
     args.temperature = args.temperature or [0.0]
-    args.max_new_tokens = args.max_new_tokens or (SMOKE_MAX_NEW if smoke else DEFAULT_MAX_NEW)
     args.prompts = args.prompts or list(PROMPT_SETS)
-    args.code_prompts = (
-        args.code_prompts if args.code_prompts is not None else (SMOKE_CODE_PROMPTS if smoke else DEFAULT_CODE_PROMPTS)
-    )
-    args.prose_prompts = (
-        args.prose_prompts
-        if args.prose_prompts is not None
-        else (SMOKE_PROSE_PROMPTS if smoke else DEFAULT_PROSE_PROMPTS)
-    )
-    args.prompt_chars = args.prompt_chars or (SMOKE_PROMPT_CHARS if smoke else DEFAULT_PROMPT_CHARS)
     args.warmup = args.warmup if args.warmup is not None else (0 if smoke else 1)
     args.strict_greedy = args.strict_greedy or smoke
     if args.compile:
@@ -890,8 +550,17 @@ def resolve_defaults(args, parser):
     return args
 
 
-def print_header(meta: dict, args, pair: Pair, sets: dict) -> None:
-    common.print_run_header("e2e", meta, args)
+def sweep(run: common.Run) -> list[dict]:
+    """Load the models and prompts (setup errors: exit code 2), then every mode on every prompt set."""
+    args = run.args
+    try:
+        pair = load_pair(args, common.torch_dtype(args.dtype))
+    except (OSError, ValueError, ImportError) as e:
+        raise common.SetupError(f"could not load the models: {e}") from e
+    configure_hf_assistant(pair, args)
+    sets = prompt_sets(args)
+    if not sets:
+        raise common.SetupError("no prompts selected")
     print(
         f"# target {pair.target_name}  draft {pair.draft_name}  {args.dtype}  eos {pair.eos_token_id}  "
         f"pad {pair.pad_token_id}"
@@ -903,33 +572,26 @@ def print_header(meta: dict, args, pair: Pair, sets: dict) -> None:
     )
     if pair.dropped_generation_settings:
         print(f"# target generation config reset to neutral; dropped: {pair.dropped_generation_settings}")
-    common.print_cpu_caveat(args)
+    sys.stdout.flush()
+    return run_pair(pair, sets, run)
+
+
+def transformers_version() -> dict:
+    import transformers
+
+    return {"transformers": transformers.__version__}
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    common.prepare_environment(args.device)  # before anything imports specdec_kernels
-
-    import transformers
-
-    meta = {**common.environment_metadata(args.device), "transformers": transformers.__version__}
-    try:
-        pair = load_pair(args, getattr(torch, DTYPES[args.dtype]))
-    except (OSError, ValueError, ImportError) as e:
-        print(f"error: could not load the models: {e}", file=sys.stderr)
-        return 2
-    configure_hf_assistant(pair, args)
-    sets = prompt_sets(args)
-    if not sets:
-        print("error: no prompts selected", file=sys.stderr)
-        return 2
-    print_header(meta, args, pair, sets)
-
-    errors: list[str] = []
-    rows = run(pair, sets, args, meta, errors)
-
-    common.save_rows(rows, args, "e2e", meta, TABLE_COLUMNS, CSV_COLUMNS)
-    return common.exit_code(errors)
+    return common.bench_main(
+        "e2e",
+        parse_args(argv),
+        sweep,
+        table_columns=TABLE_COLUMNS,
+        csv_columns=CSV_COLUMNS,
+        bandwidth=False,
+        extra_meta=transformers_version,
+    )
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ method ``verify_multi`` supports (``kseq``, ``rrs``, ``rrs_wor``) and every prov
                    slow). Skipped when B*K*(G+1)*V > 1e7 unless ``--all-providers``, and timed with
                    few repetitions.
 * ``ours``      -- ``specdec_kernels.verify_multi`` (the Triton kernels: row-statistics pass + tree walk).
-* ``vectorized`` -- ``specdec_kernels.verify_multi(..., backend="vectorized")``: batched PyTorch ops, the
-                   CPU fallback when the CPU build cannot be compiled.
+* ``vectorized`` -- ``verify_multi(..., backend="vectorized")``: batched PyTorch ops, the CPU fallback
+                   when the CPU build cannot be compiled.
 
 ``--api tree`` also times the same chains through ``verify_tree`` / ``verify_tree_reference``
 (explicit parents, N = K*G nodes); the walk is the same, so the results are too.
@@ -29,24 +29,16 @@ Chain 0 is the same in both draft sets, and the input at K chains is the first K
 input at the largest K, so every (method, K) sees the same distributions and K = 1 is the same
 single chain for every method.
 
-How to read a row
------------------
-* ``median_us`` (``p20_us``/``p80_us``): wall time of one call. CUDA: CUDA events around each call
-  (launch gaps count when the host cannot keep the GPU fed). CPU: ``time.perf_counter``; on CPU the
-  kernels run in the Triton *interpreter*, so CPU numbers only show that the script works.
-* ``bytes_read_once``: the bytes any verifier must read at least once: the target rows the contract
-  can use (the root row [0, 0] and the K*G node rows; rows [k, 0] of chains k > 0 are never used)
-  + the draft rows it can use (the root's, i.e. chain 0's slot 0, and the K*(G-1) deeper ones) +
-  draft tokens (+ parents for ``--api tree``). Outputs are tiny and ignored. With K = 1 this is
-  exactly ``bench_verify.py``'s count.
-* ``copy_GBps``: device-to-device copy bandwidth measured in this run ((read + write) / time on a
-  1 GiB buffer on GPU, 64 MiB on CPU) -- the practical bandwidth ceiling of this machine.
-* ``GBps`` = bytes_read_once / median time: the effective bandwidth of the provider.
-* ``floor_us`` = bytes_read_once / copy bandwidth: the time a kernel that streams its inputs exactly
-  once at copy speed would take; no memory-bound implementation can be much faster.
-* ``frac_of_floor`` = floor_us / median_us, in (0, ~1]: the fraction of the bandwidth-bound ideal
-  achieved. K-SEQ's rho search and RRS's renormalisation after each rejection re-read rows, so
-  values well below 1 at K > 1 are expected; rows that fit in L2 can read above 1.
+Columns
+-------
+Shared columns (``median_us``, ``GBps``, ``floor_us``, ``copy_GBps``): ``bench/_common.py``.
+
+* ``bytes_read_once``: the target rows the contract can use (the root row [0, 0] and the K*G node
+  rows; rows [k, 0] of chains k > 0 are never used) + the draft rows it can use (the root's, i.e.
+  chain 0's slot 0, and the K*(G-1) deeper ones) + draft tokens (+ parents for ``--api tree``). With
+  K = 1 this is exactly ``bench_verify.py``'s count.
+* ``frac_of_floor``: K-SEQ's rho search and RRS's renormalisation after each rejection re-read rows,
+  so values well below 1 at K > 1 are expected.
 * ``mean_accepted``: mean accepted drafts per request in the timed call (B requests; a sanity check).
 * ``sigma`` / ``overlap``: the draft noise scale and the measured mean root overlap sum_x min(p, q)
   (= the acceptance probability of one draft at the root) over 256 requests of this world.
@@ -67,122 +59,50 @@ Usage
 
 from __future__ import annotations
 
-import argparse
+import functools
 import hashlib
 import sys
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-_BENCH_DIR = Path(__file__).resolve().parent
-if str(_BENCH_DIR) not in sys.path:  # `import _common` also when this file is imported, not run
-    sys.path.insert(0, str(_BENCH_DIR))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import _common` when run or imported
 import _common as common  # noqa: E402
 
 PROVIDERS = ("reference", "ours", "vectorized")
 APIS = ("multi", "tree")
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-DEFAULT_B = (1, 16, 64)
-DEFAULT_K = (1, 2, 4, 8)
-DEFAULT_G = (4,)
-DEFAULT_V = (32000, 151936)
+AXES = {
+    "B": common.Axis("batch sizes", (1, 16, 64), (2,)),
+    "K": common.Axis("draft chains per request", (1, 2, 4, 8), (1, 2)),
+    "G": common.Axis("drafts per chain", (4,), (2,)),
+    "V": common.Axis("vocabulary sizes", (32000, 151936), (64,)),
+}
 DEFAULT_SIGMA = 1.0
-DEFAULT_ACCEPT_REQUESTS = 1024
-
-SMOKE_B, SMOKE_K, SMOKE_G, SMOKE_V = (2,), (1, 2), (2,), (64,)
-SMOKE_ACCEPT_REQUESTS = 8
-
+DEFAULT_ACCEPT_REQUESTS, SMOKE_ACCEPT_REQUESTS = 1024, 8
 MAX_NODES = 64  # K*G; the walk keeps node sets as 64-bit masks
 
 # The reference loops in Python over requests, positions and candidates (K-SEQ evaluates 64 vocabulary
 # sums per position); above this many target logits a call takes seconds, so it is skipped (unless
 # --all-providers) and never repeated much.
 REFERENCE_MAX_ELEMENTS = 1e7
-REFERENCE_MAX_WARMUP = 1
-REFERENCE_MAX_REP = 3
+REFERENCE_MAX_WARMUP, REFERENCE_MAX_REP = 1, 3
 
 # The synthetic world: target logits LOGIT_SCALE * N(0, 1); draft logits = target + sigma * N(0, 1).
 LOGIT_SCALE = 3.0
 OVERLAP_REQUESTS = 256  # root rows the reported (and --overlap-calibrated) overlap is averaged over
 ACCEPT_CHUNK_BYTES = 1 << 30  # logits built at once per draft set while measuring acceptance
 
-CSV_COLUMNS = (
-    "date",
-    "commit",
-    "device",
-    "torch",
-    "triton",
-    "provider",
-    "api",
-    "method",
-    "B",
-    "K",
-    "G",
-    "V",
-    "dtype",
-    "sigma",
-    "overlap",
-    "median_us",
-    "p20_us",
-    "p80_us",
-    "GBps",
-    "floor_us",
-    "frac_of_floor",
-    "copy_GBps",
-    "bytes_read_once",
-    "mean_accepted",
-    "accept_len",
-    "accept_len_k1",
-    "accept_gain",
-    "accept_gain_diff",
-    "accept_gain_se",
-    "accept_requests",
-    "accept_provider",
-    "warmup",
-    "rep",
-    "triton_interpret",
-    "cuda",
-    "python",
+ACCEPT_COLUMNS = "accept_len accept_len_k1 accept_gain accept_gain_diff accept_gain_se accept_requests"
+CSV_COLUMNS = common.csv_columns(
+    "provider api method B K G V dtype sigma overlap median_us p20_us p80_us GBps floor_us frac_of_floor "
+    f"copy_GBps bytes_read_once mean_accepted {ACCEPT_COLUMNS} accept_provider"
 )
 TABLE_COLUMNS = (
-    "provider",
-    "api",
-    "method",
-    "B",
-    "K",
-    "G",
-    "V",
-    "dtype",
-    "sigma",
-    "median_us",
-    "p20_us",
-    "p80_us",
-    "floor_us",
-    "frac_of_floor",
-    "mean_accepted",
-    "accept_len",
-    "accept_gain",
-    "accept_gain_diff",
-)
-ACCEPT_TABLE_COLUMNS = (
-    "V",
-    "G",
-    "sigma",
-    "overlap",
-    "method",
-    "K",
-    "accept_len",
-    "accept_len_k1",
-    "accept_gain",
-    "accept_gain_diff",
-    "accept_gain_se",
-    "accept_requests",
-)
+    "provider api method B K G V dtype sigma median_us p20_us p80_us floor_us frac_of_floor mean_accepted "
+    "accept_len accept_gain accept_gain_diff"
+).split()
+ACCEPT_TABLE_COLUMNS = f"V G sigma overlap method K {ACCEPT_COLUMNS}".split()
 
 
 def tree_methods() -> tuple[str, ...]:
@@ -374,7 +294,18 @@ def bytes_read_once(inputs: TreeInputs, api: str) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _provider(multi_fn, tree_fn, api: str, inputs: TreeInputs, method: str, validate: bool) -> Callable:
+def provider_fn(provider: str, api: str, inputs: TreeInputs, method: str, validate: bool):
+    """A call of ``provider`` through ``api`` (``tree``: the same chains as explicit parents)."""
+    if provider == "reference":
+        from specdec_kernels.reference import verify_multi_reference as multi_fn  # lazy
+        from specdec_kernels.reference import verify_tree_reference as tree_fn
+    else:
+        import specdec_kernels as sk  # lazy: TRITON_INTERPRET must be decided before this import
+
+        multi_fn, tree_fn = sk.verify_multi, sk.verify_tree
+        if provider == "vectorized":
+            multi_fn, tree_fn = (functools.partial(f, backend="vectorized") for f in (multi_fn, tree_fn))
+    # Host-side value checks synchronise with the device; an engine's hot loop turns them off.
     kwargs = dict(seed=inputs.seeds, method=method, validate=validate)
     if api == "tree":
         tree = inputs.as_tree()  # built once, outside the timed region
@@ -382,38 +313,8 @@ def _provider(multi_fn, tree_fn, api: str, inputs: TreeInputs, method: str, vali
     return lambda: multi_fn(inputs.target_logits, inputs.draft_tokens, inputs.draft_logits, **kwargs)
 
 
-def reference_provider(api: str, inputs: TreeInputs, method: str, validate: bool) -> Callable:
-    from specdec_kernels.reference import verify_multi_reference, verify_tree_reference  # lazy
-
-    return _provider(verify_multi_reference, verify_tree_reference, api, inputs, method, validate)
-
-
-def ours_provider(api: str, inputs: TreeInputs, method: str, validate: bool) -> Callable:
-    import specdec_kernels as sk  # lazy: TRITON_INTERPRET must be decided before this import
-
-    # Host-side value checks synchronise with the device; an engine's hot loop turns them off.
-    return _provider(sk.verify_multi, sk.verify_tree, api, inputs, method, validate)
-
-
-def vectorized_provider(api: str, inputs: TreeInputs, method: str, validate: bool) -> Callable:
-    import functools
-
-    import specdec_kernels as sk
-
-    multi, tree = (functools.partial(f, backend="vectorized") for f in (sk.verify_multi, sk.verify_tree))
-    return _provider(multi, tree, api, inputs, method, validate)
-
-
-PROVIDER_FACTORIES = {"reference": reference_provider, "ours": ours_provider, "vectorized": vectorized_provider}
-
-
 def reference_too_slow(B: int, K: int, G: int, V: int) -> bool:
     return B * K * (G + 1) * V > REFERENCE_MAX_ELEMENTS
-
-
-# --------------------------------------------------------------------------------------------
-# Checks (outside the timed region)
-# --------------------------------------------------------------------------------------------
 
 
 def output_problems(out, inputs: TreeInputs) -> list[str]:
@@ -446,57 +347,21 @@ def output_problems(out, inputs: TreeInputs) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Measurement
+# The sweep
 # --------------------------------------------------------------------------------------------
-
-
-def bandwidth_columns(nbytes: int, median_us: float, copy_gbps: float) -> dict:
-    floor_us = nbytes / (copy_gbps * 1e9) * 1e6
-    return {
-        "GBps": nbytes / (median_us * 1e-6) / 1e9,
-        "floor_us": floor_us,
-        "frac_of_floor": floor_us / median_us,
-    }
-
-
-def measure_provider(provider: str, api: str, method: str, inputs: TreeInputs, args, copy_gbps: float) -> dict:
-    """Time one provider on one input set; returns the row's measured columns. Raises on failure."""
-    fn = PROVIDER_FACTORIES[provider](api, inputs, method, args.validate)
-    out = fn()  # untimed first call: output check, and compile/autotune if any
-    problems = output_problems(out, inputs)
-    if problems:
-        raise RuntimeError(f"{provider} returned an invalid result: " + "; ".join(problems))
-    warmup, rep = args.warmup, args.rep
-    if provider == "reference":
-        warmup, rep = min(warmup, REFERENCE_MAX_WARMUP), min(rep, REFERENCE_MAX_REP)
-    timing = common.time_fn(fn, warmup=warmup, rep=rep, device=args.device)
-    nbytes = bytes_read_once(inputs, api)
-    return {
-        **timing,
-        **bandwidth_columns(nbytes, timing["median_us"], copy_gbps),
-        "copy_GBps": copy_gbps,
-        "bytes_read_once": nbytes,
-        "mean_accepted": float(out.num_accepted.float().mean().item()),
-        "warmup": warmup,
-        "rep": rep,
-    }
-
-
-def free_device_memory(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
 
 
 def acceptance_provider(args) -> str:
     return "ours" if "ours" in args.providers else args.providers[0]
 
 
-def measure_acceptance(world: World, G: int, args, dtype, errors: list, label: str) -> dict:
+def measure_acceptance(world: World, G: int, run: common.Run, dtype, label: str) -> dict:
     """{(method, K): acceptance columns} over args.accept_requests requests of this world.
 
     Every method runs on the same requests at every K in args.K and at K = 1 (chain 0 only), with
     the same seeds, so the gain columns compare like with like.
     """
+    args = run.args
     A = args.accept_requests
     if A < 1:
         return {}
@@ -516,13 +381,12 @@ def measure_acceptance(world: World, G: int, args, dtype, errors: list, label: s
                     sets[wor] = build_inputs(world, requests, Kmax, G, dtype, wor)
                 for K in Ks:
                     inputs = sets[wor].first_chains(K)
-                    out = PROVIDER_FACTORIES[provider]("multi", inputs, method, False)()
+                    out = provider_fn(provider, "multi", inputs, method, False)()
                     lengths[method, K].append(out.num_accepted.long().cpu())
             del sets
-            free_device_memory(args.device)
+            common.free_device_memory(args.device)
     except Exception as e:
-        errors.append(f"acceptance ({provider}) at {label}: {e!r}")
-        traceback.print_exc()
+        run.error(f"acceptance ({provider}) at {label}", e)
         return {}
 
     lengths = {key: torch.cat(v).double() for key, v in lengths.items()}
@@ -549,129 +413,99 @@ def measure_acceptance(world: World, G: int, args, dtype, errors: list, label: s
     return result
 
 
-def run_shape(world: World, B: int, G: int, args, dtype, base: dict, acceptance: dict, copy_gbps, errors) -> list[dict]:
+def run_shape(world: World, B: int, G: int, run: common.Run, base: dict, acceptance: dict) -> list[dict]:
     """Every K, api, method and provider at one (B, G, V, sigma)."""
-    V = world.V
-    Kmax = max(args.K)
-    label = f"B={B} G={G} V={V} sigma={world.sigma:.3g} {args.dtype}"
-    try:
-        sets = {
-            wor: build_inputs(world, range(B), Kmax, G, dtype, wor)
-            for wor in sorted({draws_without_replacement(m) for m in args.methods})
-        }
-    except Exception as e:  # e.g. out of memory for the inputs themselves
-        errors.append(f"{label}: making inputs failed: {e!r}")
-        traceback.print_exc()
+    args, dtype = run.args, common.torch_dtype(run.args.dtype)
+    label = f"B={B} G={G} V={world.V} sigma={world.sigma:.3g} {args.dtype}"
+    wors = sorted({draws_without_replacement(m) for m in args.methods})
+    sets = common.make_or_report(
+        lambda: {wor: build_inputs(world, range(B), max(args.K), G, dtype, wor) for wor in wors}, label, run
+    )
+    if sets is None:
         return []
     rows = []
-    for K in args.K:
-        chains = {wor: s.first_chains(K) for wor, s in sets.items()}
-        for api in args.api:
-            for method in args.methods:
-                inputs = chains[draws_without_replacement(method)]
-                where = f"{api} {method} K={K} {label}"
-                for provider in args.providers:
-                    if provider == "reference" and reference_too_slow(B, K, G, V) and not args.all_providers:
-                        print(
-                            f"[skip] reference at {where} (B*K*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}; "
-                            "--all-providers to force)",
-                            file=sys.stderr,
-                        )
-                        continue
-                    try:
-                        measured = measure_provider(provider, api, method, inputs, args, copy_gbps)
-                    except Exception as e:
-                        errors.append(f"{provider} at {where}: {e!r}")
-                        traceback.print_exc()
-                        free_device_memory(args.device)
-                        continue
-                    row = {
-                        **base,
-                        "provider": provider,
-                        "api": api,
-                        "method": method,
-                        "B": B,
-                        "K": K,
-                        "G": G,
-                        "V": V,
-                        "dtype": args.dtype,
-                        "sigma": world.sigma,
-                        **measured,
-                        **acceptance.get((method, K), {}),
-                    }
-                    rows.append(row)
-                    print(
-                        f"[done] {provider:9s} {where}: median {row['median_us']:.1f} us, "
-                        f"frac_of_floor {row['frac_of_floor']:.3g}",
-                        file=sys.stderr,
-                    )
-        del chains
-    del sets
-    free_device_memory(args.device)
+    for K, api, method in [(K, api, method) for K in args.K for api in args.api for method in args.methods]:
+        inputs = sets[draws_without_replacement(method)].first_chains(K)
+        case = {**base, "api": api, "method": method, "B": B, "K": K, "G": G, "V": world.V, "sigma": world.sigma}
+        rows += [
+            {**r, **acceptance.get((method, K), {})}
+            for r in run_case(inputs, case, run, f"{api} {method} K={K} {label}")
+        ]
     return rows
+
+
+def run_case(inputs: TreeInputs, case: dict, run: common.Run, label: str) -> list[dict]:
+    """Every provider on one input set (``case``: the row's columns so far)."""
+    args, nbytes = run.args, bytes_read_once(inputs, case["api"])
+
+    def skip(provider: str) -> str | None:
+        if provider == "reference" and reference_too_slow(*inputs.shape) and not args.all_providers:
+            return f"B*K*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}; --all-providers to force"
+        return None
+
+    def measure(provider: str) -> dict:
+        fn = provider_fn(provider, case["api"], inputs, case["method"], args.validate)
+        cap = (REFERENCE_MAX_WARMUP, REFERENCE_MAX_REP) if provider == "reference" else None
+        measured, out = common.timed_row(fn, run, nbytes, check=lambda out: output_problems(out, inputs), cap=cap)
+        mean_accepted = float(out.num_accepted.float().mean().item())
+        return {**case, "provider": provider, "dtype": args.dtype, **measured, "mean_accepted": mean_accepted}
+
+    return common.run_providers(args.providers, label, run, measure, skip=skip)
 
 
 def sigmas_for(V: int, args, dtype) -> list[tuple[float, float]]:
     """(sigma, measured root overlap) for every --sigma, or the calibrated sigma of every --overlap."""
     z = root_noise(World(V, 0.0, args.seed, args.device))
-    if args.overlap:
-        sigmas = [calibrate_sigma(a, z, dtype) for a in args.overlap]
-    else:
-        sigmas = list(args.sigma)
+    sigmas = [calibrate_sigma(a, z, dtype) for a in args.overlap] if args.overlap else list(args.sigma)
     return [(s, root_overlap(z, s, dtype)) for s in sigmas]
 
 
-def run_sweep(args, copy_gbps: float, meta: dict, errors: list) -> tuple[list[dict], list[dict]]:
-    dtype = getattr(torch, DTYPES[args.dtype])
+def sweep(run: common.Run) -> list[dict]:
+    args = run.args
+    available = tree_methods()
+    args.methods = args.methods or list(available)
+    if unknown := [m for m in args.methods if m not in available]:
+        raise common.SetupError(f"unknown method(s) {unknown}; verify_multi supports {list(available)}")
+    dtype = common.torch_dtype(args.dtype)
     rows, accept_rows = [], []
     for V in args.V:
         try:
             sigmas = sigmas_for(V, args, dtype)
         except ValueError as e:
-            errors.append(f"V={V}: {e}")
+            run.error(f"V={V}: {e}")
             continue
         for sigma, overlap in sigmas:
             world = World(V, sigma, args.seed, args.device)
             for G in args.G:
-                label = f"G={G} V={V} sigma={sigma:.3g}"
-                acceptance = measure_acceptance(world, G, args, dtype, errors, label)
+                acceptance = measure_acceptance(world, G, run, dtype, f"G={G} V={V} sigma={sigma:.3g}")
                 for (method, K), cols in sorted(acceptance.items()):
                     if K in args.K:
-                        accept_rows.append(
-                            {"V": V, "G": G, "sigma": sigma, "overlap": overlap, "method": method, "K": K, **cols}
-                        )
-                base = {**meta, "overlap": overlap}
+                        accept_rows.append(dict(V=V, G=G, sigma=sigma, overlap=overlap, method=method, K=K, **cols))
                 for B in args.B:
-                    rows += run_shape(world, B, G, args, dtype, base, acceptance, copy_gbps, errors)
-    return rows, accept_rows
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
+                    rows += run_shape(world, B, G, run, {**run.meta, "overlap": overlap}, acceptance)
+    if accept_rows:
+        print("\n# acceptance: mean accepted drafts per request, K chains vs chain 0 alone (same requests)")
+        common.print_table(accept_rows, ACCEPT_TABLE_COLUMNS)
+    return rows
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="Benchmark multi-draft verification (verify_multi / verify_tree): reference vs "
-        "specdec_kernels, time and acceptance per method. See the module docstring for the columns.",
+    p = common.make_parser(
+        "verify_tree",
+        "Benchmark multi-draft verification (verify_multi / verify_tree): reference vs specdec_kernels, "
+        "time and acceptance per method. See the module docstring for the columns.",
+        axes=AXES,
+        providers=PROVIDERS,
+        dtype_help="logits dtype (default bf16; smoke: fp32)",
+        smoke_help="tiny CPU-friendly run of every provider, api and method; exits non-zero on any error",
+        all_providers_help=f"run the reference even where B*K*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}",
+        validate_help="let the ops run their host-side input checks (off: as in a serving hot loop)",
+        seed_help="seed of the synthetic world and of the verify calls",
     )
-    p.add_argument("--B", type=int, nargs="+", help=f"batch sizes (default {list(DEFAULT_B)})")
-    p.add_argument("--K", type=int, nargs="+", help=f"draft chains per request (default {list(DEFAULT_K)})")
-    p.add_argument("--G", type=int, nargs="+", help=f"drafts per chain (default {list(DEFAULT_G)})")
-    p.add_argument("--V", type=int, nargs="+", help=f"vocabulary sizes (default {list(DEFAULT_V)})")
-    p.add_argument("--providers", nargs="+", choices=PROVIDERS, help="default: all")
-    p.add_argument(
-        "--methods",
-        nargs="+",
-        help="verification methods (default: every one verify_multi supports: kseq, rrs, rrs_wor)",
-    )
-    p.add_argument(
-        "--api",
-        nargs="+",
-        choices=APIS,
-        help="multi = verify_multi (default); tree = the same chains through verify_tree",
-    )
+    methods_help = "verification methods (default: every one verify_multi supports: kseq, rrs, rrs_wor)"
+    p.add_argument("--methods", nargs="+", help=methods_help)
+    api_help = "multi = verify_multi (default); tree = the same chains through verify_tree"
+    p.add_argument("--api", nargs="+", choices=APIS, help=api_help)
     knob = p.add_mutually_exclusive_group()
     knob.add_argument(
         "--sigma", type=float, nargs="+", help=f"draft logits = target + sigma * N(0, 1) (default {DEFAULT_SIGMA})"
@@ -688,95 +522,39 @@ def parse_args(argv=None):
         help=f"requests the acceptance columns average over (default {DEFAULT_ACCEPT_REQUESTS}; "
         f"smoke: {SMOKE_ACCEPT_REQUESTS}; 0 = skip)",
     )
-    p.add_argument("--dtype", choices=tuple(DTYPES), help="logits dtype (default bf16; smoke: fp32)")
-    common.add_output_args(p, "verify_tree")
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny CPU-friendly run of every provider, api and method; exits non-zero on any error",
-    )
-    p.add_argument(
-        "--all-providers",
-        action="store_true",
-        help=f"run the reference even where B*K*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}",
-    )
-    p.add_argument(
-        "--validate",
-        action="store_true",
-        help="let the ops run their host-side input checks (off: as in a serving hot loop)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic world and of the verify calls")
     args = p.parse_args(argv)
-    return resolve_defaults(args, p)
-
-
-def resolve_defaults(args, parser):
-    """Fill unset options: smoke defaults in --smoke, sweep defaults otherwise; explicit flags win."""
-    smoke = args.smoke
-    args.B = args.B or list(SMOKE_B if smoke else DEFAULT_B)
-    args.K = args.K or list(SMOKE_K if smoke else DEFAULT_K)
-    args.G = args.G or list(SMOKE_G if smoke else DEFAULT_G)
-    args.V = args.V or list(SMOKE_V if smoke else DEFAULT_V)
-    args.providers = args.providers or list(PROVIDERS)
-    args.api = args.api or (list(APIS) if smoke else ["multi"])
+    common.resolve_common(args, p, AXES, PROVIDERS)
+    args.api = args.api or (list(APIS) if args.smoke else ["multi"])
     args.sigma = args.sigma or [DEFAULT_SIGMA]
     if args.accept_requests is None:
-        args.accept_requests = SMOKE_ACCEPT_REQUESTS if smoke else DEFAULT_ACCEPT_REQUESTS
-    args.dtype = args.dtype or ("fp32" if smoke else "bf16")
-    common.resolve_timing(args, parser)
+        args.accept_requests = SMOKE_ACCEPT_REQUESTS if args.smoke else DEFAULT_ACCEPT_REQUESTS
     if args.accept_requests < 0:
-        parser.error("--accept-requests must be >= 0")
+        p.error("--accept-requests must be >= 0")
     if min(args.B) < 1 or min(args.K) < 1 or min(args.G) < 1 or min(args.V) < 2:
-        parser.error("need B >= 1, K >= 1, G >= 1 and V >= 2")
+        p.error("need B >= 1, K >= 1, G >= 1 and V >= 2")
     if max(args.K) * max(args.G) > MAX_NODES:
-        parser.error(f"K*G must be <= {MAX_NODES} (tree nodes per request)")
+        p.error(f"K*G must be <= {MAX_NODES} (tree nodes per request)")
     if max(args.K) > min(args.V):
-        parser.error("K must be <= V (rrs_wor draws K distinct first tokens)")
+        p.error("K must be <= V (rrs_wor draws K distinct first tokens)")
     if min(args.sigma) < 0 or (args.overlap and not all(0 < a <= 1 for a in args.overlap)):
-        parser.error("need --sigma >= 0 and --overlap in (0, 1]")
+        p.error("need --sigma >= 0 and --overlap in (0, 1]")
     return args
 
 
-def resolve_methods(args) -> str | None:
-    """Fill --methods from the ops (after prepare_environment); returns an error message or None."""
-    available = tree_methods()
-    args.methods = args.methods or list(available)
-    unknown = [m for m in args.methods if m not in available]
-    if unknown:
-        return f"unknown method(s) {unknown}; verify_multi supports {list(available)}"
-    return None
-
-
-def print_header(meta: dict, args, copy_gbps: float) -> None:
-    common.print_run_header("verify_tree", meta, args, copy_gbps)
-    knob = f"overlap {args.overlap}" if args.overlap else f"sigma {args.sigma}"
+def print_header(run: common.Run) -> None:
+    a = run.args
+    knob = f"overlap {a.overlap}" if a.overlap else f"sigma {a.sigma}"
     print(
         f"# world: target {LOGIT_SCALE:g}*N(0,1), draft = target + sigma*N(0,1), temperature 1; {knob}; "
-        f"acceptance over {args.accept_requests} requests"
+        f"acceptance over {a.accept_requests} requests"
     )
-    common.print_cpu_caveat(args)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    common.prepare_environment(args.device)  # before anything imports specdec_kernels
-    problem = resolve_methods(args)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-
-    meta = common.environment_metadata(args.device)
-    copy_gbps = common.measure_copy_bandwidth(args.device)
-    print_header(meta, args, copy_gbps)
-
-    errors: list[str] = []
-    rows, accept_rows = run_sweep(args, copy_gbps, meta, errors)
-
-    if accept_rows:
-        print("\n# acceptance: mean accepted drafts per request, K chains vs chain 0 alone (same requests)")
-        common.print_table(accept_rows, ACCEPT_TABLE_COLUMNS)
-    common.save_rows(rows, args, "verify_tree", {**meta, "copy_GBps": copy_gbps}, TABLE_COLUMNS, CSV_COLUMNS)
-    return common.exit_code(errors)
+    return common.bench_main(
+        "verify_tree", args, sweep, table_columns=TABLE_COLUMNS, csv_columns=CSV_COLUMNS, header=print_header
+    )
 
 
 if __name__ == "__main__":

@@ -42,10 +42,10 @@ import torch
 from torch import Tensor
 
 from ._params import SamplingParams
-from ._tree_args import TreeArgs
+from ._tree_args import TreeArgs, validate_sharded_tree_values
 from ._types import BACKENDS, TreeVerifyOutput, VerifyOutput
-from ._validation import VerifyArgs
-from .ops import _cuda_ext
+from ._validation import VerifyArgs, validate_sharded_verify_values
+from .ops import _cuda_ext, vocab_parallel
 from .ops.verify import launch_verify
 from .ops.verify_tree import launch_tree
 from .ops.verify_tree_vectorized import verify_tree_vectorized
@@ -241,6 +241,81 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
         candidates["cuda"] = lambda: _cuda_ext.verify_tree(args)
     chosen = resolve(backend, args.target.device, tree_shape_class(args), candidates)
     return candidates[chosen]()
+
+
+# --------------------------------------------------------------------------------------------
+# vocabulary-parallel verification (process_group=): ops/vocab_parallel.py
+
+SHARDED_BACKENDS = ("auto", "torch")
+_KIND_CHAIN, _KIND_TREE, _KIND_MULTI = 1, 2, 3
+
+
+def check_sharded_backend(backend: str) -> str:
+    """Vocabulary shards run the vectorised PyTorch implementation (any device)."""
+    backend = check_backend(backend)
+    if backend not in SHARDED_BACKENDS:
+        raise ValueError(
+            f"process_group= runs the vectorised PyTorch shard implementation: backend must be one of "
+            f"{SHARDED_BACKENDS}, got {backend!r}"
+        )
+    return backend
+
+
+def _local_check(check: Callable[[], object]):
+    """(checked arguments, None) or (None, the error): errors are raised on every rank later."""
+    try:
+        return check(), None
+    except (TypeError, ValueError) as error:
+        return None, error
+
+
+def _group_device(process_group, args, attr: str) -> torch.device:
+    if args is not None:
+        return getattr(args, attr).device
+    if torch.distributed.get_backend(process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def run_verify_sharded(check: Callable[[], VerifyArgs], process_group, vocab_size, validate: bool) -> VerifyOutput:
+    """Chain verification over vocabulary shards. ``check`` returns this rank's checked arguments
+    (shapes only: ids are global, checked here against the full vocabulary)."""
+    args, error = _local_check(check)
+    device = _group_device(process_group, args, "target_logits")
+    validate = validate and not _capturing(device)
+    dims = None if args is None else (args.B, args.G, 0)
+    checksum = vocab_parallel.replicated_checksum(args) if validate and args is not None else -1
+    shard, args = vocab_parallel.exchange_layout(
+        process_group, device, _KIND_CHAIN, args, error, vocab_size, dims, checksum
+    )
+    if validate:  # the replicated arguments are equal on every rank (checksum): the same verdict everywhere
+        validate_sharded_verify_values(args, shard.V)
+    return vocab_parallel.verify_chain_sharded(shard, args.padded())
+
+
+def run_tree_sharded(
+    check: Callable[[], tuple[TreeArgs, bool]], process_group, vocab_size, validate: bool, multi: bool
+) -> TreeVerifyOutput:
+    """Tree / multi-draft verification over vocabulary shards. ``check`` returns (this rank's
+    checked arguments, whether max_depth may shrink to the deepest tree as the unsharded call's
+    validation does)."""
+    checked, error = _local_check(check)
+    args, tighten = checked if checked is not None else (None, False)
+    device = _group_device(process_group, args, "target")
+    validate = validate and not _capturing(device)
+    dims = None if args is None else (args.B, args.K, args.G)
+    checksum = vocab_parallel.replicated_checksum(args) if validate and args is not None else -1
+    kind = _KIND_MULTI if multi else _KIND_TREE
+    shard, args = vocab_parallel.exchange_layout(process_group, device, kind, args, error, vocab_size, dims, checksum)
+    if validate:
+        depth = validate_sharded_tree_values(args, shard.V, multi)
+        if tighten and depth is not None:
+            args.max_depth = depth
+    return vocab_parallel.verify_tree_sharded(shard, args)
 
 
 # --------------------------------------------------------------------------------------------

@@ -156,11 +156,12 @@ def check_tree_args(
     return args
 
 
-def _validate_tree_values(args: TreeArgs, tok_name: str) -> int:
-    """Value checks (one host synchronisation); returns the deepest tree's depth."""
+def _validate_tree_values(args: TreeArgs, tok_name: str, V: int | None = None) -> int:
+    """Value checks (one host synchronisation); returns the deepest tree's depth. V: the vocabulary
+    the ids index (default the logits' last dimension; the full vocabulary for shards)."""
     params = args.per_request_cpu()
     SamplingParams.check_values(params)
-    B, N, V = args.B, args.N, args.V
+    B, N, V = args.B, args.N, args.V if V is None else V
     n = params["num_nodes"]
     bad_n = (n < 0) | (n > N)
     _require(not bool(bad_n.any()), f"num_nodes must be in [0, N={N}]; got {n[bad_n][:4].tolist()}")
@@ -189,3 +190,11 @@ def _validate_tree_values(args: TreeArgs, tok_name: str) -> int:
             "method='rrs_wor' needs siblings with distinct tokens (drafts sampled without replacement)",
         )
     return deepest
+
+
+def validate_sharded_tree_values(args: TreeArgs, V: int, multi: bool) -> int | None:
+    """Value checks of a vocabulary-parallel call (``process_group=``): ids against the full
+    vocabulary V (the sum of the shards). Returns the deepest tree's depth (None if B = 0)."""
+    if args.B == 0:
+        return None
+    return _validate_tree_values(args, "draft_tokens" if multi else "tree_tokens", V)

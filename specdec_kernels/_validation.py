@@ -247,11 +247,12 @@ def _check_draft(draft_logits, draft_probs, lead: tuple, V: int, device):
     return None, DRAFT_NONE
 
 
-def _validate_values(args: VerifyArgs) -> None:
-    """Checks that read tensor values (one host synchronisation)."""
+def _validate_values(args: VerifyArgs, V: int | None = None) -> None:
+    """Checks that read tensor values (one host synchronisation). V: the vocabulary the draft ids
+    index (default the logits' last dimension; the full vocabulary for vocabulary shards)."""
     params = args.per_request_cpu()
     SamplingParams.check_values(params)
-    n, G, V = params["num_draft_tokens"], args.G, args.V
+    n, G, V = params["num_draft_tokens"], args.G, args.V if V is None else V
     bad_n = (n < 0) | (n > G)
     _require(not bool(bad_n.any()), f"num_draft_tokens must be in [0, G={G}]; got {n[bad_n][:4].tolist()}")
     if G > 0:
@@ -264,3 +265,10 @@ def _check_ids(name: str, tokens: torch.Tensor, used: torch.Tensor, V: int) -> N
     out_of_range = used & ((tokens < 0) | (tokens >= V))
     if bool(out_of_range.any()):
         raise ValueError(f"{name} must be in [0, V={V}); got {tokens[out_of_range][:4].tolist()}")
+
+
+def validate_sharded_verify_values(args: VerifyArgs, V: int) -> None:
+    """Value checks of a vocabulary-parallel call (``process_group=``): draft ids are global ids,
+    checked against the full vocabulary V (the sum of the shards)."""
+    if args.B > 0:
+        _validate_values(args.padded(), V)

@@ -13,7 +13,7 @@ from . import _dispatch
 from ._params import MAX_FLOAT32, MIN_TEMPERATURE
 from ._tree_args import check_tree_args
 from ._types import TreeVerifyOutput, VerifyOutput
-from ._validation import check_flat_verify_args, check_verify_args
+from ._validation import VerifyArgs, check_flat_verify_args, check_verify_args
 
 
 def verify(
@@ -34,6 +34,8 @@ def verify(
     validate: bool = True,
     backend: str = "auto",
     out_dtype: torch.dtype = torch.int64,
+    process_group=None,
+    vocab_size: int | None = None,
 ) -> VerifyOutput:
     """Verify one draft chain per request; the emitted tokens are exactly target-distributed.
 
@@ -108,6 +110,35 @@ def verify(
         ``accepted_nodes`` (verify_tree) and its predicts the emitted tokens; FlashInfer's
         chain_speculative_sampling output = ``tokens`` with -1 padding.
 
+    Vocabulary parallel (the LM head sharded over the vocabulary, as tensor-parallel engines hold it):
+        process_group:    a torch.distributed process group (NCCL on GPU, gloo on CPU). Each rank passes
+                          its contiguous vocabulary shard in rank order (sizes may differ): target_logits
+                          [B, G+1, V_r] and draft_logits / draft_probs [B, G, V_r] (or target_probs).
+                          draft_tokens (global ids in [0, V)), num_draft_tokens, temperature, top_k,
+                          top_p and seed are the same on every rank; seed=None uses rank 0's draw.
+                          Every rank returns the tokens, num_accepted and nonfinite of the unsharded
+                          call with the same seed (float sums run in another order across shards:
+                          equal except at measure-zero ties). backend: "auto" or "torch" (a
+                          vectorised PyTorch shard implementation, any device; it synchronises
+                          with the host, so it cannot be captured in a CUDA graph).
+        vocab_size:       V; checked against the sum of the shard sizes, which one tiny all-gather
+                          always exchanges (it also makes an argument error raise on every rank
+                          instead of leaving the others waiting in a collective).
+        Math: instead of all-gathering B (G+1) V logits, ranks exchange O(B (G+1)) numbers per
+        collective: per row the max and first argmax (all-gather of per-rank pairs); the softmax
+        normaliser with the owner's w(x_i) folded in (all-reduce: p(x_i) = w(x_i) / Z as unsharded);
+        the exact top-k / top-p thresholds (top-k <= 256: one all-gather of every rank's k largest
+        values, on which top-p is computed as unsharded; else radix select over the 32-bit order
+        keys of the logits, 4 all-reduces of [rows, 256] histograms: counts for top-k, softmax mass
+        for top-p; ties kept as the reference keeps them); and the race winner at the emitting row:
+        the race key of entry x uses Philox(seed; x // 4, row, purpose) with the global index x, so
+        each shard draws the unsharded call's numbers, and the winner is the (max key, lowest index)
+        over ranks (all-gather). NaN logits in one rank's shard flag the request on every rank.
+        Example (rank r of w ranks, an even split):
+            >>> lo, hi = r * V // w, (r + 1) * V // w
+            >>> out = sk.verify(target_logits[..., lo:hi], draft_tokens, draft_logits[..., lo:hi],
+            ...                 temperature=0.8, seed=seeds, process_group=dist.group.WORLD)
+
     Returns:
         VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool).
 
@@ -115,46 +146,57 @@ def verify(
         >>> out = sk.verify(target_logits, draft_tokens, draft_logits, temperature=0.7, seed=seeds)
         >>> n = out.num_accepted  # commit out.tokens[b, : n[b] + 1]
     """
-    backend = _dispatch.check_backend(backend)
-    target_logits = _target_input(target_logits, target_probs)
-    if logits_scaled:
-        temperature = _unit_temperature(temperature)
-    if cu_num_draft_tokens is not None:
-        if num_draft_tokens is not None:
-            raise ValueError("pass num_draft_tokens or cu_num_draft_tokens, not both (cu implies the counts)")
-        args = check_flat_verify_args(
-            target_logits,
-            draft_tokens,
-            draft_logits,
-            draft_probs,
-            temperature,
-            top_k,
-            top_p,
-            cu_num_draft_tokens,
-            max_num_draft_tokens,
-            seed,
-            validate=validate,
-        )
+    _check_vocab_size_use(process_group, vocab_size)
+
+    def checked() -> VerifyArgs:
+        nonlocal target_logits, temperature
+        if process_group is None:
+            _dispatch.check_backend(backend)
+        else:
+            _dispatch.check_sharded_backend(backend)
+        _check_out_dtype(out_dtype)
+        target_logits = _target_input(target_logits, target_probs)
+        if logits_scaled:
+            temperature = _unit_temperature(temperature)
+        if cu_num_draft_tokens is not None:
+            if num_draft_tokens is not None:
+                raise ValueError("pass num_draft_tokens or cu_num_draft_tokens, not both (cu implies the counts)")
+            args = check_flat_verify_args(
+                target_logits,
+                draft_tokens,
+                draft_logits,
+                draft_probs,
+                temperature,
+                top_k,
+                top_p,
+                cu_num_draft_tokens,
+                max_num_draft_tokens,
+                seed,
+                validate=validate and process_group is None,
+            )
+        else:
+            if max_num_draft_tokens is not None:
+                raise ValueError("max_num_draft_tokens belongs to the flattened layout (cu_num_draft_tokens=)")
+            args = check_verify_args(
+                target_logits,
+                draft_tokens,
+                draft_logits,
+                draft_probs,
+                temperature,
+                top_k,
+                top_p,
+                num_draft_tokens,
+                seed,
+                validate=validate and process_group is None,
+            )
+        return args
+
+    if process_group is not None:  # vocabulary shards: see ops/vocab_parallel.py
+        out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate)
+    elif torch.compiler.is_compiling():  # one opaque custom op in the graph
+        out = _dispatch.call_verify_chain(checked(), backend)
     else:
-        if max_num_draft_tokens is not None:
-            raise ValueError("max_num_draft_tokens belongs to the flattened layout (cu_num_draft_tokens=)")
-        args = check_verify_args(
-            target_logits,
-            draft_tokens,
-            draft_logits,
-            draft_probs,
-            temperature,
-            top_k,
-            top_p,
-            num_draft_tokens,
-            seed,
-            validate=validate,
-        )
-    _check_out_dtype(out_dtype)
-    if torch.compiler.is_compiling():  # one opaque custom op in the graph
-        out = _dispatch.call_verify_chain(args, backend)
-    else:
-        out = _dispatch.run_verify(args, backend)
+        out = _dispatch.run_verify(checked(), backend)
     return out if out_dtype == torch.int64 else VerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.nonfinite)
 
 
@@ -175,6 +217,8 @@ def verify_tree(
     validate: bool = True,
     backend: str = "auto",
     out_dtype: torch.dtype = torch.int64,
+    process_group=None,
+    vocab_size: int | None = None,
 ) -> TreeVerifyOutput:
     """Verify a token tree of drafts per request; the emitted tokens are exactly target-distributed.
 
@@ -196,6 +240,11 @@ def verify_tree(
                        sync) or N when validate=False. Pass it to stay sync-free (CUDA graphs).
         backend:       "auto" | "triton" | "cuda" | "cpu" | "vectorized" | "torch" (reference), as for
                        :func:`verify`.
+        process_group, vocab_size: vocabulary shards, as for :func:`verify`: each rank passes
+                       target_logits [B, N+1, V_r] and draft rows [B, N, V_r] of its contiguous shard;
+                       tokens are global ids. The walk runs one depth per step with the per-row
+                       collectives of :func:`verify`, plus the K-SEQ rho search (4 all-reduces of
+                       16 sums of min(q, p / rho)) or, for RRS, one lookup and one sum per candidate.
 
     Math: walk from the root; at each position the children are samples from the draft's q there;
     K-SEQ accepts child X_i (first in order) w.p. min(1, p(X_i) / (rho* q(X_i))) with rho* solving
@@ -228,6 +277,8 @@ def verify_tree(
         max_depth,
         validate=validate,
         out_dtype=out_dtype,
+        process_group=process_group,
+        vocab_size=vocab_size,
     )
 
 
@@ -245,6 +296,8 @@ def verify_multi(
     validate: bool = True,
     backend: str = "auto",
     out_dtype: torch.dtype = torch.int64,
+    process_group=None,
+    vocab_size: int | None = None,
 ) -> TreeVerifyOutput:
     """Verify K independent draft chains per request (SpecTr multi-draft).
 
@@ -256,8 +309,14 @@ def verify_multi(
     With K = 1 this is exactly :func:`verify` (same tokens for the same seeds). accepted_nodes
     index chain * G + slot.
 
+    Vocabulary parallel: ``process_group=`` (and ``vocab_size=``) as for :func:`verify`: each rank
+    passes target_logits [B, K, G+1, V_r] and draft_logits / draft_probs [B, K, G, V_r] of its
+    contiguous shard; draft ids are global; every rank returns the unsharded call's output.
+
     Example:
         >>> out = sk.verify_multi(logits, drafts, draft_logits, method="kseq", seed=seeds)
+        >>> out = sk.verify_multi(logits[..., lo:hi], drafts, draft_logits[..., lo:hi], seed=seeds,
+        ...                       process_group=dist.group.WORLD)  # this rank's shard [lo, hi)
     """
     return _run_tree(
         backend,
@@ -276,21 +335,47 @@ def verify_multi(
         validate=validate,
         multi=True,
         out_dtype=out_dtype,
+        process_group=process_group,
+        vocab_size=vocab_size,
     )
 
 
-def _run_tree(backend, *tree_args, validate: bool, multi: bool = False, out_dtype=torch.int64) -> TreeVerifyOutput:
+def _run_tree(
+    backend,
+    *tree_args,
+    validate: bool,
+    multi: bool = False,
+    out_dtype=torch.int64,
+    process_group=None,
+    vocab_size=None,
+) -> TreeVerifyOutput:
     """verify_tree and verify_multi: one check (``check_tree_args``), one dispatch."""
-    backend = _dispatch.check_backend(backend)
-    _check_out_dtype(out_dtype)
-    args = check_tree_args(*tree_args, validate=validate, multi=multi)
-    if torch.compiler.is_compiling():  # one opaque custom op in the graph
-        out = _dispatch.call_verify_tree(args, backend)
+    _check_vocab_size_use(process_group, vocab_size)
+    if process_group is not None:  # vocabulary shards: see ops/vocab_parallel.py
+
+        def checked():
+            _dispatch.check_sharded_backend(backend)
+            _check_out_dtype(out_dtype)
+            args = check_tree_args(*tree_args, validate=False, multi=multi)
+            return args, tree_args[-1] is None and not multi  # max_depth not given: the deepest tree
+
+        out = _dispatch.run_tree_sharded(checked, process_group, vocab_size, validate, multi)
     else:
-        out = _dispatch.run_tree(args, backend)
+        backend = _dispatch.check_backend(backend)
+        _check_out_dtype(out_dtype)
+        args = check_tree_args(*tree_args, validate=validate, multi=multi)
+        if torch.compiler.is_compiling():  # one opaque custom op in the graph
+            out = _dispatch.call_verify_tree(args, backend)
+        else:
+            out = _dispatch.run_tree(args, backend)
     if out_dtype == torch.int64:
         return out
     return TreeVerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.accepted_nodes.to(out_dtype), out.nonfinite)
+
+
+def _check_vocab_size_use(process_group, vocab_size) -> None:
+    if vocab_size is not None and process_group is None:
+        raise ValueError("vocab_size= describes vocabulary shards: it needs process_group=")
 
 
 def _check_out_dtype(out_dtype) -> None:

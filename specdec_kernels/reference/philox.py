@@ -9,6 +9,7 @@ exactly, so kernel and reference can be compared token for token.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 _ROUND_A = np.uint64(0xD2511F53)
 _ROUND_B = np.uint64(0xCD9E8D57)
@@ -53,3 +54,41 @@ def uniform_open(bits: np.ndarray) -> np.ndarray:
     """
     k = (np.asarray(bits, dtype=np.uint32) >> np.uint32(32 - UNIFORM_BITS)).astype(np.float32)
     return ((k + np.float32(0.5)) * np.float32(2.0**-UNIFORM_BITS)).astype(np.float32)
+
+
+# ---- the same generator on torch tensors (any device), for the vocabulary-parallel path ----------
+
+_MASK32_I = 0xFFFFFFFF
+
+
+def _mulhilo32(a: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of a * c for a 32-bit constant and int64 tensors c in [0, 2**32).
+
+    The product can reach 2**64, past int64; split c into 16-bit halves so nothing overflows."""
+    t_hi = a * (c >> 16)  # < 2**48
+    t_lo = a * (c & 0xFFFF)  # < 2**48
+    s = ((t_hi & 0xFFFF) << 16) + t_lo  # < 2**49
+    return (t_hi >> 16) + (s >> 32), s & _MASK32_I
+
+
+def philox4x32_torch(seed: torch.Tensor, c0, c1, c2, c3, n_rounds: int = 10):
+    """:func:`philox4x32` on int64 torch tensors (broadcast; any device): four int64 tensors
+    holding the uint32 words, bit-identical to the NumPy version and to ``tl.philox``."""
+    seed = torch.as_tensor(seed, dtype=torch.int64)
+    k0, k1 = seed & _MASK32_I, (seed >> 32) & _MASK32_I
+    dev = seed.device
+    c0, c1, c2, c3 = (torch.as_tensor(v, dtype=torch.int64, device=dev) & _MASK32_I for v in (c0, c1, c2, c3))
+    c0, c1, c2, c3, k0, k1 = torch.broadcast_tensors(c0, c1, c2, c3, k0, k1)
+    for _ in range(n_rounds):
+        hi_b, lo_b = _mulhilo32(int(_ROUND_B), c2)
+        hi_a, lo_a = _mulhilo32(int(_ROUND_A), c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + int(_KEY_A)) & _MASK32_I
+        k1 = (k1 + int(_KEY_B)) & _MASK32_I
+    return c0, c1, c2, c3
+
+
+def uniform_open_torch(bits: torch.Tensor) -> torch.Tensor:
+    """:func:`uniform_open` on int64 tensors of uint32 words: float32 uniforms in (0, 1)."""
+    k = (bits >> (32 - UNIFORM_BITS)).to(torch.float32)
+    return (k + 0.5) * (2.0**-UNIFORM_BITS)

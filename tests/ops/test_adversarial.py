@@ -56,6 +56,28 @@ def test_every_argument_as_a_strided_view(backend):
           sk.verify(target, tokens, draft, temperature=0.0, seed=3, backend=backend))  # fmt: skip
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expanded_arguments_stride_zero(backend):
+    """Broadcast views (stride 0), as engines build them for one shared temperature or one prompt's
+    logits repeated over a batch, read as their contiguous copies."""
+    backend = _backend_or_skip(backend)
+    B, G, V = 3, 4, 100
+    target, tokens, draft = make_problem(1, G, V, seed=4)
+    tokens = target[:, :G].argmax(-1)
+    per_request = dict(
+        temperature=torch.tensor(0.7).expand(B),
+        top_k=torch.tensor(20).expand(B),
+        top_p=torch.tensor(0.9).expand(B),
+        seed=torch.tensor(5).expand(B),
+        num_draft_tokens=torch.tensor(3).expand(B),
+    )
+    views = dict(target_logits=target.expand(B, -1, -1), draft_tokens=tokens.expand(B, -1))
+    views["draft_logits"] = draft.expand(B, -1, -1)
+    out = sk.verify(**views, **per_request, backend=backend)
+    copies = {k: v.contiguous() for k, v in {**views, **per_request}.items()}
+    _same(out, sk.verify(**copies, backend=backend))
+
+
 @pytest.mark.parametrize("bad", [float("inf"), 1e300, float("nan"), -1.0, 1e-40, 1e-45])
 def test_unusable_temperatures_are_clear_errors(bad):
     target, tokens, draft = make_problem(2, 3, 50, seed=2)

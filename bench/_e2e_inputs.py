@@ -1,0 +1,239 @@
+"""What ``bench_e2e.py`` runs on: its prompt sets and its model pair (local Hugging Face directories,
+the embedded demo pair, or two tiny random Llama models for ``--smoke``), with neutral generation
+configs so that every mode decodes the same distribution."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# Standard-library modules whose first top-level def/class opens a code prompt (in this order;
+# modules missing from an unusual Python are skipped).
+STDLIB_MODULES = (
+    "heapq.py bisect.py textwrap.py fnmatch.py shlex.py colorsys.py glob.py string.py fractions.py statistics.py "
+    "graphlib.py difflib.py"
+).split()
+
+PROSE_PROMPTS = (
+    (
+        "The harbour town woke slowly on winter mornings. Fishing boats knocked against the pier while the "
+        "gulls argued over scraps, and the baker on the corner lifted the first trays of bread from the oven "
+        "before the sun had cleared the hills. By eight o'clock the market square was full of"
+    ),
+    (
+        "Photosynthesis is the process by which green plants turn light into chemical energy. Inside the "
+        "chloroplasts, chlorophyll absorbs mostly red and blue light, and that energy is used to split water "
+        "molecules and release oxygen. The hydrogen that remains is then combined with carbon dioxide to"
+    ),
+    (
+        "Dear members of the committee, thank you for the opportunity to present our proposal for the new "
+        "community library. Over the past year we have spoken with parents, teachers and local businesses "
+        "about what they would like the library to offer, and three themes came up again and again. First,"
+    ),
+)
+
+# Smoke models: tiny random Llama models (the peaked init gives few argmax near-ties in fp32).
+SMOKE_VOCAB, SMOKE_LAYERS, SMOKE_HIDDEN, SMOKE_HEADS, SMOKE_KV_HEADS = 100, 2, 64, 4, 2
+SMOKE_INIT_STD, SMOKE_DRAFT_NOISE = 0.5, 0.01
+SMOKE_BOS, SMOKE_EOS, SMOKE_PAD = 0, 1, 2
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------
+
+
+def code_snippet(path: Path, chars: int) -> str | None:
+    """From the first top-level ``def``/``class`` line, whole lines until at least ``chars`` characters."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    except OSError:
+        return None
+    start = next((i for i, line in enumerate(lines) if line.startswith(("def ", "class "))), None)
+    if start is None:
+        return None
+    out = ""
+    for line in lines[start:]:
+        out += line
+        if len(out) >= chars:
+            break
+    return out
+
+
+def code_prompts(n: int, chars: int) -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for name in STDLIB_MODULES:
+        if len(prompts) == n:
+            break
+        snippet = code_snippet(stdlib / name, chars)
+        if snippet:
+            prompts.append(snippet)
+    if len(prompts) < n:
+        print(f"[warn] only {len(prompts)} of {n} code prompts found under {stdlib}", file=sys.stderr)
+    return prompts
+
+
+def prose_prompts(n: int, chars: int) -> list[str]:
+    """The first n paragraphs, each cut to at most ``chars`` characters at a word boundary."""
+    out = []
+    for text in PROSE_PROMPTS[:n]:
+        out.append(text if len(text) <= chars else text[:chars].rsplit(" ", 1)[0])
+    return out
+
+
+def prompt_sets(args) -> dict[str, list[str]]:
+    sets = {}
+    if "code" in args.prompts and args.code_prompts > 0:
+        sets["code"] = code_prompts(args.code_prompts, args.prompt_chars)
+    if "prose" in args.prompts and args.prose_prompts > 0:
+        sets["prose"] = prose_prompts(args.prose_prompts, args.prompt_chars)
+    return {k: v for k, v in sets.items() if v}
+
+
+# --------------------------------------------------------------------------------------------
+# Models and tokenizers
+# --------------------------------------------------------------------------------------------
+
+
+class SmokeTokenizer:
+    """Bytes -> ids 3 + byte % 97 (0 = BOS, 1 = EOS, 2 = padding), left padding like a HF tokenizer."""
+
+    pad_token_id, eos_token_id, bos_token_id = SMOKE_PAD, SMOKE_EOS, SMOKE_BOS
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + b % (SMOKE_VOCAB - 3) for b in text.encode("utf-8")]
+
+    def __call__(self, texts: list[str], return_tensors: str = "pt") -> dict:
+        seqs = [self.encode(t) for t in texts]
+        width = max(len(s) for s in seqs)
+        ids = [[self.pad_token_id] * (width - len(s)) + s for s in seqs]
+        mask = [[0] * (width - len(s)) + [1] * len(s) for s in seqs]
+        return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+
+
+@dataclass
+class Pair:
+    target: object
+    draft: object | None
+    tokenizer: object
+    target_name: str
+    draft_name: str
+    eos_token_id: list[int]
+    pad_token_id: int
+    vocab_size: int | None  # passed to speculative_generate when the models' output rows differ
+    dropped_generation_settings: dict = field(default_factory=dict)
+
+
+def smoke_models(device: str, dtype) -> tuple[object, object]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=SMOKE_VOCAB,
+        hidden_size=SMOKE_HIDDEN,
+        intermediate_size=2 * SMOKE_HIDDEN,
+        num_hidden_layers=SMOKE_LAYERS,
+        num_attention_heads=SMOKE_HEADS,
+        num_key_value_heads=SMOKE_KV_HEADS,
+        max_position_embeddings=512,
+        initializer_range=SMOKE_INIT_STD,
+        bos_token_id=SMOKE_BOS,
+        eos_token_id=SMOKE_EOS,
+        pad_token_id=SMOKE_PAD,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    draft = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the draft is the target plus small noise: acceptance well above zero
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * SMOKE_DRAFT_NOISE * p.std().clamp_min(1e-3))
+    return target.to(device=device, dtype=dtype), draft.to(device=device, dtype=dtype)
+
+
+def _eos_list(eos) -> list[int]:
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+NEUTRAL_KEYS = (
+    "do_sample temperature top_k top_p min_p typical_p repetition_penalty no_repeat_ngram_size num_beams min_length "
+    "min_new_tokens max_length max_new_tokens"
+).split()
+
+
+def neutralize_generation_config(model, eos: list[int], pad: int) -> dict:
+    """Give ``model`` a neutral generation config (plain greedy/sampling); return the settings dropped."""
+    from transformers import GenerationConfig
+
+    old = getattr(model, "generation_config", None)
+    defaults = GenerationConfig()
+    dropped = {}
+    if old is not None:
+        for key in NEUTRAL_KEYS:
+            value = getattr(old, key, None)
+            if value is not None and value != getattr(defaults, key, None):
+                dropped[key] = value
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos or None, pad_token_id=pad, bos_token_id=getattr(old, "bos_token_id", None)
+    )
+    return dropped
+
+
+def _output_rows(model) -> int:
+    emb = model.get_output_embeddings()
+    return emb.weight.shape[0] if emb is not None else model.config.vocab_size
+
+
+def load_pair(args, dtype) -> Pair:
+    """The models and tokenizer of this run (smoke / demo / local directories)."""
+    device = args.device
+    if args.smoke:
+        target, draft = smoke_models(device, dtype)
+        tok = SmokeTokenizer()
+        names = (
+            f"smoke-tiny-llama-V{SMOKE_VOCAB}-L{SMOKE_LAYERS}-h{SMOKE_HIDDEN}",
+            f"smoke-tiny-llama+noise{SMOKE_DRAFT_NOISE:g}",
+        )
+        eos, pad = [], SMOKE_PAD  # no EOS: a random model would stop at a random point; always max_new_tokens
+    elif args.pair == "demo":
+        from specdec_kernels.demo import load_demo_pair
+
+        target, draft, tok = load_demo_pair(device=device, dtype=dtype)
+        names = ("demo-target", "demo-draft")
+        eos, pad = [tok.eos_token_id], tok.pad_token_id
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.target)
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval() if args.draft else None
+        names = (Path(args.target).name, Path(args.draft).name if args.draft else "none")
+        eos = _eos_list(getattr(target.generation_config, "eos_token_id", None)) or _eos_list(tok.eos_token_id)
+        pad = tok.pad_token_id
+    dropped = neutralize_generation_config(target, eos, pad)
+    if draft is not None:
+        neutralize_generation_config(draft, eos, pad)
+    vocab = args.vocab_size
+    if vocab is None and draft is not None and _output_rows(target) != _output_rows(draft):
+        vocab = len(tok)  # the models pad their embedding matrices differently: compare real tokens only
+    return Pair(target, draft, tok, names[0], names[1], eos, pad, vocab, dropped)
+
+
+def encode(tokenizer, texts: list[str], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = (
+        tokenizer(texts, return_tensors="pt")
+        if isinstance(tokenizer, SmokeTokenizer)
+        else tokenizer(texts, return_tensors="pt", padding=True)
+    )
+    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
