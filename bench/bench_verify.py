@@ -13,11 +13,14 @@ and counts out. Providers:
                    time). Skipped, not an error, without a GPU or when the extension cannot be built.
 * ``auto``      -- ``backend="auto"``, what a user gets: the native CPU build on CPU tensors, the
                    faster compiled backend on a GPU.
+* ``vectorized`` -- ``backend="vectorized"``: batched PyTorch ops, what auto falls back to on CPU
+                   tensors when the CPU build cannot be compiled.
 
 Modes: ``stochastic`` (temperature 1, draft logits), ``greedy`` (temperature 0; draft logits are
 passed but not counted as must-read bytes: greedy verification never needs them), ``ngram``
 (temperature 1, no draft logits: one-hot q, as for n-gram / prompt-lookup drafters),
-``topk_topp`` (temperature 1, top_k=50, top_p=0.9).
+``topk_topp`` (temperature 1, top_k=50, top_p=0.9), ``t0.7`` and ``t0.7_topk_topp`` (the same
+at temperature 0.7).
 
 Columns (``median_us``, ``GBps``, ``floor_us``, ``frac_of_floor``, ``copy_GBps``: ``bench/_common.py``):
 
@@ -45,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import _common` whe
 import _common as common  # noqa: E402
 from _baselines import eager_verify, probs_from_logits  # noqa: E402
 
-PROVIDERS = ("eager", "reference", "ours", "cuda", "auto")
-MODES = ("stochastic", "greedy", "ngram", "topk_topp")
+PROVIDERS = ("eager", "reference", "ours", "cuda", "auto", "vectorized")
+MODES = ("stochastic", "greedy", "ngram", "topk_topp", "t0.7", "t0.7_topk_topp")
 AXES = {
     "B": common.Axis("batch sizes", (1, 8, 64, 256), (2,)),
     "G": common.Axis("draft lengths", (1, 4, 8), (2,)),
@@ -87,6 +90,8 @@ MODE_SETTINGS = {
     "greedy": Mode("greedy", temperature=0.0, needs_draft_logits=False),
     "ngram": Mode("ngram", temperature=1.0, passes_draft_logits=False, needs_draft_logits=False),
     "topk_topp": Mode("topk_topp", temperature=1.0, top_k=50, top_p=0.9),
+    "t0.7": Mode("t0.7", temperature=0.7),
+    "t0.7_topk_topp": Mode("t0.7_topk_topp", temperature=0.7, top_k=50, top_p=0.9),
 }
 
 

@@ -11,6 +11,8 @@ method ``verify_multi`` supports (``kseq``, ``rrs``, ``rrs_wor``) and every prov
                    slow). Skipped when B*K*(G+1)*V > 1e7 unless ``--all-providers``, and timed with
                    few repetitions.
 * ``ours``      -- ``specdec_kernels.verify_multi`` (the Triton kernels: row-statistics pass + tree walk).
+* ``vectorized`` -- ``verify_multi(..., backend="vectorized")``: batched PyTorch ops, the CPU fallback
+                   when the CPU build cannot be compiled.
 
 ``--api tree`` also times the same chains through ``verify_tree`` / ``verify_tree_reference``
 (explicit parents, N = K*G nodes); the walk is the same, so the results are too.
@@ -57,6 +59,7 @@ Usage
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 from dataclasses import dataclass
@@ -67,7 +70,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import _common` when run or imported
 import _common as common  # noqa: E402
 
-PROVIDERS = ("reference", "ours")
+PROVIDERS = ("reference", "ours", "vectorized")
 APIS = ("multi", "tree")
 AXES = {
     "B": common.Axis("batch sizes", (1, 16, 64), (2,)),
@@ -300,6 +303,8 @@ def provider_fn(provider: str, api: str, inputs: TreeInputs, method: str, valida
         import specdec_kernels as sk  # lazy: TRITON_INTERPRET must be decided before this import
 
         multi_fn, tree_fn = sk.verify_multi, sk.verify_tree
+        if provider == "vectorized":
+            multi_fn, tree_fn = (functools.partial(f, backend="vectorized") for f in (multi_fn, tree_fn))
     # Host-side value checks synchronise with the device; an engine's hot loop turns them off.
     kwargs = dict(seed=inputs.seeds, method=method, validate=validate)
     if api == "tree":

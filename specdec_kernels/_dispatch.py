@@ -5,7 +5,7 @@ launchers (``ops/``), the csrc loader (``ops/_cuda_ext``) and the references (``
 it: the public functions (``api``), which check their arguments and call :func:`run_verify` /
 :func:`run_tree` here.
 
-Backends, ``backend="auto" | "triton" | "cuda" | "cpu" | "torch"``:
+Backends, ``backend="auto" | "triton" | "cuda" | "cpu" | "vectorized" | "torch"``:
 
 * ``"triton"``: the fused Triton kernels (``ops/verify.py``, ``ops/verify_tree.py``); on CPU tensors
   they run in Triton's interpreter (slow; tests ask for it explicitly).
@@ -15,10 +15,13 @@ Backends, ``backend="auto" | "triton" | "cuda" | "cpu" | "torch"``:
 * ``"cpu"``:    the same csrc core compiled for the host (-O3, OpenMP over rows and vocab chunks), for
   CPU tensors; built just in time on first use (about a minute, cached) or by
   ``SPECDEC_BUILD_CPU=1 pip install -e .``.
+* ``"vectorized"``: batched PyTorch tensor ops (``ops/verify_vectorized.py``, the tree walk in
+  ``ops/verify_tree_vectorized.py``): no compiler needed, no Python loop over requests, the
+  reference's tokens.
 * ``"torch"``:  the plain-PyTorch references of ``specdec_kernels.reference`` (float64 loops; slow,
   the specification).
-* ``"auto"``:   on CPU tensors ``"cpu"``, or ``"torch"`` if the CPU build cannot be compiled (said once,
-  with the reason); never the interpreter. On a GPU, the fastest of the compiled backends available
+* ``"auto"``:   on CPU tensors ``"cpu"``, or ``"vectorized"`` if the CPU build cannot be compiled (said
+  once, with the reason); never the interpreter. On a GPU, the fastest of the compiled backends available
   (triton, and cuda when its extension is already built: auto never starts a multi-minute JIT
   compile), measured once per (device, op, shape class) on the caller's own inputs and cached for the
   process. During CUDA-graph capture or torch.compile tracing nothing is measured: a cached choice or
@@ -45,6 +48,8 @@ from ._validation import VerifyArgs, validate_sharded_verify_values
 from .ops import _cuda_ext, vocab_parallel
 from .ops.verify import launch_verify
 from .ops.verify_tree import launch_tree
+from .ops.verify_tree_vectorized import verify_tree_vectorized
+from .ops.verify_vectorized import verify_vectorized
 from .reference.verify import verify_checked as reference_verify
 from .reference.verify_tree import verify_tree_checked as reference_tree
 
@@ -168,16 +173,18 @@ def clear_auto_cache() -> None:
 
 
 def cpu_auto_backend() -> str:
-    """What ``backend="auto"`` runs on CPU tensors: the CPU build of csrc, else the reference."""
+    """What ``backend="auto"`` runs on CPU tensors: the CPU build of csrc, else the vectorised
+    PyTorch path (one warning, the first time, saying which and why)."""
     global _CPU_AUTO
     if _CPU_AUTO is None:
         if _cuda_ext.cpu_backend_ready():
             _CPU_AUTO = "cpu"
         else:
-            _CPU_AUTO = "torch"
+            _CPU_AUTO = "vectorized"
             reason = str(_cuda_ext.cpu_failure() or "unknown reason")
             warnings.warn(
-                f"specdec_kernels: backend='auto' on CPU uses the PyTorch reference (slow): {reason}",
+                "specdec_kernels: backend='auto' on CPU tensors uses 'vectorized' (batched PyTorch ops, the "
+                f"same tokens as the CPU build) because the CPU build is unavailable: {reason}",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -199,6 +206,8 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
         return _cuda_ext.verify_chain_cpu(args.padded(), num_chunks)
     if backend == "torch":
         return reference_verify(args.padded())
+    if backend == "vectorized":
+        return verify_vectorized(args.padded())
     if backend == "cuda":
         return _cuda_ext.verify_chain(args.padded(), num_chunks=num_chunks)
     threshold_chunks = overrides.get("threshold_chunks")
@@ -223,6 +232,8 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
         return _cuda_ext.verify_tree_cpu(args)
     if backend == "torch":
         return reference_tree(args)
+    if backend == "vectorized":
+        return verify_tree_vectorized(args)
     if backend == "cuda":
         return _cuda_ext.verify_tree(args)
     candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks)}

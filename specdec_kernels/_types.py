@@ -21,7 +21,7 @@ MAX_NODES = 64  # the tree walk keeps node sets as 64-bit masks
 MAX_DEPTH = 64
 
 # Verification backends; "auto" picks one of the others per call (see specdec_kernels._dispatch).
-BACKENDS = ("auto", "triton", "cuda", "cpu", "torch")
+BACKENDS = ("auto", "triton", "cuda", "cpu", "vectorized", "torch")
 
 
 @dataclass

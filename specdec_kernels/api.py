@@ -55,9 +55,12 @@ def verify(
         validate:         check tensor values (ids in range, temperature >= 0, ...) on the host. Skipped
                           automatically during CUDA-graph capture; the kernels stay memory-safe either way.
         backend:          "auto" (default: on a GPU the fastest available backend, measured once per
-                          shape class; on CPU triton), "triton" (fused Triton kernels), "cuda" (the
-                          CUDA C++ kernels of csrc/; RuntimeError if no GPU or the extension cannot be
-                          built) or "torch" (the plain-PyTorch reference; slow). All return the same
+                          shape class; on CPU tensors "cpu", or "vectorized" when the CPU build cannot
+                          be compiled, said once with the reason), "triton" (fused Triton kernels),
+                          "cuda" (the CUDA C++ kernels of csrc/; RuntimeError if no GPU or the
+                          extension cannot be built), "cpu" (the csrc core compiled for the host,
+                          OpenMP), "vectorized" (batched PyTorch tensor ops, no compiler needed) or
+                          "torch" (the plain-PyTorch reference; loops, slow). All return the same
                           tokens for the same seed.
 
     Math (p = target, q = draft; processing = temperature, then top-k, then top-p, ties kept):
@@ -235,7 +238,8 @@ def verify_tree(
                        (without replacement; siblings must be distinct).
         max_depth:     output width D; default: the deepest tree (found while validating, a host
                        sync) or N when validate=False. Pass it to stay sync-free (CUDA graphs).
-        backend:       "auto" | "triton" | "cuda" | "torch" (reference), as for :func:`verify`.
+        backend:       "auto" | "triton" | "cuda" | "cpu" | "vectorized" | "torch" (reference), as for
+                       :func:`verify`.
         process_group, vocab_size: vocabulary shards, as for :func:`verify`: each rank passes
                        target_logits [B, N+1, V_r] and draft rows [B, N, V_r] of its contiguous shard;
                        tokens are global ids. The walk runs one depth per step with the per-row

@@ -11,7 +11,7 @@ from specdec_kernels.ops import _cuda_ext
 from ._inputs import make_problem
 from ._stats import ALPHA, chi_square_power, chi_square_pvalue
 
-BACKENDS = ["triton", "cpu", "torch"]
+BACKENDS = ["triton", "cpu", "vectorized", "torch"]
 
 
 def _backend_or_skip(backend):

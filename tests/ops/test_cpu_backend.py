@@ -3,7 +3,7 @@
 Token for token against the reference (the specification) over modes, dtypes, ragged drafts,
 per-request filters and trees; independent of the thread count and of the vocab split; auto on CPU
 tensors picks it and never enters Triton's interpreter; without a compiler auto falls back to the
-reference and says so once.
+vectorised PyTorch path (tests/ops/test_vectorized_backend.py) and says so once.
 """
 
 import pytest
@@ -133,7 +133,7 @@ def test_auto_on_cpu_is_the_cpu_backend_never_the_interpreter(monkeypatch):
     sk.verify_tree(t, x, p, d, seed=1)
 
 
-def test_auto_falls_back_to_the_reference_without_a_compiler(monkeypatch):
+def test_auto_falls_back_to_the_vectorized_path_without_a_compiler(monkeypatch):
     monkeypatch.setattr(_dispatch, "_CPU_AUTO", None)
     monkeypatch.setattr(_cuda_ext, "_cpu_core", None)
     monkeypatch.setattr(_cuda_ext, "_CPU_FAILURE", "building the CPU backend failed: no C++ compiler (test)")
@@ -142,7 +142,7 @@ def test_auto_falls_back_to_the_reference_without_a_compiler(monkeypatch):
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
         out = sk.verify(target, tokens, draft, temperature=0.9, seed=3)
     _same(out, verify_reference(target, tokens, draft, temperature=0.9, seed=3))
-    assert _dispatch.cpu_auto_backend() == "torch"
+    assert _dispatch.cpu_auto_backend() == "vectorized"
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         sk.verify(target, tokens, draft, seed=3, backend="cpu")
 

@@ -11,7 +11,7 @@ import torch
 
 import specdec_kernels as sk
 
-BACKENDS = ["torch", "cpu", "triton"]
+BACKENDS = ["torch", "cpu", "vectorized", "triton"]
 MODES = ["logits", "probs", "none"]
 
 

@@ -3,7 +3,7 @@ odd vocabularies, modes, ragged drafts, filters and non-contiguous views of ever
 
 * token ids in [0, V), then -1 padding after the emitted token, and num_accepted <= n_b;
 * the same tokens for the same seed (replay), and the same tokens in every backend (CPU build ==
-  reference; Triton on fewer examples: the interpreter is slow);
+  reference == vectorized PyTorch; Triton on fewer examples: the interpreter is slow);
 * tokens of the other requests unchanged when one request's logits turn NaN.
 """
 
@@ -99,6 +99,15 @@ def test_invariants_replay_and_backends_agree(problem):
     _same(out, sk.verify(**contiguous, **{k: (v.contiguous() if torch.is_tensor(v) else v) for k, v in kw.items()}))
 
 
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_vectorized_agrees_with_the_reference(problem):
+    B, G, V, tensors, kw = problem
+    out = sk.verify(**tensors, **kw, backend="vectorized")
+    _check_invariants(out, B, G, V, kw)
+    _same(out, sk.verify(**tensors, **kw, backend="torch"))
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_triton_agrees(problem):
@@ -131,3 +140,4 @@ def test_invariants_many_examples(problem):
     out = sk.verify(**tensors, **kw, backend="cpu")
     _check_invariants(out, B, G, V, kw)
     _same(out, sk.verify(**tensors, **kw, backend="torch"))
+    _same(out, sk.verify(**tensors, **kw, backend="vectorized"))
