@@ -205,8 +205,11 @@ def candidate_tokens(
     S = max(topk)
     if greedy:
         return torch.topk(logits.float(), S, dim=-1).indices
-    race = torch.empty_like(q, dtype=torch.float32).exponential_(generator=generator)
-    return torch.topk(q.float() / race, S, dim=-1).indices
+    # fp64 exponentials (a float32 draw of exactly 0 would give a zero-probability token the key
+    # 0 / 0 = NaN, which topk ranks first); zero-probability tokens get key -1, after every real one.
+    race = torch.empty_like(q, dtype=torch.float64).exponential_(generator=generator)
+    keys = torch.where(q > 0, q.double() / race.clamp_min(torch.finfo(torch.float64).tiny), -1.0)
+    return torch.topk(keys, S, dim=-1).indices
 
 
 def build_tree(
