@@ -1,7 +1,8 @@
 """Command line: ``specdec demo``, ``specdec generate`` and ``specdec verify-demo``.
 
 * ``specdec demo`` (no arguments): the embedded byte-level draft/target pair generates Python code
-  three ways, side by side: target alone, chain speculative decoding, and K-draft SpecTr; it prints
+  four ways, side by side: target alone, chain speculative decoding, K-draft SpecTr, and the
+  target's own Medusa heads (a token tree, no draft model); it prints
   tokens/s, acceptance, mean accepted length, and whether the greedy outputs equal the target's.
 * ``specdec generate --target PATH --draft PATH --prompt TEXT``: streams text as it is committed
   and ends with a stats table (local model directories only; ``--target demo`` uses the embedded pair).
@@ -49,6 +50,13 @@ def _at_least(argument: str, value, low, what: str = "") -> None:
         raise UsageError(argument, value, f"an integer >= {low}{what}")
 
 
+def _check_medusa_tree(nodes: int, candidates: int, nodes_arg: str, candidates_arg: str) -> None:
+    _at_least(nodes_arg, nodes, 1)
+    _at_least(candidates_arg, candidates, 1)
+    if 1 + nodes > MAX_TREE_NODES:
+        raise UsageError(nodes_arg, nodes, f"an integer in [1, {MAX_TREE_NODES - 1}] (tree nodes besides the root)")
+
+
 def _check_drafts(G: int, K: int) -> None:
     _at_least("--num-draft-tokens", G, 1)
     _at_least("--num-drafts", K, 1)
@@ -79,6 +87,15 @@ def _check_model_path(argument: str, path: str) -> None:
         raise UsageError(argument, path, f"a Hugging Face model directory with config.json ({hint})")
 
 
+def _check_heads_path(path: str) -> None:
+    from pathlib import Path
+
+    if not (Path(path) / "config.json").is_file() or not (Path(path) / "model.safetensors").is_file():
+        raise UsageError(
+            "--medusa-heads", path, "a directory with config.json and model.safetensors (MedusaHeads.save_pretrained)"
+        )
+
+
 def _validate(args: argparse.Namespace) -> None:
     """Every argument, before any model loads."""
     _device(args.device)
@@ -89,6 +106,7 @@ def _validate(args: argparse.Namespace) -> None:
             raise UsageError("--prompts", args.prompts, f"an integer in [1, {len(DEMO_PROMPTS)}]")
         _at_least("--max-new-tokens", args.max_new_tokens, 1)
         _check_drafts(args.num_draft_tokens, args.num_drafts)
+        _check_medusa_tree(args.medusa_nodes, args.medusa_candidates, "--medusa-nodes", "--medusa-candidates")
         _check_temperature(args.temperature, positive=True)
         _at_least("--threads", args.threads, 0, " (0 = default)")
     elif args.command == "generate":
@@ -98,7 +116,22 @@ def _validate(args: argparse.Namespace) -> None:
                 raise UsageError("--draft", args.draft, "omit --draft with --target demo (the pair ships its draft)")
             _check_model_path("--draft", args.draft)
         _at_least("--max-new-tokens", args.max_new_tokens, 1)
-        _check_drafts(args.num_draft_tokens, args.num_drafts)
+        if args.drafter == "medusa":
+            _check_medusa_tree(args.num_draft_tokens, args.num_drafts, "--num-draft-tokens", "--num-drafts")
+            if args.draft is not None:
+                raise UsageError("--draft", args.draft, "omit --draft with --drafter medusa (the heads draft)")
+            if args.medusa_heads is None and args.target != "demo":
+                raise UsageError("--drafter", "medusa", "--medusa-heads PATH (or --target demo, which ships heads)")
+            if args.method not in (None, "rrs_wor"):
+                raise UsageError("--method", args.method, "rrs_wor (or omit it) with --drafter medusa")
+            if args.compile:
+                raise UsageError("--compile", True, "not with --drafter medusa")
+        else:
+            _check_drafts(args.num_draft_tokens, args.num_drafts)
+        if args.medusa_heads is not None:
+            if args.drafter != "medusa":
+                raise UsageError("--medusa-heads", args.medusa_heads, "only with --drafter medusa")
+            _check_heads_path(args.medusa_heads)
         _check_temperature(args.temperature)
         _at_least("--top-k", args.top_k, 0, " (0 = off)")
         if not 0.0 < args.top_p <= 1.0:
@@ -290,6 +323,16 @@ def generate_command(args: argparse.Namespace) -> int:
     device = _device(args.device)
     target, draft, tok = _load_pair(args.target, args.draft, device, _dtype(args.dtype))
     drafter = args.drafter or ("model" if draft is not None else "prompt_lookup")
+    heads = None
+    if drafter == "medusa":
+        from .hf.medusa import MedusaHeads
+
+        if args.medusa_heads is not None:
+            heads = MedusaHeads.from_pretrained(args.medusa_heads, dtype=_dtype(args.dtype), device=device)
+        else:
+            from .demo import load_medusa_heads
+
+            heads = load_medusa_heads(device=device, dtype=_dtype(args.dtype))
     batch = tok([args.prompt], return_tensors="pt")
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     sys.stdout.write(args.prompt)
@@ -303,6 +346,7 @@ def generate_command(args: argparse.Namespace) -> int:
         num_drafts=args.num_drafts,
         method=args.method,
         drafter=drafter,
+        medusa_heads=heads,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -324,7 +368,7 @@ def demo(args: argparse.Namespace) -> int:
     sampled, one prompt at a time (batch 1, as on a laptop), torch pinned to a fixed thread count."""
     from tqdm.auto import tqdm
 
-    from .demo import DEMO_PROMPTS, load_demo_pair
+    from .demo import DEMO_PROMPTS, load_demo_pair, load_medusa_heads
     from .hf import speculative_generate
 
     device = _device(args.device)
@@ -332,6 +376,7 @@ def demo(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)  # oversubscribed threads made this demo 4-6x slower under load
     _quiet_transformers()
     target, draft, tok = load_demo_pair(device=device)
+    heads = load_medusa_heads(device=device)
     prompts = list(DEMO_PROMPTS[: args.prompts])
     new, G, K, T = args.max_new_tokens, args.num_draft_tokens, args.num_drafts, args.temperature
     where = "CUDA" if device == "cuda" else f"CPU, torch pinned to {threads} thread(s)"
@@ -339,15 +384,20 @@ def demo(args: argparse.Namespace) -> int:
         f"specdec demo: embedded byte-level pair, {len(prompts)} prompts one at a time, {new} new tokens each, {where}"
     )
     common = dict(max_new_tokens=new, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, num_draft_tokens=G)
+    N, S = args.medusa_nodes, args.medusa_candidates
+    medusa = dict(drafter="medusa", medusa_heads=heads, num_draft_tokens=N, num_drafts=S)
+    medusa_name = f"Medusa {heads.num_heads} heads, N={N}, s={S}"
     modes = [  # (name, speculative kwargs or None for the target alone, sampled)
         ("target only (greedy)", None, False),
         (f"chain, G<={G} (greedy)", dict(num_drafts=1), False),
         (f"SpecTr K={K}, G={G} (greedy)", dict(num_drafts=K, method="kseq"), False),
+        (f"{medusa_name} (greedy)", medusa, False),
         (f"target only (T={T})", None, True),
         (f"chain, G<={G} (T={T})", dict(num_drafts=1), True),
         (f"SpecTr K={K}, G={G} (T={T})", dict(num_drafts=K, method="kseq"), True),
+        (f"{medusa_name} (T={T})", medusa, True),
     ]
-    _warm_up(target, draft, tok, device, G, K)
+    _warm_up(target, draft, tok, device, G, K, medusa)
     rows, outputs, baseline = [], {}, {}
     for name, kwargs, sampled in tqdm(modes, desc="specdec demo", unit="mode", disable=not sys.stderr.isatty()):
         totals = dict(tokens=0, wall=0.0, cpu=0.0, target_fwd=0, draft_fwd=0, draft_s=0.0, accepted=0, proposed=0)
@@ -373,7 +423,8 @@ def demo(args: argparse.Namespace) -> int:
                 totals["target_fwd"] += made
             else:
                 sampling = dict(temperature=T, seed=args.seed + i) if sampled else {}
-                result = speculative_generate(target, draft, ids, mask, **common, **kwargs, **sampling)
+                model = None if kwargs.get("drafter") == "medusa" else draft
+                result = speculative_generate(target, model, ids, mask, **{**common, **kwargs, **sampling})
                 out, st = result.sequences, result.stats
                 made = st.new_tokens
                 totals["target_fwd"] += st.target_forwards
@@ -408,8 +459,9 @@ def demo(args: argparse.Namespace) -> int:
     print()
     _print_table(rows)
     print(
-        "\nspeedup: wall time of the target alone in the same sampling mode / this mode's (draft forwards "
-        "included); greedy rows must equal the target's own greedy output."
+        "\nspeedup: wall time of the target alone in the same sampling mode / this mode's (draft forwards, "
+        "or Medusa heads and tree building, included); greedy rows must equal the target's own greedy output. "
+        "accept: accepted drafts / drafts offered (Medusa: / the tree's depth, one path is accepted per step)."
     )
     chain = modes[1][0]
     print(f"\nfirst prompt | {chain} continuation (cut at a byte boundary):")
@@ -417,7 +469,7 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if all(r["greedy = target"] in ("True", "(baseline)", "n/a (sampled)") for r in rows) else 1
 
 
-def _warm_up(target, draft, tok, device, G: int, K: int) -> None:
+def _warm_up(target, draft, tok, device, G: int, K: int, medusa: dict) -> None:
     """One short untimed run of every path (first calls pay for lazy initialisation and, once per
     machine, the build of the CPU backend)."""
     from .hf import speculative_generate
@@ -430,6 +482,8 @@ def _warm_up(target, draft, tok, device, G: int, K: int) -> None:
         )
     for kwargs in (dict(num_drafts=1), dict(num_drafts=K, temperature=0.7, seed=0)):
         speculative_generate(target, draft, ids, mask, max_new_tokens=8, num_draft_tokens=G, **kwargs)
+    for sampling in (dict(), dict(temperature=0.7, seed=0)):
+        speculative_generate(target, None, ids, mask, max_new_tokens=8, **medusa, **sampling)
 
 
 def _show(prompt: str, continuation: str) -> str:
@@ -446,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--max-new-tokens", type=int, default=64)
     p_demo.add_argument("--num-draft-tokens", type=int, default=4)
     p_demo.add_argument("--num-drafts", type=int, default=2)
+    p_demo.add_argument("--medusa-nodes", type=int, default=16, help="Medusa rows: tree nodes besides the root")
+    p_demo.add_argument("--medusa-candidates", type=int, default=3, help="Medusa rows: candidates per head")
     p_demo.add_argument("--seed", type=int, default=0)
     p_demo.add_argument("--temperature", type=float, default=0.7, help="for the sampled rows")
     p_demo.add_argument("--threads", type=int, default=0, help="torch threads (default: 2, or 1 on one core)")
@@ -458,8 +514,20 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--max-new-tokens", type=int, default=128)
     p_gen.add_argument("--num-draft-tokens", type=int, default=4)
     p_gen.add_argument("--num-drafts", type=int, default=1)
-    p_gen.add_argument("--method", choices=list(METHODS), default="kseq")
-    p_gen.add_argument("--drafter", choices=["model", "prompt_lookup"], default=None)
+    p_gen.add_argument(
+        "--method",
+        choices=list(METHODS),
+        default=None,
+        help="tree method (default kseq; rrs_wor with --drafter medusa)",
+    )
+    p_gen.add_argument(
+        "--drafter",
+        choices=["model", "prompt_lookup", "medusa"],
+        default=None,
+        help="medusa: the target's Medusa heads (--medusa-heads, or the demo's with --target demo) propose a tree "
+        "of --num-draft-tokens nodes with --num-drafts candidates per head",
+    )
+    p_gen.add_argument("--medusa-heads", default=None, help="directory of MedusaHeads.save_pretrained")
     p_gen.add_argument("--temperature", type=float, default=0.0)
     p_gen.add_argument("--top-k", type=int, default=0)
     p_gen.add_argument("--top-p", type=float, default=1.0)

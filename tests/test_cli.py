@@ -59,9 +59,9 @@ def test_demo_runs_and_greedy_rows_match_the_target(capsys):
     assert main(["demo", "--prompts", "2", "--max-new-tokens", "12", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     table = [line.split() for line in out.splitlines() if line.split()[-1:] in (["True"], ["False"], ["(baseline)"])]
-    assert len(table) == 4, out  # target only (greedy and sampled baselines), chain, SpecTr
+    assert len(table) == 5, out  # target only (greedy and sampled baselines), chain, SpecTr, Medusa
     assert all(row[-1] in ("True", "(baseline)") for row in table), out
-    assert "T=0.7" in out and "draft fwd" in out and "torch pinned to" in out
+    assert "T=0.7" in out and "draft fwd" in out and "torch pinned to" in out and "Medusa 4 heads" in out
     assert ">>> generated" in out  # prompt and continuation visibly separated
 
 
@@ -90,6 +90,14 @@ def test_generate_streams_with_the_embedded_pair(capsys):
     assert "acceptance" in out.lower()
 
 
+def test_generate_with_the_demo_medusa_heads(capsys):
+    prompt = "def add(a, b):\n    "
+    argv = ["generate", "--target", "demo", "--drafter", "medusa", "--prompt", prompt, "--max-new-tokens", "10"]
+    assert main([*argv, "--num-draft-tokens", "12", "--num-drafts", "3", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prompt) and re.search(r"draft forwards\s+0\n", out)
+
+
 @pytest.mark.parametrize(
     "argv, argument",
     [
@@ -107,6 +115,14 @@ def test_generate_streams_with_the_embedded_pair(capsys):
         (["demo", "--prompts", "10"], "--prompts"),
         (["demo", "--max-new-tokens", "0"], "--max-new-tokens"),
         (["demo", "--num-draft-tokens", "40", "--num-drafts", "2"], "--num-drafts"),
+        (["demo", "--medusa-nodes", "64"], "--medusa-nodes"),
+        (["demo", "--medusa-candidates", "0"], "--medusa-candidates"),
+        (["generate", "--target", "demo", "--prompt", "x", "--drafter", "medusa", "--method", "kseq"], "--method"),
+        (
+            ["generate", "--target", "demo", "--prompt", "x", "--drafter", "medusa", "--num-draft-tokens", "70"],
+            "--num-",
+        ),
+        (["generate", "--target", "demo", "--prompt", "x", "--medusa-heads", "/nonexistent"], "--medusa-heads"),
         (["verify-demo", "--vocab", "0"], "--vocab"),
         (["verify-demo", "--batch", "0"], "--batch"),
         (["verify-demo", "--num-draft-tokens", "0"], "--num-draft-tokens"),

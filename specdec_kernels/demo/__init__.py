@@ -17,6 +17,14 @@ Loading needs ``transformers`` (and ``safetensors``) but no network::
     batch = tok(DEMO_PROMPTS[:2])
     out = target.generate(**batch, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
     print(tok.decode(out[0]))
+
+Medusa heads for the target (``weights/medusa``, trained by ``scripts/train_medusa_heads.py``)::
+
+    from specdec_kernels.demo import load_medusa_heads
+    from specdec_kernels.hf import speculative_generate
+    heads = load_medusa_heads()
+    out = speculative_generate(target, None, **batch, drafter="medusa", medusa_heads=heads,
+                               num_draft_tokens=16, num_drafts=3, max_new_tokens=32)
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ __all__ = [
     "WEIGHTS_DIR",
     "ByteTokenizer",
     "load_demo_pair",
+    "load_medusa_heads",
 ]
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -149,3 +158,16 @@ def load_demo_pair(device: str | torch.device = "cpu", dtype: torch.dtype = torc
         models.append(model.to(device=device).eval())
     target, draft = models
     return target, draft, ByteTokenizer()
+
+
+def load_medusa_heads(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load the embedded Medusa heads of the demo target (``weights/medusa``, fp16 safetensors
+    read from this package's directory), cast to ``dtype``, on ``device``, in eval mode."""
+    from ..hf.medusa import MedusaHeads
+
+    path = WEIGHTS_DIR / "medusa"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"Medusa heads missing at {path}: reinstall specdec_kernels or run scripts/train_medusa_heads.py"
+        )
+    return MedusaHeads.from_pretrained(path, dtype=dtype, device=device)

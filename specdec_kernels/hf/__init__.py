@@ -13,10 +13,12 @@ from .attention import (
 )
 from .generate import SpeculativeOutput, SpeculativeStats, speculative_generate
 from .integration import CUSTOM_GENERATE
+from .medusa import MedusaHeads
 
 __all__ = [
     "ATTN_NAME",
     "CUSTOM_GENERATE",
+    "MedusaHeads",
     "SpeculativeOutput",
     "SpeculativeStats",
     "TreeAttentionMetadata",

@@ -9,6 +9,9 @@ One step, for the active requests of the batch:
 2. Verify. The target scores the root (last committed token) and all K*G drafts in **one** forward
    (a chain for K = 1, K chains hanging off the root otherwise), then ``sk.verify`` /
    ``sk.verify_multi`` decides: accepted drafts plus one recovered-or-bonus token per request.
+   ``drafter="medusa"``: Medusa heads on the target's last hidden state (captured from the previous
+   verification forward at the last accepted node, no extra forward) propose a token tree
+   (``hf/medusa.py``) that the target scores in the same one forward and ``sk.verify_tree`` decides.
 3. Commit. Each cache keeps exactly the committed tokens: the accepted root-to-node path is gathered
    into contiguous slots, everything else is dropped (``cache.commit_paths``). Requests that finish
    (EOS, max_new_tokens) leave the batch.
@@ -29,6 +32,7 @@ import torch
 from .. import api as ops
 from .._params import check_temperature_value
 from .._types import MAX_NODES, METHODS
+from . import medusa as _medusa
 from .attention import (
     TreeAttentionMetadata,
     tree_attention_context,
@@ -44,7 +48,7 @@ from .drafting import (
     sample_next_tokens,
 )
 
-DRAFTERS = ("model", "prompt_lookup")
+DRAFTERS = ("model", "prompt_lookup", "medusa")
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
@@ -249,8 +253,9 @@ def speculative_generate(
     max_new_tokens: int = 128,
     num_draft_tokens: int = 4,
     num_drafts: int = 1,
-    method: str = "kseq",
+    method: str | None = None,
     drafter: str = "model",
+    medusa_heads=None,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -271,12 +276,19 @@ def speculative_generate(
 
     Args:
         target, draft: ``transformers`` causal LMs sharing a vocabulary; ``draft=None`` with
-            ``drafter="prompt_lookup"``.
+            ``drafter="prompt_lookup"`` or ``drafter="medusa"``.
         input_ids:      [B, T] int64 prompts, left-padded when ragged (as for ``generate``).
         attention_mask: [B, T], 1 for real tokens; 0s only on the left (left padding).
         num_draft_tokens: G, drafts per chain and step (the maximum when ``adaptive_draft``).
             num_drafts: K chains (K > 1: a tree, verified with ``method`` "kseq" (SpecTr K-SEQ),
-            "rrs" or "rrs_wor"). 1 + K*G <= 64.
+            "rrs" or "rrs_wor"; default "kseq"). 1 + K*G <= 64.
+        drafter: "model" (the draft model), "prompt_lookup" (n-grams of each request's own tokens) or
+            "medusa" (``medusa_heads``, a :class:`specdec_kernels.hf.medusa.MedusaHeads` on the target's
+            last hidden state). Medusa: ``num_draft_tokens`` = N tree nodes besides the root (1 + N <= 64),
+            ``num_drafts`` = s candidates per head (top-s when greedy; s draws without replacement from
+            the head's distribution when sampling); the tree keeps the N best nodes of the heads'
+            Cartesian product by product of sorted head probabilities and is verified by
+            ``sk.verify_tree`` with ``method="rrs_wor"`` (the only method; the default for Medusa).
         temperature, top_k, top_p: the target's sampling; temperature 0 = greedy (output identical to
             ``target.generate(do_sample=False)``). Sampled output is exactly target-distributed.
         seed: makes sampling reproducible. eos_token_id / pad_token_id: default from the target's
@@ -322,6 +334,11 @@ def speculative_generate(
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     if not (isinstance(draft_confidence, (int, float)) and 0.0 <= draft_confidence <= 1.0):
         raise ValueError(f"draft_confidence must be in [0, 1], got {draft_confidence!r}")
+    use_medusa = drafter == "medusa"
+    if method is None:
+        method = "rrs_wor" if use_medusa else "kseq"
+    if use_medusa:
+        _check_medusa(draft, medusa_heads, method, compile_target)
     V = _check_inputs(
         target,
         draft,
@@ -337,6 +354,7 @@ def speculative_generate(
         max_new_tokens,
         vocab_size,
         streamer,
+        medusa_heads,
     )
     device = input_ids.device
     B, T = input_ids.shape
@@ -348,7 +366,9 @@ def speculative_generate(
     pad = pad if pad is not None else (min(eos) if eos else 0)
     seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,)))
     generator = torch.Generator().manual_seed(seed % 2**63)
-    stats = SpeculativeStats(G, K, accepted_length_histogram=torch.zeros(B, G + 1, dtype=torch.long))
+    depth = medusa_heads.num_heads if use_medusa else G  # the deepest accepted path
+    tree_nodes = G if use_medusa else K * G  # drafts in one verification tree
+    stats = SpeculativeStats(G, K, accepted_length_histogram=torch.zeros(B, depth + 1, dtype=torch.long))
     sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
     use_draft = drafter == "model"
     adaptive = adaptive_draft and use_draft and K == 1 and not compile_target
@@ -362,9 +382,10 @@ def speculative_generate(
         stack.enter_context(using_tree_attention(target))
         if use_draft:
             stack.enter_context(using_tree_attention(draft))
+        hidden = stack.enter_context(_lm_head_input(target)) if use_medusa else None
         # Occupancy bound: committed (<= prompt + max_new) - 1 + the 1 + K*G tree (target), or
         # committed - u + u + (G-1)*K drafted (draft, u <= 2).
-        static_len = max(len(p) for p in prompts) + max_new_tokens + K * G + 2
+        static_len = max(len(p) for p in prompts) + max_new_tokens + tree_nodes + 2
         session = _Session.start(
             target,
             draft if use_draft else None,
@@ -382,8 +403,9 @@ def speculative_generate(
             max_new_tokens=max_new_tokens,
             eos=eos,
             timer=timer,
-            keep_history=not use_draft or streamer is not None,
+            keep_history=drafter == "prompt_lookup" or streamer is not None,
             draft_confidence=draft_confidence if adaptive else 0.0,
+            medusa=(medusa_heads, hidden) if use_medusa else None,
         )
         session.drop_finished([max_new_tokens == 0] * len(prompts))
         cost = draft_cost if draft_cost is not None else (draft_cost_estimate(target, draft) if adaptive else 0.0)
@@ -442,6 +464,10 @@ class _Session:
     eos: torch.Tensor | None = None  # [E] int64 on the device
     timer: object = None
     draft_confidence: float = 0.0
+    medusa: object = None  # MedusaHeads, or None
+    hidden_input: object = None  # _LMHeadInput: the target's last hidden states of its latest forward
+    hidden: torch.Tensor | None = None  # [A, H] the heads' input: hidden state of each last accepted node
+    cartesian: object = None  # medusa.CartesianTree over (num_drafts,) * heads
 
     @classmethod
     def start(
@@ -465,7 +491,9 @@ class _Session:
         timer=None,
         keep_history: bool = True,
         draft_confidence: float = 0.0,
+        medusa=None,
     ):
+        """``medusa``: (MedusaHeads, the _LMHeadInput hooked on the target) for drafter="medusa"."""
         t_cache = _prefill(target, prompts, device, static_len)
         d_cache = _prefill(draft, prompts, device, static_len) if draft is not None else None
         width = max(0, max(len(p) for p in prompts) - 1)
@@ -480,9 +508,10 @@ class _Session:
             [1] * A,
             attention_backend,
         )
-        tokens = _Tokens.start(prompts, min(max_new_tokens, 2**20) + K * G + 2, device, keep_history)
+        depth = medusa[0].num_heads if medusa is not None else G
+        tokens = _Tokens.start(prompts, min(max_new_tokens, 2**20) + K * G + depth + 2, device, keep_history)
         eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=device)
-        return cls(
+        session = cls(
             target,
             draft,
             t_cache,
@@ -503,6 +532,12 @@ class _Session:
             timer or _PhaseTimer(SpeculativeStats(G, K), False),
             draft_confidence,
         )
+        if medusa is not None:
+            heads, hidden_input = medusa
+            session.medusa, session.hidden_input = heads, hidden_input
+            session.cartesian = _medusa.cartesian_tree((K,) * heads.num_heads, device)
+            session.hidden = _prefill_hidden(hidden_input, lens, width, heads.hidden_size, device)
+        return session
 
     def step(self, g: int | None = None) -> _StepResult:
         """One speculative step with ``g`` drafts per chain (default G) for every active request.
@@ -510,6 +545,8 @@ class _Session:
         Both caches are committed and the tokens (cut at EOS / max_new_tokens) appended before
         returning; the caller drops finished requests (``drop_finished_rows``).
         """
+        if self.medusa is not None:
+            return self._medusa_step()
         batch, K = self.batch, self.K
         g = self.G if g is None else g
         with self.timer("draft"):
@@ -525,6 +562,67 @@ class _Session:
             out, path = _verify(logits, drafts, draft_rows, n_drafts, g, K, self.method, self.sampling, self.generator)
         with self.timer("commit"):
             return self._commit(out, path, tree_start, fed, n_drafts, g)
+
+    def _medusa_step(self) -> _StepResult:
+        """Heads -> tree -> one target forward over root + tree -> ``sk.verify_tree`` -> commit; the
+        hidden state at the last accepted node (or the root) feeds the next step's heads."""
+        batch, V, sampling = self.batch, self.V, self.sampling
+        device = batch.index.device
+        A = len(batch.rows)
+        D = self.medusa.num_heads
+        with self.timer("draft"):
+            head_logits = self.medusa(self.hidden)[..., :V]  # [A, D, V]
+            tree = _medusa.medusa_tree(
+                head_logits,
+                self.cartesian,
+                self.G,
+                sampling,
+                generator=_gen_for(self.generator, device),
+                sampler=_medusa.candidate_tokens,  # looked up per call (tests swap in wrong variants)
+            )
+        with self.timer("target"):
+            tree_start = self.t_len
+            logits = self._target_forward_tree(tree)  # [A, 1 + N, V]
+        with self.timer("verify"):
+            seeds = torch.randint(0, 2**62, (A,), generator=self.generator).to(device)
+            draft_kw = {} if tree.probs is None else {"draft_probs": tree.probs}
+            out = ops.verify_tree(
+                logits,
+                tree.tokens,
+                tree.parents,
+                **draft_kw,
+                num_nodes=tree.num_nodes,
+                seed=seeds,
+                method=self.method,
+                max_depth=D,
+                validate=False,
+                **sampling,
+            )
+            path = torch.where(out.accepted_nodes >= 0, out.accepted_nodes + 1, -1)  # forward slots
+            n = out.num_accepted.long()
+            last = torch.where(n > 0, path.gather(1, (n - 1).clamp_min(0)[:, None])[:, 0], 0)
+            self.hidden = self.hidden_input.value[torch.arange(A, device=device), last]
+        with self.timer("commit"):
+            return self._commit(out, path, tree_start, None, tree.max_depth, D)
+
+    def _target_forward_tree(self, tree) -> torch.Tensor:
+        """The target scores root + tree (verify_tree's parents, shifted by the root) in one forward."""
+        batch = self.batch
+        A, N = tree.tokens.shape
+        root = self.tokens.last(batch.index, 1)
+        ids = torch.cat([root, tree.tokens], dim=1)
+        parents = torch.cat([torch.full_like(root, -1), tree.parents.clamp_min(-1) + 1], dim=1)
+        meta = tree_attention_metadata(
+            parents,
+            batch.target_cached,
+            self.t_len,
+            num_nodes=1 + tree.num_nodes,
+            backend=batch.attention_backend,
+            validate=False,
+        )
+        logits = _forward(self.target, self.t_cache, ids, meta, self.V, self.target_forward)
+        self.t_len += 1 + N
+        return logits
 
     # ---- drafting
 
@@ -671,6 +769,8 @@ class _Session:
         keep = [a for a, done in enumerate(finished) if not done]
         if len(keep) < len(self.batch.rows):
             self.batch.keep(keep, (self.t_cache, self.d_cache))
+            if self.hidden is not None:
+                self.hidden = self.hidden[torch.tensor(keep, dtype=torch.long, device=self.hidden.device)]
 
     def drop_finished(self, done: list[bool]) -> None:
         """Drop requests by original index (before the first step)."""
@@ -709,6 +809,41 @@ def _prefill(model, prompts: list[list[int]], device, static_len: int | None = N
         use_cache=True,
     )
     return cache
+
+
+class _LMHeadInput:
+    """Keeps the input of the model's output layer (the last hidden states, [B, T, H]) of its
+    latest forward: a forward pre-hook, so the heads need no forward of their own."""
+
+    def __init__(self, model):
+        layer = model.get_output_embeddings()
+        if layer is None:
+            raise ValueError("drafter='medusa' needs a target with an output layer (get_output_embeddings())")
+        self.value = None
+        self.handle = layer.register_forward_pre_hook(self._keep)
+
+    def _keep(self, module, args):
+        self.value = args[0]
+
+
+@contextlib.contextmanager
+def _lm_head_input(model):
+    capture = _LMHeadInput(model)
+    try:
+        yield capture
+    finally:
+        capture.handle.remove()
+
+
+def _prefill_hidden(capture: _LMHeadInput, lens: torch.Tensor, width: int, hidden_size: int, device) -> torch.Tensor:
+    """[B, H] the last hidden state of each prompt's prefill (position len - 2, the token before the
+    root); zeros for one-token prompts (no prefill: the first tree then comes from a zero state,
+    which costs acceptance, not exactness)."""
+    B = lens.shape[0]
+    if width == 0 or capture.value is None:
+        return torch.zeros(B, hidden_size, device=device)
+    h = capture.value[torch.arange(B, device=device), (lens - 2).clamp_min(0)]
+    return torch.where((lens >= 2)[:, None], h, torch.zeros_like(h))
 
 
 def _forward(model, cache, ids: torch.Tensor, meta: TreeAttentionMetadata, V: int, compiled=None) -> torch.Tensor:
@@ -792,6 +927,22 @@ def _draft_commit_slots(fed, path, accepted, batch: _Batch, G: int, K: int):
     return src, kept
 
 
+def _check_medusa(draft, heads, method, compile_target) -> None:
+    if heads is None:
+        raise ValueError("drafter='medusa' needs medusa_heads= (e.g. specdec_kernels.demo.load_medusa_heads())")
+    if not isinstance(heads, _medusa.MedusaHeads):
+        raise TypeError(f"medusa_heads must be a MedusaHeads, got {type(heads).__name__}")
+    if draft is not None:
+        raise ValueError("drafter='medusa' drafts with the heads: pass draft=None")
+    if method != "rrs_wor":
+        raise ValueError(
+            f"drafter='medusa' samples each node's children without replacement: method must be 'rrs_wor' "
+            f"(the default), got {method!r}"
+        )
+    if compile_target:
+        raise ValueError("compile_target is not supported with drafter='medusa' yet")
+
+
 def _as_set(eos) -> set[int]:
     if eos is None:
         return set()
@@ -826,6 +977,7 @@ def _check_inputs(
     max_new_tokens,
     vocab_size,
     streamer,
+    medusa_heads=None,
 ) -> int:
     """Validate everything up front; returns the vocabulary size the verifier sees."""
     if drafter not in DRAFTERS:
@@ -838,14 +990,17 @@ def _check_inputs(
         raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
     if G < 1 or K < 1:
         raise ValueError(f"num_draft_tokens and num_drafts must be >= 1, got {G} and {K}")
-    if 1 + K * G > MAX_NODES or (drafter == "model" and 2 + (G - 1) * K > MAX_NODES):
+    if drafter == "medusa":
+        if 1 + G > MAX_NODES:
+            raise ValueError(f"drafter='medusa': 1 + num_draft_tokens (tree nodes) must be <= {MAX_NODES}, got 1 + {G}")
+    elif 1 + K * G > MAX_NODES or (drafter == "model" and 2 + (G - 1) * K > MAX_NODES):
         raise ValueError(f"1 + num_drafts * num_draft_tokens must be <= {MAX_NODES}, got 1 + {K} * {G}")
     check_temperature_value(temperature)  # finite, >= 0, and 0 or >= 2**-126 (1/T fits float32)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
     if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if method == "rrs_wor" and K > 1 and 0 < top_k < K and temperature > 0:
+    if method == "rrs_wor" and K > 1 and 0 < top_k < K and temperature > 0 and drafter != "medusa":
         raise ValueError(f"method='rrs_wor' samples {K} distinct first drafts: top_k={top_k} leaves too few")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -876,6 +1031,17 @@ def _check_inputs(
                 f"only pad their embedding matrices differently, pass vocab_size=len(tokenizer)"
             )
         V = min(V_t, V_d)
+    if drafter == "medusa":
+        V_h = medusa_heads.vocab_size
+        if V_h != V_t and vocab_size is None:
+            raise ValueError(
+                f"the Medusa heads' vocabulary ({V_h}) differs from the target's ({V_t}); pass vocab_size= "
+                f"(the real token count) if only the embedding matrices are padded differently"
+            )
+        V = min(V_t, V_h)
+        hidden = target.config.get_text_config(decoder=True).hidden_size
+        if medusa_heads.hidden_size != hidden:
+            raise ValueError(f"the Medusa heads read hidden size {medusa_heads.hidden_size}, the target has {hidden}")
     if vocab_size is not None:
         if vocab_size > V:
             raise ValueError(f"vocab_size={vocab_size} exceeds the models' vocabulary ({V})")
