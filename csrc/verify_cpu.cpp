@@ -68,10 +68,17 @@ float selected_threshold(const T* row, int64_t V, float temperature, int32_t top
   return thr;
 }
 
+// Threads only pay off for enough vocabulary entries: below this a parallel region costs more than
+// the work (on a busy machine an OpenMP barrier waits for a descheduled thread: tens of ms for a
+// call that takes 0.1 ms on one thread).
+constexpr int64_t kMinEntriesForThreads = int64_t(1) << 16;
+
+inline bool worth_threads(int64_t rows, int64_t V) { return rows * V >= kMinEntriesForThreads; }
+
 // Thresholds of every row the row pass reads (rows i <= n of sampled requests), into P.thr.
 template <class TT, class TD>
 void thresholds_by_selection(const ChainParams& P, int64_t rows) {
-#pragma omp parallel
+#pragma omp parallel if (worth_threads(rows, P.V))
   {
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
@@ -148,7 +155,7 @@ void row_pass(ChainParams& P, int64_t rows) {
     P.thresholds_given = true;
   }
   const int64_t C = P.num_chunks;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(rows, P.V))
   for (int64_t item = 0; item < rows * C; ++item) row_stats_item<TT, TD>(P, item / C, item % C);
 }
 
@@ -169,13 +176,13 @@ void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dty
     using TD = decltype(td);
     row_pass<TT, TD>(P, P.B * (P.G + 1));
     const int64_t C = P.num_chunks;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(P.B, P.V))
     for (int64_t item = 0; item < P.B * C; ++item) {
       SeqReducer red;
       accept_program<SeqReducer, TT, TD>(P, item / C, item % C, red);
     }
     if (C > 1) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(P.B, P.V))
       for (int64_t b = 0; b < P.B; ++b) finalize_request(P, b);
     }
   });
@@ -187,7 +194,7 @@ void verify_tree_cpu(const ChainParams& params, int target_dtype, int draft_dtyp
     using TT = decltype(tt);
     using TD = decltype(td);
     row_pass<TT, TD>(P, P.B * P.K * (P.G + 1));
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(P.B, P.V))
     for (int64_t b = 0; b < P.B; ++b) {
       SeqReducer red;
       tree_walk_program<SeqReducer, TT, TD>(P, b, red);
