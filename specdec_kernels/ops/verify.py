@@ -40,11 +40,8 @@ from ._triton_helpers import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
-    at_or_above,
     bisect_threshold,
-    choose_pivot,
-    copy_candidates,
-    filter_threshold,
+    chunk_candidates,
     inverse_temperature,
     lane_argmax_update,
     lane_exp_update,
@@ -56,11 +53,10 @@ from ._triton_helpers import (
     load_probs,
     next_pow2,
     per_request,
-    pivot_histogram,
     race_inv_exp,
     request_seed,
     safe_max,
-    select_thresholds,
+    select_candidates,
     uniform_open,
 )
 
@@ -84,11 +80,8 @@ RACE_TARGET = tl.constexpr(1)  # over p itself (the fallback when the residual i
 NUM_RACES = tl.constexpr(2)
 # Launches of the row-stats kernel: the statistics pass, and the top-k/top-p threshold phases.
 PHASE_STATS = tl.constexpr(0)  # grid (row tiles, chunks): statistics, thresholds read from thr_ptr
-PHASE_WHOLE = tl.constexpr(1)  # grid (row tiles, 1): thresholds of whole rows, one program each
-PHASE_HIST = tl.constexpr(2)  # grid (row tiles, TC): key histogram and (max, sum-exp) per chunk
-PHASE_PIVOT = tl.constexpr(3)  # grid (row tiles, 1): merge, pivot, per-chunk candidate offsets
-PHASE_COPY = tl.constexpr(4)  # grid (row tiles, TC): copy the candidates
-PHASE_SELECT = tl.constexpr(5)  # grid (row tiles, 1): thresholds among the candidates
+PHASE_CANDIDATES = tl.constexpr(1)  # grid (rows, W x programs per row): candidates of each chunk
+PHASE_SELECT = tl.constexpr(2)  # grid (rows, W): thresholds among the candidates (W = 2: target, draft)
 # Top-k/top-p thresholds per row (raw-logit units), written by kernel 1 when filtering.
 THR_T = tl.constexpr(0)  # target
 THR_Q = tl.constexpr(1)  # draft (DRAFT_LOGITS)
@@ -186,8 +179,8 @@ def _verify_row_stats_kernel(
     stats_ptr,  # [B*K*(G+1), C, NUM_STATS] fp32 out
     idx_ptr,  # [B*K*(G+1), C, NUM_IDX] int32 out
     thr_ptr,  # [B*K*(G+1), 2] fp32 out: raw-logit thresholds of target and draft (HAS_FILTER)
-    filter_buf_ptr,  # fp32 scratch of the threshold phases: candidates [R, 2, FILTER_CAP], chunk (m, z)
-    filter_int_ptr,  # int32 scratch of the split threshold phases: histograms, offsets, pivots
+    filter_buf_ptr,  # fp32 scratch of the threshold phases: candidates [2R, TC, FILTER_CAP], chunk (m, z)
+    filter_int_ptr,  # int32 scratch of the threshold phases: each chunk's candidate bound [2R, TC]
     # strides
     stride_tb,
     stride_tk,
@@ -215,9 +208,10 @@ def _verify_row_stats_kernel(
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
     PHASE: tl.constexpr,  # PHASE_STATS, or one of the top-k/top-p threshold phases (see launch_verify)
-    FILTER_BLOCK: tl.constexpr,  # entries per tile of the threshold passes (HAS_FILTER)
-    FILTER_CAP: tl.constexpr,  # candidates a row may have for the in-register selection
-    FILTER_BINS: tl.constexpr,  # log2 of the pivot histogram's bins
+    FILTER_BLOCK: tl.constexpr,  # threshold chunk width (in registers; chunk_size of the threshold phases)
+    FILTER_CAP: tl.constexpr,  # candidate slots per chunk
+    FILTER_BINS: tl.constexpr,  # bins of the candidate histograms (key16 steps below the max)
+    FILTER_CHUNKS: tl.constexpr,  # next power of two >= the threshold chunks (selection tile: x FILTER_CAP)
     PLACEHOLDERS_END: tl.constexpr,  # a draft id outside [0, V) ends the draft (chains)
     GP2: tl.constexpr,  # next power of two >= G (PLACEHOLDERS_END)
     FLAT: tl.constexpr,  # flattened ragged layout (chains): bases from cu_ptr, strides are row strides
@@ -260,19 +254,29 @@ def _verify_row_stats_kernel(
             top_k = tl.where(top_k >= V, 0, top_k).to(tl.int32)  # k >= V (int64 too) keeps the whole row
             top_p = per_request(top_p_ptr, top_p, b, row_ok, PER_REQ_P).to(tl.float32)
             RS = B * K * (G + 1) * 2
-            start = chunk * chunk_size
-            end = tl.minimum(start + chunk_size, V)
-            _threshold_phase(
-                t_rows, rows * 2, row_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
-                filter_int_ptr, RS, num_chunks, chunk, start, end, V, inv_t, top_k, top_p,
-                PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS,
-            )  # fmt: skip
+            # axis 1: (program of the row) x W + (0: target, 1: draft; W = 2 with draft logits)
+            part = chunk
+            parts = tl.num_programs(1)
+            which = chunk * 0
             if DRAFT_MODE == DRAFT_LOGITS:
+                which = chunk % 2
+                part = chunk // 2
+                parts = parts // 2
+            t_shift: tl.constexpr = _key_shift(target_ptr.dtype.element_ty)
+            if which == 0:
                 _threshold_phase(
-                    d_rows, rows * 2 + 1, draft_ok, thr_ptr + rows * NUM_THR + THR_Q, filter_buf_ptr,
-                    filter_int_ptr, RS, num_chunks, chunk, start, end, V, inv_t, top_k, top_p,
-                    PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS,
+                    t_rows, rows * 2, row_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
+                    filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
+                    PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift,
                 )  # fmt: skip
+            else:
+                if DRAFT_MODE == DRAFT_LOGITS:
+                    d_shift: tl.constexpr = _key_shift(draft_ptr.dtype.element_ty)
+                    _threshold_phase(
+                        d_rows, rows * 2 + 1, draft_ok, thr_ptr + rows * NUM_THR + THR_Q, filter_buf_ptr,
+                        filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
+                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, d_shift,
+                    )  # fmt: skip
     if PHASE == PHASE_STATS:
         _row_stats_pass(
             t_rows,
@@ -346,6 +350,18 @@ def _row_stats_pass(
     tl.store(idx_rec_ptr + IDX_GREEDY, row_g_idx, mask=row_ok)
 
 
+@triton.constexpr_function
+def _key_shift(ty):
+    """Low bits of the float32 order key that are the same for every value of dtype ty (bf16: 16,
+    fp16: 13, fp32: 0): the selections bisect only the others."""
+    return 16 if ty == tl.bfloat16 else (13 if ty == tl.float16 else 0)
+
+
+@triton.constexpr_function
+def _fallback_block(block):
+    return min(block, 2048)
+
+
 @triton.jit
 def _threshold_phase(
     row_ptrs,  # [R, 1] pointers to the rows (target or draft)
@@ -356,9 +372,9 @@ def _threshold_phase(
     filter_int_ptr,
     RS,  # scratch slots in all: 2 * rows
     TC,  # threshold chunks
-    chunk,
-    start,
-    end,
+    part,  # this program's share of the row (PHASE_CANDIDATES)
+    parts,  # programs per row (PHASE_CANDIDATES)
+    CW,  # chunk width (== FILTER_BLOCK)
     V,
     inv_t,
     top_k,
@@ -366,89 +382,41 @@ def _threshold_phase(
     PHASE: tl.constexpr,
     BLOCK: tl.constexpr,
     CAP: tl.constexpr,
-    NB_BITS: tl.constexpr,
+    NB: tl.constexpr,
+    TCP2: tl.constexpr,
+    SHIFT: tl.constexpr,
 ):
-    """One step of the top-k/top-p thresholds of ``filter_threshold``: whole rows in one program
-    (PHASE_WHOLE), or split over TC vocabulary chunks so that a small batch fills the GPU:
-    histogram per chunk (PHASE_HIST), merge and pivot per row (PHASE_PIVOT), copy of the
-    candidates per chunk at offsets from the merged histogram (PHASE_COPY), selection per row
-    (PHASE_SELECT). Scratch (``ThresholdPlan.scratch``): fp32 candidates [RS, CAP], per-chunk
-    (max, sum-exp) [RS, TC, 2], merged (max, sum-exp) [RS, 2]; int32 suffix counts [RS, TC, NB],
-    per-chunk candidate offsets [RS, TC], (pivot bin, has top-k, fast, candidates) [RS, 4]."""
-    NB: tl.constexpr = 1 << NB_BITS
+    """The top-k/top-p thresholds in two launches: the candidates of each vocabulary chunk, read
+    once and kept in registers (PHASE_CANDIDATES, ``chunk_candidates``: a program takes chunks
+    part, part + parts, ... of one row), then the exact selection among them per row
+    (PHASE_SELECT, ``select_candidates``), with the bisection over the row for rows the candidates
+    do not decide (``bisect_threshold``). Scratch (``ThresholdPlan.scratch``): fp32 candidates
+    [RS, TC, CAP] and (max, sum-exp) [RS, TC, 2]; int32 candidate bounds [RS, TC]."""
     use_k = ok & (top_k > 0) & (top_k < V)
     use_p = ok & (top_p < 1.0)
     active = use_k | use_p
     s64 = slot.to(tl.int64)
-    cand = filter_buf_ptr + s64 * CAP
-    mz = filter_buf_ptr + RS * CAP + s64 * TC * 2
-    row_mz = filter_buf_ptr + RS * CAP + RS * TC * 2 + s64 * 2
-    hist = filter_int_ptr + s64 * TC * NB
-    offsets = filter_int_ptr + RS * TC * NB + s64 * TC
-    info = filter_int_ptr + RS * TC * NB + RS * TC + s64 * 4
-    bins = tl.arange(0, NB)[None, :]
-    if PHASE == PHASE_WHOLE:
-        thr, _fast = filter_threshold(row_ptrs, cand[:, None], ok, V, inv_t, top_k, top_p, BLOCK, CAP, NB_BITS)
-        tl.store(thr_out, thr, mask=ok)
-    elif PHASE == PHASE_HIST:
+    cand = filter_buf_ptr + s64 * TC * CAP
+    rec = filter_buf_ptr + RS * TC * CAP + s64 * TC * 2
+    tau = filter_int_ptr + s64 * TC
+    if PHASE == PHASE_CANDIDATES:
         if tl.max(active.to(tl.int32), axis=0) > 0:
-            counts, m, z = pivot_histogram(row_ptrs, active, start, end, inv_t, BLOCK, NB_BITS)
-            # suffix sums: the merge then needs no reduction per chunk (see PHASE_PIVOT)
-            tl.store(hist[:, None] + chunk * NB + bins, at_or_above(counts), mask=active[:, None])
-            tl.store(mz + chunk * 2, m, mask=active)
-            tl.store(mz + chunk * 2 + 1, z, mask=active)
-    elif PHASE == PHASE_PIVOT:
-        if tl.max(active.to(tl.int32), axis=0) > 0:
-            above = tl.zeros([slot.shape[0], NB], tl.int32)
-            m = tl.full(inv_t.shape, float("-inf"), tl.float32)
-            z = tl.zeros(inv_t.shape, tl.float32)
-            for c in range(0, TC):  # elementwise: suffix counts add up
-                above += tl.load(hist[:, None] + c * NB + bins, mask=active[:, None], other=0).to(tl.int32)
-                c_m = tl.load(mz + c * 2, mask=active, other=float("-inf"))
-                m, z = _combine_softmax(m, z, c_m, tl.load(mz + c * 2 + 1, mask=active, other=0.0), inv_t)
-            pivot_bin, has_k, fast = choose_pivot(above, use_k, use_p, top_k, CAP)
-            filled = tl.zeros(inv_t.shape, tl.int32)
-            for c in range(0, TC):  # each chunk's candidates go after the earlier chunks' ones
-                tl.store(offsets + c, filled, mask=active)
-                filled += tl.load(
-                    hist + c * NB + tl.minimum(pivot_bin, NB - 1), mask=active & (pivot_bin < NB), other=0
+            row = tl.reshape(row_ptrs, [1])
+            for c in range(part, TC, parts):
+                m, z, bound = chunk_candidates(
+                    row, cand + c * CAP, active, c * CW, tl.minimum(c * CW + CW, V), inv_t, BLOCK, CAP, NB
                 )
-            tl.store(info, pivot_bin, mask=active)
-            tl.store(info + 1, has_k.to(tl.int32), mask=active)
-            tl.store(info + 2, fast.to(tl.int32), mask=active)
-            tl.store(info + 3, filled, mask=active)
-            tl.store(row_mz, m, mask=active)
-            tl.store(row_mz + 1, z, mask=active)
-    elif PHASE == PHASE_COPY:
-        fast = active & (tl.load(info + 2, mask=active, other=0) != 0)
-        if tl.max(fast.to(tl.int32), axis=0) > 0:
-            pivot_bin = tl.load(info, mask=fast, other=0)
-            first = tl.load(offsets + chunk, mask=fast, other=0)
-            copy_candidates(row_ptrs, cand[:, None], fast, pivot_bin, start, end, first, BLOCK, CAP, NB_BITS)
+                tl.store(rec + c * 2, m, mask=active)
+                tl.store(rec + c * 2 + 1, z, mask=active)
+                tl.store(tau + c, bound, mask=active)
     else:  # PHASE_SELECT
         thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
-        has_k = active & (tl.load(info + 1, mask=active, other=0) != 0)
-        fast = active & (tl.load(info + 2, mask=active, other=0) != 0)
-        if tl.max(fast.to(tl.int32), axis=0) > 0:
-            t, fast = select_thresholds(
-                cand[:, None],
-                tl.load(info + 3, mask=fast, other=0),
-                fast,
-                has_k,
-                use_p,
-                top_k,
-                top_p,
-                tl.load(row_mz, mask=fast, other=float("-inf")),
-                tl.load(row_mz + 1, mask=fast, other=0.0),
-                tl.load(info, mask=fast, other=0),
-                inv_t,
-                CAP,
-                NB_BITS,
-            )
-            thr = tl.where(fast, t, thr)
-        slow = (has_k | use_p) & ~fast
-        if tl.max(slow.to(tl.int32), axis=0) > 0:
-            thr = tl.where(slow, bisect_threshold(row_ptrs, slow, V, inv_t, top_k, top_p, BLOCK), thr)
+        if tl.max(active.to(tl.int32), axis=0) > 0:
+            thr, fast = select_candidates(cand, rec, tau, TC, ok, V, inv_t, top_k, top_p, TCP2, CAP, NB, SHIFT)
+            slow = active & ~fast
+            if tl.max(slow.to(tl.int32), axis=0) > 0:
+                exact = bisect_threshold(row_ptrs, slow, V, inv_t, top_k, top_p, _fallback_block(BLOCK))
+                thr = tl.where(slow, exact, thr)
         tl.store(thr_out, thr, mask=ok)
 
 
@@ -933,59 +901,79 @@ def _plan_for(args, num_chunks, block_v, interpreted: bool, sms: int) -> _Launch
 
 def launch_threshold_phases(row_pass, tplan: ThresholdPlan) -> None:
     """The threshold launches of the row-stats kernel; row_pass(phase, block_r, grid_chunks,
-    num_chunks, chunk_size, num_warps) launches it with the call's other arguments."""
-    warps, tc = (8 if tplan.block_r > 1 else 4), tplan.chunks
-    if tc == 1:
-        row_pass(PHASE_WHOLE.value, tplan.block_r, 1, 1, tplan.chunk_size, warps)
-        return
-    for phase, grid_chunks in ((PHASE_HIST, tc), (PHASE_PIVOT, 1), (PHASE_COPY, tc), (PHASE_SELECT, 1)):
-        row_pass(phase.value, tplan.block_r, grid_chunks, tc, tplan.chunk_size, warps)
+    num_chunks, chunk_size, num_warps) launches it with the call's other arguments (one row per
+    program; axis 1 interleaves target and draft when draft logits are filtered too)."""
+    w = tplan.slots
+    row_pass(PHASE_CANDIDATES.value, 1, w * tplan.programs, tplan.chunks, tplan.chunk_size, tplan.warps)
+    row_pass(PHASE_SELECT.value, 1, w, tplan.chunks, tplan.chunk_size, tplan.select_warps)
 
 
 @dataclass(frozen=True)
 class ThresholdPlan:
-    """The top-k/top-p threshold launches: rows per program, vocabulary chunks (1: whole rows in
-    one PHASE_WHOLE launch; more: the four split phases) and the kernel's FILTER_* constexprs."""
+    """The top-k/top-p threshold launches: vocabulary chunks of chunk_size entries (each one tile in
+    registers), programs per row (each takes every programs-th chunk), target/draft slots per row,
+    warps, and the kernel's FILTER_* constexprs."""
 
-    block_r: int
     chunks: int
     chunk_size: int
+    programs: int
+    slots: int
+    warps: int
+    select_warps: int
     constexprs: dict
 
     def scratch(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32, int32) scratch of the phases (layout in ``_threshold_phase``)."""
-        slots, tc, nb = 2 * rows, self.chunks, 1 << self.constexprs["FILTER_BINS"]
-        floats = slots * (self.constexprs["FILTER_CAP"] + 2 * tc + 2)
-        ints = slots * (tc * nb + tc + 4) if tc > 1 else 1
+        slots, tc = 2 * rows, self.chunks
+        floats = slots * tc * (self.constexprs["FILTER_CAP"] + 2)
         return (
             torch.empty(floats, dtype=torch.float32, device=device),
-            torch.empty(ints, dtype=torch.int32, device=device),
+            torch.empty(slots * tc, dtype=torch.int32, device=device),
         )
 
 
-def threshold_plan(target: torch.Tensor, rows: int, V: int, chunks: int | None = None) -> ThresholdPlan:
-    """Threshold launches for `rows` rows: tile width, candidate capacity of the in-register
-    selection, pivot histogram size (1024 bins: sign, exponent, 1 mantissa bit), and the split:
-    a small batch on a GPU splits every row over chunks (~1 program per SM) so that the
-    histogram and copy passes fill the GPU (B = 1: 3 whole-row programs otherwise)."""
+SELECT_SLOTS = 1024  # candidates of a row in the selection tile (chunks x slots per chunk) on a GPU
+CANDIDATE_BINS = 256  # bins of the candidate histograms: key16 steps below the max
+
+
+def threshold_plan(
+    target: torch.Tensor,
+    rows: int,
+    V: int,
+    chunks: int | None = None,
+    draft_logits: bool = True,
+    capacity: int | None = None,
+) -> ThresholdPlan:
+    """Threshold launches for `rows` rows (target, and draft when `draft_logits`): every row is split
+    into chunks that are read once, each kept in registers while its candidates are picked; the
+    chunk width balances the programs over the SMs (the busiest SM's entries, plus a per-program
+    overhead) while the selection tile (chunks x candidates per chunk = `capacity`) keeps at least
+    16 candidates per chunk. `chunks` forces a split (tests), `capacity` the selection tile."""
+    slots = 2 if draft_logits else 1
     if plans_for_interpreter(target.device):
-        # the interpreter pays per operation: many rows and whole rows of candidates are cheap
-        block_r = max(1, min(next_pow2(rows), 64))
-        width = 128 if (chunks or 1) > 1 else 4096  # a forced split (tests) needs several tiles per row
-        constexprs = dict(FILTER_BLOCK=max(16, min(width, (1 << 16) // block_r)), FILTER_CAP=4096, FILTER_BINS=10)
-        chunks = chunks or 1
+        # the interpreter pays per operation: whole rows (up to 64k entries) per chunk, big tiles
+        capacity = capacity or 4096
+        width = next_pow2(triton.cdiv(V, chunks or 1))
+        width = max(16, min(width, 1 << 16))
+        warps = 4
     else:
-        block_r = min(2, next_pow2(rows))
-        constexprs = dict(FILTER_BLOCK=1024 // block_r, FILTER_CAP=2048 // block_r, FILTER_BINS=10)
-        if chunks is None:
-            tiles = triton.cdiv(rows, block_r)
-            sms = multiprocessors(target.device)
-            # ~1 program per SM: the pivot phase merges every chunk serially, so no more than that
-            chunks = 1 if 2 * tiles >= sms else min(64, triton.cdiv(sms, tiles))
-    blocks = triton.cdiv(V, constexprs["FILTER_BLOCK"])
-    chunks = max(1, min(int(chunks), blocks))
-    chunk_size = triton.cdiv(blocks, chunks) * constexprs["FILTER_BLOCK"]
-    return ThresholdPlan(block_r, triton.cdiv(V, chunk_size), chunk_size, constexprs)
+        capacity = capacity or SELECT_SLOTS
+        sms = multiprocessors(target.device)
+        best = None
+        for width in (1024, 2048, 4096, 8192):  # 8192: 32 entries per thread (wider spills)
+            tc = triton.cdiv(V, width)
+            if next_pow2(tc) * 16 > capacity and width < 8192:
+                continue
+            cost = math.ceil(rows * slots * tc / sms) * (width + 1024)
+            if best is None or cost < best[0]:
+                best = (cost, width)
+        width = best[1] if chunks is None else next_pow2(triton.cdiv(V, chunks))
+        warps = 8 if width >= 4096 else 4
+    tc = triton.cdiv(V, width)
+    tcp2 = next_pow2(tc)
+    cap = max(1, capacity // tcp2)
+    constexprs = dict(FILTER_BLOCK=width, FILTER_CAP=cap, FILTER_BINS=CANDIDATE_BINS, FILTER_CHUNKS=tcp2)
+    return ThresholdPlan(tc, width, tc, slots, warps, 4, constexprs)
 
 
 def merge_chunk_stats(stats, idx, rows: int, rows_per_request: int, t_ptr, t_val, per_req_t: bool):
@@ -1032,7 +1020,7 @@ def launch_verify(
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
-    tplan = threshold_plan(args.target_logits, rows, V, threshold_chunks)
+    tplan = threshold_plan(args.target_logits, rows, V, threshold_chunks, args.draft_mode == DRAFT_LOGITS)
     filter_buf, filter_int = tplan.scratch(rows, dev) if has_filter else (thr, thr)
     first_reject = torch.empty((B,), dtype=torch.int32, device=dev)
     direct_token = torch.empty((B,), dtype=torch.int32, device=dev)
