@@ -230,9 +230,11 @@ def _loop_model(launch: Launch, loops: list[dict], total: int = 0) -> tuple[list
         # one row per program; axis 1 interleaves target and draft (draft logits), which run the same
         # code on rows of the same length: one copy's loops count
         slots = 2 if kw["DRAFT_MODE"] == 1 else 1
-        if phase == 1:  # candidates: one tile of FILTER_BLOCK entries per chunk this program takes
+        if phase == 1:  # candidates: one tile of FILTER_BLOCK entries per chunk this program takes; the
+            # loop with the sum-exp (first) runs only for top-p without top-k
             trips = math.ceil(bound["num_chunks"] / (launch.grid[1] // slots))
-            return [(reading[0], trips)], kw["FILTER_BLOCK"]
+            with_z = kw["PER_REQ_K"] or kw["PER_REQ_P"] or (bound["top_k"] == 0 and bound["top_p"] < 1.0)
+            return [(reading[0 if with_z else 1], trips)], kw["FILTER_BLOCK"]
         # selection: the code outside loops (all of it, as if run once: an upper bound) and the two
         # bisections in registers: the k-th largest inside its key16 step (16 - SHIFT low key bits:
         # none for bf16), the top-p threshold over at most 32 - SHIFT key bits (SHIFT = 16 for bf16)

@@ -394,32 +394,50 @@ def filter_threshold(
 
 
 @triton.jit
-def chunk_candidates(row_ptr, cand_ptr, active, start, end, inv_t, CW: tl.constexpr, L: tl.constexpr, NB: tl.constexpr):
+def chunk_candidates(
+    row_ptr,
+    cand_ptr,
+    active,
+    start,
+    end,
+    inv_t,
+    CW: tl.constexpr,
+    L: tl.constexpr,
+    NB: tl.constexpr,
+    E: tl.constexpr,
+    WITH_Z: tl.constexpr,
+):
     """The top-k/top-p candidates of one vocabulary chunk [start, end) of one row (end - start <= CW),
     read once and kept in registers (the threshold phases of ops/verify.py).
 
-    row_ptr: [1] pointer to the row; cand_ptr: [1] pointer to L fp32 slots (filled with the
-    candidates, then -inf); active, inv_t: [1]. Entries are binned by their distance below the chunk
-    max in steps of the float key's top 16 bits (one bf16 step; bin NB - 1 collects everything
-    farther), and the chunk keeps its nearest bins that fit L slots. Returns (max, sum-exp relative
-    to it, tau) as [1] tensors: every finite entry whose key16 (``_unsigned_key >> 16``) is >= tau
-    was written, so the union of a row's chunks holds every entry of the row at or above the
-    largest tau (``select_candidates``). One row: 1-D tiles keep the compaction's scatter cheap."""
+    row_ptr: [1] pointer to the row; cand_ptr: [1] pointer to L fp32 slots (L / E groups of E
+    consecutive entries, then -inf); active, inv_t: [1]. The chunk is cut into groups of E entries
+    (one vector load per thread: nothing crosses threads), groups are binned by the distance of
+    their max below the chunk max in steps of the float key's top 16 bits (one bf16 step; bin
+    NB - 1 collects everything farther), and the chunk keeps the nearest bins whose groups fit the
+    slots, written whole (vector stores; entries below the bound ride along). Returns (max,
+    sum-exp relative to it if WITH_Z else 0, tau) as [1] tensors: every finite entry whose key16
+    (``_unsigned_key >> 16``) is >= tau was written, so the union of a row's chunks holds every entry
+    of the row at or above the largest tau (``select_candidates``)."""
     cols = start + tl.arange(0, CW)
     x, _bad = load_logits(row_ptr + cols, active & (cols < end))
-    m = tl.max(x, axis=0)
-    z = tl.sum(tl.exp2((x - safe_max(m)) * (inv_t * LOG2E)), axis=0)
-    finite = x > float("-inf")
+    groups = tl.reshape(x, [CW // E, E])
+    g_max = tl.max(groups, axis=1)
+    m = tl.max(g_max, axis=0)
+    z = 0.0
+    if WITH_Z:  # only top-p without top-k needs the row's sum-exp
+        z = tl.sum(tl.exp2((x - safe_max(m)) * (inv_t * LOG2E)), axis=0)
     top16 = (_unsigned_key(m) >> 16).to(tl.int32)
-    d = tl.where(finite, tl.minimum(top16 - (_unsigned_key(x) >> 16).to(tl.int32), NB - 1), NB - 1)
-    bins = tl.arange(0, NB)
-    near = tl.max(tl.where(tl.cumsum(tl.histogram(d, NB), axis=0) <= L, bins, -1), axis=0)
-    take = finite & (d <= near)
-    tl.store(cand_ptr + tl.cumsum(take.to(tl.int32), axis=0) - 1, x, mask=take)
-    n = tl.sum(take.to(tl.int32), axis=0)
+    d = tl.minimum(top16 - (_unsigned_key(g_max) >> 16).to(tl.int32), NB - 1)  # -inf groups: far
+    near = tl.max(tl.where(tl.cumsum(tl.histogram(d, NB), axis=0) <= L // E, tl.arange(0, NB), -1), axis=0)
+    take = d <= near
+    g_pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(cand_ptr + (g_pos * E)[:, None] + tl.arange(0, E)[None, :], groups, mask=take[:, None])
+    filled = tl.sum(take.to(tl.int32), axis=0) * E
     slots = tl.arange(0, L)
-    tl.store(cand_ptr + slots, float("-inf"), mask=active & (slots >= n))
-    # near = NB - 1: the whole chunk (the far bin too); near = -1: nothing (more than L ties at the max)
+    tl.store(cand_ptr + slots, float("-inf"), mask=active & (slots >= filled))
+    # near = NB - 1: the whole chunk (the far bin too); near = -1: nothing (more than L / E groups
+    # hold the max)
     tau = tl.where(near == NB - 1, 0, tl.maximum(top16 - near, 0))
     zero = tl.zeros_like(inv_t)
     return zero + m, zero + z, zero.to(tl.int32) + tau

@@ -263,20 +263,35 @@ def _verify_row_stats_kernel(
                 part = chunk // 2
                 parts = parts // 2
             t_shift: tl.constexpr = _key_shift(target_ptr.dtype.element_ty)
-            if which == 0:
+            t_group: tl.constexpr = _group(target_ptr.dtype.element_ty)
+            d_shift: tl.constexpr = _key_shift(draft_ptr.dtype.element_ty)
+            if DRAFT_MODE != DRAFT_LOGITS:
                 _threshold_phase(
                     t_rows, rows * 2, row_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
                     filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
-                    PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift,
+                    PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group,
                 )  # fmt: skip
-            else:
-                if DRAFT_MODE == DRAFT_LOGITS:
-                    d_shift: tl.constexpr = _key_shift(draft_ptr.dtype.element_ty)
-                    _threshold_phase(
-                        d_rows, rows * 2 + 1, draft_ok, thr_ptr + rows * NUM_THR + THR_Q, filter_buf_ptr,
-                        filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
-                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, d_shift,
-                    )  # fmt: skip
+            elif d_shift == t_shift:  # same dtype: one copy of the code, the rows picked by `which`
+                is_d = which == 1
+                _threshold_phase(
+                    tl.where(is_d, d_rows, t_rows), rows * 2 + which, tl.where(is_d, draft_ok, row_ok & ~greedy),
+                    thr_ptr + rows * NUM_THR + which, filter_buf_ptr, filter_int_ptr, RS, num_chunks, part, parts,
+                    chunk_size, V, inv_t, top_k, top_p,
+                    PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group,
+                )  # fmt: skip
+            elif which == 0:
+                _threshold_phase(
+                    t_rows, rows * 2, row_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
+                    filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
+                    PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group,
+                )  # fmt: skip
+            else:  # draft logits of another dtype than the target's
+                d_group: tl.constexpr = _group(draft_ptr.dtype.element_ty)
+                _threshold_phase(
+                    d_rows, rows * 2 + 1, draft_ok, thr_ptr + rows * NUM_THR + THR_Q, filter_buf_ptr,
+                    filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
+                    PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, d_shift, d_group,
+                )  # fmt: skip
     if PHASE == PHASE_STATS:
         _row_stats_pass(
             t_rows,
@@ -357,6 +372,27 @@ def _key_shift(ty):
     return 16 if ty == tl.bfloat16 else (13 if ty == tl.float16 else 0)
 
 
+@triton.jit
+def _candidate_chunks(
+    row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E: tl.constexpr, WITH_Z: tl.constexpr
+):
+    """Chunks part, part + parts, ... of one row: candidates, (max, sum-exp) and bound of each."""
+    for c in range(part, TC, parts):
+        start = c * CW
+        m, z, bound = chunk_candidates(
+            row, cand + c * CAP, active, start, tl.minimum(start + CW, V), inv_t, BLOCK, CAP, NB, E, WITH_Z
+        )
+        tl.store(rec + c * 2, m, mask=active)
+        tl.store(rec + c * 2 + 1, z, mask=active)
+        tl.store(tau + c, bound, mask=active)
+
+
+@triton.constexpr_function
+def _group(ty):
+    """Entries of one 16-byte vector of dtype ty: the candidate groups (bf16 / fp16: 8, fp32: 4)."""
+    return 128 // ty.primitive_bitwidth
+
+
 @triton.constexpr_function
 def _fallback_block(block):
     return min(block, 2048)
@@ -385,6 +421,7 @@ def _threshold_phase(
     NB: tl.constexpr,
     TCP2: tl.constexpr,
     SHIFT: tl.constexpr,
+    E: tl.constexpr,
 ):
     """The top-k/top-p thresholds in two launches: the candidates of each vocabulary chunk, read
     once and kept in registers (PHASE_CANDIDATES, ``chunk_candidates``: a program takes chunks
@@ -402,13 +439,10 @@ def _threshold_phase(
     if PHASE == PHASE_CANDIDATES:
         if tl.max(active.to(tl.int32), axis=0) > 0:
             row = tl.reshape(row_ptrs, [1])
-            for c in range(part, TC, parts):
-                m, z, bound = chunk_candidates(
-                    row, cand + c * CAP, active, c * CW, tl.minimum(c * CW + CW, V), inv_t, BLOCK, CAP, NB
-                )
-                tl.store(rec + c * 2, m, mask=active)
-                tl.store(rec + c * 2 + 1, z, mask=active)
-                tl.store(tau + c, bound, mask=active)
+            if tl.max((use_p & ~use_k).to(tl.int32), axis=0) > 0:  # top-p alone: the row's sum-exp too
+                _candidate_chunks(row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, True)
+            else:
+                _candidate_chunks(row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, False)
     else:  # PHASE_SELECT
         thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
         if tl.max(active.to(tl.int32), axis=0) > 0:
@@ -932,8 +966,9 @@ class ThresholdPlan:
         )
 
 
-SELECT_SLOTS = 1024  # candidates of a row in the selection tile (chunks x slots per chunk) on a GPU
+SELECT_SLOTS = 2048  # candidate slots of a row in the selection tile (chunks x slots per chunk) on a GPU
 CANDIDATE_BINS = 256  # bins of the candidate histograms: key16 steps below the max
+MIN_GROUPS = 16  # candidate groups per chunk (fewer: the union of the chunks rarely holds top-k 50)
 
 
 def threshold_plan(
@@ -945,35 +980,36 @@ def threshold_plan(
     capacity: int | None = None,
 ) -> ThresholdPlan:
     """Threshold launches for `rows` rows (target, and draft when `draft_logits`): every row is split
-    into chunks that are read once, each kept in registers while its candidates are picked; the
-    chunk width balances the programs over the SMs (the busiest SM's entries, plus a per-program
-    overhead) while the selection tile (chunks x candidates per chunk = `capacity`) keeps at least
-    16 candidates per chunk. `chunks` forces a split (tests), `capacity` the selection tile."""
+    into chunks that are read once, each kept in registers (at most 32 entries per thread) while its
+    candidates are picked; the chunk width balances the programs over the SMs (the busiest SM's
+    entries, plus a per-program overhead) while the selection tile (chunks x slots per chunk =
+    `capacity`) keeps at least MIN_GROUPS groups of 8 per chunk. `chunks` forces a split (tests),
+    `capacity` the selection tile."""
     slots = 2 if draft_logits else 1
     if plans_for_interpreter(target.device):
         # the interpreter pays per operation: whole rows (up to 64k entries) per chunk, big tiles
         capacity = capacity or 4096
-        width = next_pow2(triton.cdiv(V, chunks or 1))
-        width = max(16, min(width, 1 << 16))
+        width = max(16, min(next_pow2(triton.cdiv(V, chunks or 1)), 1 << 16))
         warps = 4
     else:
         capacity = capacity or SELECT_SLOTS
         sms = multiprocessors(target.device)
         best = None
-        for width in (1024, 2048, 4096, 8192):  # 8192: 32 entries per thread (wider spills)
+        for width in (1024, 2048, 4096, 8192, 16384):
             tc = triton.cdiv(V, width)
-            if next_pow2(tc) * 16 > capacity and width < 8192:
+            if next_pow2(tc) * 8 * MIN_GROUPS > capacity and width < 16384:
                 continue
             cost = math.ceil(rows * slots * tc / sms) * (width + 1024)
             if best is None or cost < best[0]:
                 best = (cost, width)
         width = best[1] if chunks is None else next_pow2(triton.cdiv(V, chunks))
-        warps = 8 if width >= 4096 else 4
+        warps = max(4, min(8, width // 1024))
+        capacity = min(capacity, next_pow2(triton.cdiv(V, width)) * 8 * MIN_GROUPS)  # no bigger tile than needed
     tc = triton.cdiv(V, width)
     tcp2 = next_pow2(tc)
-    cap = max(1, capacity // tcp2)
+    cap = max(8, capacity // tcp2)
     constexprs = dict(FILTER_BLOCK=width, FILTER_CAP=cap, FILTER_BINS=CANDIDATE_BINS, FILTER_CHUNKS=tcp2)
-    return ThresholdPlan(tc, width, tc, slots, warps, 4, constexprs)
+    return ThresholdPlan(tc, width, tc, slots, warps, 2, constexprs)
 
 
 def merge_chunk_stats(stats, idx, rows: int, rows_per_request: int, t_ptr, t_val, per_req_t: bool):

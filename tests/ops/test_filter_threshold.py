@@ -215,6 +215,8 @@ def _candidates_kernel(
     CW: tl.constexpr,
     L: tl.constexpr,
     NB: tl.constexpr,
+    E: tl.constexpr,
+    WITH_Z: tl.constexpr,
 ):
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -225,7 +227,7 @@ def _candidates_kernel(
     slot = r * TC + c
     m, z, tau = chunk_candidates(
         x_ptr + r.to(tl.int64) * stride_r + one, buf_ptr + slot * L + one, active, c * CW, tl.minimum(c * CW + CW, V),
-        inv_t, CW, L, NB,
+        inv_t, CW, L, NB, E, WITH_Z,
     )  # fmt: skip
     tl.store(rec_ptr + slot * 2 + one, m, mask=active)
     tl.store(rec_ptr + slot * 2 + 1 + one, z, mask=active)
@@ -281,7 +283,11 @@ def _split_thresholds(x, temperature, top_k, top_p, width=64, slots=16, bins=256
     )
     buf, rec = torch.empty(R, tc, slots), torch.empty(R, tc, 2)
     tau = torch.empty(R, tc, dtype=torch.int32)
-    _candidates_kernel[(R, tc)](x, *scal, buf, rec, tau, x.stride(0), V, tc, CW=width, L=slots, NB=bins)
+    group = 4 if x.dtype == torch.float32 else 8
+    with_z = any(kk == 0 and pp < 1.0 for kk, pp in zip(top_k, top_p, strict=True))
+    _candidates_kernel[(R, tc)](
+        x, *scal, buf, rec, tau, x.stride(0), V, tc, CW=width, L=slots, NB=bins, E=group, WITH_Z=with_z
+    )
     out, fast = torch.empty(R), torch.empty(R, dtype=torch.int32)
     _select_kernel[(R,)](
         x, *scal, buf, rec, tau, out, fast, x.stride(0), V, tc,
@@ -330,9 +336,9 @@ def test_split_ties_equal_rows_minus_inf_and_nan(dtype):
     _check_split(x, t, k, [1.0] * 6, width=32, slots=8)
 
 
-@pytest.mark.parametrize("slots, bins", [(1, 256), (4, 4), (16, 2)])
+@pytest.mark.parametrize("slots, bins", [(8, 256), (8, 4), (16, 2)])
 def test_split_small_capacity_and_few_bins_stay_exact(slots, bins):
-    """One slot per chunk (the union rarely holds k), 2-4 bins (the k-th largest lies in the far
+    """One group per chunk (the union rarely holds k), 2-4 bins (the k-th largest lies in the far
     bin: bisection between the bound and it): same thresholds, through the fallback where needed."""
     gen = torch.Generator().manual_seed(slots + bins)
     x = (torch.randn(len(PARAMS), 500, generator=gen) * 2).to(torch.bfloat16)
@@ -341,12 +347,12 @@ def test_split_small_capacity_and_few_bins_stay_exact(slots, bins):
 
 
 def test_split_peaked_rows_are_decided_by_the_candidates():
-    """Power check of the union bound: 16 slots per 256-entry chunk decide top-k 50 + top-p 0.9 of
-    bf16 rows of 8192 entries (as on a GPU) and top-k 5 / top-p 0.9 of peaked rows, without the
-    bisection over the row."""
+    """Power check of the union bound: 16 groups of 8 per 1024-entry chunk decide top-k 50 + top-p 0.9
+    of bf16 rows of 8192 entries and top-k 5 / top-p 0.8 of peaked rows, without the bisection over
+    the row."""
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(4, 8192, generator=gen) * 2
     x[2:, :3] += 12.0  # three dominant tokens
     x = x.to(torch.bfloat16)
-    fast = _check_split(x, [0.7, 1.0, 1.0, 1.0], [50, 20, 5, 0], [0.9, 1.0, 1.0, 0.9], width=256, slots=16)
+    fast = _check_split(x, [0.7, 1.0, 1.0, 1.0], [50, 20, 5, 0], [0.9, 1.0, 1.0, 0.8], width=1024, slots=128)
     assert fast.tolist() == [1, 1, 1, 1]
