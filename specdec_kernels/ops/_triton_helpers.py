@@ -368,7 +368,7 @@ def filter_threshold(
        when their mass reaches top_p (checked exactly on the copies).
     Other rows (a very flat top-p row, a huge k) fall back to bisection over the row
     (``bisect_threshold``, 32 passes per selection). Returns (threshold, took the two-pass path).
-    The same steps split over vocabulary chunks are the threshold phases of ops/verify.py.
+    The verification kernels read each row once instead (``chunk_candidates``, ``select_candidates``).
     """
     use_k = row_ok & (top_k > 0) & (top_k < V)
     use_p = row_ok & (top_p < 1.0)

@@ -7,10 +7,12 @@ Three launches (four with top-k / top-p), no host synchronisation, no Python loo
    argmax. Each lane keeps its own running state (one exp per logit, no cross-lane reduction
    inside the loop); the lanes are combined once after it. Entries are not sanitised in this pass:
    a NaN-propagating running max notices NaN / +inf, and only such rows are redone with every
-   entry checked (``_row_pass_exact``). With top-k / top-p the same kernel runs once before,
-   as the threshold pass (grid: row tiles, whole rows): two passes per row - key histogram ->
-   pivot, copy of the candidates - and the selection among them in registers
-   (``filter_threshold``); the statistics pass then reads the thresholds and splits as usual.
+   entry checked (``_row_pass_exact``). With top-k / top-p the same kernel runs twice before,
+   as the threshold phases (one read of each row): the candidates of every vocabulary chunk,
+   picked while the chunk sits in registers (``chunk_candidates``; grid: rows, chunks x target /
+   draft), then the exact selection among them per row (``select_candidates``; bisection over the
+   row for the rare rows they do not decide); the statistics pass then reads the thresholds and
+   splits as usual.
 2. ``_verify_accept_kernel``     grid (request tiles, vocab chunks): combines the chunk statistics,
    tests every draft ``u * q(x) <= p(x)``, finds the first rejection j and, for sampled requests,
    runs one exponential race over row j: of the residual ``max(p - q, 0)`` when j < n_b (a
@@ -902,7 +904,7 @@ def _plan(args: VerifyArgs, num_chunks: int | None, block_v: int | None) -> _Lau
 
 def gpu_plan(args: VerifyArgs, sms: int) -> _LaunchPlan:
     """The launch plan of a call on a GPU with `sms` SMs (a pure function of shapes; with top-k /
-    top-p the threshold pass before it has its own whole-row grid, ``threshold_plan``).
+    top-p the threshold phases before it have their own grids, ``threshold_plan``).
 
     Split the vocabulary so that a small batch still fills the GPU (~4 programs per SM in the row
     pass). The accept kernel has one program per (request tile, chunk), so at B = 1 the chunk count
@@ -1131,7 +1133,7 @@ def launch_verify(
             num_warps=num_warps,
         )
 
-    if has_filter:  # thresholds first (whole rows, or split over chunks), then the statistics pass
+    if has_filter:  # thresholds first (candidates per chunk, selection per row), then the statistics pass
         launch_threshold_phases(row_pass, tplan)
     row_pass(PHASE_STATS.value, plan.block_r, C, C, plan.chunk_size, plan.num_warps)
     stat_chunks = C

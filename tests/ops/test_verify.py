@@ -91,8 +91,8 @@ def test_vocab_split_across_programs(mode, num_chunks, device):
 
 @pytest.mark.parametrize("num_chunks, threshold_chunks", [(1, 1), (3, 1), (1, 3), (3, 7)])
 def test_filtered_rows_split_across_programs(num_chunks, threshold_chunks, device):
-    """With top-k / top-p the thresholds come first - whole rows per program, or split over chunks
-    (histogram, pivot, copy, selection phases) - then the statistics pass is split like an
+    """With top-k / top-p the thresholds come first - candidates of whole rows or of chunks, then the
+    selection among them per row - then the statistics pass is split like an
     unfiltered one: same tokens as the reference, per-request filters included."""
     B, G, V = 4, 3, 1000
     target, tokens, draft = make_problem(B, G, V, device=device, seed=4)
