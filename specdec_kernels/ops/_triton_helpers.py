@@ -413,8 +413,9 @@ def chunk_candidates(
     row_ptr: [1] pointer to the row; cand_ptr: [1] pointer to L fp32 slots (L / E groups of E
     consecutive entries, then -inf); active, inv_t: [1]. The chunk is cut into groups of E entries
     (one vector load per thread: nothing crosses threads), groups are binned by the distance of
-    their max below the chunk max in steps of the float key's top 16 bits (one bf16 step; bin
-    NB - 1 collects everything farther), and the chunk keeps the nearest bins whose groups fit the
+    their max below the chunk max in steps of the float key's top 16 bits (one bf16 step per bin,
+    8 per bin past NB / 2; bin NB - 1 collects everything farther), and the chunk keeps the
+    nearest bins whose groups fit the
     slots, written whole (vector stores; entries below the bound ride along). Returns (max,
     sum-exp relative to it if WITH_Z else 0, tau) as [1] tensors: every finite entry whose key16
     (``_unsigned_key >> 16``) is >= tau was written, so the union of a row's chunks holds every entry
@@ -428,7 +429,11 @@ def chunk_candidates(
     if WITH_Z:  # only top-p without top-k needs the row's sum-exp
         z = tl.sum(tl.exp2((x - safe_max(m)) * (inv_t * LOG2E)), axis=0)
     top16 = (_unsigned_key(m) >> 16).to(tl.int32)
-    d = tl.minimum(top16 - (_unsigned_key(g_max) >> 16).to(tl.int32), NB - 1)  # -inf groups: far
+    # bins: one key16 step each for the first NB / 2 steps below the max, then 8 steps each (heavy
+    # tails: a chunk whose max stands far above the rest still keeps its L / E nearest groups)
+    FINE: tl.constexpr = NB // 2
+    steps = top16 - (_unsigned_key(g_max) >> 16).to(tl.int32)
+    d = tl.where(steps < FINE, steps, tl.minimum(FINE + ((steps - FINE) >> 3), NB - 1))  # -inf groups: far
     near = tl.max(tl.where(tl.cumsum(tl.histogram(d, NB), axis=0) <= L // E, tl.arange(0, NB), -1), axis=0)
     take = d <= near
     g_pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
@@ -438,7 +443,8 @@ def chunk_candidates(
     tl.store(cand_ptr + slots, float("-inf"), mask=active & (slots >= filled))
     # near = NB - 1: the whole chunk (the far bin too); near = -1: nothing (more than L / E groups
     # hold the max)
-    tau = tl.where(near == NB - 1, 0, tl.maximum(top16 - near, 0))
+    farthest = tl.where(near < FINE, near, FINE + ((near - FINE + 1) << 3) - 1)  # steps of the last bin kept
+    tau = tl.where(near == NB - 1, 0, tl.maximum(top16 - farthest, 0))
     zero = tl.zeros_like(inv_t)
     return zero + m, zero + z, zero.to(tl.int32) + tau
 

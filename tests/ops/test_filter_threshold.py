@@ -356,3 +356,16 @@ def test_split_peaked_rows_are_decided_by_the_candidates():
     x = x.to(torch.bfloat16)
     fast = _check_split(x, [0.7, 1.0, 1.0, 1.0], [50, 20, 5, 0], [0.9, 1.0, 1.0, 0.8], width=1024, slots=128)
     assert fast.tolist() == [1, 1, 1, 1]
+
+
+def test_split_heavy_tails_are_decided_by_the_candidates():
+    """Power check of the coarse far bins: a chunk whose max stands ~350 bf16 steps above its 16th
+    group still keeps 16 groups (one-step bins would keep only the max's, and every top-k would
+    need the bisection over the row)."""
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(2, 8192, generator=gen) * 2
+    x[:, 5] = 40.0
+    x[1, 3000] = -40.0
+    x = x.to(torch.bfloat16)
+    fast = _check_split(x, [0.7, 1.0], [50, 30], [0.9, 1.0], width=1024, slots=128)
+    assert fast.tolist() == [1, 1]
