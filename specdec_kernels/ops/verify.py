@@ -1036,12 +1036,16 @@ def merge_chunk_stats(stats, idx, rows: int, rows_per_request: int, t_ptr, t_val
 
 
 def launch_verify(
-    args: VerifyArgs, num_chunks: int | None = None, block_v: int | None = None, threshold_chunks: int | None = None
+    args: VerifyArgs,
+    num_chunks: int | None = None,
+    block_v: int | None = None,
+    threshold_chunks: int | None = None,
+    threshold_capacity: int | None = None,
 ) -> VerifyOutput:
     """Run the kernels on checked arguments (``_validation.check_verify_args``).
 
-    num_chunks / block_v / threshold_chunks override the launch plan (tests use them to split
-    small vocabularies)."""
+    num_chunks / block_v / threshold_chunks / threshold_capacity override the launch plan (tests
+    use them to split small vocabularies and to force the bisection fallback)."""
     B, G, V = args.B, args.G, args.V
     dev = args.target_logits.device
     tokens = torch.empty((B, G + 1), dtype=torch.int64, device=dev)
@@ -1058,7 +1062,9 @@ def launch_verify(
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
-    tplan = threshold_plan(args.target_logits, rows, V, threshold_chunks, args.draft_mode == DRAFT_LOGITS)
+    tplan = threshold_plan(
+        args.target_logits, rows, V, threshold_chunks, args.draft_mode == DRAFT_LOGITS, threshold_capacity
+    )
     filter_buf, filter_int = tplan.scratch(rows, dev) if has_filter else (thr, thr)
     first_reject = torch.empty((B,), dtype=torch.int32, device=dev)
     direct_token = torch.empty((B,), dtype=torch.int32, device=dev)
