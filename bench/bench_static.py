@@ -237,7 +237,8 @@ def _loop_model(launch: Launch, loops: list[dict], total: int = 0) -> tuple[list
             return [(reading[0 if with_z else 1], trips)], kw["FILTER_BLOCK"]
         # selection: the code outside loops (all of it, as if run once: an upper bound) and the two
         # bisections in registers: the k-th largest inside its key16 step (16 - SHIFT low key bits:
-        # none for bf16), the top-p threshold over at most 32 - SHIFT key bits (SHIFT = 16 for bf16)
+        # none for bf16; a k-th largest more than 254 bf16 steps below the max bisects up to 16 more),
+        # the top-p threshold over at most 32 - SHIFT key bits (SHIFT = 16 for bf16; fp16 counted as fp32)
         shift = 16 if str(bound["target_ptr"].dtype) == "torch.bfloat16" else 0
         register_loops = [loop for loop in loops if not loop["loads"]]
         straight = {"sass": total - sum(loop["sass"] for loop in loops), "loads": 0, "start": -1}
