@@ -30,9 +30,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -379,9 +381,84 @@ def run(smoke: bool) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------
+# the CUDA C++ backend (csrc/verify_cuda.cu), when nvcc is present
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    if found is None and (Path(home) / "bin" / "nvcc").is_file():
+        found = str(Path(home) / "bin" / "nvcc")
+    return found
+
+
+def csrc_rows(meta: dict) -> list[dict]:
+    """Registers, stack, spills, shared memory and occupancy of every csrc kernel instantiation
+    (target x draft dtype), compiled for sm_90 with the build's flags. The launchers use 256
+    threads per block (512 for chain calls with top-k / top-p); occupancy is given at 256."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        return []
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    flags = json.loads((csrc / "build.json").read_text())["cuda"]["cuda_cflags"]
+    cubin = Path(tempfile.mkdtemp()) / "verify_cuda.cubin"
+    cmd = [nvcc, "-cubin", "-std=c++17", f"-I{csrc}", *flags, "-arch=sm_90", str(csrc / "verify_cuda.cu")]
+    subprocess.run([*cmd, "-o", str(cubin)], check=True, capture_output=True, text=True)
+    out = subprocess.run([_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    rows = []
+    for name, usage in re.findall(r"Function (\S+):\s*\n\s*(REG:.*)", out):
+        fields = dict(re.findall(r"([A-Z]+(?:\[0\])?):(\d+)", usage))
+        kernel = re.search(r"(row_stats|accept|finalize|tree_walk)_kernel(?:I(.*)EEv)?", name)
+        dtypes = ",".join(_demangled_types(kernel.group(2) or ""))  # target and draft element types
+        regs, smem = int(fields["REG"]), int(fields["SHARED"])
+        occ, limiter, _ = occupancy(regs, smem, 8)
+        rows.append(
+            {
+                "date": meta["date"],
+                "commit": meta["commit"],
+                "triton": meta["triton"],
+                "arch": "sm_90",
+                "case": "csrc verify_cuda.cu (nvcc " + _nvcc_version(nvcc) + ")",
+                "kernel": f"{kernel.group(1)}_kernel<{dtypes}>" if dtypes else f"{kernel.group(1)}_kernel",
+                "config": "threads=256",
+                "regs": regs,
+                "spill_bytes": int(fields["LOCAL"]),
+                "stack": int(fields["STACK"]),
+                "smem": smem,
+                "occupancy": round(occ, 3),
+                "limiter": limiter,
+            }
+        )
+    return rows
+
+
+def _demangled_types(mangled: str) -> list[str]:
+    """Itanium-mangled template arguments of a csrc kernel: f = float, sk::bf16, sk::f16, S2_ = the
+    first of them again."""
+    names = {"f": "f32", "NS_4bf16E": "bf16", "NS_3f16E": "f16"}
+    types = []
+    while mangled:
+        token = next((t for t in (*names, "S2_") if mangled.startswith(t)), None)
+        if token is None:
+            return [mangled]
+        types.append(types[0] if token == "S2_" else names[token])
+        mangled = mangled[len(token) :]
+    return types
+
+
+def _nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"release ([\d.]+)", out)
+    return found.group(1) if found else "?"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="one small shape (CI)")
+    parser.add_argument(
+        "--no-csrc", dest="csrc", action="store_false", help="skip the csrc kernels (compiled when nvcc is found)"
+    )
     parser.add_argument("--csv", default=str(Path(__file__).parent / "results" / "static_sm90.csv"))
     args = parser.parse_args(argv)
     rows = run(args.smoke)
@@ -389,6 +466,11 @@ def main(argv=None) -> int:
     print_table(
         rows, ["case", "kernel", "grid", "regs", "stack", "occupancy", "sass_per_entry", "passes", "estimate_us"]
     )
+    if args.csrc and not args.smoke:
+        csrc = csrc_rows(environment_metadata("cpu"))
+        print("# csrc (CUDA C++ backend), sm_90: " + (f"{len(csrc)} kernels" if csrc else "nvcc not found"))
+        print_table(csrc, ["kernel", "regs", "spill_bytes", "stack", "smem", "occupancy", "limiter"])
+        rows += csrc
     if not args.smoke:
         from bench._common import append_rows_csv
 

@@ -113,3 +113,16 @@ def test_chain_kernels_within_budget(tmp_path):
         assert row["spill_bytes"] == 0 and row["stack"] == 0, row
     row_pass = [r for r in rows if r["kernel"] == "_verify_row_stats_kernel"]
     assert row_pass and all(r["sass_per_entry"] <= ROW_PASS_SASS_PER_LOGIT for r in row_pass), row_pass
+
+
+@pytest.mark.slow
+def test_csrc_chain_kernels_have_no_stack_or_spills():
+    """The CUDA C++ backend's chain kernels (every dtype pair) compile for sm_90 without local
+    memory. The csrc tree walk still keeps a stack (issue 13), so it is reported, not held."""
+    if bench_static._nvcc() is None:
+        pytest.skip("nvcc not found")
+    rows = bench_static.csrc_rows({"date": "", "commit": "", "triton": ""})
+    chain = [r for r in rows if not r["kernel"].startswith("tree_walk")]
+    assert len(chain) == 19, [r["kernel"] for r in rows]  # row stats and accept x 9 dtype pairs, finalize
+    bad = [r for r in chain if r["stack"] or r["spill_bytes"]]
+    assert not bad, bad
