@@ -78,6 +78,28 @@ def _clean_values(v, kv_mask, allowed, row_bad):
 
 
 @triton.jit
+def _tree_tile(
+    q, k_base, v_base, anc, real, tree_start, t0, S, tree_slots, stride_ks, stride_vs, d, d_ok,
+    m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE: tl.constexpr, TREE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Fold tree key slots [t0, t0 + TREE_BLOCK) into the running softmax: slot j is attended by the
+    rows whose ancestor mask has bit j; slots no row of the tile attends are not even read."""
+    j = t0 + tl.arange(0, TREE_BLOCK)
+    keys = tree_start + j
+    key_ok = (keys >= 0) & (keys < S) & (j < tree_slots)
+    is_ancestor = ((anc[:, None] >> j[None, :].to(tl.int64)) & 1) != 0
+    allowed = real[:, None] & key_ok[None, :] & is_ancestor
+    used = tl.max(allowed.to(tl.int32), axis=0) > 0
+    kv_off = keys.to(tl.int64)[:, None]
+    kv_mask = used[:, None] & d_ok[None, :]
+    k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    v, row_bad = _clean_values(v, kv_mask, allowed, row_bad)  # a sibling's slot: some rows only
+    m_i, l_i, acc = _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+    return m_i, l_i, acc, row_bad
+
+
+@triton.jit
 def _tree_attention_kernel(
     # pointers
     q_ptr,  # [B, Hq, Nq, D] fp32 | fp16 | bf16, last dim contiguous
@@ -176,22 +198,16 @@ def _tree_attention_kernel(
                 v, row_bad = _clean_values(v, kv_mask, allowed, row_bad)
             m_i, l_i, acc = _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE)
 
-        # The tree nodes (at most 64 keys: one tile), handled by the last split.
+        # The tree nodes (at most 64 keys), handled by the last split in tiles of at most BLOCK_N keys
+        # (a [BLOCK_M, 64] score tile next to the accumulator spilled).
         if split == NUM_SPLITS - 1:
             tree_start = tl.load(tree_start_ptr + b).to(tl.int32)
-            j = tl.arange(0, TREE_SPAN)
-            keys = tree_start + j
-            key_ok = (keys >= 0) & (keys < S) & (j < tree_slots)
-            is_ancestor = ((anc[:, None] >> j[None, :].to(tl.int64)) & 1) != 0
-            allowed = real[:, None] & key_ok[None, :] & is_ancestor
-            # slots no row of this tile attends (padding nodes, stale slots) are not even read
-            used = tl.max(allowed.to(tl.int32), axis=0) > 0
-            kv_off = keys.to(tl.int64)[:, None]
-            kv_mask = used[:, None] & d_ok[None, :]
-            k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            v, row_bad = _clean_values(v, kv_mask, allowed, row_bad)  # a sibling's slot: some rows only
-            m_i, l_i, acc = _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+            TREE_BLOCK: tl.constexpr = TREE_SPAN if TREE_SPAN < BLOCK_N else BLOCK_N
+            for t0 in tl.static_range(0, TREE_SPAN, TREE_BLOCK):
+                m_i, l_i, acc, row_bad = _tree_tile(
+                    q, k_base, v_base, anc, real, tree_start, t0, S, tree_slots, stride_ks, stride_vs, d, d_ok,
+                    m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE, TREE_BLOCK,
+                )  # fmt: skip
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -408,6 +424,13 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
     block_d = max(16, next_pow2(D))
     block_n, launch = _tile_config(block_d, q.dtype)
     block_m = max(16, min(64, next_pow2(group * Nq)))
+    rows = next_pow2(group * Nq)
+    if rows > block_m and rows * block_d <= 256 * 128:
+        # The whole GQA group in one program (N = 64, GQA 4: 256 rows): K/V read once per (request, KV
+        # head). 16 warps (4 warpgroups of 64 rows) keep the fp32 accumulator at <= 64 registers a thread.
+        block_m = rows
+        if not interpreter_requested():
+            launch = dict(launch, num_warps=16)
     m_tiles = triton.cdiv(group * Nq, block_m)
     splits = _num_splits or _choose_splits(B * Hkv * m_tiles, S, block_n, q.device)
     splits = next_pow2(splits)

@@ -363,14 +363,8 @@ def _count_kv_loads(monkeypatch, k, v):
     [
         (16, 1),
         (16, 4),
-        pytest.param(
-            64,
-            1,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 13: N=64, GQA 4 uses 4 query tiles (adjacent in the grid: L2 reuse, not one load)",
-            ),
-        ),
+        (64, 1),  # issue 13: the GQA group's 256 query rows in one program
+        (64, 4),
     ],
 )
 def test_prefix_keys_read_once_per_request_and_kv_head(monkeypatch, N, splits):
