@@ -174,9 +174,9 @@ def resources(cubin: Path) -> dict:
     return {"regs": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"])}
 
 
-def sass_loops(cubin: Path) -> list[dict]:
+def sass_loops(cubin: Path, innermost: bool = True) -> list[dict]:
     """Loops of the disassembly in program order (a backward branch closes one): instructions
-    per iteration and whether they load from global memory."""
+    per iteration and whether they load from global memory (innermost ones only, unless told)."""
     text = subprocess.run([_tool("nvdisasm"), "-c", "-g", str(cubin)], capture_output=True, text=True).stdout
     instructions, labels = [], {}
     for line in text.splitlines():
@@ -199,7 +199,7 @@ def sass_loops(cubin: Path) -> list[dict]:
     loops = sorted(loops, key=lambda loop: loop["start"])
     # innermost loops only: a backward branch around another loop is control flow, not a hot loop
     inner = [a for a in loops if not any(a["start"] < b["start"] < a["start"] + a["sass"] for b in loops)]
-    return inner, len(instructions)
+    return (inner if innermost else loops), len(instructions)
 
 
 def occupancy(regs: int, smem: int, warps: int) -> tuple[float, str, int]:
@@ -294,11 +294,12 @@ def launch_row(case: dict, launch: Launch) -> dict:
     smem = int(getattr(meta, "shared", 0) or 0)
     occ, limiter, ctas = occupancy(res["regs"], smem, warps)
     programs = math.prod(launch.grid)
-    hot, entries = _loop_model(launch, loops, total)
+    model = case.get("model")  # tree cases carry their own loop and byte models
+    hot, entries = model.loops(case, launch, loops) if model else _loop_model(launch, loops, total)
     per_program = sum(loop["sass"] * trips for loop, trips in hot) * warps  # warp instructions
     busiest = math.ceil(programs / H100["sms"]) * per_program
     issue_us = busiest / (4 * H100["ghz"] * 1e3)
-    nbytes = _bytes(case, launch)
+    nbytes = model.bytes(case, launch) if model else _bytes(case, launch)
     floor_us = nbytes / H100["hbm"] * 1e6
     first = hot[-1][0]["sass"] if hot else 0
     return {
@@ -319,7 +320,7 @@ def launch_row(case: dict, launch: Launch) -> dict:
         "loop_sass": "+".join(str(loop["sass"]) for loop, _ in hot),
         "sass_per_entry": round(first * 32 * warps / entries, 1) if entries else "",
         "bytes": int(nbytes),
-        "passes": round(nbytes / one_read(case), 2),
+        "passes": round(nbytes / (model.one_read(case) if model else one_read(case)), 2),
         "byte_floor_us": round(floor_us, 2),
         "issue_bound_us": round(issue_us, 2),
         "estimate_us": round(max(floor_us, issue_us), 2),
@@ -363,6 +364,260 @@ def capture_chain(case: dict) -> list[Launch]:
     with plan_as_gpu(H100["sms"]), captured_launches() as launches:
         sk.verify(target, tokens, **draft, **kw, validate=False, backend="triton")
     return launches
+
+
+# --------------------------------------------------------------------------------------------
+# tree verification (verify_multi, verify_tree) and tree attention (issue 13)
+
+
+def eagle_tree(n: int = 60) -> list[int]:
+    """Parents of an EAGLE-like tree in BFS order: the root has 4 children, each of them 3, each of
+    those 2, and the first remaining nodes one child each (n = 60: 17 positions with siblings, depth 4)."""
+    parents, level, fan = [], [-1], [4, 3, 2, 1, 1, 1]
+    for f in fan:
+        nxt = []
+        for node in level:
+            for _ in range(f):
+                if len(parents) < n:
+                    parents.append(node)
+                    nxt.append(len(parents) - 1)
+        level = nxt
+    return parents
+
+
+def _sibling_positions(case: dict) -> list[int]:
+    """Candidate counts of the positions with more than one candidate (distinct sibling tokens)."""
+    if case["op"] == "verify_multi":
+        return [case["K"]]
+    children = {}
+    for parent in case["parents"]:
+        children[parent] = children.get(parent, 0) + 1
+    return [k for k in children.values() if k > 1]
+
+
+class TreeVerifyModel:
+    """Loops and bytes of the tree verification launches. The walk's vocabulary work depends on the
+    random path; modelled: the request rejects every candidate at the root (one position with
+    siblings, then the recovered-token race) - the least work any sampled request does."""
+
+    @staticmethod
+    def rows(case: dict) -> tuple[int, int]:
+        """(target rows, draft rows) of one request."""
+        if case["op"] == "verify_multi":
+            return case["K"] * (case["G"] + 1), case["K"] * case["G"]
+        return case["N"] + 1, case["N"]
+
+    @staticmethod
+    def one_read(case: dict) -> float:
+        rows_t, rows_d = TreeVerifyModel.rows(case)
+        return case["V"] * case["B"] * (rows_t + rows_d) * case["esize"]
+
+    @staticmethod
+    def loops(case: dict, launch: Launch, loops: list[dict]):
+        name, kw = launch.kernel.fn.__name__, launch.kwargs
+        bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
+        reading = [loop for loop in loops if loop["loads"]]
+        if name == "_verify_row_stats_kernel":
+            return [(reading[0], bound["chunk_size"] / kw["BLOCK_V"])], kw["BLOCK_R"] * kw["BLOCK_V"] * 2
+        if name == "_tree_walk_kernel" and kw["METHOD"] != 0:
+            # RRS: the vocabulary loops hold the residual's per-rejection loop (counted once)
+            every, _total = sass_loops(compile_sm90(launch)[0], innermost=False)
+            nested = [
+                a for a in every if a["loads"] and any(a["start"] < b["start"] < a["start"] + a["sass"] for b in every)
+            ]
+            reading = nested or reading
+        if name == "_tree_walk_kernel" and reading:
+            trips = case["V"] / kw["BLOCK_V"]
+            k_root = _sibling_positions(case)[0]
+            search = {0: kw["RHO_R"], 1: k_root - 1, 2: k_root - 1}[kw["METHOD"]]
+            hot = [(reading[0], search * trips), (reading[-1], trips)] if len(reading) > 1 else [(reading[0], trips)]
+            return hot, kw["BLOCK_B"] * kw["BLOCK_V"] * 2
+        return TreeVerifyModel.extra_loops(case, launch, loops, reading, bound)
+
+    @staticmethod
+    def extra_loops(case, launch, loops, reading, bound):
+        return [], 0.0
+
+    @staticmethod
+    def bytes(case: dict, launch: Launch) -> float:
+        name, kw = launch.kernel.fn.__name__, launch.kwargs
+        B, V, e = case["B"], case["V"], case["esize"]
+        if name == "_verify_row_stats_kernel":
+            return TreeVerifyModel.one_read(case)
+        if name == "_tree_walk_kernel":
+            k_root = _sibling_positions(case)[0]
+            search = {0: kw["RHO_R"], 1: k_root - 1, 2: k_root - 1}[kw["METHOD"]]
+            return B * (search + 1) * 2 * V * e  # target and draft row of the root: searches + race
+        return TreeVerifyModel.extra_bytes(case, launch)
+
+    @staticmethod
+    def extra_bytes(case, launch):
+        return 0.0
+
+
+def tree_cases(smoke: bool) -> list[dict]:
+    V, batches = (32000, [1]) if smoke else (151936, [1, 64])
+    cases = []
+    for B in batches:
+        for method in ["kseq"] if smoke else ["kseq", "rrs", "rrs_wor"]:
+            base = dict(V=V, B=B, esize=2, draft="logits", temperature=0.7, method=method, model=TreeVerifyModel)
+            cases.append(
+                dict(base, op="verify_multi", K=4, G=4, name=f"verify_multi K=4 G=4 V={V} B={B} bf16 {method}")
+            )
+            if not smoke:
+                name = f"verify_tree N=60 (EAGLE-like) V={V} B={B} bf16 {method}"
+                cases.append(dict(base, op="verify_tree", N=60, parents=eagle_tree(60), name=name))
+    return cases
+
+
+def capture_tree(case: dict) -> list[Launch]:
+    import torch
+
+    import specdec_kernels as sk
+    from specdec_kernels._interpreter import plan_as_gpu
+
+    B, V = case["B"], case["V"]
+    kw = dict(temperature=case["temperature"], seed=1, method=case["method"], validate=False, backend="triton")
+    with plan_as_gpu(H100["sms"]), captured_launches() as launches:
+        if case["op"] == "verify_multi":
+            K, G = case["K"], case["G"]
+            target = torch.empty(B, K, G + 1, V, dtype=torch.bfloat16)
+            draft = torch.empty(B, K, G, V, dtype=torch.bfloat16)
+            sk.verify_multi(target, torch.zeros(B, K, G, dtype=torch.int64), draft_logits=draft, **kw)
+        else:
+            N = case["N"]
+            parents = torch.tensor(case["parents"]).expand(B, N).contiguous()
+            depth = max(tree_depths(case["parents"]))
+            target = torch.empty(B, N + 1, V, dtype=torch.bfloat16)
+            draft = torch.empty(B, N, V, dtype=torch.bfloat16)
+            tokens = torch.zeros(B, N, dtype=torch.int64)
+            sk.verify_tree(target, tokens, parents, draft_logits=draft, max_depth=depth, **kw)
+    return launches
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    depth = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
+class ChainModel:
+    """The chain model (``_loop_model``, ``_bytes``, ``one_read``) behind the tree models' interface."""
+
+    loops = staticmethod(lambda case, launch, loops: _loop_model(launch, loops))
+    bytes = staticmethod(lambda case, launch: _bytes(case, launch))
+    one_read = staticmethod(lambda case: one_read(case))
+
+
+class TreeAttentionModel:
+    """Bytes: K/V of every prefix key once per program that covers it (query tiles of one (request,
+    KV head) each read them; L2 reuse is not modelled), the tree keys, q, out and the split partials.
+    One read = K and V once per (request, KV head)."""
+
+    @staticmethod
+    def kv_once(case: dict) -> float:
+        return case["B"] * case["Hkv"] * (case["prefix"] + case["N"]) * case["D"] * 2 * case["esize"]
+
+    one_read = kv_once
+
+    @staticmethod
+    def sdpa_floor_us(case: dict) -> float:
+        qo = 2 * case["B"] * case["Hq"] * case["N"] * case["D"] * case["esize"]
+        return (TreeAttentionModel.kv_once(case) + qo) / H100["hbm"] * 1e6
+
+    @staticmethod
+    def loops(case: dict, launch: Launch, loops: list[dict]):
+        name, kw = launch.kernel.fn.__name__, launch.kwargs
+        bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
+        reading = [loop for loop in loops if loop["loads"]]
+        if name == "_tree_attention_kernel" and reading:
+            keys = min(bound["split_len"], case["prefix"])
+            return [(reading[0], keys / kw["BLOCK_N"])], 0.0
+        return [], 0.0
+
+    @staticmethod
+    def bytes(case: dict, launch: Launch) -> float:
+        name, kw = launch.kernel.fn.__name__, launch.kwargs
+        B, Hq, Hkv, N, D, e = (case[k] for k in ("B", "Hq", "Hkv", "N", "D", "esize"))
+        if name == "_tree_attention_kernel":
+            m_tiles = math.prod(launch.grid[:1]) // (B * Hkv)
+            kv = B * Hkv * m_tiles * (case["prefix"] + N) * D * 2 * e
+            splits = kw["NUM_SPLITS"]
+            partials = B * Hq * N * splits * (kw["BLOCK_D"] + 2) * 4 if splits > 1 else B * Hq * N * D * e
+            return kv + B * Hq * N * D * e + partials
+        if name == "_tree_attention_combine_kernel":
+            return B * Hq * N * (kw["NUM_SPLITS"] * (kw["BLOCK_D"] + 2) * 4 + D * e)
+        return 0.0
+
+
+def attention_cases(smoke: bool) -> list[dict]:
+    cases = []
+    for B in [1] if smoke else [1, 64]:
+        for N in [16] if smoke else [16, 64]:
+            name = f"tree_attention Hq/Hkv=32/8 D=128 prefix=4096 N={N} B={B} bf16"
+            case = dict(name=name, B=B, N=N, Hq=32, Hkv=8, D=128, prefix=4096, esize=2, model=TreeAttentionModel)
+            cases.append(case)
+    return cases
+
+
+def capture_attention(case: dict) -> list[Launch]:
+    import torch
+
+    import specdec_kernels as sk
+    from bench.bench_tree_attention import random_trees
+    from specdec_kernels._interpreter import plan_as_gpu
+
+    B, N, Hq, Hkv, D, prefix = (case[k] for k in ("B", "N", "Hq", "Hkv", "D", "prefix"))
+    q = torch.empty(B, Hq, N, D, dtype=torch.bfloat16)
+    k = torch.empty(B, Hkv, prefix + N, D, dtype=torch.bfloat16)
+    v = torch.empty_like(k)
+    lens = torch.full((B,), prefix, dtype=torch.int32)
+    with plan_as_gpu(H100["sms"]), captured_launches() as launches:
+        sk.tree_attention(q, k, v, lens, random_trees(B, N, 0), validate=False)
+    return launches
+
+
+def _call_rows(case: dict, launches: list[Launch], meta: dict) -> list[dict]:
+    kernel_rows = [launch_row(case, launch) for launch in launches]
+    total = {k: sum(r[k] for r in kernel_rows) for k in ("bytes", "byte_floor_us", "issue_bound_us", "estimate_us")}
+    config = f"{len(launches)} launches"
+    if case.get("model") is TreeAttentionModel:
+        config += f"; unmasked SDPA byte floor {TreeAttentionModel.sdpa_floor_us(case):.2f} us"
+    call = dict(case=case["name"], kernel="(call)", grid="", config=config, **total)
+    call["passes"] = round(total["bytes"] / case["model"].one_read(case), 2)
+    head = {"date": meta["date"], "commit": meta["commit"], "triton": meta["triton"], "arch": "sm_90"}
+    return [{**head, **row} for row in [*kernel_rows, call]]
+
+
+def chain_equivalents(smoke: bool) -> list[dict]:
+    """Chain ``verify`` calls reading the same rows as the tree cases (the targets' yardstick):
+    B * K chains of G drafts for verify_multi, one chain of G = N drafts for verify_tree."""
+    V, batches = (32000, [1]) if smoke else (151936, [1, 64])
+    shapes = [(4, 4, "verify_multi K=4 G=4")] + ([] if smoke else [(1, 60, "verify_tree N=60")])
+    cases = []
+    for B in batches:
+        for chains, G, like in shapes:
+            name = f"verify V={V} B={B * chains} G={G} bf16 sampled draft=logits (same rows as {like} B={B})"
+            cases.append(dict(name=name, V=V, B=B * chains, G=G, esize=2, draft="logits", temperature=0.7))
+            cases[-1].update(top_k=0, top_p=1.0)
+    return cases
+
+
+def run_tree(smoke: bool, which: str = "all") -> list[dict]:
+    """Rows of the tree verification and tree attention cases (and their chain yardsticks)."""
+    meta = environment_metadata("cpu")
+    rows = []
+    if which in ("all", "verify"):
+        for case in chain_equivalents(smoke):
+            rows += _call_rows(dict(case, model=ChainModel), capture_chain(case), meta)
+    if which in ("all", "verify"):
+        for case in tree_cases(smoke):
+            rows += _call_rows(case, capture_tree(case), meta)
+    if which in ("all", "attention"):
+        for case in attention_cases(smoke):
+            rows += _call_rows(case, capture_attention(case), meta)
+    return rows
 
 
 def run(smoke: bool) -> list[dict]:
@@ -460,8 +715,10 @@ def main(argv=None) -> int:
         "--no-csrc", dest="csrc", action="store_false", help="skip the csrc kernels (compiled when nvcc is found)"
     )
     parser.add_argument("--csv", default=str(Path(__file__).parent / "results" / "static_sm90.csv"))
+    parser.add_argument("--cases", choices=["all", "chain", "tree"], default="all", help="which calls")
     args = parser.parse_args(argv)
-    rows = run(args.smoke)
+    rows = run(args.smoke) if args.cases in ("all", "chain") else []
+    rows += run_tree(args.smoke) if args.cases in ("all", "tree") else []
     print("# static model, sm_90 (H100 SXM: 132 SMs, 3.35 TB/s): *estimates*, not measurements")
     print_table(
         rows, ["case", "kernel", "grid", "regs", "stack", "occupancy", "sass_per_entry", "passes", "estimate_us"]
