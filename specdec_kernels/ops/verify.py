@@ -972,7 +972,10 @@ def threshold_plan(target: torch.Tensor, rows: int, V: int, chunks: int | None =
         # the interpreter pays per operation: many rows and whole rows of candidates are cheap
         block_r = max(1, min(next_pow2(rows), 64))
         width = 128 if (chunks or 1) > 1 else 4096  # a forced split (tests) needs several tiles per row
-        constexprs = dict(FILTER_BLOCK=max(16, min(width, (1 << 16) // block_r)), FILTER_CAP=4096, FILTER_BINS=10)
+        # ... but every operation costs its tile's width: no tile or candidate buffer wider than a row
+        row = max(16, next_pow2(V))
+        block = max(16, min(width, (1 << 16) // block_r, row))
+        constexprs = dict(FILTER_BLOCK=block, FILTER_CAP=min(4096, row), FILTER_BINS=10)
         chunks = chunks or 1
     else:
         block_r = min(2, next_pow2(rows))
