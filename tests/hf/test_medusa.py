@@ -395,25 +395,11 @@ def test_bad_arguments(target, kwargs, error, match):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_at_most_two_host_syncs_per_step(target, temperature, monkeypatch):
-    from specdec_kernels.hf import generate as driver
-
-    from .test_step_syncs import _count_syncs
+    from .test_step_syncs import syncs_per_step
 
     heads = _random_heads(target)
     ids = torch.randint(3, 97, (4, 6), generator=torch.Generator().manual_seed(4))
-    counter, per_step = [0, False], []
-    step = driver._Session.step
-
-    def counted_step(self, g=None):
-        counter[0], counter[1] = 0, True
-        try:
-            return step(self, g)
-        finally:
-            counter[1] = False
-            per_step.append(counter[0])
-
-    monkeypatch.setattr(driver._Session, "step", counted_step)
-    with _count_syncs(counter):
+    with syncs_per_step(monkeypatch) as per_step:
         out = speculative_generate(
             target,
             None,

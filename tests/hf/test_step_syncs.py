@@ -41,6 +41,26 @@ def _count_syncs(counter: list):
             setattr(torch.Tensor, name, original)
 
 
+@contextlib.contextmanager
+def syncs_per_step(monkeypatch):
+    """Counts the host synchronisations of every driver step (prefill and output excluded); yields
+    the list that receives one count per step."""
+    counter, per_step = [0, False], []  # syncs, counting on
+    step = driver._Session.step
+
+    def counted_step(self, g=None):
+        counter[0], counter[1] = 0, True
+        try:
+            return step(self, g)
+        finally:
+            counter[1] = False
+            per_step.append(counter[0])
+
+    monkeypatch.setattr(driver._Session, "step", counted_step)
+    with _count_syncs(counter):
+        yield per_step
+
+
 @pytest.mark.parametrize("B", [1, 4])
 @pytest.mark.parametrize(
     "options",
@@ -55,20 +75,7 @@ def test_at_most_two_host_syncs_per_step(B, options, monkeypatch):
     target = tiny_model("llama", seed=1)
     draft = tiny_model("llama", seed=2, layers=1)
     ids = torch.randint(3, 97, (B, 6), generator=torch.Generator().manual_seed(B))
-    counter = [0, False]  # syncs, counting on
-    per_step = []
-    step = driver._Session.step
-
-    def counted_step(self, g=None):
-        counter[0], counter[1] = 0, True
-        try:
-            return step(self, g)
-        finally:
-            counter[1] = False
-            per_step.append(counter[0])
-
-    monkeypatch.setattr(driver._Session, "step", counted_step)
-    with _count_syncs(counter):
+    with syncs_per_step(monkeypatch) as per_step:
         out = speculative_generate(
             target, draft, ids, max_new_tokens=12, num_draft_tokens=3, eos_token_id=[], **options
         )
