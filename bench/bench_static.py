@@ -636,11 +636,15 @@ def run(smoke: bool) -> list[dict]:
 
 
 def _nvcc() -> str | None:
+    """nvcc on PATH, else under CUDA_HOME / CUDA_PATH / /usr/local/cuda (also used by the csrc
+    compile tests)."""
     found = shutil.which("nvcc")
-    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-    if found is None and (Path(home) / "bin" / "nvcc").is_file():
-        found = str(Path(home) / "bin" / "nvcc")
-    return found
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").is_file():
+            return str(Path(home) / "bin" / "nvcc")
+    return None
 
 
 def csrc_rows(meta: dict) -> list[dict]:

@@ -29,13 +29,10 @@ ARCHS = ("80", "90")
 
 
 def _nvcc():
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home and (Path(home) / "bin" / "nvcc").is_file():
-            return str(Path(home) / "bin" / "nvcc")
-    return None
+    sys.path.insert(0, str(ROOT))
+    from bench.bench_static import _nvcc as find_nvcc  # one nvcc search for the tests and bench_static
+
+    return find_nvcc()
 
 
 CACHE = ROOT / "build" / "compile_checks"
