@@ -40,6 +40,7 @@ from .attention import (
     using_tree_attention,
 )
 from .cache import commit_paths, select_requests
+from .draft_length import DraftLengthPolicy, draft_cost_estimate
 from .drafting import (
     chains_tree_parents,
     draft_distribution,
@@ -210,40 +211,6 @@ class _PhaseTimer:
             self.stats.time_s[phase] += time.perf_counter() - start
 
 
-def draft_cost_estimate(target, draft) -> float:
-    """A draft forward's cost relative to the target's, from the two models' shapes: the mean of
-    the parameter ratio (what bandwidth- and FLOP-bound forwards scale with) and the layer ratio
-    (what per-layer launch and framework overhead scales with, dominant for small models). From
-    shapes, not timings, so that a seeded call draws the same tokens every time."""
-
-    def size(model):
-        config = model.config.get_text_config(decoder=True)
-        return sum(p.numel() for p in model.parameters()), max(1, int(config.num_hidden_layers))
-
-    (p_t, l_t), (p_d, l_d) = size(target), size(draft)
-    return 0.5 * (p_d / max(p_t, 1)) + 0.5 * (l_d / l_t)
-
-
-def _choose_draft_length(stats: SpeculativeStats, G_max: int, cost: float) -> int:
-    """Drafts per step maximising expected tokens per unit of time for the running acceptance.
-
-    A chain of g drafts with per-draft acceptance a commits (1 - a^(g+1)) / (1 - a) tokens per target
-    forward and costs one target forward plus g draft forwards (``cost`` each, relative to the
-    target's). Decided on the host from past steps only (no synchronisation), so the output stays
-    exact - the number of drafts never depends on the drafts it would propose - and reproducible.
-    """
-    # Per-position acceptance, the maximum-likelihood estimate of the geometric model: accepted drafts
-    # over drafts tested (every accepted one, plus one rejection per step that ended in one).
-    a = (stats.accepted + 0.7 * 4) / (stats.accepted + stats.rejections + 4)  # prior 0.7, worth 4 tests
-    a = min(max(a, 0.01), 0.99)
-    best, best_rate = 1, 0.0
-    for g in range(1, G_max + 1):
-        rate = (1 - a ** (g + 1)) / (1 - a) / (1 + g * cost)
-        if rate > best_rate * (1 + 1e-3):  # prefer shorter drafts on near-ties
-            best, best_rate = g, rate
-    return best
-
-
 def speculative_generate(
     target,
     draft,
@@ -270,7 +237,7 @@ def speculative_generate(
     adaptive_draft: bool = True,
     draft_confidence: float = 0.0,
     exact_timing: bool = False,
-    draft_cost: float | None = None,
+    draft_cost: float | str | None = None,
 ) -> SpeculativeOutput:
     """Generate with a draft model (or prompt lookup) and exact verification by the target.
 
@@ -311,9 +278,11 @@ def speculative_generate(
             not of its sample, so sampled output stays exact). 0 (default) = off: on the demo pair a
             distilled draft is accepted often even where unsure, and the cut cost 10-20% tokens/s.
         exact_timing: synchronise the GPU around each phase of ``stats.time_s`` (slower; CPU: no-op).
-        draft_cost: a draft forward's cost relative to the target's, for ``adaptive_draft``; default
-            :func:`draft_cost_estimate` from the models' shapes (timings would make seeded runs
-            irreproducible). Measure it once (``stats.time_s``) and pass it for your hardware.
+        draft_cost: the cost model of ``adaptive_draft`` (``hf/draft_length.py``): ``"measured"``
+            (the steps' own wall times per draft length, remembered per model pair for the process),
+            ``"shapes"`` (a draft forward costs :func:`draft_cost_estimate` target forwards), or that
+            relative cost as a number. Default: measured when greedy (the output does not depend on
+            the lengths), shapes when sampling (timings would make seeded runs irreproducible).
 
     Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
 
@@ -332,6 +301,8 @@ def speculative_generate(
         raise ValueError("compile_target needs cache_implementation='static' (fixed cache buffers)")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64):
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    if not (draft_cost in (None, "measured", "shapes") or _is_number(draft_cost) and draft_cost >= 0):
+        raise ValueError(f"draft_cost must be 'measured', 'shapes', None or a number >= 0, got {draft_cost!r}")
     if not (isinstance(draft_confidence, (int, float)) and 0.0 <= draft_confidence <= 1.0):
         raise ValueError(f"draft_confidence must be in [0, 1], got {draft_confidence!r}")
     use_medusa = drafter == "medusa"
@@ -408,10 +379,14 @@ def speculative_generate(
             medusa=(medusa_heads, hidden) if use_medusa else None,
         )
         session.drop_finished([max_new_tokens == 0] * len(prompts))
-        cost = draft_cost if draft_cost is not None else (draft_cost_estimate(target, draft) if adaptive else 0.0)
+        policy = _draft_length_policy(target, draft, G, draft_cost, sampling) if adaptive else None
         while session.batch.rows:
-            g = _choose_draft_length(stats, G, cost) if adaptive else G
-            result = session.step(g)
+            active = len(session.batch.rows)
+            g = policy.choose(stats.accepted, stats.rejections, active) if policy else G
+            step_start = time.perf_counter()
+            result = session.step(g)  # ends with the step's one host synchronisation
+            if policy:
+                policy.record(g, active, time.perf_counter() - step_start)
             stats.target_forwards += 1
             stats.draft_forwards += g if use_draft else 0
             stats.steps += 1
@@ -434,6 +409,16 @@ def speculative_generate(
     if streamer is not None:
         streamer.end()
     return SpeculativeOutput(torch.cat([input_ids.long(), session.tokens.output(pad)], dim=1), stats)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _draft_length_policy(target, draft, G: int, draft_cost, sampling: dict) -> DraftLengthPolicy:
+    measured = draft_cost == "measured" or (draft_cost is None and sampling["temperature"] == 0.0)
+    cost = draft_cost if _is_number(draft_cost) else draft_cost_estimate(target, draft)
+    return DraftLengthPolicy(target, draft, G, float(cost), measured)
 
 
 # ---------------------------------------------------------------------------------------------

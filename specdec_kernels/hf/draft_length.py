@@ -1,0 +1,128 @@
+"""How many tokens to draft per step (adaptive drafting of ``speculative_generate``, chains).
+
+A chain of g drafts with per-draft acceptance a commits ``(1 - a^(g+1)) / (1 - a)`` tokens per step.
+What a step costs depends on the hardware as much as on the models: a draft forward's share of the
+target's, and how the target's verification forward grows with its g + 1 tokens (on a CPU, BLAS picks
+another kernel past a few rows: a 1.5B target's 4-token forward cost 1.8x its 3-token one on the
+2-core machine this was measured on, while 1 to 3 tokens cost about the same). The policy maximises
+expected tokens per second with one of two cost models:
+
+* ``shapes``: a step of g drafts costs ``1 + g * c`` target forwards, c from the models' shapes
+  (:func:`draft_cost_estimate`) or given. Timing-free: a seeded sampled call draws the same tokens
+  every time.
+* ``measured``: the wall time of the steps themselves, per draft length and per number of active
+  requests, remembered per (target, draft) pair for the process (so it is measured once per pair:
+  the first call explores, later ones start informed). Used by default for greedy decoding, where
+  the output is the target's greedy output whatever the draft lengths.
+
+Either way the length is decided on the host from past steps only (no synchronisation), so the
+output stays exact: the number of drafts never depends on the drafts it would propose.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 4  # acceptance before any test: 0.7, worth 4 tested drafts
+EXPLORE_WITHIN = 0.7  # an unmeasured length is tried once if its predicted rate is within 70% of the best
+REFRESH_EVERY = 16  # every 16th timed step re-measures a neighbour of the best length
+SMOOTHING = 0.3  # weight of a new step time in its length's running mean
+
+
+def draft_cost_estimate(target, draft) -> float:
+    """A draft forward's cost relative to the target's, from the two models' shapes: the mean of
+    the parameter ratio (what bandwidth- and FLOP-bound forwards scale with) and the layer ratio
+    (what per-layer launch and framework overhead scales with, dominant for small models). From
+    shapes, not timings, so that a seeded call draws the same tokens every time."""
+
+    def size(model):
+        config = model.config.get_text_config(decoder=True)
+        return sum(p.numel() for p in model.parameters()), max(1, int(config.num_hidden_layers))
+
+    (p_t, l_t), (p_d, l_d) = size(target), size(draft)
+    return 0.5 * (p_d / max(p_t, 1)) + 0.5 * (l_d / l_t)
+
+
+def acceptance_estimate(accepted: int, rejections: int) -> float:
+    """Per-position acceptance, the maximum-likelihood estimate of the geometric model (accepted
+    drafts over drafts tested: every accepted one, plus one rejection per step that ended in one),
+    shrunk towards the prior while few drafts have been tested."""
+    a = (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (accepted + rejections + PRIOR_WEIGHT)
+    return min(max(a, 0.01), 0.99)
+
+
+def expected_tokens(a: float, g: int) -> float:
+    """Tokens one step of g drafts commits per request: accepted drafts + the recovered/bonus one."""
+    return (1 - a ** (g + 1)) / (1 - a)
+
+
+def best_by_shapes(a: float, G_max: int, cost: float) -> int:
+    """The g in 1..G_max with the most expected tokens per ``1 + g * cost`` target forwards
+    (shorter on near-ties)."""
+    best, best_rate = 1, 0.0
+    for g in range(1, G_max + 1):
+        rate = expected_tokens(a, g) / (1 + g * cost)
+        if rate > best_rate * (1 + 1e-3):
+            best, best_rate = g, rate
+    return best
+
+
+@dataclass
+class StepTimes:
+    """Running mean wall time of a step per draft length (one number of active requests)."""
+
+    seconds: dict = field(default_factory=dict)  # g -> running mean of a step's wall time
+    timed_steps: int = 0
+
+    def add(self, g: int, seconds: float) -> None:
+        old = self.seconds.get(g)
+        self.seconds[g] = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds
+        self.timed_steps += 1
+
+    def predicted(self, g: int, cost: float) -> float:
+        """A step's time for g drafts: measured, else scaled by the shape model from the measured
+        length nearest to g."""
+        if g in self.seconds:
+            return self.seconds[g]
+        near = min(self.seconds, key=lambda m: (abs(m - g), m))
+        return self.seconds[near] * (1 + g * cost) / (1 + near * cost)
+
+
+# (target, draft) -> active requests -> StepTimes; weak, so the models can be freed
+_PAIR_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def pair_step_times(target, draft, active: int) -> StepTimes:
+    per_draft = _PAIR_TIMES.setdefault(target, weakref.WeakKeyDictionary())
+    return per_draft.setdefault(draft, {}).setdefault(active, StepTimes())
+
+
+class DraftLengthPolicy:
+    """Chooses the drafts of each step (at most G_max) and learns from the steps' wall times when
+    ``measured`` (see the module docstring)."""
+
+    def __init__(self, target, draft, G_max: int, cost: float, measured: bool):
+        self.target, self.draft, self.G_max, self.cost, self.measured = target, draft, G_max, cost, measured
+        self.steps = 0
+
+    def choose(self, accepted: int, rejections: int, active: int) -> int:
+        a = acceptance_estimate(accepted, rejections)
+        times = pair_step_times(self.target, self.draft, active) if self.measured else None
+        if times is None or not times.seconds:
+            return best_by_shapes(a, self.G_max, self.cost)
+        rates = {g: expected_tokens(a, g) / times.predicted(g, self.cost) for g in range(1, self.G_max + 1)}
+        best = max(rates, key=lambda g: (rates[g], -g))
+        unmeasured = [g for g in rates if g not in times.seconds and rates[g] >= EXPLORE_WITHIN * rates[best]]
+        if unmeasured:  # try each plausible length once (then the measurements decide)
+            return min(unmeasured, key=lambda g: (abs(g - best), g))
+        if times.timed_steps % REFRESH_EVERY == REFRESH_EVERY - 1:  # keep the neighbours' times fresh
+            side = -1 if (times.timed_steps // REFRESH_EVERY) % 2 else 1
+            return min(max(best + side, 1), self.G_max)
+        return best
+
+    def record(self, g: int, active: int, seconds: float) -> None:
+        """A step's wall time (the call's first step is skipped: it pays one-off costs)."""
+        self.steps += 1
+        if self.measured and self.steps > 1:
+            pair_step_times(self.target, self.draft, active).add(g, seconds)

@@ -1,0 +1,109 @@
+"""Adaptive draft length (hf/draft_length.py): the cost models and the policy's choices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_kernels.hf import speculative_generate
+from specdec_kernels.hf.draft_length import (
+    DraftLengthPolicy,
+    acceptance_estimate,
+    best_by_shapes,
+    expected_tokens,
+    pair_step_times,
+)
+
+from ._models import tiny_model
+
+
+class _Model(torch.nn.Module):
+    """A stand-in model: the policy keys its timings on the (target, draft) objects."""
+
+
+def _run(policy, step_seconds, accept_rate: float, steps: int, active: int = 1) -> list[int]:
+    """Drive the policy like speculative_generate: choose, 'run' a step of step_seconds(g), record."""
+    chosen, accepted, rejections = [], 0, 0
+    for _ in range(steps):
+        g = policy.choose(accepted, rejections, active)
+        chosen.append(g)
+        # the geometric model's expectations: drafts accepted, and whether the step ended in a rejection
+        accepted += sum(accept_rate**i for i in range(1, g + 1))
+        rejections += 1 - accept_rate**g
+        policy.record(g, active, step_seconds(g))
+    return chosen
+
+
+def test_expected_tokens_and_acceptance_estimate():
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert expected_tokens(0.8, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
+    assert acceptance_estimate(0, 0) == pytest.approx(0.7)  # the prior
+    assert acceptance_estimate(900, 100) == pytest.approx(0.9, abs=0.01)
+    assert acceptance_estimate(0, 10_000) == 0.01  # clamped
+
+
+def test_shapes_model_drafts_more_when_drafts_are_cheap_or_accepted():
+    assert best_by_shapes(0.9, 8, 0.05) > best_by_shapes(0.9, 8, 0.5)
+    assert best_by_shapes(0.9, 8, 0.2) > best_by_shapes(0.3, 8, 0.2)
+    assert best_by_shapes(0.99, 4, 0.0) == 4  # capped at G_max
+    assert best_by_shapes(0.01, 4, 1.0) == 1
+
+
+def test_measured_model_finds_the_verification_forwards_cliff():
+    """The CPU measurement that motivated it: target forwards of 1-3 tokens cost the same, 4+ tokens
+    1.8x (another BLAS kernel); a draft forward 0.37 of a target's. The shape model (cost 0.59 from
+    the Qwen pair's shapes) drafts 1 at acceptance 0.8; the measured one settles on 2."""
+
+    def seconds(g):
+        return (1.0 if g + 1 <= 3 else 1.8) + 0.37 * g
+
+    target, draft = _Model(), _Model()
+    policy = DraftLengthPolicy(target, draft, 6, 0.59, measured=True)
+    chosen = _run(policy, seconds, 0.8, 60)
+    assert set(chosen[2:12]) >= {2, 3}  # explored both sides of the cliff
+    tail = chosen[30:]
+    assert tail.count(2) >= 0.8 * len(tail)  # then mostly the best (every 16th step refreshes a neighbour)
+    assert best_by_shapes(0.8, 6, 0.59) == 1
+    # remembered for the pair: a new call starts informed
+    again = DraftLengthPolicy(target, draft, 6, 0.59, measured=True)
+    assert _run(again, seconds, 0.8, 3)[1:] == [2, 2]
+
+
+def test_measured_model_drafts_long_when_forwards_are_flat():
+    policy = DraftLengthPolicy(_Model(), _Model(), 6, 0.59, measured=True)
+    chosen = _run(policy, lambda g: 1.0 + 0.02 * g, 0.95, 40)
+    assert chosen[-1] == 6
+
+
+def test_first_step_of_a_call_is_not_timed_and_timings_are_per_batch_size():
+    target, draft = _Model(), _Model()
+    policy = DraftLengthPolicy(target, draft, 4, 0.3, measured=True)
+    policy.record(2, 1, 100.0)  # a cold first step (one-off costs): ignored
+    assert not pair_step_times(target, draft, 1).seconds
+    policy.record(2, 1, 1.0)
+    policy.record(2, 3, 2.0)
+    assert pair_step_times(target, draft, 1).seconds == {2: 1.0}
+    assert pair_step_times(target, draft, 3).seconds == {2: 2.0}
+
+
+def test_shapes_policy_never_reads_timings():
+    target, draft = _Model(), _Model()
+    slow_long = _run(DraftLengthPolicy(target, draft, 6, 0.2, measured=False), lambda g: 1.0 + 9 * g, 0.9, 10)
+    flat = _run(DraftLengthPolicy(target, draft, 6, 0.2, measured=False), lambda g: 1.0, 0.9, 10)
+    assert slow_long == flat and max(flat) > 1
+    assert not pair_step_times(target, draft, 1).seconds
+
+
+def test_sampled_calls_are_reproducible_and_draft_cost_is_checked():
+    """Sampling uses the timing-free model by default: one seed, the same tokens, twice."""
+    target = tiny_model("llama", seed=1)
+    draft = tiny_model("llama", seed=2)
+    ids = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=8, num_draft_tokens=4, temperature=0.8, seed=11, eos_token_id=[])
+    first = speculative_generate(target, draft, ids, **kw)
+    second = speculative_generate(target, draft, ids, **kw)
+    assert torch.equal(first.sequences, second.sequences)
+    assert first.stats.draft_length_histogram == second.stats.draft_length_histogram
+    for bad in ("fast", -1.0, True):
+        with pytest.raises(ValueError, match="draft_cost"):
+            speculative_generate(target, draft, ids, draft_cost=bad, **kw)
