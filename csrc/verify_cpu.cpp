@@ -28,6 +28,7 @@ struct SeqReducer {
   int sum(int v) const { return v; }
   float max(float v) const { return v; }
   void argmax(float&, int32_t&) const {}
+  void sync() const {}
 };
 
 // Threshold of one sanitised row, as reference/sampling.py's filter_threshold defines it:
@@ -197,7 +198,8 @@ void verify_tree_cpu(const ChainParams& params, int target_dtype, int draft_dtyp
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(P.B, P.V))
     for (int64_t b = 0; b < P.B; ++b) {
       SeqReducer red;
-      tree_walk_program<SeqReducer, TT, TD>(P, b, red);
+      TreeWalkScratch scratch;
+      tree_walk_program<SeqReducer, TT, TD>(P, b, red, scratch);
     }
   });
 }

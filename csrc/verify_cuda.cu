@@ -23,6 +23,7 @@ struct BlockReducer {
   __device__ int64_t rank() const { return threadIdx.x; }
   __device__ int64_t size() const { return blockDim.x; }
   __device__ int warps() const { return (blockDim.x + 31) >> 5; }
+  __device__ void sync() const { __syncthreads(); }
 
   __device__ float sum(float v) {
 #pragma unroll
@@ -103,8 +104,9 @@ template <class TT, class TD>
 __global__ void tree_walk_kernel(const ChainParams P) {
   __shared__ float f[32];
   __shared__ int32_t i[32];
+  __shared__ TreeWalkScratch scratch;  // per-request walk state: shared, not a per-thread stack
   BlockReducer red{f, i};
-  tree_walk_program<BlockReducer, TT, TD>(P, blockIdx.x, red);
+  tree_walk_program<BlockReducer, TT, TD>(P, blockIdx.x, red, scratch);
 }
 
 __global__ void finalize_kernel(const ChainParams P) {

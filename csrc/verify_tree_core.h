@@ -30,7 +30,7 @@ SK_HD const T* tree_row(const void* base, int64_t b, int64_t node, int64_t sb, i
 
 // Unnormalised RRS residual after `steps` rejections: r_0 = p, r_{l+1} = max(r_l / Z_l - q_l, 0)
 // with q_l = q (with replacement) or q without the tokens rejected before l, over D_l.
-SK_HD float rrs_residual(float p, float q, int steps, const float* zs, const int64_t* xs, const float* ds, int64_t x,
+SK_HD float rrs_residual(float p, float q, int steps, const float* zs, const int32_t* xs, const float* ds, int64_t x,
                          bool wor) {
   float r = p;
   bool removed = false;
@@ -48,46 +48,160 @@ SK_HD float rrs_residual(float p, float q, int steps, const float* zs, const int
   return r;
 }
 
-// p and q at vocab entry x of the position (q only where `with_q`).
+// Walk state indexed by node or by rejection step. Dynamic indices would put per-thread arrays in
+// local memory (a 3 KB stack per GPU thread), so it lives once per request: in shared memory on
+// the GPU (one block per request), on the stack of the request's one thread on the CPU. Writes
+// come from one thread (or one thread per node) and are followed by red.sync().
+struct TreeWalkScratch {
+  int32_t tok[MAX_TREE_NODES];    // draft id of each node; -1: placeholder (never a candidate)
+  int8_t par[MAX_TREE_NODES];     // parent node; -1: the root; -2: padding (nobody's child)
+  float zs[MAX_TREE_NODES + 1];   // RRS: residual mass after l rejections (zs[0] = 1)
+  float ds[MAX_TREE_NODES + 1];   // RRS without replacement: draft mass left after l rejections
+  int32_t xs[MAX_TREE_NODES + 1]; // RRS without replacement: token rejected at step l (-1: none)
+};
+
+SK_HD int popcount64(uint64_t v) {
+#if defined(__CUDA_ARCH__)
+  return __popcll(v);
+#else
+  return __builtin_popcountll(v);
+#endif
+}
+
+SK_HD int lowest_bit(uint64_t v) {  // v != 0
+#if defined(__CUDA_ARCH__)
+  return __ffsll(static_cast<long long>(v)) - 1;
+#else
+  return __builtin_ctzll(v);
+#endif
+}
+
+// What one tree position's vocabulary passes read: the target row of the node the walk stands on
+// and the draft row of its first candidate, with their statistics.
 template <class TT, class TD>
-SK_HD void position_pq(const ChainParams& P, const TT* t_row, const TD* d_row, int64_t x, bool with_q, float m_t,
-                       float z_t, float thr_t, float m_q, float z_q, float thr_q, float inv_t, float& xt, float& p,
-                       float& q) {
+struct Position {
+  const TT* t_row;
+  const TD* d_row;
+  float m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t;
+};
+
+// q at vocab entry x, given its raw draft value (logits: processed; probs: loaded; n-gram: 0).
+template <class TT, class TD>
+SK_HD float position_q(const ChainParams& P, const Position<TT, TD>& pos, float raw_d, int64_t x) {
   int unused = 0;
-  xt = load_logit(t_row, x, unused);
-  p = prob_of(xt, m_t, z_t, thr_t, inv_t);
-  q = 0.0f;
-  if (!with_q) return;
-  if (P.draft_mode == DRAFT_LOGITS) {
-    q = prob_of(load_logit(d_row, x, unused), m_q, z_q, thr_q, inv_t);
-  } else if (P.draft_mode == DRAFT_PROBS) {
-    q = load_prob(d_row, x, unused);
+  if (P.draft_mode == DRAFT_LOGITS) return prob_of(sanitize_logit(raw_d, unused), pos.m_q, pos.z_q, pos.thr_q, pos.inv_t);
+  if (P.draft_mode == DRAFT_PROBS) return load_prob(pos.d_row, x, unused);
+  return 0.0f;
+}
+
+// Vocabulary loop of one position: f(x, target logit (sanitised), p, q) for x in [0, V), q only
+// where `with_q`; target and draft logits in vector loads.
+template <class R, class TT, class TD, class F>
+SK_HD void for_each_entry(const ChainParams& P, R& red, const Position<TT, TD>& pos, bool with_q, F&& f) {
+  int unused = 0;
+  const bool draft_logits = with_q && P.draft_mode == DRAFT_LOGITS;
+  SK_FOR_QUADS(red, 0, P.V, q4) {
+    float tv[4], dv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    load_quad(pos.t_row, q4 * 4, P.V, tv);
+    if (draft_logits) load_quad(pos.d_row, q4 * 4, P.V, dv);
+    SK_UNROLL  // constant indices into tv / dv / the Philox words: registers, not a stack
+    for (int e = 0; e < 4; ++e) {
+      const int64_t x = int64_t(q4) * 4 + e;
+      if (x >= P.V) continue;
+      const float xt = sanitize_logit(tv[e], unused);
+      const float p = prob_of(xt, pos.m_t, pos.z_t, pos.thr_t, pos.inv_t);
+      const float q = with_q ? position_q(P, pos, dv[e], x) : 0.0f;
+      f(q4, e, x, xt, p, q);
+    }
   }
 }
 
+// p, q and the acceptance uniform of candidate node n (rank: its place among the candidates).
+struct CandidateDraw {
+  float p, q, u;
+};
+
+template <class TT, class TD>
+SK_HD CandidateDraw candidate_draw(const ChainParams& P, const Request& rq, const Position<TT, TD>& pos,
+                                   int64_t token, int rank, uint32_t counter) {
+  int unused = 0;  // (the statistics pass flagged unusable entries already)
+  CandidateDraw c;
+  c.p = prob_of(load_logit(pos.t_row, token, unused), pos.m_t, pos.z_t, pos.thr_t, rq.inv_t);
+  if (P.draft_mode == DRAFT_LOGITS) {
+    c.q = prob_of(load_logit(pos.d_row, token, unused), pos.m_q, pos.z_q, pos.thr_q, rq.inv_t);
+  } else if (P.draft_mode == DRAFT_PROBS) {
+    c.q = load_prob(pos.d_row, token, unused);
+  } else {
+    c.q = 1.0f;
+  }
+  c.u = uniform_open(rq.seed, uint32_t(rank), counter, PURPOSE_ACCEPT);
+  return c;
+}
+
+// K-SEQ: the smallest grid point rho >= rho* (bracketed in [1, k], RHO_POINTS points per vocabulary
+// pass, RHO_ROUNDS passes) and beta(rho) = sum min(q, p / rho) there. Arrays indexed only by
+// unrolled constants: registers.
 template <class R, class TT, class TD>
-SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red) {
+SK_HD void kseq_rho(const ChainParams& P, R& red, const Position<TT, TD>& pos, int k, float& rho, float& beta_hi) {
+  const float kf = float(k);
+  float lo = 1.0f, hi = kf > 1.0f ? kf : 1.0f;
+  beta_hi = 0.0f;
+  for (int round = 0; round < RHO_ROUNDS; ++round) {
+    float pts[RHO_POINTS], beta[RHO_POINTS];
+SK_UNROLL
+    for (int i = 0; i < RHO_POINTS; ++i) {
+      pts[i] = i == RHO_POINTS - 1 ? hi : lo + (hi - lo) * (float(i + 1) / float(RHO_POINTS));
+      beta[i] = 0.0f;
+    }
+    for_each_entry(P, red, pos, true, [&](int32_t, int, int64_t, float, float pv, float qv) {
+SK_UNROLL
+      for (int i = 0; i < RHO_POINTS; ++i) {
+        const float a = pv / pts[i];
+        beta[i] += qv < a ? qv : a;
+      }
+    });
+SK_UNROLL
+    for (int i = RHO_POINTS - 1; i >= 0; --i) beta[i] = red.sum(beta[i]);
+    // the first point where f(rho) = 1 - (1 - beta)^k - rho * beta <= 0 (else the last)
+    bool found = false;
+    float new_lo = lo, new_hi = pts[RHO_POINTS - 1], new_beta = beta[RHO_POINTS - 1];
+SK_UNROLL
+    for (int i = 0; i < RHO_POINTS; ++i) {
+      const float om = 1.0f - beta[i];
+      const float f = 1.0f - expf(kf * logf(om > 0.0f ? om : 0.0f)) - pts[i] * beta[i];
+      if (!found && f <= 0.0f) {
+        found = true;
+        new_lo = i > 0 ? pts[i > 0 ? i - 1 : 0] : lo;
+        new_hi = pts[i];
+        new_beta = beta[i];
+      }
+    }
+    lo = found ? new_lo : (RHO_POINTS > 1 ? pts[RHO_POINTS - 2] : lo);
+    hi = new_hi;
+    beta_hi = new_beta;
+  }
+  rho = hi;
+}
+
+template <class R, class TT, class TD>
+SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red, TreeWalkScratch& s) {
   const Request rq = load_request(P, b);
   const bool greedy = rq.greedy, stochastic = !rq.greedy;
   const int64_t N = P.K * P.G, V = P.V;
   const bool wor = P.method == 2;
-  int unused = 0;
 
-  // ---- the tree
-  int64_t tok[MAX_TREE_NODES];
-  int par[MAX_TREE_NODES];
-  bool flagged = false;
-  for (int64_t n = 0; n < N; ++n) {
+  // ---- the tree (one thread per node)
+  for (int64_t n = red.rank(); n < N; n += red.size()) {
     const bool node_ok = n < rq.n;
-    int64_t t = node_ok ? P.draft_tokens[b * P.stride_xb + (n / P.G) * P.stride_xk + n % P.G] : -1;
-    const bool ok = t >= 0 && t < V;
-    tok[n] = ok ? t : -1;  // placeholder ids (outside [0, V)) never become candidates; no error
-    int p = P.parents ? int(node_ok ? P.parents[b * P.stride_pb + n] : -1) : (n % P.G == 0 ? -1 : int(n - 1));
-    par[n] = node_ok ? p : -2;  // padding nodes are nobody's children
+    const int64_t t = node_ok ? P.draft_tokens[b * P.stride_xb + (n / P.G) * P.stride_xk + n % P.G] : -1;
+    s.tok[n] = (t >= 0 && t < V) ? int32_t(t) : -1;  // placeholder ids (outside [0, V)): no error
+    const int64_t p = P.parents ? (node_ok ? P.parents[b * P.stride_pb + n] : -1) : (n % P.G == 0 ? -1 : n - 1);
+    s.par[n] = int8_t(node_ok ? p : -2);
   }
+  red.sync();
 
   // ---- walk state
-  bool at_root = true, done = false;
+  bool at_root = true, done = false, flagged = false;
   uint64_t in_set = 0;  // the nodes spelling the accepted prefix
   int64_t rep = -1, last = -1, depth = 0;
   int64_t* out_tok = P.out_tokens + b * P.stride_ob;
@@ -95,175 +209,127 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red) {
     for (int64_t d = 0; d <= P.D; ++d) out_tok[d] = -1;
 
   for (int64_t d = 0; d <= P.D && !done; ++d) {
-    // candidates: children of the current node set, in node order
-    bool cand[MAX_TREE_NODES];
-    int rank[MAX_TREE_NODES];
-    int k = 0;
-    int64_t first = -1;
+    // candidates: children of the current node set, in node order (rank = place among them)
+    uint64_t cand = 0;
     for (int64_t n = 0; n < N; ++n) {
-      const bool in_pos = par[n] >= 0 ? ((in_set >> par[n]) & 1) != 0 : (par[n] == -1 && at_root);
-      cand[n] = in_pos && tok[n] >= 0;
-      rank[n] = k;
-      if (cand[n]) {
-        if (first < 0) first = n;
-        ++k;
-      }
+      const int par = s.par[n];
+      const bool in_pos = par >= 0 ? ((in_set >> par) & 1) != 0 : (par == -1 && at_root);
+      if (in_pos && s.tok[n] >= 0) cand |= uint64_t(1) << n;
     }
+    const int k = popcount64(cand);
     const bool has_cand = k > 0;
+    const int64_t first = has_cand ? lowest_bit(cand) : 0;
     const uint32_t counter = uint32_t(rep + 1);  // Philox row of this position
 
     const int64_t rec_t = tree_record(P, b, rep, 1);
     const float* st = P.stats + rec_t * NUM_STATS;
-    const float m_t = st[0], z_t = st[1];
     const int64_t g_idx = P.g_idx[rec_t];
-    const float thr_t = (P.has_filter && stochastic) ? P.thr[rec_t * 2] : neg_inf();
-    flagged |= st[5] > 0.0f || (stochastic && z_t == 0.0f);
-    const TT* t_row = tree_row<TT>(P.target, b, rep, P.stride_tb, P.stride_tk, P.stride_tg, P.G, 1);
-
+    Position<TT, TD> pos;
+    pos.m_t = st[0];
+    pos.z_t = st[1];
+    pos.thr_t = (P.has_filter && stochastic) ? P.thr[rec_t * 2] : neg_inf();
+    pos.inv_t = rq.inv_t;
+    flagged |= st[5] > 0.0f || (stochastic && pos.z_t == 0.0f);
+    pos.t_row = tree_row<TT>(P.target, b, rep, P.stride_tb, P.stride_tk, P.stride_tg, P.G, 1);
     // draft distribution of the position: the first candidate's draft row
-    const int64_t first_safe = has_cand ? first : 0;
-    const int64_t rec_q = tree_record(P, b, first_safe, 0);
-    const TD* d_row = tree_row<TD>(P.draft, b, first_safe, P.stride_db, P.stride_dk, P.stride_dg, P.G, 0);
+    const int64_t rec_q = tree_record(P, b, first, 0);
+    pos.d_row = tree_row<TD>(P.draft, b, first, P.stride_db, P.stride_dk, P.stride_dg, P.G, 0);
     const bool use_q = stochastic && has_cand;
-    const float m_q = use_q ? P.stats[rec_q * NUM_STATS + 2] : 0.0f;
-    const float z_q = use_q ? P.stats[rec_q * NUM_STATS + 3] : 0.0f;
-    float thr_q = neg_inf();
+    pos.m_q = use_q ? P.stats[rec_q * NUM_STATS + 2] : 0.0f;
+    pos.z_q = use_q ? P.stats[rec_q * NUM_STATS + 3] : 0.0f;
+    pos.thr_q = (P.draft_mode == DRAFT_LOGITS && P.has_filter && use_q) ? P.thr[rec_q * 2 + 1] : neg_inf();
     // unusable draft logits / probabilities in the row of this position flag the request
     flagged |= P.draft_mode != DRAFT_NONE && use_q && P.stats[rec_q * NUM_STATS + 6] > 0.0f;
-    if (P.draft_mode == DRAFT_LOGITS && P.has_filter && use_q) thr_q = P.thr[rec_q * 2 + 1];
-    float p_c[MAX_TREE_NODES], q_c[MAX_TREE_NODES], u[MAX_TREE_NODES];
-    for (int64_t n = 0; n < N; ++n) {
-      p_c[n] = q_c[n] = 0.0f;
-      u[n] = 1.0f;
-      if (!cand[n]) continue;
-      p_c[n] = prob_of(load_logit(t_row, tok[n], unused), m_t, z_t, thr_t, rq.inv_t);
-      if (P.draft_mode == DRAFT_LOGITS) {
-        q_c[n] = prob_of(load_logit(d_row, tok[n], unused), m_q, z_q, thr_q, rq.inv_t);
-      } else if (P.draft_mode == DRAFT_PROBS) {
-        q_c[n] = load_prob(d_row, tok[n], unused);
-      } else {
-        q_c[n] = 1.0f;
-      }
-      u[n] = uniform_open(rq.seed, uint32_t(rank[n]), counter, PURPOSE_ACCEPT);
-    }
 
-    // ---- decide: the accepted candidate (-1 = none)
-    float rho = 1.0f, scale = 1.0f;
-    float zs[MAX_TREE_NODES + 1], ds[MAX_TREE_NODES + 1];
-    int64_t xs[MAX_TREE_NODES + 1];
-    for (int n = 0; n <= MAX_TREE_NODES; ++n) {
-      zs[n] = ds[n] = n == 0 ? 1.0f : 0.0f;
-      xs[n] = -1;
+    // ---- decide: the accepted candidates (a mask; the walk takes the lowest)
+    red.sync();  // the previous position's readers of zs / ds / xs are done
+    for (int64_t l = red.rank(); l <= MAX_TREE_NODES; l += red.size()) {
+      s.zs[l] = s.ds[l] = l == 0 ? 1.0f : 0.0f;
+      s.xs[l] = -1;
     }
+    red.sync();
+    float rho = 1.0f, scale = 1.0f;
     int steps = 0;
-    bool accept[MAX_TREE_NODES];
-    for (int64_t n = 0; n < N; ++n) accept[n] = false;
-    if (P.draft_mode == DRAFT_NONE) {
+    uint64_t accept = 0;
+    if (!stochastic) {
+      // greedy: the candidate spelling the target's argmax (below); no draws
+    } else if (P.draft_mode == DRAFT_NONE) {
       // one-hot drafts: p_j = p without the earlier (distinct) rejected tokens, renormalised
       float removed_before = 0.0f;
-      for (int64_t n = 0; n < N; ++n) {
+      int j = 0;
+      for (uint64_t rest = cand; rest; rest &= rest - 1, ++j) {
+        const int n = lowest_bit(rest);
         bool repeated = false;
-        for (int64_t m = 0; m < n; ++m) repeated |= cand[m] && tok[m] == tok[n];
-        const float fresh = (cand[n] && !repeated) ? p_c[n] : 0.0f;
+        for (uint64_t before = cand & ((uint64_t(1) << n) - 1); before; before &= before - 1)
+          repeated |= s.tok[lowest_bit(before)] == s.tok[n];
+        const CandidateDraw c = candidate_draw(P, rq, pos, s.tok[n], j, counter);
         const float left = 1.0f - removed_before;
-        const float p_j = (repeated || left <= 0.0f) ? 0.0f : p_c[n] / (left > 0.0f ? left : 1.0f);
-        accept[n] = cand[n] && p_j > 0.0f && u[n] <= p_j;
-        removed_before += fresh;
+        const float p_j = (repeated || left <= 0.0f) ? 0.0f : c.p / (left > 0.0f ? left : 1.0f);
+        if (p_j > 0.0f && c.u <= p_j) accept |= uint64_t(1) << n;
+        removed_before += repeated ? 0.0f : c.p;
       }
     } else if (P.method == 0) {
-      // K-SEQ: bracket rho* in [1, k] with RHO_POINTS points per vocabulary pass
-      const bool search = stochastic && k > 1;
-      const float kf = float(k);
-      float lo = 1.0f, hi = kf > 1.0f ? kf : 1.0f, beta_hi = 0.0f;
-      if (search) {
-        for (int round = 0; round < RHO_ROUNDS; ++round) {
-          float pts[RHO_POINTS], beta[RHO_POINTS];
-          for (int i = 0; i < RHO_POINTS; ++i) {
-            pts[i] = i == RHO_POINTS - 1 ? hi : lo + (hi - lo) * (float(i + 1) / float(RHO_POINTS));
-            beta[i] = 0.0f;
-          }
-          SK_FOR_QUADS(red, 0, V, q4) {
-            for (int e = 0; e < 4 && q4 * 4 + e < V; ++e) {
-              float xt, pv, qv;
-              position_pq<TT, TD>(P, t_row, d_row, q4 * 4 + e, true, m_t, z_t, thr_t, m_q, z_q, thr_q, rq.inv_t, xt,
-                                  pv, qv);
-              for (int i = 0; i < RHO_POINTS; ++i) {
-                const float a = pv / pts[i];
-                beta[i] += qv < a ? qv : a;
-              }
-            }
-          }
-          int m_star = RHO_POINTS - 1;
-          for (int i = RHO_POINTS - 1; i >= 0; --i) {
-            beta[i] = red.sum(beta[i]);
-          }
-          for (int i = 0; i < RHO_POINTS; ++i) {
-            const float om = 1.0f - beta[i];
-            const float f = 1.0f - expf(kf * logf(om > 0.0f ? om : 0.0f)) - pts[i] * beta[i];
-            if (f <= 0.0f) {
-              m_star = i;
-              break;
-            }
-          }
-          const float new_lo = m_star > 0 ? pts[m_star - 1] : lo;
-          lo = new_lo;
-          hi = pts[m_star];
-          beta_hi = beta[m_star];
-        }
+      // K-SEQ: accept x_j when u_j * rho * q(x_j) <= p(x_j)
+      float beta_hi = 0.0f;
+      if (k > 1) {
+        kseq_rho(P, red, pos, k, rho, beta_hi);
+        const float om = 1.0f - beta_hi;
+        const float pow_k = expf(float(k) * logf(om > 0.0f ? om : 0.0f));
+        scale = beta_hi > 0.0f ? (1.0f - pow_k) / beta_hi : float(k);
       }
-      rho = search ? hi : 1.0f;
-      const float om = 1.0f - beta_hi;
-      const float pow_k = expf(kf * logf(om > 0.0f ? om : 0.0f));
-      scale = search ? (beta_hi > 0.0f ? (1.0f - pow_k) / beta_hi : kf) : 1.0f;
-      for (int64_t n = 0; n < N; ++n) accept[n] = cand[n] && p_c[n] > 0.0f && u[n] * rho * q_c[n] <= p_c[n];
+      int j = 0;
+      for (uint64_t rest = cand; rest; rest &= rest - 1, ++j) {
+        const int n = lowest_bit(rest);
+        const CandidateDraw c = candidate_draw(P, rq, pos, s.tok[n], j, counter);
+        if (c.p > 0.0f && c.u * rho * c.q <= c.p) accept |= uint64_t(1) << n;
+      }
     } else {
       // RRS: test candidates in rank order; each rejection renormalises the residual (one pass)
-      bool decided = !stochastic;
-      for (int j = 0; j < k; ++j) {
-        int64_t at = -1;
-        for (int64_t n = 0; n < N; ++n)
-          if (cand[n] && rank[n] == j) at = n;
-        const bool live = !decided;
-        const int64_t x_j = tok[at];
-        if (j > 0 && live) {  // Z_j: one pass over the vocabulary
+      int j = 0;
+      float d_now = 1.0f;
+      for (uint64_t rest = cand; rest && accept == 0; rest &= rest - 1, ++j) {
+        const int n = lowest_bit(rest);
+        const int32_t x_j = s.tok[n];
+        float z_now = 1.0f;
+        if (j > 0) {  // Z_j: one pass over the vocabulary
           float z_j = 0.0f;
-          SK_FOR_QUADS(red, 0, V, q4) {
-            for (int e = 0; e < 4 && q4 * 4 + e < V; ++e) {
-              const int64_t x = q4 * 4 + e;
-              float xt, pv, qv;
-              position_pq<TT, TD>(P, t_row, d_row, x, true, m_t, z_t, thr_t, m_q, z_q, thr_q, rq.inv_t, xt, pv, qv);
-              z_j += rrs_residual(pv, qv, steps, zs, xs, ds, x, wor);
-            }
-          }
-          zs[j] = red.sum(z_j);
+          for_each_entry(P, red, pos, true, [&](int32_t, int, int64_t x, float, float pv, float qv) {
+            z_j += rrs_residual(pv, qv, steps, s.zs, s.xs, s.ds, x, wor);
+          });
+          z_now = red.sum(z_j);
+          if (red.rank() == 0) s.zs[j] = z_now;
         }
-        const float r_x = rrs_residual(p_c[at], q_c[at], steps, zs, xs, ds, x_j, wor);
-        const float z_now = zs[j];
+        const CandidateDraw c = candidate_draw(P, rq, pos, x_j, j, counter);
+        const float r_x = rrs_residual(c.p, c.q, steps, s.zs, s.xs, s.ds, x_j, wor);
         const float p_j = z_now > 0.0f ? r_x / z_now : 0.0f;
         bool repeated = false;
-        float q_j = q_c[at];
+        float q_j = c.q;
         if (wor) {
-          const float d_now = ds[j];
-          for (int l = 0; l <= MAX_TREE_NODES; ++l) repeated |= xs[l] == x_j;
-          q_j = (repeated || d_now <= 0.0f) ? 0.0f : q_c[at] / (d_now > 0.0f ? d_now : 1.0f);
-          if (live) {
-            ds[j + 1] = repeated ? d_now : d_now - q_c[at];
-            if (!repeated) xs[j] = x_j;
-          }
+          for (int l = 0; l < steps; ++l) repeated |= s.xs[l] == x_j;
+          q_j = (repeated || d_now <= 0.0f) ? 0.0f : c.q / (d_now > 0.0f ? d_now : 1.0f);
         }
-        const bool ok = live && !repeated && p_j > 0.0f && u[at] * q_j <= p_j;
-        accept[at] = accept[at] || ok;
-        decided = decided || ok;
-        if (live && !ok) ++steps;
+        const bool ok = !repeated && p_j > 0.0f && c.u * q_j <= p_j;
+        if (ok) {
+          accept |= uint64_t(1) << n;
+        } else {
+          if (wor) {  // a repeated token leaves the draft mass as it was
+            d_now -= repeated ? 0.0f : c.q;
+            if (red.rank() == 0) {
+              if (!repeated) s.xs[steps] = x_j;
+              s.ds[steps + 1] = d_now;
+            }
+          }
+          ++steps;
+        }
+        red.sync();  // zs[j], xs, ds visible to every thread before the next pass reads them
       }
     }
     int64_t chosen = -1;
     if (greedy) {
-      for (int64_t n = 0; n < N && chosen < 0; ++n)
-        if (cand[n] && tok[n] == g_idx) chosen = n;
-    } else {
-      for (int64_t n = 0; n < N && chosen < 0; ++n)
-        if (accept[n]) chosen = n;
+      for (uint64_t rest = cand; rest && chosen < 0; rest &= rest - 1)
+        if (s.tok[lowest_bit(rest)] == g_idx) chosen = lowest_bit(rest);
+    } else if (accept) {
+      chosen = lowest_bit(accept);
     }
     const bool accepted = chosen >= 0;
 
@@ -271,33 +337,34 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red) {
     int64_t final_tok = g_idx;
     if (!accepted && !greedy) {
       const uint32_t purpose = has_cand ? PURPOSE_RECOVER : PURPOSE_BONUS;
-      const float log_z = logf(z_t > 0.0f ? z_t : 1.0f);
-      const float m_ref = safe_max(m_t);
+      const float log_z = logf(pos.z_t > 0.0f ? pos.z_t : 1.0f);
+      const float m_ref = safe_max(pos.m_t);
       Argmax best, pk;
-      SK_FOR_QUADS(red, 0, V, q4) {
-        const Philox4 words = philox(rq.seed, uint32_t(q4), counter, purpose, 0);
-        for (int e = 0; e < 4 && q4 * 4 + e < V; ++e) {
-          const int64_t x = q4 * 4 + e;
-          float xt, pv, qv;
-          position_pq<TT, TD>(P, t_row, d_row, x, has_cand, m_t, z_t, thr_t, m_q, z_q, thr_q, rq.inv_t, xt, pv, qv);
-          float w;
-          if (P.draft_mode == DRAFT_NONE) {
-            bool gone = false;
-            for (int64_t n = 0; n < N; ++n) gone |= cand[n] && tok[n] == x;
-            w = gone ? 0.0f : pv;
-          } else if (P.method == 0) {
-            const float a = pv / rho;
-            const float v = pv - scale * (qv < a ? qv : a);
-            w = v > 0.0f ? v : 0.0f;
-          } else {
-            w = rrs_residual(pv, qv, steps, zs, xs, ds, x, wor);
-          }
-          if (!has_cand) w = pv;
-          const float noise = race_noise_from_uniform(uniform_from_bits(words.w[e]));
-          if (w > 0.0f) best.add(logf(w > 1e-38f ? w : 1e-38f) + noise, x);
-          if (pv > 0.0f) pk.add((xt - m_ref) * rq.inv_t - log_z + noise, x);
+      Philox4 words;
+      int32_t words_quad = -1;
+      for_each_entry(P, red, pos, has_cand, [&](int32_t q4, int e, int64_t x, float xt, float pv, float qv) {
+        if (q4 != words_quad) {  // one Philox call per quad
+          words = philox(rq.seed, uint32_t(q4), counter, purpose, 0);
+          words_quad = q4;
         }
-      }
+        float w;
+        if (!has_cand) {
+          w = pv;
+        } else if (P.draft_mode == DRAFT_NONE) {
+          bool gone = false;
+          for (uint64_t rest = cand; rest; rest &= rest - 1) gone |= s.tok[lowest_bit(rest)] == x;
+          w = gone ? 0.0f : pv;
+        } else if (P.method == 0) {
+          const float a = pv / rho;
+          const float v = pv - scale * (qv < a ? qv : a);
+          w = v > 0.0f ? v : 0.0f;
+        } else {
+          w = rrs_residual(pv, qv, steps, s.zs, s.xs, s.ds, x, wor);
+        }
+        const float noise = race_noise_from_uniform(uniform_from_bits(words.w[e]));
+        if (w > 0.0f) best.add(logf(w > 1e-38f ? w : 1e-38f) + noise, x);
+        if (pv > 0.0f) pk.add((xt - m_ref) * rq.inv_t - log_z + noise, x);
+      });
       best.reduce(red);
       pk.reduce(red);
       final_tok = best.key > neg_inf() ? best.idx : pk.index_or_zero();
@@ -305,19 +372,14 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red) {
     final_tok = final_tok < 0 ? 0 : (final_tok > V - 1 ? V - 1 : final_tok);
 
     // ---- advance
-    const int64_t chosen_tok = accepted ? tok[chosen] : 0;
+    const int64_t chosen_tok = accepted ? s.tok[chosen] : 0;
     if (red.rank() == 0) out_tok[d] = accepted ? chosen_tok : final_tok;
     if (accepted) {
       uint64_t new_set = 0;
-      int64_t new_rep = -1;
-      for (int64_t n = 0; n < N; ++n) {
-        if (cand[n] && tok[n] == chosen_tok) {
-          new_set |= uint64_t(1) << n;
-          if (new_rep < 0) new_rep = n;
-        }
-      }
+      for (uint64_t rest = cand; rest; rest &= rest - 1)
+        if (s.tok[lowest_bit(rest)] == chosen_tok) new_set |= uint64_t(1) << lowest_bit(rest);
       in_set = new_set;
-      rep = new_rep;
+      rep = lowest_bit(new_set);
       last = chosen;
       at_root = false;
       ++depth;
@@ -330,9 +392,9 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red) {
     int64_t* out_nodes = P.out_nodes + b * P.stride_nb;
     for (int64_t t = 0; t < P.D; ++t) out_nodes[t] = -1;
     int64_t node = last;
-    for (int64_t pos = depth - 1; pos >= 0 && node >= 0; --pos) {
-      if (pos < P.D) out_nodes[pos] = node;
-      node = par[node];
+    for (int64_t at = depth - 1; at >= 0 && node >= 0; --at) {
+      if (at < P.D) out_nodes[at] = node;
+      node = s.par[node];
     }
     P.out_accepted[b] = int32_t(depth);
     P.out_nonfinite[b] = flagged;

@@ -16,16 +16,14 @@ from specdec_kernels.reference import verify_multi_reference, verify_reference, 
 
 from ._inputs import make_problem
 from ._trees import make_tree_problem
+from .conftest import cpu_core_or_skip
 
 MODES = ["greedy", "logits", "probs", "ngram"]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def cpu_build():
-    try:
-        return _cuda_ext.load_cpu_core()
-    except RuntimeError as exc:  # no C++ toolchain: the fallback test below still runs
-        pytest.skip(f"cannot build the CPU backend: {exc}")
+    return cpu_core_or_skip()  # no C++ toolchain: skipped (the fallback tests still run elsewhere)
 
 
 def _same(out, ref, fields=("tokens", "num_accepted", "nonfinite")):

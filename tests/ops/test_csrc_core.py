@@ -16,18 +16,14 @@ from specdec_kernels._validation import check_verify_args
 from specdec_kernels.reference import verify_reference
 
 from ._inputs import make_problem
+from .conftest import cpu_core_or_skip
 
 MODES = ["greedy", "logits", "probs", "ngram"]
 
 
 @pytest.fixture(scope="module")
 def core():
-    from specdec_kernels.ops import _cuda_ext
-
-    try:
-        return _cuda_ext.load_cpu_core()
-    except Exception as exc:  # no compiler / headers: nothing to test here
-        pytest.skip(f"cannot build the CPU core of csrc/: {str(exc)[:300]}")
+    return cpu_core_or_skip()
 
 
 def _run_core(core, target, tokens, draft_logits=None, *, num_chunks=1, **kw):

@@ -13,18 +13,14 @@ from specdec_kernels._tree_args import check_tree_args
 
 from ._inputs import make_problem
 from ._trees import make_tree_problem
+from .conftest import cpu_core_or_skip
 
 FIELDS = ("tokens", "num_accepted", "accepted_nodes", "nonfinite")
 
 
 @pytest.fixture(scope="module")
 def core():
-    from specdec_kernels.ops import _cuda_ext
-
-    try:
-        return _cuda_ext.load_cpu_core()
-    except Exception as exc:
-        pytest.skip(f"cannot build the CPU core of csrc/: {str(exc)[:300]}")
+    return cpu_core_or_skip()
 
 
 def _same(out, ref):
