@@ -1,6 +1,7 @@
 """Fused chain verification for speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
 
-Three launches (four with top-k / top-p), no host synchronisation, no Python loop over requests:
+Three launches (five with top-k / top-p; four in the interpreter, see ``threshold_plan``), no host
+synchronisation, no Python loop over requests:
 
 1. ``_verify_row_stats_kernel``  grid (row tiles, vocab chunks): one pass over each target row
    (and draft row) computes the online max / sum-exp of the processed logits and the greedy
