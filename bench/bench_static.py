@@ -220,25 +220,31 @@ def occupancy(regs: int, smem: int, warps: int) -> tuple[float, str, int]:
 # what each kernel's hot loops are, and how many entries they cover
 
 
-def _loop_model(launch: Launch, loops: list[dict]) -> tuple[list[tuple[dict, float]], float]:
-    """([(loop, iterations per program)], entries one iteration covers) for a captured launch."""
+def _loop_model(launch: Launch, loops: list[dict], total: int = 0) -> tuple[list[tuple[dict, float]], float]:
+    """([(loop, iterations per program)], entries one iteration covers) for a captured launch;
+    `total`: SASS instructions of the whole kernel (the selection's code outside its loops)."""
     kw, name = launch.kwargs, launch.kernel.fn.__name__
     bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
     reading = [loop for loop in loops if loop["loads"]]
     tensors = 2 if kw.get("DRAFT_MODE") in (1, 2) else 1  # logit rows read per row / request
     phase = kw.get("PHASE", 0)
     if name == "_verify_row_stats_kernel" and phase:
-        per_row = 2 if kw["DRAFT_MODE"] == 1 else 1  # target and draft rows are filtered one after the other
-        if phase == 1:  # whole rows: histogram pass and copy pass over V
-            trips = bound["V"] / kw["FILTER_BLOCK"]
-            return [(loop, trips) for loop in reading[: 2 * per_row]], kw["BLOCK_R"] * kw["FILTER_BLOCK"]
-        if phase in (2, 4):  # histogram / copy of one chunk (target, then draft)
-            trips = bound["chunk_size"] / kw["FILTER_BLOCK"]
-            return [(loop, trips) for loop in reading[:per_row]], kw["BLOCK_R"] * kw["FILTER_BLOCK"]
-        if phase == 3:  # merge the chunks' suffix counts, then their candidate offsets
-            return [(loop, bound["num_chunks"]) for loop in reading[: 2 * per_row]], 0.0
-        register_loops = [loop for loop in loops if not loop["loads"]]  # the 32-step selections
-        return [(loop, 32) for loop in register_loops[: 2 * per_row]], 0.0
+        # one row per program; axis 1 interleaves target and draft (draft logits), which run the same
+        # code on rows of the same length: one copy's loops count
+        slots = 2 if kw["DRAFT_MODE"] == 1 else 1
+        if phase == 1:  # candidates: one tile of FILTER_BLOCK entries per chunk this program takes; the
+            # loop with the sum-exp (first) runs only for top-p without top-k
+            trips = math.ceil(bound["num_chunks"] / (launch.grid[1] // slots))
+            with_z = kw["PER_REQ_K"] or kw["PER_REQ_P"] or (bound["top_k"] == 0 and bound["top_p"] < 1.0)
+            return [(reading[0 if with_z else 1], trips)], kw["FILTER_BLOCK"]
+        # selection: the code outside loops (all of it, as if run once: an upper bound) and the two
+        # bisections in registers: the k-th largest inside its key16 step (16 - SHIFT low key bits:
+        # none for bf16; a k-th largest more than 254 bf16 steps below the max bisects up to 16 more),
+        # the top-p threshold over at most 32 - SHIFT key bits (SHIFT = 16 for bf16; fp16 counted as fp32)
+        shift = 16 if str(bound["target_ptr"].dtype) == "torch.bfloat16" else 0
+        register_loops = [loop for loop in loops if not loop["loads"]]
+        straight = {"sass": total - sum(loop["sass"] for loop in loops), "loads": 0, "start": -1}
+        return [(straight, 1), (register_loops[0], 16 - shift), (register_loops[1], 32 - shift)], 0.0
     if name == "_verify_row_stats_kernel":
         return [(reading[0], bound["chunk_size"] / kw["BLOCK_V"])], kw["BLOCK_R"] * kw["BLOCK_V"] * tensors
     if name == "_verify_accept_kernel":  # (the chunk combine when not merged before,) the race over row j
@@ -258,12 +264,11 @@ def _bytes(case: dict, launch: Launch) -> float:
     sampled = case["temperature"] > 0
     draft_rows = B * G if (sampled and case["draft"] in ("logits", "probs")) else 0
     draft_esize = esize if case["draft"] == "logits" else 4
-    if name == "_verify_row_stats_kernel" and kw.get("PHASE", 0) in (3, 5):  # scratch only (and the
-        return 0.0  # select phase's bisection fallback, which a row needs only when its kept set is huge)
-    if name == "_verify_row_stats_kernel" and kw.get("PHASE", 0) in (1, 2, 4):
+    if name == "_verify_row_stats_kernel" and kw.get("PHASE", 0) == 2:  # scratch only (and the select
+        return 0.0  # phase's bisection fallback, which a row needs only when the candidates miss its kept set)
+    if name == "_verify_row_stats_kernel" and kw.get("PHASE", 0) == 1:  # candidates: one read
         filtered = B * (G + 1) if sampled else 0
-        passes = 2 if kw["PHASE"] == 1 else 1  # whole rows: histogram and copy; split: one each
-        return passes * V * (filtered * esize + (draft_rows * esize if case["draft"] == "logits" else 0))
+        return V * (filtered * esize + (draft_rows * esize if case["draft"] == "logits" else 0))
     if name == "_verify_row_stats_kernel":
         return V * (B * (G + 1) * esize + draft_rows * draft_esize)
     if name == "_verify_accept_kernel" and sampled:  # row j of target and draft per request
@@ -278,19 +283,19 @@ def one_read(case: dict) -> float:
     return V * (B * (G + 1) * esize + B * G * draft)
 
 
-_PHASES = ["", " (thresholds)", " (threshold histogram)", " (threshold pivot)", " (threshold copy)", " (select)"]
+_PHASES = ["", " (threshold candidates)", " (select)"]
 
 
 def launch_row(case: dict, launch: Launch) -> dict:
     cubin, meta = compile_sm90(launch)
     res = resources(cubin)
-    loops, _total = sass_loops(cubin)
+    loops, total = sass_loops(cubin)
     warps = launch.kwargs.get("num_warps", 4)
     smem = int(getattr(meta, "shared", 0) or 0)
     occ, limiter, ctas = occupancy(res["regs"], smem, warps)
     programs = math.prod(launch.grid)
     model = case.get("model")  # tree cases carry their own loop and byte models
-    hot, entries = model.loops(case, launch, loops) if model else _loop_model(launch, loops)
+    hot, entries = model.loops(case, launch, loops) if model else _loop_model(launch, loops, total)
     per_program = sum(loop["sass"] * trips for loop, trips in hot) * warps  # warp instructions
     busiest = math.ceil(programs / H100["sms"]) * per_program
     issue_us = busiest / (4 * H100["ghz"] * 1e3)

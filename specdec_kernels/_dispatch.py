@@ -61,13 +61,26 @@ _AUTO_CACHE: dict[tuple, str] = {}
 
 
 @contextlib.contextmanager
-def launch_overrides(num_chunks: int | None = None, block_v: int | None = None, threshold_chunks: int | None = None):
+def launch_overrides(
+    num_chunks: int | None = None,
+    block_v: int | None = None,
+    threshold_chunks: int | None = None,
+    threshold_capacity: int | None = None,
+):
     """Force the vocabulary split and block size of the verification launches inside the block.
 
     For tests and benchmarks: ``num_chunks`` splits rows across programs (Triton and cuda),
     ``block_v`` sets the Triton tile width, ``threshold_chunks`` splits the top-k/top-p threshold
-    phases (chain verification, Triton). Not part of the public functions' signatures."""
-    token = _OVERRIDES.set({"num_chunks": num_chunks, "block_v": block_v, "threshold_chunks": threshold_chunks})
+    phases and ``threshold_capacity`` sets their candidate slots per row (chain verification,
+    Triton). Not part of the public functions' signatures."""
+    token = _OVERRIDES.set(
+        {
+            "num_chunks": num_chunks,
+            "block_v": block_v,
+            "threshold_chunks": threshold_chunks,
+            "threshold_capacity": threshold_capacity,
+        }
+    )
     try:
         yield
     finally:
@@ -210,8 +223,8 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
         return verify_vectorized(args.padded())
     if backend == "cuda":
         return _cuda_ext.verify_chain(args.padded(), num_chunks=num_chunks)
-    threshold_chunks = overrides.get("threshold_chunks")
-    candidates = {"triton": lambda: launch_verify(args, num_chunks, block_v, threshold_chunks)}
+    threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
+    candidates = {"triton": lambda: launch_verify(args, num_chunks, block_v, *threshold)}
     if backend == "auto" and device.type == "cuda" and _cuda_ext.cuda_extension_ready():
         candidates["cuda"] = lambda: _cuda_ext.verify_chain(args.padded(), num_chunks=num_chunks)
     chosen = resolve(backend, device, chain_shape_class(args), candidates)

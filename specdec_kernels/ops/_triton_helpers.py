@@ -368,7 +368,7 @@ def filter_threshold(
        when their mass reaches top_p (checked exactly on the copies).
     Other rows (a very flat top-p row, a huge k) fall back to bisection over the row
     (``bisect_threshold``, 32 passes per selection). Returns (threshold, took the two-pass path).
-    The same steps split over vocabulary chunks are the threshold phases of ops/verify.py.
+    The verification kernels read each row once instead (``chunk_candidates``, ``select_candidates``).
     """
     use_k = row_ok & (top_k > 0) & (top_k < V)
     use_p = row_ok & (top_p < 1.0)
@@ -391,6 +391,160 @@ def filter_threshold(
         if tl.max(slow.to(tl.int32), axis=0) > 0:
             thr = tl.where(slow, bisect_threshold(row_ptrs, slow, V, inv_t, top_k, top_p, BLOCK), thr)
     return thr, fast
+
+
+@triton.jit
+def chunk_candidates(
+    row_ptr,
+    cand_ptr,
+    active,
+    start,
+    end,
+    inv_t,
+    CW: tl.constexpr,
+    L: tl.constexpr,
+    NB: tl.constexpr,
+    E: tl.constexpr,
+    WITH_Z: tl.constexpr,
+):
+    """The top-k/top-p candidates of one vocabulary chunk [start, end) of one row (end - start <= CW),
+    read once and kept in registers (the threshold phases of ops/verify.py).
+
+    row_ptr: [1] pointer to the row; cand_ptr: [1] pointer to L fp32 slots (L / E groups of E
+    consecutive entries, then -inf); active, inv_t: [1]. The chunk is cut into groups of E entries
+    (one vector load per thread: nothing crosses threads), groups are binned by the distance of
+    their max below the chunk max in steps of the float key's top 16 bits (one bf16 step per bin,
+    8 per bin past NB / 2; bin NB - 1 collects everything farther), and the chunk keeps the
+    nearest bins whose groups fit the
+    slots, written whole (vector stores; entries below the bound ride along). Returns (max,
+    sum-exp relative to it if WITH_Z else 0, tau) as [1] tensors: every finite entry whose key16
+    (``_unsigned_key >> 16``) is >= tau was written, so the union of a row's chunks holds every entry
+    of the row at or above the largest tau (``select_candidates``)."""
+    cols = start + tl.arange(0, CW)
+    x, _bad = load_logits(row_ptr + cols, active & (cols < end))
+    groups = tl.reshape(x, [CW // E, E])
+    g_max = tl.max(groups, axis=1)
+    m = tl.max(g_max, axis=0)
+    z = 0.0
+    if WITH_Z:  # only top-p without top-k needs the row's sum-exp
+        z = tl.sum(tl.exp2((x - safe_max(m)) * (inv_t * LOG2E)), axis=0)
+    top16 = (_unsigned_key(m) >> 16).to(tl.int32)
+    # bins: one key16 step each for the first NB / 2 steps below the max, then 8 steps each (heavy
+    # tails: a chunk whose max stands far above the rest still keeps its L / E nearest groups)
+    FINE: tl.constexpr = NB // 2
+    steps = top16 - (_unsigned_key(g_max) >> 16).to(tl.int32)
+    d = tl.where(steps < FINE, steps, tl.minimum(FINE + ((steps - FINE) >> 3), NB - 1))  # -inf groups: far
+    near = tl.max(tl.where(tl.cumsum(tl.histogram(d, NB), axis=0) <= L // E, tl.arange(0, NB), -1), axis=0)
+    take = d <= near
+    g_pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(cand_ptr + (g_pos * E)[:, None] + tl.arange(0, E)[None, :], groups, mask=take[:, None])
+    filled = tl.sum(take.to(tl.int32), axis=0) * E
+    slots = tl.arange(0, L)
+    tl.store(cand_ptr + slots, float("-inf"), mask=active & (slots >= filled))
+    # near = NB - 1: the whole chunk (the far bin too); near = -1: nothing (more than L / E groups
+    # hold the max)
+    farthest = tl.where(near < FINE, near, FINE + ((near - FINE + 1) << 3) - 1)  # steps of the last bin kept
+    tau = tl.where(near == NB - 1, 0, tl.maximum(top16 - farthest, 0))
+    zero = tl.zeros_like(inv_t)
+    return zero + m, zero + z, zero.to(tl.int32) + tau
+
+
+@triton.jit
+def _bisect_count(keys, live, k, lo, hi):
+    """Largest key t in [lo, hi) with #{live keys >= t} >= k, given that lo has it and hi has not
+    (uint32 [1]; done when hi - lo <= 1)."""
+    while tl.max(hi - lo, axis=0) > 1:
+        mid = lo + ((hi - lo) >> 1)
+        ok = tl.sum(((keys >= mid) & live).to(tl.int32), axis=0) >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return lo
+
+
+@triton.jit
+def _bisect_mass(keys, weights, goal, lo, hi):
+    """Largest key t in [lo, hi) with sum_{keys >= t} weights >= goal, given that lo has it and hi
+    has not (uint32 [1]; done when hi - lo <= 1)."""
+    while tl.max(hi - lo, axis=0) > 1:
+        mid = lo + ((hi - lo) >> 1)
+        ok = tl.sum(tl.where(keys >= mid, weights, 0.0), axis=0) >= goal
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return lo
+
+
+@triton.jit
+def select_candidates(
+    cand_ptr,
+    rec_ptr,
+    tau_ptr,
+    TC,
+    ok,
+    V,
+    inv_t,
+    top_k,
+    top_p,
+    TCP2: tl.constexpr,
+    L: tl.constexpr,
+    NB: tl.constexpr,
+    SHIFT: tl.constexpr,
+):
+    """Exact top-k/top-p thresholds of one row from its TC chunks' candidates (``chunk_candidates``):
+    (threshold, fast) as [1] tensors. cand_ptr: [1] -> [TC, L] fp32 candidates; rec_ptr: [1] ->
+    [TC, 2] (max, sum-exp) per chunk; tau_ptr: [1] -> [TC] int32; ok, inv_t, top_k, top_p: [1].
+
+    Every entry of the row with key16 >= P = max(tau) is a candidate, so the candidates at or above
+    P decide a row whose k-th largest lies there (at least k of them) or, for top-p alone, whose
+    goal mass they hold; other rows are not fast (the caller bisects over the row). The k-th largest
+    is found from a histogram of key16 steps below the row max (for bf16 its step is its value;
+    fp16 / fp32 bisect the low key bits inside the step: SHIFT = 13 / 0, 16 for bf16), the top-p
+    threshold by bisection between it and the max. Same thresholds and tie rule as
+    ``bisect_threshold`` and the reference."""
+    SH: tl.constexpr = 16 - SHIFT
+    use_k = ok & (top_k > 0) & (top_k < V)
+    use_p = ok & (top_p < 1.0)
+    active = use_k | use_p
+    ch = tl.arange(0, TCP2)
+    rec_ok = active & (ch < TC)
+    m_c = tl.load(rec_ptr + ch * 2, mask=rec_ok, other=float("-inf"))
+    z_c = tl.load(rec_ptr + ch * 2 + 1, mask=rec_ok, other=0.0)
+    tau = tl.max(tl.load(tau_ptr + ch, mask=rec_ok, other=0), axis=0)
+    m = tl.max(m_c, axis=0)
+    ref = safe_max(m)
+    scale = tl.exp2((m_c - ref) * (inv_t * LOG2E))
+    row_z = tl.sum(tl.where(m_c > float("-inf"), z_c * scale, 0.0), axis=0)
+    j = tl.arange(0, TCP2 * L)
+    v = tl.load(cand_ptr + j, mask=active & (j < TC * L), other=float("-inf"))
+    key = _unsigned_key(v)
+    key16 = (key >> 16).to(tl.int32)
+    valid = (v > float("-inf")) & (key16 >= tau)
+    v = tl.where(valid, v, float("-inf"))
+    has_k = use_k & (tl.sum(valid.to(tl.int32), axis=0) >= top_k)
+    fast = has_k | (use_p & ~use_k)  # top-k rows with fewer than k candidates at or above P: not fast
+    # the k-th largest: its key16 step below the max (d_k = NB - 1: farther, between P and there)
+    top16 = (_unsigned_key(m) >> 16).to(tl.int32)
+    d = tl.where(valid, tl.minimum(top16 - key16, NB - 1), NB - 1)
+    above = tl.cumsum(tl.histogram(d, NB), axis=0)
+    d_k = tl.min(tl.where(above[None, :] >= top_k[:, None], tl.arange(0, NB)[None, :], NB - 1), axis=1)
+    far = d_k >= NB - 1
+    lo_k = tl.where(has_k, tl.where(far, tau, top16 - d_k), 0).to(tl.uint32) << SH
+    hi_k = tl.where(has_k, tl.where(far, top16 - (NB - 2), top16 - d_k + 1), 0).to(tl.uint32) << SH
+    keys = key >> SHIFT
+    lo_k = _bisect_count(keys, valid, top_k, lo_k, hi_k)
+    t_k = tl.min(tl.where(valid & (keys >= lo_k), v, float("inf")), axis=0)
+    t_k = tl.where(has_k, t_k, float("-inf"))
+    kept = valid & (v >= t_k)
+    weights = tl.where(kept, tl.exp((v - ref) * inv_t), 0.0)
+    kept_mass = tl.sum(weights, axis=0)
+    goal = top_p * tl.where(has_k, kept_mass, row_z)
+    # top-p alone: the candidates must hold the goal's mass, else the threshold lies below P
+    fast = fast & (has_k | ~use_p | (kept_mass >= goal))
+    do_p = fast & use_p & (goal > 0.0)
+    lo_p = tl.where(do_p, tl.where(has_k, lo_k, tau.to(tl.uint32) << SH), 0)
+    hi_p = tl.where(do_p, (_unsigned_key(m) >> SHIFT) + 1, 0)
+    lo_p = _bisect_mass(keys, weights, goal, lo_p, hi_p)
+    t_p = tl.min(tl.where(kept & (keys >= lo_p), v, float("inf")), axis=0)
+    return tl.where(do_p, t_p, t_k), fast
 
 
 @triton.jit

@@ -1,16 +1,19 @@
 """Fused chain verification for speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
 
-Three launches (four with top-k / top-p), no host synchronisation, no Python loop over requests:
+Three launches (five with top-k / top-p; four in the interpreter, see ``threshold_plan``), no host
+synchronisation, no Python loop over requests:
 
 1. ``_verify_row_stats_kernel``  grid (row tiles, vocab chunks): one pass over each target row
    (and draft row) computes the online max / sum-exp of the processed logits and the greedy
    argmax. Each lane keeps its own running state (one exp per logit, no cross-lane reduction
    inside the loop); the lanes are combined once after it. Entries are not sanitised in this pass:
    a NaN-propagating running max notices NaN / +inf, and only such rows are redone with every
-   entry checked (``_row_pass_exact``). With top-k / top-p the same kernel runs once before,
-   as the threshold pass (grid: row tiles, whole rows): two passes per row - key histogram ->
-   pivot, copy of the candidates - and the selection among them in registers
-   (``filter_threshold``); the statistics pass then reads the thresholds and splits as usual.
+   entry checked (``_row_pass_exact``). With top-k / top-p the same kernel runs twice before,
+   as the threshold phases (one read of each row): the candidates of every vocabulary chunk,
+   picked while the chunk sits in registers (``chunk_candidates``; grid: rows, chunks x target /
+   draft), then the exact selection among them per row (``select_candidates``; bisection over the
+   row for the rare rows they do not decide); the statistics pass then reads the thresholds and
+   splits as usual.
 2. ``_verify_accept_kernel``     grid (request tiles, vocab chunks): combines the chunk statistics,
    tests every draft ``u * q(x) <= p(x)``, finds the first rejection j and, for sampled requests,
    runs one exponential race over row j: of the residual ``max(p - q, 0)`` when j < n_b (a
@@ -40,10 +43,8 @@ from ._triton_helpers import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
-    at_or_above,
     bisect_threshold,
-    choose_pivot,
-    copy_candidates,
+    chunk_candidates,
     filter_threshold,
     inverse_temperature,
     lane_argmax_update,
@@ -56,11 +57,10 @@ from ._triton_helpers import (
     load_probs,
     next_pow2,
     per_request,
-    pivot_histogram,
     race_inv_exp,
     request_seed,
     safe_max,
-    select_thresholds,
+    select_candidates,
     uniform_open,
 )
 
@@ -84,11 +84,9 @@ RACE_TARGET = tl.constexpr(1)  # over p itself (the fallback when the residual i
 NUM_RACES = tl.constexpr(2)
 # Launches of the row-stats kernel: the statistics pass, and the top-k/top-p threshold phases.
 PHASE_STATS = tl.constexpr(0)  # grid (row tiles, chunks): statistics, thresholds read from thr_ptr
-PHASE_WHOLE = tl.constexpr(1)  # grid (row tiles, 1): thresholds of whole rows, one program each
-PHASE_HIST = tl.constexpr(2)  # grid (row tiles, TC): key histogram and (max, sum-exp) per chunk
-PHASE_PIVOT = tl.constexpr(3)  # grid (row tiles, 1): merge, pivot, per-chunk candidate offsets
-PHASE_COPY = tl.constexpr(4)  # grid (row tiles, TC): copy the candidates
-PHASE_SELECT = tl.constexpr(5)  # grid (row tiles, 1): thresholds among the candidates
+PHASE_CANDIDATES = tl.constexpr(1)  # grid (rows, W x programs per row): candidates of each chunk
+PHASE_SELECT = tl.constexpr(2)  # grid (rows, W): thresholds among the candidates (W = 2: target, draft)
+PHASE_WHOLE = tl.constexpr(3)  # grid (row tiles, 1): thresholds of whole rows, BLOCK_R per program (interpreter)
 # Top-k/top-p thresholds per row (raw-logit units), written by kernel 1 when filtering.
 THR_T = tl.constexpr(0)  # target
 THR_Q = tl.constexpr(1)  # draft (DRAFT_LOGITS)
@@ -186,8 +184,8 @@ def _verify_row_stats_kernel(
     stats_ptr,  # [B*K*(G+1), C, NUM_STATS] fp32 out
     idx_ptr,  # [B*K*(G+1), C, NUM_IDX] int32 out
     thr_ptr,  # [B*K*(G+1), 2] fp32 out: raw-logit thresholds of target and draft (HAS_FILTER)
-    filter_buf_ptr,  # fp32 scratch of the threshold phases: candidates [R, 2, FILTER_CAP], chunk (m, z)
-    filter_int_ptr,  # int32 scratch of the split threshold phases: histograms, offsets, pivots
+    filter_buf_ptr,  # fp32 scratch of the threshold phases: candidates [2R, TC, FILTER_CAP], chunk (m, z)
+    filter_int_ptr,  # int32 scratch of the threshold phases: each chunk's candidate bound [2R, TC] (not PHASE_WHOLE)
     # strides
     stride_tb,
     stride_tk,
@@ -215,9 +213,10 @@ def _verify_row_stats_kernel(
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
     PHASE: tl.constexpr,  # PHASE_STATS, or one of the top-k/top-p threshold phases (see launch_verify)
-    FILTER_BLOCK: tl.constexpr,  # entries per tile of the threshold passes (HAS_FILTER)
-    FILTER_CAP: tl.constexpr,  # candidates a row may have for the in-register selection
-    FILTER_BINS: tl.constexpr,  # log2 of the pivot histogram's bins
+    FILTER_BLOCK: tl.constexpr,  # threshold chunk width (in registers; chunk_size of the threshold phases)
+    FILTER_CAP: tl.constexpr,  # candidate slots per chunk
+    FILTER_BINS: tl.constexpr,  # bins of the candidate histograms (key16 steps below the max); PHASE_WHOLE: log2
+    FILTER_CHUNKS: tl.constexpr,  # next power of two >= the threshold chunks (selection tile: x FILTER_CAP)
     PLACEHOLDERS_END: tl.constexpr,  # a draft id outside [0, V) ends the draft (chains)
     GP2: tl.constexpr,  # next power of two >= G (PLACEHOLDERS_END)
     FLAT: tl.constexpr,  # flattened ragged layout (chains): bases from cu_ptr, strides are row strides
@@ -260,19 +259,55 @@ def _verify_row_stats_kernel(
             top_k = tl.where(top_k >= V, 0, top_k).to(tl.int32)  # k >= V (int64 too) keeps the whole row
             top_p = per_request(top_p_ptr, top_p, b, row_ok, PER_REQ_P).to(tl.float32)
             RS = B * K * (G + 1) * 2
-            start = chunk * chunk_size
-            end = tl.minimum(start + chunk_size, V)
-            _threshold_phase(
-                t_rows, rows * 2, row_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
-                filter_int_ptr, RS, num_chunks, chunk, start, end, V, inv_t, top_k, top_p,
-                PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS,
-            )  # fmt: skip
-            if DRAFT_MODE == DRAFT_LOGITS:
-                _threshold_phase(
-                    d_rows, rows * 2 + 1, draft_ok, thr_ptr + rows * NUM_THR + THR_Q, filter_buf_ptr,
-                    filter_int_ptr, RS, num_chunks, chunk, start, end, V, inv_t, top_k, top_p,
-                    PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS,
+            if PHASE == PHASE_WHOLE:  # the interpreter's plan: BLOCK_R whole rows per program, target then draft
+                _whole_rows(
+                    t_rows, rows * 2, row_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
+                    V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS,
                 )  # fmt: skip
+                if DRAFT_MODE == DRAFT_LOGITS:
+                    _whole_rows(
+                        d_rows, rows * 2 + 1, draft_ok, thr_ptr + rows * NUM_THR + THR_Q, filter_buf_ptr,
+                        V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS,
+                    )  # fmt: skip
+            else:  # the GPU plan: candidates per chunk, then the selection per row
+                # axis 1: (program of the row) x W + (0: target, 1: draft; W = 2 with draft logits)
+                part = chunk
+                parts = tl.num_programs(1)
+                which = chunk * 0
+                if DRAFT_MODE == DRAFT_LOGITS:
+                    which = chunk % 2
+                    part = chunk // 2
+                    parts = parts // 2
+                t_shift: tl.constexpr = _key_shift(target_ptr.dtype.element_ty)
+                t_group: tl.constexpr = _group(target_ptr.dtype.element_ty)
+                d_shift: tl.constexpr = _key_shift(draft_ptr.dtype.element_ty)
+                if DRAFT_MODE != DRAFT_LOGITS:
+                    _threshold_phase(
+                        t_rows, rows * 2, row_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
+                        filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
+                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group,
+                    )  # fmt: skip
+                elif d_shift == t_shift:  # same dtype: one copy of the code, the rows picked by `which`
+                    is_d = which == 1
+                    _threshold_phase(
+                        tl.where(is_d, d_rows, t_rows), rows * 2 + which, tl.where(is_d, draft_ok, row_ok & ~greedy),
+                        thr_ptr + rows * NUM_THR + which, filter_buf_ptr, filter_int_ptr, RS, num_chunks, part, parts,
+                        chunk_size, V, inv_t, top_k, top_p,
+                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group,
+                    )  # fmt: skip
+                elif which == 0:
+                    _threshold_phase(
+                        t_rows, rows * 2, row_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
+                        filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
+                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group,
+                    )  # fmt: skip
+                else:  # draft logits of another dtype than the target's
+                    d_group: tl.constexpr = _group(draft_ptr.dtype.element_ty)
+                    _threshold_phase(
+                        d_rows, rows * 2 + 1, draft_ok, thr_ptr + rows * NUM_THR + THR_Q, filter_buf_ptr,
+                        filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
+                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, d_shift, d_group,
+                    )  # fmt: skip
     if PHASE == PHASE_STATS:
         _row_stats_pass(
             t_rows,
@@ -346,6 +381,62 @@ def _row_stats_pass(
     tl.store(idx_rec_ptr + IDX_GREEDY, row_g_idx, mask=row_ok)
 
 
+@triton.constexpr_function
+def _key_shift(ty):
+    """Low bits of the float32 order key that are the same for every value of dtype ty (bf16: 16,
+    fp16: 13, fp32: 0): the selections bisect only the others."""
+    return 16 if ty == tl.bfloat16 else (13 if ty == tl.float16 else 0)
+
+
+@triton.jit
+def _candidate_chunks(
+    row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E: tl.constexpr, WITH_Z: tl.constexpr
+):
+    """Chunks part, part + parts, ... of one row: candidates, (max, sum-exp) and bound of each."""
+    for c in range(part, TC, parts):
+        start = c * CW
+        m, z, bound = chunk_candidates(
+            row, cand + c * CAP, active, start, tl.minimum(start + CW, V), inv_t, BLOCK, CAP, NB, E, WITH_Z
+        )
+        tl.store(rec + c * 2, m, mask=active)
+        tl.store(rec + c * 2 + 1, z, mask=active)
+        tl.store(tau + c, bound, mask=active)
+
+
+@triton.constexpr_function
+def _group(ty):
+    """Entries of one 16-byte vector of dtype ty: the candidate groups (bf16 / fp16: 8, fp32: 4)."""
+    return 128 // ty.primitive_bitwidth
+
+
+@triton.constexpr_function
+def _fallback_block(block):
+    return min(block, 2048)
+
+
+@triton.jit
+def _whole_rows(
+    row_ptrs,  # [R, 1] pointers to the rows (target or draft)
+    slot,  # [R] scratch slot of each row: 2 * row (+ 1 for the draft)
+    ok,  # [R] rows that sample (greedy rows never filter)
+    thr_out,  # [R] pointers: where the thresholds go
+    filter_buf_ptr,  # fp32 scratch: candidates [2R, CAP]
+    V,
+    inv_t,
+    top_k,
+    top_p,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    NB_BITS: tl.constexpr,
+):
+    """PHASE_WHOLE: the thresholds of R whole rows in one program (``filter_threshold``: key
+    histogram -> pivot, copy of the candidates, selection among them; bisection when they overflow
+    CAP). The interpreter's plan: it pays per operation, so many rows per program are cheap."""
+    cand = filter_buf_ptr + slot.to(tl.int64) * CAP
+    thr, _fast = filter_threshold(row_ptrs, cand[:, None], ok, V, inv_t, top_k, top_p, BLOCK, CAP, NB_BITS)
+    tl.store(thr_out, thr, mask=ok)
+
+
 @triton.jit
 def _threshold_phase(
     row_ptrs,  # [R, 1] pointers to the rows (target or draft)
@@ -356,9 +447,9 @@ def _threshold_phase(
     filter_int_ptr,
     RS,  # scratch slots in all: 2 * rows
     TC,  # threshold chunks
-    chunk,
-    start,
-    end,
+    part,  # this program's share of the row (PHASE_CANDIDATES)
+    parts,  # programs per row (PHASE_CANDIDATES)
+    CW,  # chunk width (== FILTER_BLOCK)
     V,
     inv_t,
     top_k,
@@ -366,89 +457,39 @@ def _threshold_phase(
     PHASE: tl.constexpr,
     BLOCK: tl.constexpr,
     CAP: tl.constexpr,
-    NB_BITS: tl.constexpr,
+    NB: tl.constexpr,
+    TCP2: tl.constexpr,
+    SHIFT: tl.constexpr,
+    E: tl.constexpr,
 ):
-    """One step of the top-k/top-p thresholds of ``filter_threshold``: whole rows in one program
-    (PHASE_WHOLE), or split over TC vocabulary chunks so that a small batch fills the GPU:
-    histogram per chunk (PHASE_HIST), merge and pivot per row (PHASE_PIVOT), copy of the
-    candidates per chunk at offsets from the merged histogram (PHASE_COPY), selection per row
-    (PHASE_SELECT). Scratch (``ThresholdPlan.scratch``): fp32 candidates [RS, CAP], per-chunk
-    (max, sum-exp) [RS, TC, 2], merged (max, sum-exp) [RS, 2]; int32 suffix counts [RS, TC, NB],
-    per-chunk candidate offsets [RS, TC], (pivot bin, has top-k, fast, candidates) [RS, 4]."""
-    NB: tl.constexpr = 1 << NB_BITS
+    """The top-k/top-p thresholds in two launches: the candidates of each vocabulary chunk, read
+    once and kept in registers (PHASE_CANDIDATES, ``chunk_candidates``: a program takes chunks
+    part, part + parts, ... of one row), then the exact selection among them per row
+    (PHASE_SELECT, ``select_candidates``), with the bisection over the row for rows the candidates
+    do not decide (``bisect_threshold``). Scratch (``ThresholdPlan.scratch``): fp32 candidates
+    [RS, TC, CAP] and (max, sum-exp) [RS, TC, 2]; int32 candidate bounds [RS, TC]."""
     use_k = ok & (top_k > 0) & (top_k < V)
     use_p = ok & (top_p < 1.0)
     active = use_k | use_p
     s64 = slot.to(tl.int64)
-    cand = filter_buf_ptr + s64 * CAP
-    mz = filter_buf_ptr + RS * CAP + s64 * TC * 2
-    row_mz = filter_buf_ptr + RS * CAP + RS * TC * 2 + s64 * 2
-    hist = filter_int_ptr + s64 * TC * NB
-    offsets = filter_int_ptr + RS * TC * NB + s64 * TC
-    info = filter_int_ptr + RS * TC * NB + RS * TC + s64 * 4
-    bins = tl.arange(0, NB)[None, :]
-    if PHASE == PHASE_WHOLE:
-        thr, _fast = filter_threshold(row_ptrs, cand[:, None], ok, V, inv_t, top_k, top_p, BLOCK, CAP, NB_BITS)
-        tl.store(thr_out, thr, mask=ok)
-    elif PHASE == PHASE_HIST:
+    cand = filter_buf_ptr + s64 * TC * CAP
+    rec = filter_buf_ptr + RS * TC * CAP + s64 * TC * 2
+    tau = filter_int_ptr + s64 * TC
+    if PHASE == PHASE_CANDIDATES:
         if tl.max(active.to(tl.int32), axis=0) > 0:
-            counts, m, z = pivot_histogram(row_ptrs, active, start, end, inv_t, BLOCK, NB_BITS)
-            # suffix sums: the merge then needs no reduction per chunk (see PHASE_PIVOT)
-            tl.store(hist[:, None] + chunk * NB + bins, at_or_above(counts), mask=active[:, None])
-            tl.store(mz + chunk * 2, m, mask=active)
-            tl.store(mz + chunk * 2 + 1, z, mask=active)
-    elif PHASE == PHASE_PIVOT:
-        if tl.max(active.to(tl.int32), axis=0) > 0:
-            above = tl.zeros([slot.shape[0], NB], tl.int32)
-            m = tl.full(inv_t.shape, float("-inf"), tl.float32)
-            z = tl.zeros(inv_t.shape, tl.float32)
-            for c in range(0, TC):  # elementwise: suffix counts add up
-                above += tl.load(hist[:, None] + c * NB + bins, mask=active[:, None], other=0).to(tl.int32)
-                c_m = tl.load(mz + c * 2, mask=active, other=float("-inf"))
-                m, z = _combine_softmax(m, z, c_m, tl.load(mz + c * 2 + 1, mask=active, other=0.0), inv_t)
-            pivot_bin, has_k, fast = choose_pivot(above, use_k, use_p, top_k, CAP)
-            filled = tl.zeros(inv_t.shape, tl.int32)
-            for c in range(0, TC):  # each chunk's candidates go after the earlier chunks' ones
-                tl.store(offsets + c, filled, mask=active)
-                filled += tl.load(
-                    hist + c * NB + tl.minimum(pivot_bin, NB - 1), mask=active & (pivot_bin < NB), other=0
-                )
-            tl.store(info, pivot_bin, mask=active)
-            tl.store(info + 1, has_k.to(tl.int32), mask=active)
-            tl.store(info + 2, fast.to(tl.int32), mask=active)
-            tl.store(info + 3, filled, mask=active)
-            tl.store(row_mz, m, mask=active)
-            tl.store(row_mz + 1, z, mask=active)
-    elif PHASE == PHASE_COPY:
-        fast = active & (tl.load(info + 2, mask=active, other=0) != 0)
-        if tl.max(fast.to(tl.int32), axis=0) > 0:
-            pivot_bin = tl.load(info, mask=fast, other=0)
-            first = tl.load(offsets + chunk, mask=fast, other=0)
-            copy_candidates(row_ptrs, cand[:, None], fast, pivot_bin, start, end, first, BLOCK, CAP, NB_BITS)
+            row = tl.reshape(row_ptrs, [1])
+            if tl.max((use_p & ~use_k).to(tl.int32), axis=0) > 0:  # top-p alone: the row's sum-exp too
+                _candidate_chunks(row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, True)
+            else:
+                _candidate_chunks(row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, False)
     else:  # PHASE_SELECT
         thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
-        has_k = active & (tl.load(info + 1, mask=active, other=0) != 0)
-        fast = active & (tl.load(info + 2, mask=active, other=0) != 0)
-        if tl.max(fast.to(tl.int32), axis=0) > 0:
-            t, fast = select_thresholds(
-                cand[:, None],
-                tl.load(info + 3, mask=fast, other=0),
-                fast,
-                has_k,
-                use_p,
-                top_k,
-                top_p,
-                tl.load(row_mz, mask=fast, other=float("-inf")),
-                tl.load(row_mz + 1, mask=fast, other=0.0),
-                tl.load(info, mask=fast, other=0),
-                inv_t,
-                CAP,
-                NB_BITS,
-            )
-            thr = tl.where(fast, t, thr)
-        slow = (has_k | use_p) & ~fast
-        if tl.max(slow.to(tl.int32), axis=0) > 0:
-            thr = tl.where(slow, bisect_threshold(row_ptrs, slow, V, inv_t, top_k, top_p, BLOCK), thr)
+        if tl.max(active.to(tl.int32), axis=0) > 0:
+            thr, fast = select_candidates(cand, rec, tau, TC, ok, V, inv_t, top_k, top_p, TCP2, CAP, NB, SHIFT)
+            slow = active & ~fast
+            if tl.max(slow.to(tl.int32), axis=0) > 0:
+                exact = bisect_threshold(row_ptrs, slow, V, inv_t, top_k, top_p, _fallback_block(BLOCK))
+                thr = tl.where(slow, exact, thr)
         tl.store(thr_out, thr, mask=ok)
 
 
@@ -900,7 +941,7 @@ def _plan(args: VerifyArgs, num_chunks: int | None, block_v: int | None) -> _Lau
 
 def gpu_plan(args: VerifyArgs, sms: int) -> _LaunchPlan:
     """The launch plan of a call on a GPU with `sms` SMs (a pure function of shapes; with top-k /
-    top-p the threshold pass before it has its own whole-row grid, ``threshold_plan``).
+    top-p the threshold phases before it have their own grids, ``threshold_plan``).
 
     Split the vocabulary so that a small batch still fills the GPU (~4 programs per SM in the row
     pass). The accept kernel has one program per (request tile, chunk), so at B = 1 the chunk count
@@ -933,62 +974,107 @@ def _plan_for(args, num_chunks, block_v, interpreted: bool, sms: int) -> _Launch
 
 def launch_threshold_phases(row_pass, tplan: ThresholdPlan) -> None:
     """The threshold launches of the row-stats kernel; row_pass(phase, block_r, grid_chunks,
-    num_chunks, chunk_size, num_warps) launches it with the call's other arguments."""
-    warps, tc = (8 if tplan.block_r > 1 else 4), tplan.chunks
-    if tc == 1:
-        row_pass(PHASE_WHOLE.value, tplan.block_r, 1, 1, tplan.chunk_size, warps)
+    num_chunks, chunk_size, num_warps) launches it with the call's other arguments (one row per
+    program; axis 1 interleaves target and draft when draft logits are filtered too), or the
+    interpreter's one whole-row launch (PHASE_WHOLE, ``tplan.block_r`` rows per program)."""
+    if tplan.block_r:
+        row_pass(PHASE_WHOLE.value, tplan.block_r, 1, 1, tplan.chunk_size, tplan.warps)
         return
-    for phase, grid_chunks in ((PHASE_HIST, tc), (PHASE_PIVOT, 1), (PHASE_COPY, tc), (PHASE_SELECT, 1)):
-        row_pass(phase.value, tplan.block_r, grid_chunks, tc, tplan.chunk_size, warps)
+    w = tplan.slots
+    row_pass(PHASE_CANDIDATES.value, 1, w * tplan.programs, tplan.chunks, tplan.chunk_size, tplan.warps)
+    row_pass(PHASE_SELECT.value, 1, w, tplan.chunks, tplan.chunk_size, tplan.select_warps)
 
 
 @dataclass(frozen=True)
 class ThresholdPlan:
-    """The top-k/top-p threshold launches: rows per program, vocabulary chunks (1: whole rows in
-    one PHASE_WHOLE launch; more: the four split phases) and the kernel's FILTER_* constexprs."""
+    """The top-k/top-p threshold launches: vocabulary chunks of chunk_size entries (each one tile in
+    registers), programs per row (each takes every programs-th chunk), target/draft slots per row,
+    warps, and the kernel's FILTER_* constexprs. block_r > 0: the interpreter's whole-row plan
+    instead (one PHASE_WHOLE launch, block_r rows per program, one chunk of chunk_size >= V)."""
 
-    block_r: int
     chunks: int
     chunk_size: int
+    programs: int
+    slots: int
+    warps: int
+    select_warps: int
     constexprs: dict
+    block_r: int = 0
 
     def scratch(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32, int32) scratch of the phases (layout in ``_threshold_phase``)."""
-        slots, tc, nb = 2 * rows, self.chunks, 1 << self.constexprs["FILTER_BINS"]
-        floats = slots * (self.constexprs["FILTER_CAP"] + 2 * tc + 2)
-        ints = slots * (tc * nb + tc + 4) if tc > 1 else 1
+        slots, tc = 2 * rows, self.chunks
+        floats = slots * tc * (self.constexprs["FILTER_CAP"] + 2)
         return (
             torch.empty(floats, dtype=torch.float32, device=device),
-            torch.empty(ints, dtype=torch.int32, device=device),
+            torch.empty(slots * tc, dtype=torch.int32, device=device),
         )
 
 
-def threshold_plan(target: torch.Tensor, rows: int, V: int, chunks: int | None = None) -> ThresholdPlan:
-    """Threshold launches for `rows` rows: tile width, candidate capacity of the in-register
-    selection, pivot histogram size (1024 bins: sign, exponent, 1 mantissa bit), and the split:
-    a small batch on a GPU splits every row over chunks (~1 program per SM) so that the
-    histogram and copy passes fill the GPU (B = 1: 3 whole-row programs otherwise)."""
-    if plans_for_interpreter(target.device):
+SELECT_SLOTS = 2048  # candidate slots of a row in the selection tile (chunks x slots per chunk) on a GPU
+CANDIDATE_BINS = 256  # bins of the candidate histograms: key16 steps below the max
+MIN_GROUPS = 16  # candidate groups per chunk (fewer: the union of the chunks rarely holds top-k 50)
+
+
+def threshold_plan(
+    target: torch.Tensor,
+    rows: int,
+    V: int,
+    chunks: int | None = None,
+    draft_logits: bool = True,
+    capacity: int | None = None,
+) -> ThresholdPlan:
+    """Threshold launches for `rows` rows (target, and draft when `draft_logits`): every row is split
+    into chunks that are read once, each kept in registers (at most 32 entries per thread) while its
+    candidates are picked; the chunk width balances the programs over the SMs (the busiest SM's
+    entries, plus a per-program overhead) while the selection tile (chunks x slots per chunk =
+    `capacity`) keeps at least MIN_GROUPS groups of 8 per chunk. `chunks` forces a split (tests),
+    `capacity` the selection tile.
+
+    The Triton interpreter gets another plan unless a test forces `chunks` or `capacity`: one
+    PHASE_WHOLE launch over up to 64 whole rows per program (``filter_threshold``). It pays per
+    operation, not per byte, and the two launches' one row per program with serial in-register
+    bisections run ~40x slower there (hours for the slow suite's 40,000-sample statistical tests).
+    The plan only changes how the work is split: both compute the thresholds of
+    ``reference.sampling.filter_threshold``, a deterministic function of the row (no random
+    numbers), and the fast tests check both against the reference, thresholds and tokens: the
+    default interpreter plan everywhere, the two launches with interpreter-sized constexprs under
+    ``launch_overrides(threshold_chunks=..., threshold_capacity=...)``."""
+    slots = 2 if draft_logits else 1
+    interpreted = plans_for_interpreter(target.device)
+    if interpreted and chunks is None and capacity is None:
         # the interpreter pays per operation: many rows and whole rows of candidates are cheap
         block_r = max(1, min(next_pow2(rows), 64))
-        width = 128 if (chunks or 1) > 1 else 4096  # a forced split (tests) needs several tiles per row
         # ... but every operation costs its tile's width: no tile or candidate buffer wider than a row
         row = max(16, next_pow2(V))
-        block = max(16, min(width, (1 << 16) // block_r, row))
-        constexprs = dict(FILTER_BLOCK=block, FILTER_CAP=min(4096, row), FILTER_BINS=10)
-        chunks = chunks or 1
+        block = max(16, min(4096, (1 << 16) // block_r, row))
+        constexprs = dict(FILTER_BLOCK=block, FILTER_CAP=min(4096, row), FILTER_BINS=10, FILTER_CHUNKS=1)
+        warps = 8 if block_r > 1 else 4
+        return ThresholdPlan(1, triton.cdiv(V, block) * block, 1, slots, warps, warps, constexprs, block_r)
+    if interpreted:  # a forced split or capacity (tests): the GPU's two launches, interpreter-sized
+        # whole rows (up to 64k entries) per chunk unless split, big tiles
+        capacity = capacity or 4096
+        width = max(16, min(next_pow2(triton.cdiv(V, chunks or 1)), 1 << 16))
+        warps = 4
     else:
-        block_r = min(2, next_pow2(rows))
-        constexprs = dict(FILTER_BLOCK=1024 // block_r, FILTER_CAP=2048 // block_r, FILTER_BINS=10)
-        if chunks is None:
-            tiles = triton.cdiv(rows, block_r)
-            sms = multiprocessors(target.device)
-            # ~1 program per SM: the pivot phase merges every chunk serially, so no more than that
-            chunks = 1 if 2 * tiles >= sms else min(64, triton.cdiv(sms, tiles))
-    blocks = triton.cdiv(V, constexprs["FILTER_BLOCK"])
-    chunks = max(1, min(int(chunks), blocks))
-    chunk_size = triton.cdiv(blocks, chunks) * constexprs["FILTER_BLOCK"]
-    return ThresholdPlan(block_r, triton.cdiv(V, chunk_size), chunk_size, constexprs)
+        capacity = capacity or SELECT_SLOTS
+        sms = multiprocessors(target.device)
+        best = None
+        for width in (1024, 2048, 4096, 8192, 16384):
+            tc = triton.cdiv(V, width)
+            if next_pow2(tc) * 8 * MIN_GROUPS > capacity and width < 16384:
+                continue
+            cost = math.ceil(rows * slots * tc / sms) * (width + 1024)
+            if best is None or cost < best[0]:
+                best = (cost, width)
+        width = best[1] if chunks is None else next_pow2(triton.cdiv(V, chunks))
+        warps = max(4, min(8, width // 1024))
+        capacity = min(capacity, next_pow2(triton.cdiv(V, width)) * 8 * MIN_GROUPS)  # no bigger tile than needed
+    tc = triton.cdiv(V, width)
+    tcp2 = next_pow2(tc)
+    cap = max(8, capacity // tcp2)
+    constexprs = dict(FILTER_BLOCK=width, FILTER_CAP=cap, FILTER_BINS=CANDIDATE_BINS, FILTER_CHUNKS=tcp2)
+    return ThresholdPlan(tc, width, tc, slots, warps, 2, constexprs)
 
 
 def merge_chunk_stats(stats, idx, rows: int, rows_per_request: int, t_ptr, t_val, per_req_t: bool):
@@ -1013,12 +1099,16 @@ def merge_chunk_stats(stats, idx, rows: int, rows_per_request: int, t_ptr, t_val
 
 
 def launch_verify(
-    args: VerifyArgs, num_chunks: int | None = None, block_v: int | None = None, threshold_chunks: int | None = None
+    args: VerifyArgs,
+    num_chunks: int | None = None,
+    block_v: int | None = None,
+    threshold_chunks: int | None = None,
+    threshold_capacity: int | None = None,
 ) -> VerifyOutput:
     """Run the kernels on checked arguments (``_validation.check_verify_args``).
 
-    num_chunks / block_v / threshold_chunks override the launch plan (tests use them to split
-    small vocabularies)."""
+    num_chunks / block_v / threshold_chunks / threshold_capacity override the launch plan (tests
+    use them to split small vocabularies and to force the bisection fallback)."""
     B, G, V = args.B, args.G, args.V
     dev = args.target_logits.device
     tokens = torch.empty((B, G + 1), dtype=torch.int64, device=dev)
@@ -1035,7 +1125,9 @@ def launch_verify(
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
-    tplan = threshold_plan(args.target_logits, rows, V, threshold_chunks)
+    tplan = threshold_plan(
+        args.target_logits, rows, V, threshold_chunks, args.draft_mode == DRAFT_LOGITS, threshold_capacity
+    )
     filter_buf, filter_int = tplan.scratch(rows, dev) if has_filter else (thr, thr)
     first_reject = torch.empty((B,), dtype=torch.int32, device=dev)
     direct_token = torch.empty((B,), dtype=torch.int32, device=dev)
@@ -1110,7 +1202,7 @@ def launch_verify(
             num_warps=num_warps,
         )
 
-    if has_filter:  # thresholds first (whole rows, or split over chunks), then the statistics pass
+    if has_filter:  # thresholds first (candidates per chunk, selection per row), then the statistics pass
         launch_threshold_phases(row_pass, tplan)
     row_pass(PHASE_STATS.value, plan.block_r, C, C, plan.chunk_size, plan.num_warps)
     stat_chunks = C

@@ -444,7 +444,7 @@ def _tree_walk_kernel(
 
 def _row_pass_chunks(args: TreeArgs, row_tiles: int, blocks: int, interpreted: bool, num_chunks: int | None) -> int:
     """Vocabulary chunks of the row pass: split rows so that a small batch still fills the GPU
-    (~4 programs per SM). Filtered rows are split too: their thresholds come from a whole-row pass."""
+    (~4 programs per SM). Filtered rows are split too: their thresholds come from the threshold phases."""
     if num_chunks is None:
         if interpreted:
             return 1
@@ -545,7 +545,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
             num_warps=warps,
         )
 
-    if has_filter:  # thresholds first (whole rows, or split over chunks), then the statistics pass
+    if has_filter:  # thresholds first (candidates per chunk, selection per row), then the statistics pass
         launch_threshold_phases(row_pass, tplan)
     row_pass(PHASE_STATS.value, block_r, C, C, chunk_size, 8 if block_r * block_v >= 2048 else 4)
     if C > 1:  # the walk reads one record per row

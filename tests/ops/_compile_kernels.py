@@ -53,7 +53,7 @@ def verify_kernels():
         per_req = block > 1  # one variant with [B] tensors, one with scalar parameters
         flags = dict(PER_REQ_N=per_req, PER_REQ_T=per_req, PER_REQ_SEED=per_req)
         types.update(temperature="fp32", top_k="i32", top_p="fp32", seed="i64")
-        phases = range(6) if has_filter and block == 2 else [0]  # statistics pass, threshold phases
+        phases = range(3) if has_filter and block == 2 else [0]  # statistics pass, threshold phases
         for phase in phases:
             yield (
                 v._verify_row_stats_kernel,
@@ -66,13 +66,14 @@ def verify_kernels():
                     DRAFT_MODE=mode,
                     HAS_FILTER=has_filter,
                     PHASE=phase,
-                    FILTER_BLOCK=max(16, 1024 // block),
-                    FILTER_CAP=2048 // block,
-                    FILTER_BINS=10,
+                    FILTER_BLOCK=4096,
+                    FILTER_CAP=16,
+                    FILTER_BINS=256,
+                    FILTER_CHUNKS=64,
                     PLACEHOLDERS_END=not per_req,
                     GP2=8,
                     FLAT=per_req,  # the flattened ragged layout rides on the per-request variant
-                    BLOCK_R=block,
+                    BLOCK_R=block if phase == 0 else 1,  # the threshold phases: one row per program
                     BLOCK_V=bv,
                 ),
             )

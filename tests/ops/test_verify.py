@@ -89,11 +89,12 @@ def test_vocab_split_across_programs(mode, num_chunks, device):
             _assert_same(sk.verify(target, tokens, **kw), ref)
 
 
-@pytest.mark.parametrize("num_chunks, threshold_chunks", [(1, 1), (3, 1), (1, 3), (3, 7)])
+@pytest.mark.parametrize("num_chunks, threshold_chunks", [(1, None), (3, None), (1, 1), (3, 1), (1, 3), (3, 7)])
 def test_filtered_rows_split_across_programs(num_chunks, threshold_chunks, device):
-    """With top-k / top-p the thresholds come first - whole rows per program, or split over chunks
-    (histogram, pivot, copy, selection phases) - then the statistics pass is split like an
-    unfiltered one: same tokens as the reference, per-request filters included."""
+    """With top-k / top-p the thresholds come first - whole rows per program (the interpreter's
+    plan: no threshold split), or candidates of whole rows or of chunks, then the selection among
+    them per row (the GPU's plan) - then the statistics pass is split like an unfiltered one: same
+    tokens as the reference, per-request filters included."""
     B, G, V = 4, 3, 1000
     target, tokens, draft = make_problem(B, G, V, device=device, seed=4)
     kw = dict(
@@ -105,6 +106,25 @@ def test_filtered_rows_split_across_programs(num_chunks, threshold_chunks, devic
     )
     ref = verify_reference(target, tokens, **kw)
     with launch_overrides(num_chunks=num_chunks, block_v=128, threshold_chunks=threshold_chunks):
+        _assert_same(sk.verify(target, tokens, **kw), ref)
+
+
+@pytest.mark.parametrize("threshold_chunks, capacity", [(4, 32), (1, 8)])
+def test_filtered_rows_with_few_candidate_slots(threshold_chunks, capacity, device):
+    """One group of candidates per chunk (or 8 slots for a whole row): most rows are not decided by
+    the candidates and take the bisection over the row inside the selection launch - target and
+    draft rows, top-k, top-p and both - with the same tokens as the reference."""
+    B, G, V = 4, 3, 1000
+    target, tokens, draft = make_problem(B, G, V, device=device, seed=6)
+    kw = dict(
+        draft_logits=draft,
+        temperature=torch.tensor([0.9, 0.7, 1.0, 1.3], device=device),
+        top_k=torch.tensor([50, 20, 0, 5], device=device),
+        top_p=torch.tensor([1.0, 0.9, 0.8, 0.95], device=device),
+        seed=torch.arange(B, dtype=torch.int64, device=device) + 21,
+    )
+    ref = verify_reference(target, tokens, **kw)
+    with launch_overrides(threshold_chunks=threshold_chunks, threshold_capacity=capacity):
         _assert_same(sk.verify(target, tokens, **kw), ref)
 
 

@@ -5,11 +5,14 @@ dispatch mode: with validate=False only allocations (aten.empty*) may run beside
 so nothing can synchronise and the call is CUDA-graph capturable (checked for real on GPU).
 """
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdec_kernels as sk
+from specdec_kernels._dispatch import launch_overrides
 
 from ._inputs import make_problem
 
@@ -46,11 +49,14 @@ def _count_launches(monkeypatch, recorder):
     return launches
 
 
+@pytest.mark.parametrize("two_launch_thresholds", [False, True])
 @pytest.mark.parametrize("per_request", [False, True])
 @pytest.mark.parametrize("mode", ["logits", "probs", "ngram"])
-def test_three_launches_and_no_other_device_work(monkeypatch, mode, per_request):
-    """Three kernels (four with top-k / top-p: the threshold pass runs the row-stats kernel once
-    more, whole rows per program) and no other device work (no fills, copies or syncs)."""
+def test_three_launches_and_no_other_device_work(monkeypatch, mode, per_request, two_launch_thresholds):
+    """Three kernels (more with top-k / top-p: the threshold phases run the row-stats kernel before
+    the statistics pass - once, whole rows per program, in the interpreter's plan; twice,
+    candidates per chunk then selection per row, in the GPU's plan, forced here by a threshold
+    split) and no other device work (no fills, copies or syncs)."""
     if torch.cuda.is_available():
         pytest.skip("launch counting uses the interpreter")
     B, G, V = 4, 3, 50
@@ -68,9 +74,11 @@ def test_three_launches_and_no_other_device_work(monkeypatch, mode, per_request)
         kw.update(temperature=0.8, top_p=0.9, seed=5)
     recorder = _RecordOps()
     launches = _count_launches(monkeypatch, recorder)
-    with recorder:
+    split = launch_overrides(threshold_chunks=2) if two_launch_thresholds else contextlib.nullcontext()
+    with recorder, split:
         sk.verify(target, tokens, validate=False, **kw)
-    passes = ["_verify_row_stats_kernel"] * 2  # threshold pass, statistics pass (both calls filter)
+    # (candidates, selection or whole rows), statistics: both calls filter
+    passes = ["_verify_row_stats_kernel"] * (3 if two_launch_thresholds else 2)
     assert launches == [*passes, "_verify_accept_kernel", "_verify_finalize_kernel"]
     assert set(recorder.ops) <= {"aten.empty", "aten.empty_strided"}, recorder.ops
 
