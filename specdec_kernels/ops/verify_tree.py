@@ -176,6 +176,7 @@ def _tree_positions_kernel(
     stride_xk,
     stride_pb,
     # sizes
+    B,
     K,
     G,
     V,
@@ -185,57 +186,63 @@ def _tree_positions_kernel(
     PER_REQ_N: tl.constexpr,
     CHAINS: tl.constexpr,
     NP2: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
     """The positions a walk can reach, from the tree alone (no randomness): nodes spelling the same
     token path form one position (the walk's node set), named by its first node. For each position:
     its candidate count k (0 when the node is not the first of its set) and its first candidate (whose
-    draft row is the position's q). One program per request; D rounds of [NP2, NP2] bit tiles."""
-    b = tl.program_id(0).to(tl.int64)
-    n_nodes = N
-    if PER_REQ_N:
-        n_nodes = tl.load(num_nodes_ptr + b).to(tl.int32)
-    ni = tl.arange(0, NP2)[:, None]
-    nj = tl.arange(0, NP2)[None, :]
+    draft row is the position's q). BLOCK_B requests per program (1 on a GPU; a tile of them in the
+    interpreter, where a program per request costs more than its work); D rounds of
+    [BLOCK_B, NP2, NP2] bit tiles."""
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    b_ok = b < B
+    n_nodes = per_request(num_nodes_ptr, N, b, b_ok, PER_REQ_N).to(tl.int32)
+    n_nodes = tl.where(b_ok, n_nodes, 0)[:, None, None]  # requests past B have no nodes
+    b3 = b[:, None, None]
+    ni = tl.arange(0, NP2)[None, :, None]
+    nj = tl.arange(0, NP2)[None, None, :]
     tok_i, ok_i, par_i = _tree_nodes(
-        tokens_ptr, parents_ptr, b, ni, n_nodes, stride_xb, stride_xk, stride_pb, G, V, CHAINS
+        tokens_ptr, parents_ptr, b3, ni, n_nodes, stride_xb, stride_xk, stride_pb, G, V, CHAINS
     )
     tok_j, ok_j, par_j = _tree_nodes(
-        tokens_ptr, parents_ptr, b, nj, n_nodes, stride_xb, stride_xk, stride_pb, G, V, CHAINS
+        tokens_ptr, parents_ptr, b3, nj, n_nodes, stride_xb, stride_xk, stride_pb, G, V, CHAINS
     )
     tok_eq = (tok_i == tok_j) & ok_i & ok_j
     both_root = (par_i == -1) & (par_j == -1)
-    one = tl.full([NP2, NP2], 1, tl.int64)
+    one = tl.full([BLOCK_B, NP2, NP2], 1, tl.int64)
     rel = tok_eq & both_root
-    bits = tl.sum(tl.where(rel, one << nj.to(tl.int64), 0), axis=1)  # same-path set of each node i
+    bits = tl.sum(tl.where(rel, one << nj.to(tl.int64), 0), axis=2)  # [BB, NP2]: same-path set of node i
     for _depth in range(0, D):  # nodes at depth d + 1 are settled after d rounds
-        par_bits = tl.sum(tl.where(nj == par_i, bits[None, :], 0), axis=1)  # bits[parent(i)]
-        same_parent = ((par_bits[:, None] >> tl.maximum(par_j, 0).to(tl.int64)) & 1) != 0
+        par_bits = tl.sum(tl.where(nj == par_i, bits[:, None, :], 0), axis=2)  # bits[parent(i)]
+        same_parent = ((par_bits[:, :, None] >> tl.maximum(par_j, 0).to(tl.int64)) & 1) != 0
         rel = tok_eq & (both_root | ((par_i >= 0) & (par_j >= 0) & same_parent))
-        bits = tl.sum(tl.where(rel, one << nj.to(tl.int64), 0), axis=1)
-    rep = tl.min(tl.where(rel, nj, NP2), axis=1)  # first node of each node's set
-    is_first = rep == tl.arange(0, NP2)
-    rep_of_parent = tl.sum(tl.where(ni == par_j, rep[:, None], 0), axis=0)  # [NP2] over j
-    member = ok_j & (par_j >= 0) & (rep_of_parent[None, :] == ni) & is_first[:, None]
-    k = tl.sum(member.to(tl.int32), axis=1)
-    first = tl.min(tl.where(member, nj, NP2), axis=1)
-    root_member = ok_j & (par_j == -1)
-    k_root = tl.sum(root_member.to(tl.int32), axis=1)  # [1]
-    first_root = tl.min(tl.where(root_member, nj, NP2), axis=1)
-    base = pos_ptr + b * (N + 1) * POS_REC
-    r0 = tl.arange(0, 1)
-    tl.store(base + r0 * POS_REC + POS_K, k_root)
-    tl.store(base + r0 * POS_REC + POS_FIRST, first_root)
-    n = tl.arange(0, NP2)
-    tl.store(base + (1 + n) * POS_REC + POS_K, k, mask=n < N)
-    tl.store(base + (1 + n) * POS_REC + POS_FIRST, first, mask=n < N)
+        bits = tl.sum(tl.where(rel, one << nj.to(tl.int64), 0), axis=2)
+    n = tl.arange(0, NP2)[None, :]
+    rep = tl.min(tl.where(rel, nj, NP2), axis=2)  # [BB, NP2]: first node of each node's set
+    is_first = rep == n
+    rep_of_parent = tl.sum(tl.where(ni == par_j, rep[:, :, None], 0), axis=1)  # [BB, NP2] over j
+    member = ok_j & (par_j >= 0) & (rep_of_parent[:, None, :] == ni) & is_first[:, :, None]
+    k = tl.sum(member.to(tl.int32), axis=2)
+    first = tl.min(tl.where(member, nj, NP2), axis=2)
+    root_member = ok_j & (par_j == -1)  # [BB, 1, NP2]
+    k_root = tl.sum(root_member.to(tl.int32), axis=2)  # [BB, 1]
+    first_root = tl.min(tl.where(root_member, nj, NP2), axis=2)
+    base = (pos_ptr + b * (N + 1) * POS_REC)[:, None]
+    r0 = tl.arange(0, 1)[None, :]
+    ok_root = b_ok[:, None]
+    ok_node = b_ok[:, None] & (n < N)
+    tl.store(base + r0 * POS_REC + POS_K, k_root, mask=ok_root)
+    tl.store(base + r0 * POS_REC + POS_FIRST, first_root, mask=ok_root)
+    tl.store(base + (1 + n) * POS_REC + POS_K, k, mask=ok_node)
+    tl.store(base + (1 + n) * POS_REC + POS_FIRST, first, mask=ok_node)
     # candidate tokens by rank (RRS's residual masses before the walk)
-    rank = tl.cumsum(member.to(tl.int32), axis=1) - 1
-    root_rank = tl.cumsum(root_member.to(tl.int32), axis=1) - 1
+    rank = tl.cumsum(member.to(tl.int32), axis=2) - 1
+    root_rank = tl.cumsum(root_member.to(tl.int32), axis=2) - 1
     for r in tl.static_range(RRS_MAX):
-        x_r = tl.sum(tl.where(member & (rank == r), tok_j, 0), axis=1).to(tl.int32)
-        tl.store(base + (1 + n) * POS_REC + POS_TOK + r, x_r, mask=n < N)
-        x_root = tl.sum(tl.where(root_member & (root_rank == r), tok_j, 0), axis=1).to(tl.int32)
-        tl.store(base + r0 * POS_REC + POS_TOK + r, x_root)
+        x_r = tl.sum(tl.where(member & (rank == r), tok_j, 0), axis=2).to(tl.int32)
+        tl.store(base + (1 + n) * POS_REC + POS_TOK + r, x_r, mask=ok_node)
+        x_root = tl.sum(tl.where(root_member & (root_rank == r), tok_j, 0), axis=2).to(tl.int32)
+        tl.store(base + r0 * POS_REC + POS_TOK + r, x_root, mask=ok_root)
 
 
 @triton.jit
@@ -1064,7 +1071,8 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     if args.draft_mode != DRAFT_NONE and sampled:
         # the positions a walk can reach and their candidates, from the tree alone
         pos = torch.empty((B, N + 1, POS_REC_HOST), dtype=torch.int32, device=dev)
-        _tree_positions_kernel[(B,)](
+        pos_block_b = max(1, min(next_pow2(B), (1 << 16) // (np2 * np2))) if interpreted else 1
+        _tree_positions_kernel[(triton.cdiv(B, pos_block_b),)](
             args.tokens,
             parents,
             n_ptr,
@@ -1072,6 +1080,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
             args.tokens.stride(0),
             args.tokens.stride(1),
             parents.stride(0) if args.parents is not None else 0,
+            B,
             K,
             G,
             V,
@@ -1080,6 +1089,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
             PER_REQ_N=per_req_n,
             CHAINS=args.parents is None,
             NP2=np2,
+            BLOCK_B=pos_block_b,
         )
     if kseq and sampled:
         # K-SEQ's rho for every position with siblings, before the walk and split over the vocabulary

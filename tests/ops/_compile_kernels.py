@@ -130,7 +130,7 @@ def tree_kernels():
         "pos_ptr": "*i32",
     }
     for chains in (False, True):
-        yield v._tree_positions_kernel, types, dict(PER_REQ_N=not chains, CHAINS=chains, NP2=64)
+        yield v._tree_positions_kernel, types, dict(PER_REQ_N=not chains, CHAINS=chains, NP2=64, BLOCK_B=1)
     yield v._tree_finalize_kernel, types, dict(BLOCK_B=64)
     for mode, method, has_filter, chains in [
         (0, 0, False, False),
