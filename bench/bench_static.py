@@ -202,6 +202,13 @@ def sass_loops(cubin: Path, innermost: bool = True) -> list[dict]:
     return (inner if innermost else loops), len(instructions)
 
 
+def local_memory_instructions(cubin: Path) -> int:
+    """Local-memory loads and stores (LDL / STL) in the disassembly: 0 means a reported stack frame
+    is reserved but never touched."""
+    text = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True).stdout
+    return len(re.findall(r"\b(?:LDL|STL)\b", text))
+
+
 def occupancy(regs: int, smem: int, warps: int) -> tuple[float, str, int]:
     threads = 32 * warps
     per_thread = max(8, -(-regs // 8) * 8)
@@ -426,28 +433,67 @@ class TreeVerifyModel:
                 a for a in every if a["loads"] and any(a["start"] < b["start"] < a["start"] + a["sass"] for b in every)
             ]
             reading = nested or reading
+        if name == "_tree_race_kernel":
+            every, _total = sass_loops(compile_sm90(launch)[0], innermost=False)
+            outer = [a for a in every if a["loads"]]  # RRS / one-hot: the residual's loop is inside
+            return [(outer[-1], bound["chunk_size"] / kw["BLOCK_V"])], kw["BLOCK_B"] * kw["BLOCK_V"] * 2
+        if name == "_tree_walk_kernel" and "race_i_ptr" in launch.kernel.arg_names:
+            trips = case["V"] / kw["BLOCK_V"]
+            search = TreeVerifyModel.walk_searches(case, launch)
+            return ([(reading[0], search * trips)] if search and reading else []), kw["BLOCK_B"] * kw["BLOCK_V"] * 2
         if name == "_tree_walk_kernel" and reading:
             trips = case["V"] / kw["BLOCK_V"]
-            k_root = _sibling_positions(case)[0]
-            search = {0: kw["RHO_R"], 1: k_root - 1, 2: k_root - 1}[kw["METHOD"]]
+            search = TreeVerifyModel.walk_searches(case, launch)
             hot = [(reading[0], search * trips), (reading[-1], trips)] if len(reading) > 1 else [(reading[0], trips)]
             return hot, kw["BLOCK_B"] * kw["BLOCK_V"] * 2
         return TreeVerifyModel.extra_loops(case, launch, loops, reading, bound)
 
     @staticmethod
+    def walk_searches(case: dict, launch: Launch) -> int:
+        """Vocabulary passes of the walk before its race at the root (K-SEQ's rho search in the walk
+        itself, or RRS's residual masses), 0 once they run in _tree_rho_kernel."""
+        kw = launch.kwargs
+        k_root = _sibling_positions(case)[0]
+        if kw["METHOD"] == 0:
+            return 0 if "brk_ptr" in launch.kernel.arg_names else kw["RHO_R"]
+        return 0 if "rrs_ptr" in launch.kernel.arg_names else k_root - 1
+
+    @staticmethod
     def extra_loops(case, launch, loops, reading, bound):
+        name, kw = launch.kernel.fn.__name__, launch.kwargs
+        if name == "_tree_rrs_kernel":
+            every, _total = sass_loops(compile_sm90(launch)[0], innermost=False)
+            outer = [a for a in every if a["loads"]]  # the residual's per-rejection loop is inside
+            programs = math.prod(launch.grid)
+            active = case["B"] * sum(k > bound["rnd"] for k in _sibling_positions(case)) * launch.grid[1]
+            share = math.ceil(active / H100["sms"]) / math.ceil(programs / H100["sms"])
+            return [(outer[-1], bound["chunk_size"] / kw["BLOCK_V"] * share)], kw["BLOCK_P"] * kw["BLOCK_V"] * 2
+        if name == "_tree_rho_kernel" and reading:
+            # only programs of positions with siblings work: scale to the busiest SM's share of them
+            programs = math.prod(launch.grid)
+            active = case["B"] * len(_sibling_positions(case)) * launch.grid[1]
+            share = math.ceil(active / H100["sms"]) / math.ceil(programs / H100["sms"])
+            trips = bound["chunk_size"] / kw["BLOCK_V"] * share
+            return [(reading[-1], trips)], kw["BLOCK_P"] * kw["BLOCK_V"] * 2  # after the merge of the last round
         return [], 0.0
 
     @staticmethod
     def bytes(case: dict, launch: Launch) -> float:
-        name, kw = launch.kernel.fn.__name__, launch.kwargs
+        name = launch.kernel.fn.__name__
         B, V, e = case["B"], case["V"], case["esize"]
         if name == "_verify_row_stats_kernel":
             return TreeVerifyModel.one_read(case)
         if name == "_tree_walk_kernel":
-            k_root = _sibling_positions(case)[0]
-            search = {0: kw["RHO_R"], 1: k_root - 1, 2: k_root - 1}[kw["METHOD"]]
-            return B * (search + 1) * 2 * V * e  # target and draft row of the root: searches + race
+            search = TreeVerifyModel.walk_searches(case, launch)
+            races = 0 if "race_i_ptr" in launch.kernel.arg_names else 1  # the race has its own launch now
+            return B * (search + races) * 2 * V * e  # target and draft row of the root: searches + race
+        if name == "_tree_race_kernel":
+            return B * 2 * V * e
+        if name == "_tree_rho_kernel":  # one round: target and draft row of every position with siblings
+            return B * len(_sibling_positions(case)) * 2 * V * e
+        if name == "_tree_rrs_kernel":  # round j: the positions with more than j candidates
+            j = dict(zip(launch.kernel.arg_names, launch.args, strict=False))["rnd"]
+            return B * sum(k > j for k in _sibling_positions(case)) * 2 * V * e
         return TreeVerifyModel.extra_bytes(case, launch)
 
     @staticmethod
@@ -459,14 +505,13 @@ def tree_cases(smoke: bool) -> list[dict]:
     V, batches = (32000, [1]) if smoke else (151936, [1, 64])
     cases = []
     for B in batches:
-        for method in ["kseq"] if smoke else ["kseq", "rrs", "rrs_wor"]:
+        for method in ["kseq", "rrs", "rrs_wor"]:
             base = dict(V=V, B=B, esize=2, draft="logits", temperature=0.7, method=method, model=TreeVerifyModel)
             cases.append(
                 dict(base, op="verify_multi", K=4, G=4, name=f"verify_multi K=4 G=4 V={V} B={B} bf16 {method}")
             )
-            if not smoke:
-                name = f"verify_tree N=60 (EAGLE-like) V={V} B={B} bf16 {method}"
-                cases.append(dict(base, op="verify_tree", N=60, parents=eagle_tree(60), name=name))
+            name = f"verify_tree N=60 (EAGLE-like) V={V} B={B} bf16 {method}"
+            cases.append(dict(base, op="verify_tree", N=60, parents=eagle_tree(60), name=name))
     return cases
 
 

@@ -131,3 +131,42 @@ def test_csrc_kernels_have_no_stack_or_spills():
     assert len(walks) == 9, walks
     bad = [r for r in rows if r["stack"] or r["spill_bytes"]]
     assert not bad, bad
+
+
+@pytest.mark.slow
+def test_tree_kernels_within_budget(tmp_path):
+    """Issue 13: the tree verification kernels (row pass, positions, rho rounds, walk, race, finalize)
+    and the tree attention kernels compiled for sm_90 at the launchers' configurations
+    (bench_static's tree smoke cases): no spills, no stack."""
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
+    code = (
+        "import json, sys; from bench import bench_static as b; rows = b.run_tree(smoke=True); "
+        "local = sorted({r['kernel'] for r in rows if r['kernel'] != '(call)' and r['stack'] and "
+        "any(b.local_memory_instructions(b.compile_sm90(l)[0]) for c in b.tree_cases(True) + b.attention_cases(True) "
+        "for l in (b.capture_tree(c) if 'verify' in c['name'] else b.capture_attention(c)) "
+        "if l.kernel.fn.__name__ == r['kernel'])}); "
+        f"json.dump(dict(rows=rows, local=local), open({str(out)!r}, 'w'))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", "import os; os.environ['TRITON_INTERPRET'] = '0'; " + code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = [r for r in result["rows"] if r["kernel"] != "(call)"]
+    kernels = {r["kernel"] for r in rows}
+    for name in ("_tree_positions_kernel", "_tree_rho_kernel", "_tree_rrs_kernel", "_tree_walk_kernel"):
+        assert name in kernels, kernels
+    assert "_tree_race_kernel" in kernels, kernels
+    for row in rows:
+        assert row["spill_bytes"] == 0, row
+    # A stack frame is allowed only where ptxas reserves one and never touches it (the RRS walk: 8 bytes,
+    # no local loads or stores): kernels with a stack must have no LDL / STL.
+    assert result["local"] == [], result["local"]
+    stacked = {r["kernel"] for r in rows if r["stack"]}
+    assert stacked <= {"_tree_walk_kernel"}, stacked

@@ -1,15 +1,24 @@
 """Multi-draft and token-tree verification: SpecTr K-SEQ and recursive rejection sampling.
 
-Two launches, no host synchronisation, no Python loop over requests or nodes:
+No host synchronisation, no Python loop over requests or nodes. Everything that does not depend on
+the random path runs before the walk, split over the vocabulary; the walk itself reads no logits row
+(except RRS positions with more than RRS_MAX candidates):
 
 1. ``_verify_row_stats_kernel`` (shared with ``verify``): online max / sum-exp, greedy argmax and
-   top-k/top-p thresholds of every target row and draft row of the tree.
-2. ``_tree_walk_kernel`` grid (request tiles): walks each request's tree from the root. At every
-   position it gathers the candidates' p(x) and q(x), runs the method (K-SEQ solves rho* by a
-   bracketing search over vocabulary sums inside the kernel; RRS renormalises its residual with
-   one vocabulary pass per rejected candidate), and either moves to the accepted child or draws
-   the recovered / bonus token with an exponential race over the residual - which, like p and q,
-   is never written to memory. It finally writes the accepted path and its node indices.
+   top-k/top-p thresholds of every target row and draft row of the tree (chunks merged once).
+2. ``_tree_positions_kernel`` grid (requests): the positions a walk can reach (node sets spelling the
+   same token path, named by their first node), their candidate counts, first candidates and the
+   first candidates' tokens by rank - from the tree alone.
+3. K-SEQ: ``_tree_rho_kernel`` grid (positions, vocabulary chunks), RHO_ROUNDS launches: one
+   bracketing round of the rho* search (``reference.verify_tree.solve_rho``) for every position with
+   siblings. RRS: ``_tree_rrs_kernel``, one launch per rejection count j: the mass Z_j of the
+   residual left after the first j candidates of every position are rejected.
+4. ``_tree_walk_kernel`` grid (request tiles): walks each request's tree from the root with the
+   gathered p(x), q(x) of the candidates and the precomputed rho / Z_j, writes the accepted path and
+   records the race it ends with (position, rho and scale, RRS state).
+5. ``_tree_race_kernel`` grid (request tiles, vocabulary chunks): the recovered / bonus token's
+   exponential race over the residual, which - like p and q - is never written to memory;
+   ``_tree_finalize_kernel`` merges the chunks' winners.
 
 The semantics (the walk over node *sets*, so repeated sibling tokens act with multiplicity) are
 specified by ``specdec_kernels.reference.verify_tree``.
@@ -28,6 +37,7 @@ from ._triton_helpers import (
     DRAFT_LOGITS,
     DRAFT_NONE,
     DRAFT_PROBS,
+    LOG2E,
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
@@ -58,6 +68,7 @@ from .verify import (
     STAT_Z_T,
     THR_Q,
     THR_T,
+    _kept_prob,
     _prob_of,
     _verify_row_stats_kernel,
     launch_threshold_phases,
@@ -67,6 +78,28 @@ from .verify import (
 
 RHO_POINTS = 16  # must match reference.verify_tree
 RHO_ROUNDS = 4
+# Position records of _tree_positions_kernel (int32): candidate count, first candidate.
+POS_K = tl.constexpr(0)
+POS_FIRST = tl.constexpr(1)
+POS_TOK = tl.constexpr(2)  # tokens of the first RRS_MAX candidates, by rank (RRS's residual masses)
+RRS_MAX_HOST = 8  # RRS residual masses Z_1 .. Z_7 come from _tree_rrs_kernel, later ones from the walk
+RRS_MAX = tl.constexpr(RRS_MAX_HOST)
+POS_REC_HOST = 2 + RRS_MAX_HOST
+POS_REC = tl.constexpr(POS_REC_HOST)
+# The race's record, written by the walk for _tree_race_kernel: int32 fields ...
+RI_FLAG = tl.constexpr(0)  # 1: the request races (a sampled request that did not end by acceptance)
+RI_REP = tl.constexpr(1)  # first node of the position (-1 = root): its target row and Philox counter
+RI_FIRST = tl.constexpr(2)  # first candidate: its draft row is the position's q
+RI_HAS = tl.constexpr(3)  # 1: the position has candidates (recovered token), 0: a leaf (bonus token)
+RI_STEPS = tl.constexpr(4)  # RRS rejections
+RI_DEPTH = tl.constexpr(5)  # accepted tokens: the output slot of the raced token
+RACE_I_HOST = 6
+RACE_I = tl.constexpr(RACE_I_HOST)
+# ... and fp32 fields
+RF_RHO = tl.constexpr(0)  # K-SEQ rho
+RF_SCALE = tl.constexpr(1)  # K-SEQ c = (1 - (1 - beta)^k) / beta
+RACE_F_HOST = 2
+RACE_F = tl.constexpr(RACE_F_HOST)
 
 
 @triton.jit
@@ -132,6 +165,335 @@ def _rrs_residual(p, q, steps, zs, xs, ds, x_ids, cols, WOR: tl.constexpr):
 
 
 @triton.jit
+def _tree_positions_kernel(
+    # pointers
+    tokens_ptr,  # [B, K, G] int: node tokens (node = chain * G + slot)
+    parents_ptr,  # [B, N] int (unless CHAINS)
+    num_nodes_ptr,  # [B] int (PER_REQ_N)
+    pos_ptr,  # [B, N+1, POS_REC] int32 out: per position (slot 0 = root, 1 + n = node n)
+    # strides
+    stride_xb,
+    stride_xk,
+    stride_pb,
+    # sizes
+    B,
+    K,
+    G,
+    V,
+    N,
+    D,
+    # constexprs
+    PER_REQ_N: tl.constexpr,
+    CHAINS: tl.constexpr,
+    NP2: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """The positions a walk can reach, from the tree alone (no randomness): nodes spelling the same
+    token path form one position (the walk's node set), named by its first node. For each position:
+    its candidate count k (0 when the node is not the first of its set) and its first candidate (whose
+    draft row is the position's q). BLOCK_B requests per program (1 on a GPU; a tile of them in the
+    interpreter, where a program per request costs more than its work); D rounds of
+    [BLOCK_B, NP2, NP2] bit tiles."""
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    b_ok = b < B
+    n_nodes = per_request(num_nodes_ptr, N, b, b_ok, PER_REQ_N).to(tl.int32)
+    n_nodes = tl.where(b_ok, n_nodes, 0)[:, None, None]  # requests past B have no nodes
+    b3 = b[:, None, None]
+    ni = tl.arange(0, NP2)[None, :, None]
+    nj = tl.arange(0, NP2)[None, None, :]
+    tok_i, ok_i, par_i = _tree_nodes(
+        tokens_ptr, parents_ptr, b3, ni, n_nodes, stride_xb, stride_xk, stride_pb, G, V, CHAINS
+    )
+    tok_j, ok_j, par_j = _tree_nodes(
+        tokens_ptr, parents_ptr, b3, nj, n_nodes, stride_xb, stride_xk, stride_pb, G, V, CHAINS
+    )
+    tok_eq = (tok_i == tok_j) & ok_i & ok_j
+    both_root = (par_i == -1) & (par_j == -1)
+    one = tl.full([BLOCK_B, NP2, NP2], 1, tl.int64)
+    rel = tok_eq & both_root
+    bits = tl.sum(tl.where(rel, one << nj.to(tl.int64), 0), axis=2)  # [BB, NP2]: same-path set of node i
+    for _depth in range(0, D):  # nodes at depth d + 1 are settled after d rounds
+        par_bits = tl.sum(tl.where(nj == par_i, bits[:, None, :], 0), axis=2)  # bits[parent(i)]
+        same_parent = ((par_bits[:, :, None] >> tl.maximum(par_j, 0).to(tl.int64)) & 1) != 0
+        rel = tok_eq & (both_root | ((par_i >= 0) & (par_j >= 0) & same_parent))
+        bits = tl.sum(tl.where(rel, one << nj.to(tl.int64), 0), axis=2)
+    n = tl.arange(0, NP2)[None, :]
+    rep = tl.min(tl.where(rel, nj, NP2), axis=2)  # [BB, NP2]: first node of each node's set
+    is_first = rep == n
+    rep_of_parent = tl.sum(tl.where(ni == par_j, rep[:, :, None], 0), axis=1)  # [BB, NP2] over j
+    member = ok_j & (par_j >= 0) & (rep_of_parent[:, None, :] == ni) & is_first[:, :, None]
+    k = tl.sum(member.to(tl.int32), axis=2)
+    first = tl.min(tl.where(member, nj, NP2), axis=2)
+    root_member = ok_j & (par_j == -1)  # [BB, 1, NP2]
+    k_root = tl.sum(root_member.to(tl.int32), axis=2)  # [BB, 1]
+    first_root = tl.min(tl.where(root_member, nj, NP2), axis=2)
+    base = (pos_ptr + b * (N + 1) * POS_REC)[:, None]
+    r0 = tl.arange(0, 1)[None, :]
+    ok_root = b_ok[:, None]
+    ok_node = b_ok[:, None] & (n < N)
+    tl.store(base + r0 * POS_REC + POS_K, k_root, mask=ok_root)
+    tl.store(base + r0 * POS_REC + POS_FIRST, first_root, mask=ok_root)
+    tl.store(base + (1 + n) * POS_REC + POS_K, k, mask=ok_node)
+    tl.store(base + (1 + n) * POS_REC + POS_FIRST, first, mask=ok_node)
+    # candidate tokens by rank (RRS's residual masses before the walk)
+    rank = tl.cumsum(member.to(tl.int32), axis=2) - 1
+    root_rank = tl.cumsum(root_member.to(tl.int32), axis=2) - 1
+    for r in tl.static_range(RRS_MAX):
+        x_r = tl.sum(tl.where(member & (rank == r), tok_j, 0), axis=2).to(tl.int32)
+        tl.store(base + (1 + n) * POS_REC + POS_TOK + r, x_r, mask=ok_node)
+        x_root = tl.sum(tl.where(root_member & (root_rank == r), tok_j, 0), axis=2).to(tl.int32)
+        tl.store(base + r0 * POS_REC + POS_TOK + r, x_root, mask=ok_root)
+
+
+@triton.jit
+def _tree_nodes(
+    tokens_ptr, parents_ptr, b, nodes, n_nodes, stride_xb, stride_xk, stride_pb, G, V, CHAINS: tl.constexpr
+):
+    """(token, usable token, parent) of each node in `nodes` (parent -2 for padding nodes)."""
+    node_ok = nodes < n_nodes
+    tok = tl.load(
+        tokens_ptr + b * stride_xb + (nodes // G).to(tl.int64) * stride_xk + nodes % G, mask=node_ok, other=-1
+    )
+    tok = tok.to(tl.int64)
+    tok_ok = node_ok & (tok >= 0) & (tok < V)
+    if CHAINS:
+        par = tl.where(nodes % G == 0, -1, nodes - 1)
+    else:
+        par = tl.load(parents_ptr + b * stride_pb + nodes, mask=node_ok, other=-2).to(tl.int32)
+    return tl.where(tok_ok, tok, -1), tok_ok, tl.where(node_ok, par, -2)
+
+
+@triton.jit
+def _rho_bracket(brk_ptr, sums_ptr, slot, ok, kf, lo, hi, num_chunks, RHO_P: tl.constexpr):
+    """One K-SEQ bracketing round (as ``reference.verify_tree.solve_rho``) from the chunk sums of
+    a round: its points lo + (hi - lo) m / RHO_P (the last one hi), f at each, the new (lo, hi) and
+    beta(hi). slot: [BP] records of the round's positions."""
+    pts_i = tl.arange(0, RHO_P)[None, :]
+    pts = lo[:, None] + (hi - lo)[:, None] * ((pts_i + 1).to(tl.float32) / RHO_P)
+    pts = tl.where(pts_i == RHO_P - 1, hi[:, None], pts)
+    acc = tl.zeros([lo.shape[0], RHO_P], tl.float32)
+    for c in range(0, num_chunks):
+        acc += tl.load(sums_ptr + (slot[:, None] * num_chunks + c) * RHO_P + pts_i, mask=ok[:, None], other=0.0)
+    beta = acc / pts  # the chunks sum min(rho q, p) = rho min(q, p / rho)
+    f = 1.0 - tl.exp(kf[:, None] * tl.log(tl.maximum(1.0 - beta, 0.0))) - pts * beta
+    m_star = tl.min(tl.where(f <= 0.0, pts_i, RHO_P - 1), axis=1)
+    new_lo = tl.where(m_star > 0, _pick(pts, pts_i, m_star - 1), lo)
+    return new_lo, _pick(pts, pts_i, m_star), _pick(beta, pts_i, m_star)
+
+
+@triton.jit
+def _tree_rho_kernel(
+    # pointers
+    target_ptr,  # [B, K, G+1, V] raw target logits
+    draft_ptr,  # [B, K, G, V] draft logits (mode 1) or probs (mode 2)
+    temperature_ptr,  # [B] float (PER_REQ_T)
+    pos_ptr,  # [B, N+1, POS_REC] int32 (_tree_positions_kernel)
+    stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
+    thr_ptr,  # [B*K*(G+1), 2] fp32 (HAS_FILTER)
+    brk_ptr,  # [RHO_R, B*(N+1), 2] fp32: (lo, hi) of each round's points (written by chunk 0)
+    sums_ptr,  # [RHO_R, B*(N+1), C, RHO_P] fp32: sum over the chunk of min(rho q, p) per point
+    # strides
+    stride_tb,
+    stride_tk,
+    stride_tg,
+    stride_db,
+    stride_dk,
+    stride_dg,
+    # sizes
+    B,
+    K,
+    G,
+    V,
+    N,
+    chunk_size,
+    num_chunks,
+    rnd,  # this round (0 .. RHO_R - 1); round r reads round r - 1's sums
+    # scalar parameters
+    temperature,
+    # constexprs
+    PER_REQ_T: tl.constexpr,
+    DRAFT_MODE: tl.constexpr,
+    HAS_FILTER: tl.constexpr,
+    RHO_P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """K-SEQ's rho search, vocabulary-parallel: one bracketing round for every position with
+    siblings (k > 1) of every request, whatever path the walk takes. Grid (position tiles, chunks)."""
+    P = B * (N + 1)
+    pos = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P).to(tl.int64)
+    chunk = tl.program_id(1)
+    in_range = pos < P
+    b = pos // (N + 1)
+    rep = (pos % (N + 1) - 1).to(tl.int32)  # -1: the root
+    k = tl.load(pos_ptr + pos * POS_REC + POS_K, mask=in_range, other=0)
+    first = tl.load(pos_ptr + pos * POS_REC + POS_FIRST, mask=in_range, other=0)
+    temperature = per_request(temperature_ptr, temperature, b, in_range, PER_REQ_T).to(tl.float32)
+    greedy, inv_t = inverse_temperature(temperature)
+    active = in_range & ~greedy & (k > 1)
+    if tl.max(active.to(tl.int32), axis=0) > 0:
+        kf = k.to(tl.float32)
+        lo = tl.full([BLOCK_P], 1.0, tl.float32)
+        hi = tl.maximum(kf, 1.0)
+        if rnd > 0:
+            prev = (rnd - 1) * P + pos
+            lo = tl.load(brk_ptr + prev * 2, mask=active, other=1.0)
+            hi = tl.load(brk_ptr + prev * 2 + 1, mask=active, other=1.0)
+            lo, hi, _beta = _rho_bracket(brk_ptr, sums_ptr, prev, active, kf, lo, hi, num_chunks, RHO_P)
+        slot = rnd * P + pos
+        if chunk == 0:
+            tl.store(brk_ptr + slot * 2, lo, mask=active)
+            tl.store(brk_ptr + slot * 2 + 1, hi, mask=active)
+        pts_i = tl.arange(0, RHO_P)[None, :]
+        pts = lo[:, None] + (hi - lo)[:, None] * ((pts_i + 1).to(tl.float32) / RHO_P)
+        pts = tl.where(pts_i == RHO_P - 1, hi[:, None], pts)
+
+        rec_t = _record(b, rep, K, G, 1)
+        rec_q = _record(b, first, K, G, 0)
+        m_t = tl.load(stats_ptr + rec_t * NUM_STATS + STAT_M_T, mask=active, other=0.0)
+        z_t = tl.load(stats_ptr + rec_t * NUM_STATS + STAT_Z_T, mask=active, other=0.0)
+        m_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_M_Q, mask=active, other=0.0)
+        z_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_Z_Q, mask=active, other=0.0)
+        thr_t = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        thr_q = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        if HAS_FILTER:
+            thr_t = tl.load(thr_ptr + rec_t * NUM_THR + THR_T, mask=active, other=float("-inf"))
+            if DRAFT_MODE == DRAFT_LOGITS:
+                thr_q = tl.load(thr_ptr + rec_q * NUM_THR + THR_Q, mask=active, other=float("-inf"))
+        t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)[:, None]
+        d_row = _row_ptr(draft_ptr, b, first, stride_db, stride_dk, stride_dg, G, 0)[:, None]
+        c = (inv_t * LOG2E)[:, None]
+        m_t = safe_max(m_t)[:, None]
+        m_q = safe_max(m_q)[:, None]
+        inv_zt = tl.where(z_t > 0.0, 1.0 / tl.where(z_t > 0.0, z_t, 1.0), 0.0)[:, None]
+        inv_zq = tl.where(z_q > 0.0, 1.0 / tl.where(z_q > 0.0, z_q, 1.0), 0.0)[:, None]
+        pts3 = pts[:, :, None]
+        # per-lane running sums of min(rho q, p) = q min(rho, p / q): elementwise in the loop (two
+        # instructions per point and entry), one reduction after it
+        acc = tl.zeros([BLOCK_P, RHO_P, BLOCK_V], tl.float32)
+        start_col = chunk * chunk_size
+        end_col = tl.minimum(start_col + chunk_size, V)
+        vcols = tl.arange(0, BLOCK_V)[None, :]
+        for start in range(start_col, end_col, BLOCK_V):
+            cols = start + vcols
+            lane = active[:, None] & (cols < end_col)
+            x = tl.load(t_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
+            pv = _kept_prob(x, m_t, c, inv_zt, thr_t[:, None])
+            if DRAFT_MODE == DRAFT_LOGITS:
+                xq = tl.load(d_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
+                qv = _kept_prob(xq, m_q, c, inv_zq, thr_q[:, None])
+            else:
+                qv, _bad_q = load_probs(d_row + cols, lane)
+            ratio = tl.where(qv > 0.0, tl.fdiv(pv, qv, approx=True), 0.0)  # the term is 0 where q = 0
+            acc += qv[:, None, :] * tl.minimum(pts3, ratio[:, None, :])
+        sums = tl.sum(acc, axis=2)
+        tl.store(sums_ptr + (slot[:, None] * num_chunks + chunk) * RHO_P + pts_i, sums, mask=active[:, None])
+
+
+@triton.jit
+def _tree_rrs_kernel(
+    # pointers
+    target_ptr,  # [B, K, G+1, V] raw target logits
+    draft_ptr,  # [B, K, G, V] draft logits (mode 1) or probs (mode 2)
+    temperature_ptr,  # [B] float (PER_REQ_T)
+    pos_ptr,  # [B, N+1, POS_REC] int32 (_tree_positions_kernel)
+    stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
+    thr_ptr,  # [B*K*(G+1), 2] fp32 (HAS_FILTER)
+    sums_ptr,  # [RRS_MAX - 1, B*(N+1), C] fp32: chunk sums of Z_j (round j at j - 1)
+    # strides
+    stride_tb,
+    stride_tk,
+    stride_tg,
+    stride_db,
+    stride_dk,
+    stride_dg,
+    # sizes
+    B,
+    K,
+    G,
+    V,
+    N,
+    chunk_size,
+    num_chunks,
+    rnd,  # j in 1 .. RRS_MAX - 1: the mass Z_j of the residual after j rejections
+    # scalar parameters
+    temperature,
+    # constexprs
+    PER_REQ_T: tl.constexpr,
+    DRAFT_MODE: tl.constexpr,
+    HAS_FILTER: tl.constexpr,
+    WOR: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """RRS's residual masses before the walk, split over the vocabulary: round j sums the residual
+    left after the first j candidates of a position are rejected (the candidates and their order
+    are fixed by the tree), for every position with more than j candidates. Grid (position tiles, chunks)."""
+    P = B * (N + 1)
+    pos = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P).to(tl.int64)
+    chunk = tl.program_id(1)
+    in_range = pos < P
+    b = pos // (N + 1)
+    rep = (pos % (N + 1) - 1).to(tl.int32)
+    k = tl.load(pos_ptr + pos * POS_REC + POS_K, mask=in_range, other=0)
+    temperature = per_request(temperature_ptr, temperature, b, in_range, PER_REQ_T).to(tl.float32)
+    greedy, inv_t = inverse_temperature(temperature)
+    active = in_range & ~greedy & (k > rnd)
+    if tl.max(active.to(tl.int32), axis=0) > 0:
+        first = tl.load(pos_ptr + pos * POS_REC + POS_FIRST, mask=active, other=0)
+        rec_t = _record(b, rep, K, G, 1)
+        rec_q = _record(b, first, K, G, 0)
+        m_t = tl.load(stats_ptr + rec_t * NUM_STATS + STAT_M_T, mask=active, other=0.0)
+        z_t = tl.load(stats_ptr + rec_t * NUM_STATS + STAT_Z_T, mask=active, other=0.0)
+        m_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_M_Q, mask=active, other=0.0)
+        z_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_Z_Q, mask=active, other=0.0)
+        thr_t = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        thr_q = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        if HAS_FILTER:
+            thr_t = tl.load(thr_ptr + rec_t * NUM_THR + THR_T, mask=active, other=float("-inf"))
+            if DRAFT_MODE == DRAFT_LOGITS:
+                thr_q = tl.load(thr_ptr + rec_q * NUM_THR + THR_Q, mask=active, other=float("-inf"))
+        t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)
+        d_row = _row_ptr(draft_ptr, b, first, stride_db, stride_dk, stride_dg, G, 0)
+        # the walk's RRS state after the first rnd rejections, by rank (as in _tree_walk_kernel)
+        ranks = tl.arange(0, RRS_MAX)[None, :]
+        zs = tl.zeros([BLOCK_P, RRS_MAX], tl.float32) + tl.where(ranks == 0, 1.0, 0.0)
+        ds = tl.zeros([BLOCK_P, RRS_MAX], tl.float32) + tl.where(ranks == 0, 1.0, 0.0)
+        xs = tl.full([BLOCK_P, RRS_MAX], -1, tl.int64)
+        for j in range(0, rnd):
+            x_j = tl.load(pos_ptr + pos * POS_REC + POS_TOK + j, mask=active, other=0).to(tl.int64)
+            if j > 0:
+                z_j = tl.zeros([BLOCK_P], tl.float32)
+                for c in range(0, num_chunks):
+                    z_j += tl.load(sums_ptr + ((j - 1) * P + pos) * num_chunks + c, mask=active, other=0.0)
+                zs = tl.where(ranks == j, z_j[:, None], zs)
+            if WOR:
+                if DRAFT_MODE == DRAFT_LOGITS:
+                    xq, _bad = load_logits(d_row + x_j, active)
+                    q_x = _prob_of(xq, m_q, z_q, thr_q, inv_t)
+                else:
+                    q_x, _bad = load_probs(d_row + x_j, active)
+                d_now = tl.sum(tl.where(ranks == j, ds, 0.0), axis=1)
+                repeated = tl.sum((xs == x_j[:, None]).to(tl.int32), axis=1) > 0
+                ds = tl.where(ranks == j + 1, tl.where(repeated, d_now, d_now - q_x)[:, None], ds)
+                xs = tl.where((ranks == j) & ~repeated[:, None], x_j[:, None], xs)
+        steps = tl.zeros([BLOCK_P], tl.int32) + rnd
+        acc = tl.zeros([BLOCK_P, BLOCK_V], tl.float32)
+        start_col = chunk * chunk_size
+        end_col = tl.minimum(start_col + chunk_size, V)
+        vcols = tl.arange(0, BLOCK_V)[None, :]
+        for start in range(start_col, end_col, BLOCK_V):
+            cols = start + vcols
+            lane = active[:, None] & (cols < end_col)
+            _x, pv, qv = _position_tiles(
+                t_row, d_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE
+            )
+            r = _rrs_residual(pv, qv, steps, zs, xs, ds, cols.to(tl.int64), ranks, WOR)
+            acc += tl.where(lane, r, 0.0)
+        tl.store(sums_ptr + ((rnd - 1) * P + pos) * num_chunks + chunk, tl.sum(acc, axis=1), mask=active)
+
+
+@triton.jit
 def _tree_walk_kernel(
     # pointers
     target_ptr,  # [B, K, G+1, V] raw target logits
@@ -148,6 +510,14 @@ def _tree_walk_kernel(
     out_nodes_ptr,  # [B, D] int64 out
     out_accepted_ptr,  # [B] int32 out
     nonfinite_ptr,  # [B] bool out
+    brk_ptr,  # [RHO_R, B*(N+1), 2] fp32 (_tree_rho_kernel, K-SEQ)
+    sums_ptr,  # [RHO_R, B*(N+1), rho_chunks, RHO_P] fp32 (_tree_rho_kernel, K-SEQ)
+    race_i_ptr,  # [B, RACE_I] int32 out: the race's record
+    race_f_ptr,  # [B, RACE_F] fp32 out
+    race_zs_ptr,  # [B, NP2] fp32 out: RRS normalisers by rank
+    race_ds_ptr,  # [B, NP2] fp32 out: RRS-WOR q masses by rank
+    race_xs_ptr,  # [B, NP2] int64 out: RRS-WOR rejected tokens by rank (one-hot: the candidates' tokens)
+    rrs_ptr,  # [RRS_MAX - 1, B*(N+1), rrs_chunks] fp32 (_tree_rrs_kernel, RRS)
     # strides
     stride_tb,
     stride_tk,
@@ -167,6 +537,8 @@ def _tree_walk_kernel(
     V,
     N,
     D,
+    rho_chunks,
+    rrs_chunks,
     # scalar parameters
     temperature,
     seed,
@@ -217,6 +589,16 @@ def _tree_walk_kernel(
     out_cols = tl.arange(0, DP2)[None, :]
     out_tok = tl.full([BLOCK_B, DP2], -1, tl.int64)
     vcols = tl.arange(0, BLOCK_V)[None, :]
+    r_flag = tl.zeros([BLOCK_B], tl.int1)  # the race's record (see the end)
+    r_rep = tl.full([BLOCK_B], -1, tl.int32)
+    r_first = tl.zeros([BLOCK_B], tl.int32)
+    r_has = tl.zeros([BLOCK_B], tl.int1)
+    r_rho = tl.full([BLOCK_B], 1.0, tl.float32)
+    r_scale = tl.full([BLOCK_B], 1.0, tl.float32)
+    r_steps = tl.zeros([BLOCK_B], tl.int32)
+    r_zs = tl.zeros([BLOCK_B, NP2], tl.float32)
+    r_ds = tl.zeros([BLOCK_B, NP2], tl.float32)
+    r_xs = tl.full([BLOCK_B, NP2], -1, tl.int64)
 
     for d in range(0, D + 1):
         active = ~done
@@ -284,34 +666,16 @@ def _tree_walk_kernel(
             p_j = tl.where(repeated | (left <= 0.0), 0.0, p_c / tl.where(left > 0.0, left, 1.0))
             accept = cand & (p_j > 0.0) & (u <= p_j)
         elif METHOD == 0:
-            # K-SEQ: bracket rho* in [1, k] with RHO_P points per pass (lanes with k > 1)
+            # K-SEQ: rho and beta(rho) from the last round of _tree_rho_kernel (lanes with k > 1)
             search = stochastic & (k > 1)
             kf = k.to(tl.float32)
-            lo = tl.full([BLOCK_B], 1.0, tl.float32)
-            hi = tl.maximum(kf, 1.0)
             beta_hi = tl.zeros([BLOCK_B], tl.float32)
-            pts_i = tl.arange(0, RHO_P)[None, :]
+            hi = tl.full([BLOCK_B], 1.0, tl.float32)
             if tl.max(search.to(tl.int32), axis=0) > 0:
-                for _round in range(RHO_R):
-                    pts = lo[:, None] + (hi - lo)[:, None] * ((pts_i + 1).to(tl.float32) / RHO_P)
-                    pts = tl.where(pts_i == RHO_P - 1, hi[:, None], pts)
-                    beta = tl.zeros([BLOCK_B, RHO_P], tl.float32)
-                    for start in range(0, V, BLOCK_V):
-                        cols = start + vcols
-                        lane = search[:, None] & (cols < V)
-                        _x, pv, qv = _position_tiles(
-                            t_row, d_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE
-                        )
-                        terms = tl.minimum(qv[:, None, :], pv[:, None, :] / pts[:, :, None])
-                        beta += tl.sum(terms, axis=2)
-                    f = 1.0 - tl.exp(kf[:, None] * tl.log(tl.maximum(1.0 - beta, 0.0))) - pts * beta
-                    m_star = tl.min(tl.where(f <= 0.0, pts_i, RHO_P - 1), axis=1)
-                    new_lo = tl.where(m_star > 0, _pick(pts, pts_i, m_star - 1), lo)
-                    new_hi = _pick(pts, pts_i, m_star)
-                    new_beta = _pick(beta, pts_i, m_star)
-                    lo = tl.where(search, new_lo, lo)
-                    hi = tl.where(search, new_hi, hi)
-                    beta_hi = tl.where(search, new_beta, beta_hi)
+                slot = (RHO_R - 1) * B * (N + 1) + b * (N + 1) + rep + 1
+                lo = tl.load(brk_ptr + slot * 2, mask=search, other=1.0)
+                hi = tl.load(brk_ptr + slot * 2 + 1, mask=search, other=1.0)
+                _lo, hi, beta_hi = _rho_bracket(brk_ptr, sums_ptr, slot, search, kf, lo, hi, rho_chunks, RHO_P)
             rho = tl.where(search, hi, 1.0)
             pow_k = tl.exp(kf * tl.log(tl.maximum(1.0 - beta_hi, 0.0)))
             scale = tl.where(
@@ -326,7 +690,13 @@ def _tree_walk_kernel(
                 at_j = cand & (rank == j)
                 live = ~decided & (j < k)
                 x_j = tl.sum(tl.where(at_j, tok, 0), axis=1)
-                if j > 0:  # Z_j: one pass over the vocabulary
+                if j > 0:  # Z_j from _tree_rrs_kernel
+                    z_j = tl.zeros([BLOCK_B], tl.float32)
+                    slot = (tl.minimum(j, RRS_MAX - 1) - 1) * B * (N + 1) + b * (N + 1) + rep + 1
+                    for c in range(0, rrs_chunks):
+                        z_j += tl.load(rrs_ptr + slot * rrs_chunks + c, mask=live & (j < RRS_MAX), other=0.0)
+                    zs = tl.where(live[:, None] & (nodes == j), z_j[:, None], zs)
+                if j >= RRS_MAX:  # Z_j: one pass over the vocabulary (positions with more candidates)
                     z_j = tl.zeros([BLOCK_B], tl.float32)
                     for start in range(0, V, BLOCK_V):
                         cols = start + vcols
@@ -362,54 +732,22 @@ def _tree_walk_kernel(
         accepted = active & (chosen < NP2)
         emit = active & ~accepted
 
-        # ---- recovered / bonus token: exponential race over the residual of this position
+        # ---- recovered / bonus token: recorded here, raced by _tree_race_kernel over vocabulary chunks
         race = emit & ~greedy
-        best_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
-        best_idx = tl.zeros([BLOCK_B], tl.int32)
-        p_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
-        p_idx = tl.zeros([BLOCK_B], tl.int32)
-        if tl.max(race.to(tl.int32), axis=0) > 0:
-            purpose = tl.where(has_cand, PURPOSE_RECOVER, PURPOSE_BONUS)
-            log_z = tl.log(tl.where(z_t > 0.0, z_t, 1.0))
-            for start in range(0, V, BLOCK_V):
-                cols = start + vcols
-                lane = race[:, None] & (cols < V)
-                xt, pv, qv = _position_tiles(
-                    t_row,
-                    d_row,
-                    cols,
-                    lane,
-                    lane & has_cand[:, None],
-                    m_t,
-                    z_t,
-                    thr_t,
-                    m_q,
-                    z_q,
-                    thr_q,
-                    inv_t,
-                    DRAFT_MODE,
-                )
-                if DRAFT_MODE == DRAFT_NONE:
-                    gone = (cols < 0) & lane
-                    for j in range(0, tl.max(k, axis=0)):
-                        x_j = tl.sum(tl.where(cand & (rank == j), tok, 0), axis=1)
-                        gone = gone | ((cols == x_j[:, None]) & (j < k)[:, None])
-                    w = tl.where(gone, 0.0, pv)
-                else:
-                    if METHOD == 0:
-                        w = tl.maximum(pv - scale[:, None] * tl.minimum(qv, pv / rho[:, None]), 0.0)
-                    else:
-                        w = _rrs_residual(pv, qv, steps, zs, xs, ds, cols.to(tl.int64), nodes, METHOD == 2)
-                w = tl.where(has_cand[:, None], w, pv)
-                noise = race_noise(seed[:, None], start, counter[:, None], purpose[:, None], BLOCK_V)
-                log_p = (xt - safe_max(m_t)[:, None]) * inv_t[:, None] - log_z[:, None]
-                keys = tl.where(lane & (w > 0.0), tl.log(tl.maximum(w, 1e-38)) + noise, float("-inf"))
-                keys_p = tl.where(lane & (pv > 0.0), log_p + noise, float("-inf"))
-                best_key, best_idx = first_argmax_update(best_key, best_idx, keys, cols)
-                p_key, p_idx = first_argmax_update(p_key, p_idx, keys_p, cols)
-        sampled = tl.where(best_key > float("-inf"), best_idx, p_idx).to(tl.int64)
-        final = tl.where(greedy, g_idx, sampled)
-        final = tl.minimum(tl.maximum(final, 0), V - 1)
+        r_flag = r_flag | race
+        r_rep = tl.where(race, rep, r_rep)
+        r_first = tl.where(race, first_safe, r_first)
+        r_has = tl.where(race, has_cand, r_has)
+        r_rho = tl.where(race, rho, r_rho)
+        r_scale = tl.where(race, scale, r_scale)
+        r_steps = tl.where(race, steps, r_steps)
+        r_zs = tl.where(race[:, None], zs, r_zs)
+        r_ds = tl.where(race[:, None], ds, r_ds)
+        if DRAFT_MODE == DRAFT_NONE:  # the candidates' tokens leave the residual
+            r_xs = tl.where(race[:, None], tl.where(cand, tok, -1), r_xs)
+        else:
+            r_xs = tl.where(race[:, None], xs, r_xs)
+        final = tl.where(greedy, g_idx, -1)
 
         # ---- advance
         chosen_tok = _pick(tok, nodes, chosen)
@@ -432,10 +770,183 @@ def _tree_walk_kernel(
         pos = depth - 1 - step
         path = tl.where((out_cols == pos[:, None]) & (node >= 0)[:, None], node.to(tl.int64)[:, None], path)
         node = tl.where(node >= 0, _pick(par, nodes, node), -1)
+    # the race's record: (flag, position, first candidate, has candidates, steps) int32, (rho, scale) fp32,
+    # and per rank the RRS normalisers / WOR masses (fp32) and rejected (one-hot: candidate) tokens
+    rec_i = race_i_ptr + b * RACE_I
+    tl.store(rec_i + RI_FLAG, r_flag.to(tl.int32), mask=b_ok)
+    tl.store(rec_i + RI_REP, r_rep, mask=b_ok)
+    tl.store(rec_i + RI_FIRST, r_first, mask=b_ok)
+    tl.store(rec_i + RI_HAS, r_has.to(tl.int32), mask=b_ok)
+    tl.store(rec_i + RI_STEPS, r_steps, mask=b_ok)
+    tl.store(rec_i + RI_DEPTH, depth, mask=b_ok)
+    tl.store(race_f_ptr + b * RACE_F + RF_RHO, r_rho, mask=b_ok)
+    tl.store(race_f_ptr + b * RACE_F + RF_SCALE, r_scale, mask=b_ok)
+    ranks = b[:, None] * NP2 + nodes
+    tl.store(race_zs_ptr + ranks, r_zs, mask=b_ok[:, None])
+    tl.store(race_ds_ptr + ranks, r_ds, mask=b_ok[:, None])
+    tl.store(race_xs_ptr + ranks, r_xs, mask=b_ok[:, None])
     tl.store(out_tokens_ptr + b[:, None] * stride_ob + out_cols, out_tok, mask=b_ok[:, None] & (out_cols <= D))
     tl.store(out_nodes_ptr + b[:, None] * stride_nb + out_cols, path, mask=b_ok[:, None] & (out_cols < D))
     tl.store(out_accepted_ptr + b, depth, mask=b_ok)
     tl.store(nonfinite_ptr + b, flagged, mask=b_ok)
+
+
+@triton.jit
+def _tree_race_kernel(
+    # pointers
+    target_ptr,  # [B, K, G+1, V] raw target logits
+    draft_ptr,  # [B, K, G, V] draft logits (mode 1) or probs (mode 2)
+    temperature_ptr,  # [B] float (PER_REQ_T)
+    seed_ptr,  # [B] int (PER_REQ_SEED)
+    stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
+    thr_ptr,  # [B*K*(G+1), 2] fp32 (HAS_FILTER)
+    race_i_ptr,  # [B, RACE_I] int32 (walk)
+    race_f_ptr,  # [B, RACE_F] fp32 (walk)
+    race_zs_ptr,  # [B, NP2] fp32 (walk)
+    race_ds_ptr,  # [B, NP2] fp32 (walk)
+    race_xs_ptr,  # [B, NP2] int64 (walk)
+    key_ptr,  # [B, C, 2] fp32 out: best residual key, best key of p (the fallback) per chunk
+    idx_ptr,  # [B, C, 2] int32 out
+    # strides
+    stride_tb,
+    stride_tk,
+    stride_tg,
+    stride_db,
+    stride_dk,
+    stride_dg,
+    # sizes
+    B,
+    K,
+    G,
+    V,
+    chunk_size,
+    num_chunks,
+    # scalar parameters
+    temperature,
+    seed,
+    # constexprs
+    PER_REQ_T: tl.constexpr,
+    PER_REQ_SEED: tl.constexpr,
+    DRAFT_MODE: tl.constexpr,
+    HAS_FILTER: tl.constexpr,
+    METHOD: tl.constexpr,
+    NP2: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The recovered / bonus token's exponential race over one vocabulary chunk of the position where
+    each request's walk ended: over the method's residual (over p at a leaf) and over p itself (the
+    fallback when the residual is empty). Grid (request tiles, chunks); _tree_finalize_kernel merges."""
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    chunk = tl.program_id(1)
+    b_ok = b < B
+    race = b_ok & (tl.load(race_i_ptr + b * RACE_I + RI_FLAG, mask=b_ok, other=0) != 0)
+    best_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK_B], tl.int32)
+    p_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    p_idx = tl.zeros([BLOCK_B], tl.int32)
+    if tl.max(race.to(tl.int32), axis=0) > 0:
+        rep = tl.load(race_i_ptr + b * RACE_I + RI_REP, mask=race, other=-1)
+        first = tl.load(race_i_ptr + b * RACE_I + RI_FIRST, mask=race, other=0)
+        has_cand = tl.load(race_i_ptr + b * RACE_I + RI_HAS, mask=race, other=0) != 0
+        steps = tl.load(race_i_ptr + b * RACE_I + RI_STEPS, mask=race, other=0)
+        rho = tl.load(race_f_ptr + b * RACE_F + RF_RHO, mask=race, other=1.0)
+        scale = tl.load(race_f_ptr + b * RACE_F + RF_SCALE, mask=race, other=1.0)
+        nodes = tl.arange(0, NP2)[None, :]
+        ranks = b[:, None] * NP2 + nodes
+        zs = tl.load(race_zs_ptr + ranks, mask=race[:, None], other=0.0)
+        ds = tl.load(race_ds_ptr + ranks, mask=race[:, None], other=0.0)
+        xs = tl.load(race_xs_ptr + ranks, mask=race[:, None], other=-1)
+        _greedy, inv_t = inverse_temperature(
+            per_request(temperature_ptr, temperature, b, b_ok, PER_REQ_T).to(tl.float32)
+        )
+        key = request_seed(seed_ptr, seed, b, b_ok, PER_REQ_SEED)
+        rec_t = _record(b, rep, K, G, 1)
+        rec_q = _record(b, first, K, G, 0)
+        m_t = tl.load(stats_ptr + rec_t * NUM_STATS + STAT_M_T, mask=race, other=0.0)
+        z_t = tl.load(stats_ptr + rec_t * NUM_STATS + STAT_Z_T, mask=race, other=0.0)
+        with_q = race & has_cand
+        m_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_M_Q, mask=with_q, other=0.0)
+        z_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_Z_Q, mask=with_q, other=0.0)
+        thr_t = tl.full([BLOCK_B], float("-inf"), tl.float32)
+        thr_q = tl.full([BLOCK_B], float("-inf"), tl.float32)
+        if HAS_FILTER:
+            thr_t = tl.load(thr_ptr + rec_t * NUM_THR + THR_T, mask=race, other=float("-inf"))
+            if DRAFT_MODE == DRAFT_LOGITS:
+                thr_q = tl.load(thr_ptr + rec_q * NUM_THR + THR_Q, mask=with_q, other=float("-inf"))
+        t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)
+        d_row = _row_ptr(draft_ptr, b, first, stride_db, stride_dk, stride_dg, G, 0)
+        counter = rep + 1
+        purpose = tl.where(has_cand, PURPOSE_RECOVER, PURPOSE_BONUS)
+        log_z = tl.log(tl.where(z_t > 0.0, z_t, 1.0))
+        vcols = tl.arange(0, BLOCK_V)[None, :]
+        start_col = chunk * chunk_size
+        end_col = tl.minimum(start_col + chunk_size, V)
+        for start in range(start_col, end_col, BLOCK_V):
+            cols = start + vcols
+            lane = race[:, None] & (cols < end_col)
+            xt, pv, qv = _position_tiles(
+                t_row, d_row, cols, lane, lane & has_cand[:, None], m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE
+            )
+            if DRAFT_MODE == DRAFT_NONE:
+                gone = (cols < 0) & lane
+                for j in range(0, NP2):
+                    x_j = tl.sum(tl.where(nodes == j, xs, 0), axis=1)
+                    gone = gone | ((cols == x_j[:, None]) & (x_j >= 0)[:, None])
+                w = tl.where(gone, 0.0, pv)
+            else:
+                if METHOD == 0:
+                    w = tl.maximum(pv - scale[:, None] * tl.minimum(qv, pv / rho[:, None]), 0.0)
+                else:
+                    w = _rrs_residual(pv, qv, steps, zs, xs, ds, cols.to(tl.int64), nodes, METHOD == 2)
+            w = tl.where(has_cand[:, None], w, pv)
+            noise = race_noise(key[:, None], start, counter[:, None], purpose[:, None], BLOCK_V)
+            log_p = (xt - safe_max(m_t)[:, None]) * inv_t[:, None] - log_z[:, None]
+            keys = tl.where(lane & (w > 0.0), tl.log(tl.maximum(w, 1e-38)) + noise, float("-inf"))
+            keys_p = tl.where(lane & (pv > 0.0), log_p + noise, float("-inf"))
+            best_key, best_idx = first_argmax_update(best_key, best_idx, keys, cols)
+            p_key, p_idx = first_argmax_update(p_key, p_idx, keys_p, cols)
+    rec = (b * num_chunks + chunk) * 2
+    tl.store(key_ptr + rec, best_key, mask=b_ok)
+    tl.store(key_ptr + rec + 1, p_key, mask=b_ok)
+    tl.store(idx_ptr + rec, best_idx, mask=b_ok)
+    tl.store(idx_ptr + rec + 1, p_idx, mask=b_ok)
+
+
+@triton.jit
+def _tree_finalize_kernel(
+    race_i_ptr,  # [B, RACE_I] int32 (walk)
+    key_ptr,  # [B, C, 2] fp32 (_tree_race_kernel)
+    idx_ptr,  # [B, C, 2] int32
+    out_tokens_ptr,  # [B, D+1] int64 out: the raced token at slot RI_DEPTH
+    stride_ob,
+    B,
+    V,
+    num_chunks,
+    BLOCK_B: tl.constexpr,
+):
+    """Merge the chunks' race winners (earlier chunks keep ties) and write the raced tokens."""
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    b_ok = b < B
+    race = b_ok & (tl.load(race_i_ptr + b * RACE_I + RI_FLAG, mask=b_ok, other=0) != 0)
+    res_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    res_idx = tl.zeros([BLOCK_B], tl.int32)
+    p_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    p_idx = tl.zeros([BLOCK_B], tl.int32)
+    for c in range(0, num_chunks):
+        rec = (b * num_chunks + c) * 2
+        k_r = tl.load(key_ptr + rec, mask=race, other=float("-inf"))
+        k_p = tl.load(key_ptr + rec + 1, mask=race, other=float("-inf"))
+        take_r = k_r > res_key
+        take_p = k_p > p_key
+        res_idx = tl.where(take_r, tl.load(idx_ptr + rec, mask=race, other=0), res_idx)
+        p_idx = tl.where(take_p, tl.load(idx_ptr + rec + 1, mask=race, other=0), p_idx)
+        res_key = tl.where(take_r, k_r, res_key)
+        p_key = tl.where(take_p, k_p, p_key)
+    token = tl.where(res_key > float("-inf"), res_idx, p_idx).to(tl.int64)
+    token = tl.minimum(tl.maximum(token, 0), V - 1)
+    depth = tl.load(race_i_ptr + b * RACE_I + RI_DEPTH, mask=race, other=0)
+    tl.store(out_tokens_ptr + b * stride_ob + depth, token, mask=race)
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,9 +965,10 @@ def _row_pass_chunks(args: TreeArgs, row_tiles: int, blocks: int, interpreted: b
 
 
 def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | None = None) -> TreeVerifyOutput:
-    """Run the row-statistics pass and the walk on checked arguments (``_tree_args.check_tree_args``).
+    """Run the launches of the module docstring on checked arguments (``_tree_args.check_tree_args``).
 
-    num_chunks / block_v override the launch plan (tests use them to split small vocabularies)."""
+    num_chunks / block_v override the launch plan (tests use them to split small vocabularies: the row
+    pass, the rho / RRS rounds and the race all take them)."""
     B, K, G, V, N, D = args.B, args.K, args.G, args.V, args.N, args.max_depth
     dev = args.target.device
     tokens = torch.empty((B, D + 1), dtype=torch.int64, device=dev)
@@ -475,7 +987,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     block_r = max(1, min(next_pow2(rows), tile // block_v))
     has_filter = args.has_filter
     np2 = max(2, next_pow2(N))
-    # The walk holds [BLOCK_B, NP2, NP2] and [BLOCK_B, RHO_POINTS, BLOCK_V] tiles.
+    # The walk holds [BLOCK_B, NP2, NP2] tiles (and [BLOCK_B, NP2, BLOCK_V] ones in its rare RRS passes).
     block_b = max(1, min(next_pow2(B), tile // max(block_v * RHO_POINTS, np2 * np2, 1))) if interpreted else 1
 
     blocks = triton.cdiv(V, block_v)
@@ -551,6 +1063,125 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     if C > 1:  # the walk reads one record per row
         stats, idx = merge_chunk_stats(stats, idx, rows, K * (G + 1), t_ptr, t_val, per_req_t)
     parents = args.parents if args.parents is not None else target
+    P = B * (N + 1)
+    kseq = METHODS[args.method] == 0 and args.draft_mode != DRAFT_NONE
+    sampled = per_req_t or float(t_val) >= 2.0**-126
+    rho_c = rrs_c = 1
+    brk = sums = rrs = stats  # unused unless K-SEQ / RRS sample with draft distributions
+    if args.draft_mode != DRAFT_NONE and sampled:
+        # the positions a walk can reach and their candidates, from the tree alone
+        pos = torch.empty((B, N + 1, POS_REC_HOST), dtype=torch.int32, device=dev)
+        pos_block_b = max(1, min(next_pow2(B), (1 << 16) // (np2 * np2))) if interpreted else 1
+        _tree_positions_kernel[(triton.cdiv(B, pos_block_b),)](
+            args.tokens,
+            parents,
+            n_ptr,
+            pos,
+            args.tokens.stride(0),
+            args.tokens.stride(1),
+            parents.stride(0) if args.parents is not None else 0,
+            B,
+            K,
+            G,
+            V,
+            N,
+            D,
+            PER_REQ_N=per_req_n,
+            CHAINS=args.parents is None,
+            NP2=np2,
+            BLOCK_B=pos_block_b,
+        )
+    if kseq and sampled:
+        # K-SEQ's rho for every position with siblings, before the walk and split over the vocabulary
+        rho_block_v = block_v if interpreted else 256
+        rho_blocks = triton.cdiv(V, rho_block_v)
+        if num_chunks is not None:
+            rho_c = max(1, min(int(num_chunks), rho_blocks))
+        elif not interpreted:  # a few positions per request have siblings: fill the GPU with chunks
+            rho_c = max(1, min(64, rho_blocks, triton.cdiv(4 * multiprocessors(dev), B)))
+        rho_chunk = triton.cdiv(rho_blocks, rho_c) * rho_block_v
+        rho_c = triton.cdiv(V, rho_chunk)
+        brk = torch.empty((RHO_ROUNDS, P, 2), dtype=torch.float32, device=dev)
+        sums = torch.empty((RHO_ROUNDS, P, rho_c, RHO_POINTS), dtype=torch.float32, device=dev)
+        block_p = 1 if not interpreted else max(1, min(next_pow2(P), (1 << 16) // (rho_block_v * RHO_POINTS)))
+        for rnd in range(RHO_ROUNDS):
+            _tree_rho_kernel[(triton.cdiv(P, block_p), rho_c)](
+                target,
+                draft,
+                t_ptr,
+                pos,
+                stats,
+                thr,
+                brk,
+                sums,
+                target.stride(0),
+                target.stride(1),
+                target.stride(2),
+                *d_strides,
+                B,
+                K,
+                G,
+                V,
+                N,
+                rho_chunk,
+                rho_c,
+                rnd,
+                float(t_val),
+                PER_REQ_T=per_req_t,
+                DRAFT_MODE=args.draft_mode,
+                HAS_FILTER=has_filter,
+                RHO_P=RHO_POINTS,
+                BLOCK_P=block_p,
+                BLOCK_V=rho_block_v,
+                num_warps=4,
+            )
+    rrs_rounds = min((K if args.parents is None else N) - 1, RRS_MAX_HOST - 1)
+    if not kseq and args.draft_mode != DRAFT_NONE and sampled and rrs_rounds > 0:
+        # RRS's residual masses Z_1 .. Z_7 of every position, before the walk and split over the vocabulary
+        rrs_c = 1
+        if num_chunks is not None:
+            rrs_c = max(1, min(int(num_chunks), blocks))
+        elif not interpreted:
+            rrs_c = max(1, min(64, blocks, triton.cdiv(4 * multiprocessors(dev), B)))
+        rrs_chunk = triton.cdiv(blocks, rrs_c) * block_v
+        rrs_c = triton.cdiv(V, rrs_chunk)
+        rrs = torch.empty((RRS_MAX_HOST - 1, P, rrs_c), dtype=torch.float32, device=dev)
+        block_p = 1 if not interpreted else max(1, min(next_pow2(P), (1 << 16) // block_v))
+        for rnd in range(1, rrs_rounds + 1):
+            _tree_rrs_kernel[(triton.cdiv(P, block_p), rrs_c)](
+                target,
+                draft,
+                t_ptr,
+                pos,
+                stats,
+                thr,
+                rrs,
+                target.stride(0),
+                target.stride(1),
+                target.stride(2),
+                *d_strides,
+                B,
+                K,
+                G,
+                V,
+                N,
+                rrs_chunk,
+                rrs_c,
+                rnd,
+                float(t_val),
+                PER_REQ_T=per_req_t,
+                DRAFT_MODE=args.draft_mode,
+                HAS_FILTER=has_filter,
+                WOR=args.method == "rrs_wor",
+                BLOCK_P=block_p,
+                BLOCK_V=block_v,
+                num_warps=4,
+            )
+    race_i = torch.empty((B, RACE_I_HOST), dtype=torch.int32, device=dev)
+    race_f = torch.empty((B, RACE_F_HOST), dtype=torch.float32, device=dev)
+    race_zs = torch.empty((B, np2), dtype=torch.float32, device=dev)
+    race_ds = torch.empty((B, np2), dtype=torch.float32, device=dev)
+    race_xs = torch.empty((B, np2), dtype=torch.int64, device=dev)
     _tree_walk_kernel[(triton.cdiv(B, block_b),)](
         target,
         draft,
@@ -566,6 +1197,14 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
         nodes,
         num_accepted,
         nonfinite,
+        brk,
+        sums,
+        race_i,
+        race_f,
+        race_zs,
+        race_ds,
+        race_xs,
+        rrs,
         target.stride(0),
         target.stride(1),
         target.stride(2),
@@ -581,6 +1220,8 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
         V,
         N,
         D,
+        rho_c,
+        rrs_c,
         float(t_val),
         s_val,
         PER_REQ_N=per_req_n,
@@ -598,4 +1239,55 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
         RHO_R=RHO_ROUNDS,
         num_warps=4,
     )
+    if sampled:  # the recovered / bonus tokens: races split over the vocabulary like chain verification
+        race_block_b = block_b if interpreted else 1
+        race_c = 1
+        if num_chunks is not None:
+            race_c = max(1, min(int(num_chunks), blocks))
+        elif not interpreted:  # at least ~2 programs per SM
+            race_c = max(1, min(blocks, triton.cdiv(2 * multiprocessors(dev), B)))
+        race_chunk = triton.cdiv(blocks, race_c) * block_v
+        race_c = triton.cdiv(V, race_chunk)
+        race_key = torch.empty((B, race_c, 2), dtype=torch.float32, device=dev)
+        race_idx = torch.empty((B, race_c, 2), dtype=torch.int32, device=dev)
+        _tree_race_kernel[(triton.cdiv(B, race_block_b), race_c)](
+            target,
+            draft,
+            t_ptr,
+            s_ptr,
+            stats,
+            thr,
+            race_i,
+            race_f,
+            race_zs,
+            race_ds,
+            race_xs,
+            race_key,
+            race_idx,
+            target.stride(0),
+            target.stride(1),
+            target.stride(2),
+            *d_strides,
+            B,
+            K,
+            G,
+            V,
+            race_chunk,
+            race_c,
+            float(t_val),
+            s_val,
+            PER_REQ_T=per_req_t,
+            PER_REQ_SEED=per_req_s,
+            DRAFT_MODE=args.draft_mode,
+            HAS_FILTER=has_filter,
+            METHOD=METHODS[args.method],
+            NP2=np2,
+            BLOCK_B=race_block_b,
+            BLOCK_V=block_v,
+            num_warps=4,
+        )
+        fin_block = min(next_pow2(B), 128)
+        _tree_finalize_kernel[(triton.cdiv(B, fin_block),)](
+            race_i, race_key, race_idx, tokens, tokens.stride(0), B, V, race_c, BLOCK_B=fin_block
+        )
     return TreeVerifyOutput(tokens, num_accepted, nodes, nonfinite)

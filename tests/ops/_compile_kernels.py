@@ -126,7 +126,13 @@ def tree_kernels():
         "nonfinite_ptr": "*i1",
         "temperature": "fp32",
         "seed": "i64",
+        "race_i_ptr": "*i32",
+        "race_xs_ptr": "*i64",
+        "pos_ptr": "*i32",
     }
+    for chains in (False, True):
+        yield v._tree_positions_kernel, types, dict(PER_REQ_N=not chains, CHAINS=chains, NP2=64, BLOCK_B=1)
+    yield v._tree_finalize_kernel, types, dict(BLOCK_B=64)
     for mode, method, has_filter, chains in [
         (0, 0, False, False),
         (1, 0, True, False),
@@ -154,6 +160,14 @@ def tree_kernels():
                 RHO_R=4,
             ),
         )
+        race = dict(PER_REQ_T=True, PER_REQ_SEED=True, DRAFT_MODE=mode, HAS_FILTER=has_filter, METHOD=method)
+        yield v._tree_race_kernel, t, dict(race, NP2=64, BLOCK_B=1, BLOCK_V=1024)
+        if mode and method == 0:
+            rho = dict(PER_REQ_T=True, DRAFT_MODE=mode, HAS_FILTER=has_filter, RHO_P=16, BLOCK_P=1, BLOCK_V=256)
+            yield v._tree_rho_kernel, t, rho
+        if mode and method > 0:
+            rrs = dict(PER_REQ_T=True, DRAFT_MODE=mode, HAS_FILTER=has_filter, WOR=method == 2, BLOCK_P=1)
+            yield v._tree_rrs_kernel, t, dict(rrs, BLOCK_V=1024)
 
 
 def metadata_kernels():

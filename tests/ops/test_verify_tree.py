@@ -223,3 +223,19 @@ def test_multi_bad_input(device):
         sk.verify_multi(target, tokens[:, :2], draft)
     with pytest.raises(ValueError, match=r"draft_logits must have shape \[2, 3, 2, 10\]"):
         sk.verify_multi(target, tokens, draft[:, :2])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_wide_positions_before_and_after_the_precomputed_rounds(method, device):
+    """Issue 13: a star of 12 children. K-SEQ's rho and RRS's first 7 residual masses come from the
+    passes before the walk (split over chunks here); masses after the 8th rejection from the walk."""
+    B, N, V = 6, 12, 60
+    target, tokens, parents, draft = make_tree_problem(
+        B, N, V, shape="star", device=device, seed=0, without_replacement=method == "rrs_wor"
+    )
+    kw = dict(draft_logits=draft, method=method, seed=torch.arange(B, device=device) * 7, temperature=1.5)
+    ref = verify_tree_reference(target, tokens, parents, **kw)
+    assert (ref.num_accepted == 0).any() or method == "rrs_wor"  # some request rejects every child
+    _assert_same(sk.verify_tree(target, tokens, parents, **kw), ref)
+    with launch_overrides(num_chunks=3, block_v=16):
+        _assert_same(sk.verify_tree(target, tokens, parents, **kw), ref)

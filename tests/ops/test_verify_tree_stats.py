@@ -218,3 +218,24 @@ def test_kseq_accepts_at_least_as_often_as_one_draft(device):
     )
     single = sk.verify(target[:, :2].to(device), root[:, :1].to(device), draft[:, :1].to(device), seed=seeds)
     assert (star.num_accepted >= 1).float().mean() > (single.num_accepted >= 1).float().mean()
+
+
+def test_kseq_rho_rule_loses_under_1e4_acceptance():
+    """Issue 13: the bracketing rule for rho (``reference.verify_tree.solve_rho``, which the vocabulary-
+    parallel rho rounds implement) accepts within 1e-4 of the exact rho*'s acceptance, and its rho is
+    never below rho* (exactness)."""
+    from specdec_kernels.reference.verify_tree import solve_rho
+
+    gen = torch.Generator().manual_seed(11)
+    worst = 0.0
+    for trial in range(24):
+        V_ = [100, 1000, 5000][trial % 3]
+        s = torch.randn(V_, generator=gen, dtype=torch.float64) * 2
+        p = torch.softmax(s + torch.randn(V_, generator=gen, dtype=torch.float64) * 0.8 * (1 + trial % 4), 0)
+        q = torch.softmax(s, 0)
+        for k in (2, 3, 4, 8):
+            rho_star, beta_star = _exact_rho(p, q, k)
+            rho, beta = solve_rho(p, q, k)
+            assert rho >= rho_star - 1e-12
+            worst = max(worst, (1 - (1 - beta_star) ** k) - (1 - (1 - beta) ** k))
+    assert worst < 1e-4, worst
