@@ -92,6 +92,20 @@ def test_occupancy_model():
     assert bench_static.occupancy(64, 100 * 1024, 4)[1] == "shared memory"
 
 
+def _compile_in_subprocess(code: str, env: dict, timeout: int) -> None:
+    """Run bench_static code in a fresh interpreter with Triton's compiler (not its interpreter):
+    TRITON_INTERPRET is read when triton is imported, so it cannot be switched off in this process."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import os; os.environ['TRITON_INTERPRET'] = '0'; " + code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_chain_kernels_within_budget(tmp_path):
     """Compile the chain kernels for sm_90 at the launchers' configurations (bench_static --smoke):
@@ -102,15 +116,7 @@ def test_chain_kernels_within_budget(tmp_path):
         "import json, sys; from bench import bench_static as b; "
         f"rows = b.run(smoke=True); json.dump(rows, open({str(out)!r}, 'w'))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", "import os; os.environ['TRITON_INTERPRET'] = '0'; " + code],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    _compile_in_subprocess(code, env, timeout=900)
     rows = [r for r in json.loads(out.read_text()) if r["kernel"] != "(call)"]
     assert rows
     for row in rows:
@@ -148,15 +154,7 @@ def test_tree_kernels_within_budget(tmp_path):
         "if l.kernel.fn.__name__ == r['kernel'])}); "
         f"json.dump(dict(rows=rows, local=local), open({str(out)!r}, 'w'))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", "import os; os.environ['TRITON_INTERPRET'] = '0'; " + code],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    _compile_in_subprocess(code, env, timeout=1800)
     result = json.loads(out.read_text())
     rows = [r for r in result["rows"] if r["kernel"] != "(call)"]
     kernels = {r["kernel"] for r in rows}
