@@ -71,7 +71,7 @@ def launch_overrides(
 
     For tests and benchmarks: ``num_chunks`` splits rows across programs (Triton and cuda),
     ``block_v`` sets the Triton tile width, ``threshold_chunks`` splits the top-k/top-p threshold
-    phases and ``threshold_capacity`` sets their candidate slots per row (chain verification,
+    phases and ``threshold_capacity`` sets their candidate slots per row (chain and tree verification,
     Triton). Not part of the public functions' signatures."""
     token = _OVERRIDES.set(
         {
@@ -249,7 +249,8 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
         return verify_tree_vectorized(args)
     if backend == "cuda":
         return _cuda_ext.verify_tree(args)
-    candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks)}
+    threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
+    candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks, *threshold)}
     if backend == "auto" and args.target.device.type == "cuda" and _cuda_ext.cuda_extension_ready():
         candidates["cuda"] = lambda: _cuda_ext.verify_tree(args)
     chosen = resolve(backend, args.target.device, tree_shape_class(args), candidates)

@@ -964,11 +964,18 @@ def _row_pass_chunks(args: TreeArgs, row_tiles: int, blocks: int, interpreted: b
     return max(1, min(int(num_chunks), blocks))
 
 
-def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | None = None) -> TreeVerifyOutput:
+def launch_tree(
+    args: TreeArgs,
+    block_v: int | None = None,
+    num_chunks: int | None = None,
+    threshold_chunks: int | None = None,
+    threshold_capacity: int | None = None,
+) -> TreeVerifyOutput:
     """Run the launches of the module docstring on checked arguments (``_tree_args.check_tree_args``).
 
     num_chunks / block_v override the launch plan (tests use them to split small vocabularies: the row
-    pass, the rho / RRS rounds and the race all take them)."""
+    pass, the rho / RRS rounds and the race all take them); threshold_chunks / threshold_capacity make
+    the interpreter run the GPU's two-launch top-k/top-p thresholds (``ops/verify.threshold_plan``)."""
     B, K, G, V, N, D = args.B, args.K, args.G, args.V, args.N, args.max_depth
     dev = args.target.device
     tokens = torch.empty((B, D + 1), dtype=torch.int64, device=dev)
@@ -997,7 +1004,7 @@ def launch_tree(args: TreeArgs, block_v: int | None = None, num_chunks: int | No
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
-    tplan = threshold_plan(args.target, rows, V)
+    tplan = threshold_plan(args.target, rows, V, threshold_chunks, args.draft_mode == DRAFT_LOGITS, threshold_capacity)
     filter_buf, filter_int = tplan.scratch(rows, dev) if has_filter else (thr, thr)
     target = args.target
     draft = args.draft if args.draft is not None else target

@@ -79,6 +79,28 @@ def test_ragged_trees_filters_and_small_blocks(method, dtype, device):
         _assert_same(sk.verify_tree(target, tokens, parents, **kw), ref)
 
 
+@pytest.mark.parametrize("mode", ["logits", "probs"])
+@pytest.mark.parametrize("threshold_chunks, capacity", [(4, None), (3, 8)])
+def test_filtered_trees_with_the_gpu_threshold_launches(mode, threshold_chunks, capacity, device):
+    """The GPU's top-k/top-p thresholds (candidates per chunk, then a selection per row; with 8 slots
+    most rows fall back to the bisection) forced in the interpreter: target and draft rows, per-request
+    filters, the same nodes as the reference."""
+    B, N, V = 4, 9, 250
+    target, tokens, parents, draft = make_tree_problem(B, N, V, device=device, seed=12)
+    draft_kw = {"draft_logits": draft} if mode == "logits" else {"draft_probs": torch.softmax(draft, -1)}
+    kw = dict(
+        draft_kw,
+        method="kseq",
+        temperature=torch.tensor([0.9, 0.7, 1.2, 0.0], device=device),
+        top_k=torch.tensor([20, 0, 5, 7], device=device),
+        top_p=torch.tensor([0.9, 0.8, 1.0, 0.5], device=device),
+        seed=torch.arange(B, device=device) + 40,
+    )
+    ref = verify_tree_reference(target, tokens, parents, **kw)
+    with launch_overrides(threshold_chunks=threshold_chunks, threshold_capacity=capacity):
+        _assert_same(sk.verify_tree(target, tokens, parents, backend="triton", **kw), ref)
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("mode", ["logits", "probs"])
 def test_row_pass_split_over_the_vocabulary(method, mode, device):
