@@ -739,8 +739,9 @@ def csrc_rows(meta: dict) -> list[dict]:
 
 def _demangled_types(mangled: str) -> list[str]:
     """Itanium-mangled template arguments of a csrc kernel: f = float, sk::bf16, sk::f16, S2_ = the
-    first of them again."""
-    names = {"f": "f32", "NS_4bf16E": "bf16", "NS_3f16E": "f16"}
+    first of them again; row_stats_kernel's bool THRESHOLDS (Lb1E: the instantiation that finds
+    top-k / top-p thresholds, Lb0E: the one that does not, left out)."""
+    names = {"f": "f32", "NS_4bf16E": "bf16", "NS_3f16E": "f16", "Lb1E": "thresholds", "Lb0E": ""}
     types = []
     while mangled:
         token = next((t for t in (*names, "S2_") if mangled.startswith(t)), None)
@@ -748,7 +749,7 @@ def _demangled_types(mangled: str) -> list[str]:
             return [mangled]
         types.append(types[0] if token == "S2_" else names[token])
         mangled = mangled[len(token) :]
-    return types
+    return [t for t in types if t]
 
 
 def _nvcc_version(nvcc: str) -> str:

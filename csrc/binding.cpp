@@ -13,6 +13,8 @@
 // tested) identically in the CPU-only build.
 #include <torch/extension.h>
 
+#include <memory>
+
 #include "verify_api.h"
 
 namespace {
@@ -79,7 +81,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   at::Tensor nonfinite = at::empty({B}, opts.dtype(at::kBool));
   if (B == 0) return {tokens, accepted, nonfinite};
 
-  if (has_filter && !dev.is_cpu()) num_chunks = 1;  // the GPU bisection needs whole rows
+  if (has_filter && !dev.is_cpu()) num_chunks = 1;  // the GPU's radix-select thresholds need whole rows
   const int64_t octs = (V + 7) / 8;  // chunks start at multiples of 8 (runs of the row pass)
   num_chunks = std::max<int64_t>(1, std::min(num_chunks, octs));
   const int64_t chunk_size = (octs + num_chunks - 1) / num_chunks * 8;
@@ -251,6 +253,29 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
   return {tokens, accepted, nodes, nonfinite};
 }
 
+// The GPU programs' top-k / top-p threshold (radix select, verify_core.h) run by one host thread on
+// a 1-D CPU row: lets the tests check the CUDA kernels' threshold search without a GPU.
+double filter_threshold_program(at::Tensor row, double temperature, int64_t top_k, double top_p) {
+  TORCH_CHECK(row.device().is_cpu() && row.dim() == 1, "specdec: filter_threshold_program takes a 1-D CPU row");
+  row = row.contiguous();
+  struct OneThread {
+    int64_t rank() const { return 0; }
+    int64_t size() const { return 1; }
+    float max(float v) const { return v; }
+    void sync() const {}
+  } red;
+  auto scratch = std::make_unique<sk::ThresholdScratch>();
+  const float inv_t = sk::inverse_temperature(float(temperature));
+  const int32_t k = int32_t(std::min<int64_t>(top_k, INT32_MAX));
+  float thr = 0.0f;
+  sk::dispatch_dtypes(dtype_code(row), sk::DTYPE_F32, [&](auto tt, auto) {
+    using TT = decltype(tt);
+    thr = sk::filter_threshold(red, *scratch, static_cast<const TT*>(row.data_ptr()), row.size(0), inv_t, k,
+                               float(top_p));
+  });
+  return thr;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -258,6 +283,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("verify_chain", &verify_chain, "Chain verification (see csrc/binding.cpp)");
   m.def("verify_tree", &verify_tree, "Tree / multi-draft verification (see csrc/binding.cpp)");
   m.def("cpu_threads", &sk::cpu_threads, "OpenMP threads of the CPU programs");
+  m.def("filter_threshold_program", &filter_threshold_program, "The GPU programs' top-k/top-p threshold, on the CPU");
 #ifdef SPECDEC_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

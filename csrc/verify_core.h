@@ -186,7 +186,7 @@ SK_HD float load_prob(const T* row, int64_t x, int& bad) {
 // The max to subtract before exp: -inf (nothing kept yet) subtracts 0, not -inf.
 SK_HD float safe_max(float m) { return m == neg_inf() ? 0.0f : m; }
 
-// int32 key with the order of the float32 values (bisection on thresholds).
+// int32 key with the order of the float32 values (radix select of thresholds).
 SK_HD int32_t order_key(float x) {
   const int32_t b = int32_t(float_bits(x));
   return b < 0 ? (b ^ 0x7FFFFFFF) : b;
@@ -327,56 +327,166 @@ SK_HD float prob_of(float x, float m, float z, float thr, float inv_t) {
        quad < quad##_end; quad += int32_t((red).size()))
 
 // ------------------------------------------------------------------------------------------
-// top-k / top-p threshold
+// top-k / top-p threshold: radix select on the GPU
 
-// Raw-logit threshold implementing top-k then top-p (keep x >= threshold), exact without sorting:
-// bisection on the float order key, 32 steps each, the integer arithmetic of filter_threshold()
-// in _triton_helpers.py. -inf when nothing is filtered.
-template <class R, class T>
-SK_HD float filter_threshold(R& red, const T* row, int64_t V, float inv_t, int32_t top_k, float top_p) {
-  float thr = neg_inf();
-  int unused = 0;
-  if (top_k > 0 && top_k < V) {
-    int64_t lo = order_key(neg_inf()), hi = order_key(INFINITY);
-    for (int step = 0; step < 32; ++step) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      int count = 0;
-      SK_FOR_QUADS(red, 0, V, q) {
-        for (int e = 0; e < 4 && q * 4 + e < V; ++e) {
-          const float x = load_logit(row, q * 4 + e, unused);
-          count += (int64_t(order_key(x)) >= mid && x > neg_inf()) ? 1 : 0;
-        }
-      }
-      count = red.sum(count);
-      if (count >= top_k) lo = mid; else hi = mid;
+// The order key as an unsigned integer (monotone in x) and back.
+SK_HD uint32_t radix_key(float x) { return uint32_t(order_key(x)) ^ 0x80000000u; }
+SK_HD float radix_key_float(uint32_t key) { return key_to_float(int64_t(int32_t(key ^ 0x80000000u))); }
+
+// Three digits of the 32-bit key, most significant first: 11 + 11 + 10 bits, so a threshold costs
+// three passes over the row (the bisection it replaces cost 32 per filter).
+constexpr int RADIX_PASSES = 3;
+constexpr int RADIX_BINS = 2048;
+constexpr int RADIX_GROUP = 32;  // bins per group of the two-level scan
+constexpr int RADIX_GROUPS = RADIX_BINS / RADIX_GROUP;
+SK_HD int radix_shift(int pass) { return pass == 0 ? 21 : (pass == 1 ? 10 : 0); }
+SK_HD int radix_width(int pass) { return pass == 2 ? 10 : 11; }
+
+// Top-k survivors gathered in one pass so that top-p needs no further pass over the row.
+constexpr int THRESHOLD_CANDIDATES = 2048;
+
+// Per-program scratch of the threshold search (shared memory on the GPU, ~25 KB).
+struct ThresholdScratch {
+  unsigned long long bins[RADIX_BINS];  // weight per digit: entry counts (top-k) or fixed-point mass (top-p)
+  unsigned long long groups[RADIX_GROUPS];
+  float cand[THRESHOLD_CANDIDATES];
+  int32_t num_cand;
+};
+
+SK_HD void atomic_add_u64(unsigned long long* p, unsigned long long v) {
+#if defined(__CUDA_ARCH__)
+  atomicAdd(p, v);
+#else
+  *p += v;  // one thread per program on the host
+#endif
+}
+
+SK_HD int32_t atomic_next(int32_t* p) {
+#if defined(__CUDA_ARCH__)
+  return atomicAdd(p, 1);
+#else
+  return (*p)++;
+#endif
+}
+
+// exp-mass in fixed point: integer sums do not depend on the order the threads add in, so the
+// threshold is deterministic. Terms are <= 1 (x <= the row max); the scale leaves 63 bits for
+// sums over V entries.
+SK_HD float mass_scale(int64_t V) { return V <= (int64_t(1) << 23) ? 1099511627776.0f : 4294967296.0f; }
+
+// The largest key t such that the entries with key >= t weigh at least goal_of(total), where
+// total is the weight of all entries, by an MSB-first radix select: per digit, a histogram of the
+// weights of the entries that share the digits found so far; the scan from the top picks the digit
+// where the running weight reaches the goal. `each(f)` calls f(x) for this thread's entries;
+// weight(x) is 0 for entries that do not count. Returns false (key untouched) when the goal is 0
+// or above the total. Every thread must call it; all of them get the same key.
+template <class R, class Each, class Weight, class Goal>
+SK_HD bool radix_select(R& red, ThresholdScratch& s, Each&& each, Weight&& weight, Goal&& goal_of, uint32_t& key) {
+  uint32_t prefix = 0;
+  unsigned long long above = 0, goal = 0;  // weight of the entries above the prefix's range
+  for (int pass = 0; pass < RADIX_PASSES; ++pass) {
+    const int shift = radix_shift(pass);
+    const uint32_t digit_mask = (1u << radix_width(pass)) - 1u;
+    const uint32_t high = pass == 0 ? 0u : ~0u << (shift + radix_width(pass));
+    for (int64_t j = red.rank(); j < RADIX_BINS; j += red.size()) s.bins[j] = 0;
+    red.sync();
+    each([&](float x) {
+      const unsigned long long w = weight(x);
+      const uint32_t k = radix_key(x);
+      if (w != 0 && (k & high) == prefix) atomic_add_u64(&s.bins[(k >> shift) & digit_mask], w);
+    });
+    red.sync();
+    for (int64_t g = red.rank(); g < RADIX_GROUPS; g += red.size()) {
+      unsigned long long t = 0;
+      for (int e = 0; e < RADIX_GROUP; ++e) t += s.bins[g * RADIX_GROUP + e];
+      s.groups[g] = t;
     }
-    thr = key_to_float(lo);
+    red.sync();
+    if (pass == 0) {
+      unsigned long long total = 0;
+      for (int g = 0; g < RADIX_GROUPS; ++g) total += s.groups[g];
+      goal = goal_of(total);
+      if (goal == 0 || total < goal) {
+        red.sync();
+        return false;
+      }
+    }
+    // every thread scans the same numbers in the same order: the group, then the bin, where the
+    // running weight from the top reaches the goal (above < goal holds before and after)
+    int g = RADIX_GROUPS - 1;
+    while (g > 0 && above + s.groups[g] < goal) above += s.groups[g--];
+    int j = (g + 1) * RADIX_GROUP - 1;
+    while (j > g * RADIX_GROUP && above + s.bins[j] < goal) above += s.bins[j--];
+    prefix |= uint32_t(j) << shift;
+    red.sync();  // all threads have read the bins before the next pass clears them
+  }
+  key = prefix;
+  return true;
+}
+
+// Raw-logit threshold implementing top-k then top-p (keep x >= threshold), exactly as
+// reference/sampling.py's filter_threshold defines it (ties at the boundary kept; -inf when nothing
+// is filtered), without sorting:
+//   top-k: the k-th largest finite logit, a radix select on entry counts (3 passes);
+//   top-p: the largest logit whose kept mass at or above it reaches top_p of the kept mass, a radix
+//          select on exp-mass. After top-k its survivors are gathered in one pass and searched in
+//          `s` (4 passes over the row in all); without top-k (or with more than
+//          THRESHOLD_CANDIDATES survivors) one max pass and the radix passes over the row.
+template <class R, class T>
+SK_HD float filter_threshold(R& red, ThresholdScratch& s, const T* row, int64_t V, float inv_t, int32_t top_k,
+                             float top_p) {
+  const auto row_entries = [&](auto&& f) {  // runs of 8: 128-bit loads of bf16 / fp16 rows
+    for (int32_t o = int32_t(red.rank()), o_end = int32_t((V + 7) / 8); o < o_end; o += int32_t(red.size())) {
+      float v[8];
+      load_oct(row, int64_t(o) * 8, V, v);
+      int unused = 0;
+      for (int e = 0; e < 8; ++e) f(sanitize_logit(v[e], unused));
+    }
+  };
+  float thr = neg_inf();
+  uint32_t key = 0;
+  if (top_k > 0 && top_k < V) {
+    const unsigned long long k = (unsigned long long)top_k;
+    const auto finite = [](float x) -> unsigned long long { return x > neg_inf() ? 1ull : 0ull; };
+    // fewer finite logits than k: nothing filtered
+    if (radix_select(red, s, row_entries, finite, [k](unsigned long long) { return k; }, key))
+      thr = radix_key_float(key);
   }
   if (top_p < 1.0f) {
-    Softmax s;
-    SK_FOR_QUADS(red, 0, V, q) {
-      for (int e = 0; e < 4 && q * 4 + e < V; ++e) {
-        const float x = load_logit(row, q * 4 + e, unused);
-        s.add(x >= thr ? x : neg_inf(), inv_t);
-      }
-    }
-    s.reduce(red, inv_t);
-    const float goal = top_p * s.z;
-    const float m_ref = safe_max(s.m);
-    int64_t lo = order_key(thr), hi = int64_t(order_key(s.m)) + 1;
-    for (int step = 0; step < 32; ++step) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      float mass = 0.0f;
-      SK_FOR_QUADS(red, 0, V, q) {
-        for (int e = 0; e < 4 && q * 4 + e < V; ++e) {
-          const float x = load_logit(row, q * 4 + e, unused);
-          if (int64_t(order_key(x)) >= mid && x >= thr) mass += expf((x - m_ref) * inv_t);
+    bool gathered = false;
+    if (thr > neg_inf()) {
+      if (red.rank() == 0) s.num_cand = 0;
+      red.sync();
+      row_entries([&](float x) {
+        if (x >= thr) {
+          const int32_t slot = atomic_next(&s.num_cand);
+          if (slot < THRESHOLD_CANDIDATES) s.cand[slot] = x;
         }
-      }
-      mass = red.sum(mass);
-      if (mass >= goal) lo = mid; else hi = mid;
+      });
+      red.sync();
+      gathered = s.num_cand <= THRESHOLD_CANDIDATES;
     }
-    thr = key_to_float(lo);
+    const int32_t n = gathered ? s.num_cand : 0;
+    const auto cand_entries = [&](auto&& f) {
+      for (int32_t c = int32_t(red.rank()); c < n; c += int32_t(red.size())) f(s.cand[c]);
+    };
+    float m = neg_inf();
+    const auto track_max = [&](float x) { m = x >= thr && x > m ? x : m; };
+    if (gathered) cand_entries(track_max); else row_entries(track_max);
+    m = red.max(m);
+    if (m > neg_inf()) {
+      const float scale = mass_scale(V);
+      const auto mass = [=](float x) -> unsigned long long {
+        return x >= thr && x > neg_inf() ? (unsigned long long)(expf((x - m) * inv_t) * scale) : 0ull;
+      };
+      const auto goal = [top_p](unsigned long long total) {
+        const double g = ceil(double(top_p) * double(total));
+        return g < 1.0 ? 1ull : (unsigned long long)g;
+      };
+      const bool found = gathered ? radix_select(red, s, cand_entries, mass, goal, key)
+                                  : radix_select(red, s, row_entries, mass, goal, key);
+      if (found) thr = radix_key_float(key);
+    }
   }
   return thr;
 }
@@ -473,7 +583,8 @@ SK_HD Request load_request(const ChainParams& P, int64_t b) {
 // Rows are (b * K + k) * (G + 1) + i; rows with i > n (past the bonus row / a ragged tree's last
 // node) are skipped.
 template <class R, class TT, class TD>
-SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R& red) {
+SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R& red,
+                             ThresholdScratch* scratch = nullptr) {
   const int64_t bk = row / (P.G + 1), i = row % (P.G + 1);
   const int64_t b = bk / P.K, k = bk % P.K;
   const Request rq = load_request(P, b);
@@ -486,10 +597,10 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
     if (P.thresholds_given) {  // computed beforehand (the CPU build: by selection, any chunking)
       thr_t = P.thr[row * 2 + 0];
       thr_q = P.thr[row * 2 + 1];
-    } else {  // launched with one chunk: the program owns the whole row
-      thr_t = filter_threshold(red, t_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
+    } else {  // launched with one chunk and a scratch: the program owns the whole row
+      thr_t = filter_threshold(red, *scratch, t_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
       if (draft_row && P.draft_mode == DRAFT_LOGITS)
-        thr_q = filter_threshold(red, d_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
+        thr_q = filter_threshold(red, *scratch, d_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
       if (red.rank() == 0) {
         P.thr[row * 2 + 0] = thr_t;
         P.thr[row * 2 + 1] = thr_q;

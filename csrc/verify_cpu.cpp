@@ -6,7 +6,7 @@
 //
 // Top-k / top-p thresholds are found before the row pass by selection on each row (nth_element
 // and a sort of the kept logits, the reference's own definition in double precision) instead of
-// the GPU's 64 bisection passes; the row pass can then split filtered rows into chunks too.
+// the GPU programs' radix-select passes; the row pass can then split filtered rows into chunks too.
 #include <algorithm>
 #include <cmath>
 #include <functional>

@@ -84,12 +84,30 @@ struct BlockReducer {
   }
 };
 
-template <class TT, class TD>
+// THRESHOLDS: the program finds its rows' top-k / top-p thresholds first (one chunk per row), in a
+// shared-memory scratch that only this instantiation carries (unfiltered launches keep their
+// occupancy).
+template <class TT, class TD, bool THRESHOLDS>
 __global__ void row_stats_kernel(const ChainParams P) {
   __shared__ float f[32];
   __shared__ int32_t i[32];
   BlockReducer red{f, i};
-  row_stats_program<BlockReducer, TT, TD>(P, blockIdx.x, blockIdx.y, red);
+  if constexpr (THRESHOLDS) {
+    __shared__ ThresholdScratch scratch;
+    row_stats_program<BlockReducer, TT, TD>(P, blockIdx.x, blockIdx.y, red, &scratch);
+  } else {
+    row_stats_program<BlockReducer, TT, TD>(P, blockIdx.x, blockIdx.y, red);
+  }
+}
+
+// Row statistics of `rows` rows over P.num_chunks chunks.
+template <class TT, class TD>
+void launch_row_stats(const ChainParams& P, int64_t rows, int threads, cudaStream_t stream) {
+  const dim3 grid(unsigned(rows), unsigned(P.num_chunks));
+  if (P.has_filter && !P.thresholds_given)
+    row_stats_kernel<TT, TD, true><<<grid, threads, 0, stream>>>(P);
+  else
+    row_stats_kernel<TT, TD, false><<<grid, threads, 0, stream>>>(P);
 }
 
 template <class TT, class TD>
@@ -126,8 +144,7 @@ const char* verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_
   dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
     using TT = decltype(tt);
     using TD = decltype(td);
-    const dim3 rows_grid(unsigned(P.B * (P.G + 1)), unsigned(P.num_chunks));
-    row_stats_kernel<TT, TD><<<rows_grid, threads, 0, stream>>>(P);
+    launch_row_stats<TT, TD>(P, P.B * (P.G + 1), threads, stream);
     accept_kernel<TT, TD><<<dim3(unsigned(P.B), unsigned(P.num_chunks)), threads, 0, stream>>>(P);
   });
   if (P.num_chunks > 1) finalize_kernel<<<unsigned((P.B + 127) / 128), 128, 0, stream>>>(P);
@@ -146,7 +163,7 @@ const char* verify_tree_cuda(const ChainParams& P, int target_dtype, int draft_d
   dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
     using TT = decltype(tt);
     using TD = decltype(td);
-    row_stats_kernel<TT, TD><<<dim3(unsigned(P.B * P.K * (P.G + 1)), 1), threads, 0, stream>>>(P);
+    launch_row_stats<TT, TD>(P, P.B * P.K * (P.G + 1), threads, stream);  // P.num_chunks == 1
     tree_walk_kernel<TT, TD><<<unsigned(P.B), threads, 0, stream>>>(P);
   });
   const cudaError_t err = cudaGetLastError();

@@ -1,7 +1,7 @@
 """The CUDA backend's per-row math, tested without a GPU.
 
 csrc/verify_core.h holds every piece of the CUDA kernels' arithmetic (Philox, uniforms, logit
-sanitising, online softmax, top-k/top-p bisection, accept test, exponential races) as
+sanitising, online softmax, top-k/top-p radix select, accept test, exponential races) as
 __host__ __device__ functions, and the three kernel bodies as "programs" over a thread-block
 abstraction. The CPU build (csrc/verify_cpu.cpp, compiled here by the host C++ compiler through
 torch.utils.cpp_extension) runs those programs sequentially. These tests compare it token for token
@@ -150,3 +150,78 @@ def test_core_strided_target(core):
     kw = dict(draft_logits=draft[:, :G], seed=torch.arange(B), temperature=0.9)
     tokens = tokens[:, :G]
     _assert_same(_run_core(core, target, tokens, **kw), sk.verify(target, tokens, **kw, backend="triton"))
+
+
+# --- the CUDA programs' top-k / top-p thresholds (radix select in verify_core.h) -----------------
+# The CPU backend finds thresholds by selection before its row pass; the CUDA row-stats program
+# finds them itself by radix select (three digit passes, top-k survivors gathered for top-p). The
+# binding runs that program code on one host thread so it is checked here, value for value against
+# the reference's sort-based definition.
+
+THRESHOLD_PARAMS = [  # (temperature, top_k, top_p): each filter alone, both, neither, extremes
+    (1.0, 5, 1.0),
+    (0.7, 0, 0.9),
+    (0.7, 50, 0.9),
+    (1.3, 1, 0.5),
+    (0.5, 0, 1e-6),
+    (2.0, 7, 0.999),
+    (1.0, 0, 1.0),
+    (0.9, 10_000, 0.3),
+    (1.0, 3_000, 0.9),  # more top-k survivors than the 2048 candidate slots: top-p over the row
+]
+
+
+def _program_threshold(core, row, temperature, top_k, top_p):
+    return core.filter_threshold_program(row, temperature, top_k, top_p)
+
+
+def _check_thresholds(core, rows, params=THRESHOLD_PARAMS):
+    from specdec_kernels.reference.sampling import filter_threshold, sanitize_logits
+
+    for row in rows:
+        for t, k, p in params:
+            got = _program_threshold(core, row, t, k, p)
+            want = filter_threshold(sanitize_logits(row)[0], t, k, p)
+            assert got == want, (row.dtype, row.numel(), t, k, p, got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("V", [111, 1000, 5000])
+def test_program_thresholds_random_rows(core, dtype, V):
+    gen = torch.Generator().manual_seed(V)
+    _check_thresholds(core, (torch.randn(3, V, generator=gen) * 3).to(dtype))
+
+
+def test_program_thresholds_ties_flat_rows_and_minus_inf_runs(core):
+    V = 3000
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.randint(-4, 5, (6, V), generator=gen).float()  # 9 values, ~330 copies each: ties
+    rows[1] = 2.5  # all equal: every survivor set is the whole row (> 2048 candidates)
+    rows[2, 50:] = float("-inf")  # 50 finite values
+    rows[3, :] = float("-inf")
+    rows[3, 7] = 0.0  # a single finite value
+    rows[4] = -torch.arange(V, dtype=torch.float32)  # all negative, distinct
+    rows[5, ::3] = float("nan")  # NaN counts as -inf
+    rows[5, 1::3] = torch.linspace(-1, 1, len(range(1, V, 3)))
+    _check_thresholds(core, rows)
+    _check_thresholds(core, rows.bfloat16())
+
+
+def test_program_thresholds_extreme_ranges_and_full_vocab(core):
+    """fp16 near its limits, bf16 with huge magnitudes, and one Qwen-sized row."""
+    gen = torch.Generator().manual_seed(5)
+    half = (torch.rand(2, 2000, generator=gen) * 2 - 1) * 65000
+    _check_thresholds(core, half.half())
+    wide = torch.randn(2, 2000, generator=gen) * 1e30
+    _check_thresholds(core, wide.bfloat16())
+    big = torch.randn(1, 151_936, generator=gen) * 2
+    _check_thresholds(core, big.bfloat16(), [(0.7, 50, 0.9), (1.0, 0, 0.95), (1.0, 20, 1.0)])
+
+
+def test_program_thresholds_no_filter_and_a_wrong_threshold_is_seen(core):
+    x = torch.randn(300)
+    for k in (0, 300, 1000):
+        assert _program_threshold(core, x, 1.0, k, 1.0) == float("-inf")
+    # power: the comparison distinguishes neighbouring logits (a threshold one rank too low)
+    ordered = torch.sort(x, descending=True).values
+    assert _program_threshold(core, x, 1.0, 5, 1.0) == float(ordered[4]) != float(ordered[5])
