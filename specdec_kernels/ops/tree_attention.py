@@ -218,8 +218,8 @@ def _tree_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
 
-    # Per-row offsets in int32 from the request's base pointer (a request's q / out rows span < 2^31
-    # elements): 64-bit row pointers shared by the prologue and the epilogue spilled across the key loop.
+    # q's per-row offsets in int32 from the request's base pointer (a request's q spans < 2^31 elements):
+    # fewer registers in the prologue than 64-bit row pointers.
     anc = tl.load(anc_ptr + b * Nq + node, mask=row_ok, other=0)
     real = row_ok & (anc != 0)
     q_rows = head * stride_qh + node * stride_qn
@@ -275,12 +275,12 @@ def _tree_attention_kernel(
                     m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE, BLOCK_N, HAS_WINDOW,
                 )  # fmt: skip
 
-        # The tree nodes (at most 64 keys), handled by the last split in tiles of at most BLOCK_N keys
-        # (a [BLOCK_M, 64] score tile next to the accumulator spilled).
+        # The tree nodes (at most 64 keys), handled by the last split in tiles of at most 32 keys (one
+        # 32-bit half of the masks; a [BLOCK_M, 64] score tile next to the accumulator spilled).
         if split == NUM_SPLITS - 1:
             tree_start = tl.load(tree_start_ptr + b).to(tl.int32)
             TREE_BLOCK: tl.constexpr = min(TREE_SPAN, BLOCK_N, 32)
-            union = tl.reduce(tl.where(real, anc, 0), 0, _bit_or)
+            union = tl.reduce(tl.where(real, anc, 0), 0, _bit_or)  # slots some row attends
             for t0 in tl.static_range(0, TREE_SPAN, TREE_BLOCK):
                 m_i, l_i, acc, row_bad = _tree_tile(
                     q, k_base, v_base, anc, real, union, tree_start, t0, S, tree_slots, stride_ks, stride_vs, d, d_ok,
@@ -523,6 +523,8 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
         block_m = rows
         if not interpreter_requested():
             launch = dict(launch, num_warps=16)
+        if block_d <= 64:  # a 32-register accumulator leaves room for 64-key tiles: half the per-key
+            block_n = max(block_n, 64)  # softmax bookkeeping (D = 64, N = 64, B = 64: 261 -> 181 us est.)
     m_tiles = triton.cdiv(group * Nq, block_m)
     # Keys [0, S - tree_slots) hold the prefix (in tree_attention; an upper bound elsewhere: any prefix key
     # past the prefix splits falls to the last split, which runs to prefix_end).
