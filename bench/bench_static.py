@@ -194,7 +194,12 @@ def sass_loops(cubin: Path, innermost: bool = True) -> list[dict]:
             body = instructions[labels[target.group(1)] : end + 1]
             if len(body) > 4:
                 loops.append(
-                    {"sass": len(body), "loads": sum("LDG" in b for b in body), "start": labels[target.group(1)]}
+                    {
+                        "sass": len(body),
+                        "loads": sum("LDG" in b for b in body),
+                        "local": sum(bool(re.search(r"\b(?:LDL|STL)\b", b)) for b in body),  # spill traffic
+                        "start": labels[target.group(1)],
+                    }
                 )
     loops = sorted(loops, key=lambda loop: loop["start"])
     # innermost loops only: a backward branch around another loop is control flow, not a hot loop
@@ -557,8 +562,9 @@ class ChainModel:
 
 class TreeAttentionModel:
     """Bytes: K/V of every prefix key once per program that covers it (query tiles of one (request,
-    KV head) each read them; L2 reuse is not modelled), the tree keys, q, out and the split partials.
-    One read = K and V once per (request, KV head)."""
+    KV head) each read them; L2 reuse is not modelled), the tree keys, q (once per split), out and the split partials
+    (per query row and split: the split's normalised output in q's dtype + fp32 max and sum, written by
+    the kernel and read by the merge). One read = K and V once per (request, KV head)."""
 
     @staticmethod
     def kv_once(case: dict) -> float:
@@ -573,26 +579,46 @@ class TreeAttentionModel:
 
     @staticmethod
     def loops(case: dict, launch: Launch, loops: list[dict]):
+        """The unmasked prefix loop, trips per program of the busiest SM: programs go to the SMs in
+        grid order (split slowest); the last split of a split launch holds the tree keys only."""
         name, kw = launch.kernel.fn.__name__, launch.kwargs
         bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
         reading = [loop for loop in loops if loop["loads"]]
-        if name == "_tree_attention_kernel" and reading:
-            keys = min(bound["split_len"], case["prefix"])
-            return [(reading[0], keys / kw["BLOCK_N"])], 0.0
-        return [], 0.0
+        if name != "_tree_attention_kernel" or not reading:
+            return [], 0.0
+        pairs, splits = launch.grid[0], kw["NUM_SPLITS"]
+        split_len = bound["split_len"]
+        tiles = [
+            max(0, min(case["prefix"], (s + 1) * split_len if s < splits - 1 else case["prefix"]) - s * split_len)
+            / kw["BLOCK_N"]
+            for s in range(splits)
+        ]
+        per_sm = [0.0] * H100["sms"]
+        for program in range(pairs * splits):
+            per_sm[program % H100["sms"]] += tiles[program // pairs]
+        # launch_row multiplies by ceil(programs / SMs): give the busiest SM's trips per program slot
+        return [(reading[0], max(per_sm) / math.ceil(pairs * splits / H100["sms"]))], 0.0
+
+    @staticmethod
+    def partial_bytes(case: dict, launch: Launch) -> float:
+        splits = (
+            launch.kwargs.get("NUM_SPLITS")
+            or dict(zip(launch.kernel.arg_names, launch.args, strict=False))["NUM_SPLITS"]
+        )
+        return case["B"] * case["Hq"] * case["N"] * splits * (launch.kwargs["BLOCK_D"] * case["esize"] + 8)
 
     @staticmethod
     def bytes(case: dict, launch: Launch) -> float:
         name, kw = launch.kernel.fn.__name__, launch.kwargs
         B, Hq, Hkv, N, D, e = (case[k] for k in ("B", "Hq", "Hkv", "N", "D", "esize"))
+        q_or_out = B * Hq * N * D * e
         if name == "_tree_attention_kernel":
             m_tiles = math.prod(launch.grid[:1]) // (B * Hkv)
             kv = B * Hkv * m_tiles * (case["prefix"] + N) * D * 2 * e
-            splits = kw["NUM_SPLITS"]
-            partials = B * Hq * N * splits * (kw["BLOCK_D"] + 2) * 4 if splits > 1 else B * Hq * N * D * e
-            return kv + B * Hq * N * D * e + partials
+            partials = TreeAttentionModel.partial_bytes(case, launch) if kw["NUM_SPLITS"] > 1 else q_or_out
+            return kv + q_or_out * kw["NUM_SPLITS"] + partials  # every split's programs load their q rows
         if name == "_tree_attention_combine_kernel":
-            return B * Hq * N * (kw["NUM_SPLITS"] * (kw["BLOCK_D"] + 2) * 4 + D * e)
+            return TreeAttentionModel.partial_bytes(case, launch) + q_or_out
         return 0.0
 
 

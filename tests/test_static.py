@@ -86,6 +86,55 @@ class _FakeLaunch:
         self.kwargs = {"PHASE": 1 if threshold_pass else 0}
 
 
+@pytest.mark.parametrize("N, splits", [(16, 1), (16, 3), (64, 5)])
+def test_attention_byte_model_matches_counted_traffic(monkeypatch, N, splits):
+    """bench_static's tree attention bytes (K/V, q once per split, out, the split partials written and read
+    back) against the bytes the kernels load and store in the interpreter; the difference is the
+    per-program metadata (ancestor masks, prefix bounds), which the model leaves out."""
+    if torch.cuda.is_available():
+        pytest.skip("counts the interpreter's loads")
+    from triton.runtime import interpreter
+
+    B, Hq, Hkv, D, prefix = 2, 8, 2, 64, 150
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(B, Hq, N, D, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, prefix + N, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    parents = torch.arange(-1, N - 1).expand(B, N)  # a chain: every node attended
+    counted = {"bytes": 0}
+    load, store = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_masked_store
+
+    def counting_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        counted["bytes"] += int(mask.data.astype(bool).sum()) * _element_size(ptrs)
+        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    def counting_store(self, ptrs, value, mask, cache_policy):
+        counted["bytes"] += int(mask.data.astype(bool).sum()) * _element_size(ptrs)
+        return store(self, ptrs, value, mask, cache_policy)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counting_load)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_store", counting_store)
+    sk.tree_attention(q, k, v, torch.full((B,), prefix), parents, _num_splits=splits)
+    case = dict(B=B, N=N, Hq=Hq, Hkv=Hkv, D=D, prefix=prefix, esize=2)
+    m_tiles = 1  # GROUP * N <= 256 rows: one program per (request, KV head)
+    names = ["_tree_attention_kernel"] + (["_tree_attention_combine_kernel"] if splits > 1 else [])
+    modelled = 0.0
+    for name in names:
+        launch = SimpleNamespace(
+            kernel=SimpleNamespace(fn=SimpleNamespace(__name__=name), arg_names=[]),
+            grid=(B * Hkv * m_tiles, 1, splits),
+            args=(),
+            kwargs={"NUM_SPLITS": splits, "BLOCK_D": D},
+        )
+        modelled += bench_static.TreeAttentionModel.bytes(case, launch)
+    metadata = B * Hkv * splits * (Hq // Hkv * N * 8 * 2 + 64)  # masks (twice at most) and bounds per program
+    assert modelled <= counted["bytes"] <= modelled + metadata, (counted["bytes"], modelled)
+
+
+def _element_size(ptrs) -> int:
+    """Bytes of one element behind an interpreter pointer tensor."""
+    return ptrs.get_element_ty().primitive_bitwidth // 8
+
+
 def test_occupancy_model():
     assert bench_static.occupancy(128, 0, 8) == (0.25, "registers", 2)
     assert bench_static.occupancy(16, 0, 1)[1] == "CTAs"
@@ -141,18 +190,22 @@ def test_csrc_kernels_have_no_stack_or_spills():
 
 @pytest.mark.slow
 def test_tree_kernels_within_budget(tmp_path):
-    """Issue 13: the tree verification kernels (row pass, positions, rho rounds, walk, race, finalize)
-    and the tree attention kernels compiled for sm_90 at the launchers' configurations
-    (bench_static's tree smoke cases): no spills, no stack."""
+    """Issue 13: the tree verification kernels (row pass, positions, rho rounds, walk, race, finalize; the
+    tree smoke cases) and the tree attention kernels at bench_static's four configurations (N 16 / 64,
+    B 1 / 64), compiled for sm_90 at the launchers' configurations: no spills, no stack.
+
+    One measured exception: the 256-row attention program (N = 64, GQA 4, D = 128: 16 warps, so at most
+    128 registers a thread, 64 of them the accumulator) keeps a few spill slots (<= 32 bytes) outside its
+    key loop; its key loop touches no local memory."""
     out = tmp_path / "rows.json"
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
     code = (
-        "import json, sys; from bench import bench_static as b; rows = b.run_tree(smoke=True); "
-        "local = sorted({r['kernel'] for r in rows if r['kernel'] != '(call)' and r['stack'] and "
-        "any(b.local_memory_instructions(b.compile_sm90(l)[0]) for c in b.tree_cases(True) + b.attention_cases(True) "
-        "for l in (b.capture_tree(c) if 'verify' in c['name'] else b.capture_attention(c)) "
-        "if l.kernel.fn.__name__ == r['kernel'])}); "
-        f"json.dump(dict(rows=rows, local=local), open({str(out)!r}, 'w'))"
+        "import json; from bench import bench_static as b; "
+        "rows = b.run_tree(smoke=True, which='verify') + b.run_tree(smoke=False, which='attention'); "
+        "loops = [dict(case=c['name'], kernel=l.kernel.fn.__name__, block_m=l.kwargs.get('BLOCK_M'), "
+        "local=sum(x['local'] for x in b.sass_loops(b.compile_sm90(l)[0])[0])) "
+        "for c in b.attention_cases(False) for l in b.capture_attention(c)]; "
+        f"json.dump(dict(rows=rows, loops=loops), open({str(out)!r}, 'w'))"
     )
     _compile_in_subprocess(code, env, timeout=1800)
     result = json.loads(out.read_text())
@@ -160,11 +213,14 @@ def test_tree_kernels_within_budget(tmp_path):
     kernels = {r["kernel"] for r in rows}
     for name in ("_tree_positions_kernel", "_tree_rho_kernel", "_tree_rrs_kernel", "_tree_walk_kernel"):
         assert name in kernels, kernels
-    assert "_tree_race_kernel" in kernels, kernels
+    assert {"_tree_race_kernel", "_tree_attention_kernel", "_tree_attention_combine_kernel"} <= kernels, kernels
+    attention = {r["case"] for r in rows if r["kernel"] == "_tree_attention_kernel"}
+    assert len(attention) == 4, attention
     for row in rows:
-        assert row["spill_bytes"] == 0, row
-    # A stack frame is allowed only where ptxas reserves one and never touches it (the RRS walk: 8 bytes,
-    # no local loads or stores): kernels with a stack must have no LDL / STL.
-    assert result["local"] == [], result["local"]
-    stacked = {r["kernel"] for r in rows if r["stack"]}
-    assert stacked <= {"_tree_walk_kernel"}, stacked
+        wide = row["kernel"] == "_tree_attention_kernel" and "BLOCK_M=256" in row["config"]
+        if wide:
+            assert row["stack"] <= 32, row
+        else:
+            assert row["spill_bytes"] == 0 and row["stack"] == 0, row
+    hot_spills = [x for x in result["loops"] if x["local"]]
+    assert not hot_spills, hot_spills

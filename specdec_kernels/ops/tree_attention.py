@@ -8,10 +8,15 @@ query node (bit j: "may attend tree node j"), built once per step by :func:`tree
 Work layout. One program owns one (request, KV head) pair, a tile of BLOCK_M query rows and one
 split of the keys; the query tiles of a pair are adjacent in the grid. The query rows stack the GQA
 group: row r is query head ``hkv * GROUP + r // Nq`` at node ``r % Nq``, so each K/V tile is loaded
-once for all heads that share it (GROUP * Nq <= 64 rows: one tile). Long prefixes with
-few query rows (decoding, small trees, batch 1) are split across programs (flash-decoding); a second
-small kernel merges the partial softmaxes. Tiles past a request's own prefix are never visited, so
-ragged batches cost what their real keys cost.
+once for all heads that share it (GROUP * Nq <= 256 rows: one tile). Long prefixes with
+few programs (decoding, small trees, batch 1) are split across programs (flash-decoding): just enough
+prefix splits to give every SM a program, plus a last split for the tree keys; each writes its rows'
+normalised partial outputs (q's dtype) and fp32 (max, sum), and a second small kernel merges them.
+Tiles past a request's own prefix are never visited, so ragged batches cost what their real keys cost.
+
+The hot loop runs over prefix tiles every row attends: no mask, the softmax scale folded into the
+exponent's FMA. Masks apply only on the (at most two) tiles that straddle the prefix bounds, the
+tree tiles (ancestor bits) and, with a sliding window, every tile.
 
 Key layout (per request b, positions in the key dimension of ``k``/``v``):
 
@@ -68,6 +73,49 @@ def _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.conste
 
 
 @triton.jit
+def _online_tile_full(q, k, v, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr):
+    """_online_tile for a tile every row attends (a full prefix tile, no window): no mask, and the scale
+    folded into the exponent's FMA. Needs qk_scale >= 0 (the kernel flips q's sign otherwise), so that
+    max(s) * scale is the max of s * scale. Padding rows (q = 0) get finite garbage, discarded at the end."""
+    if DOT_DTYPE == tl.float32:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # keys of -inf scores only (k = -inf)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s * qk_scale - m_safe[:, None])  # one FFMA and one MUFU per score
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_DTYPE == tl.float32:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(DOT_DTYPE), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefix_tile(
+    q, k_base, v_base, tile, lo, hi, stride_ks, stride_vs, d, d_ok, real, window_lo,
+    m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Fold prefix keys [tile, tile + BLOCK_N) ∩ [lo, hi) (and each row's window) into the running softmax."""
+    keys = tile + tl.arange(0, BLOCK_N)
+    key_ok = (keys >= lo) & (keys < hi)
+    kv_off = keys.to(tl.int64)[:, None]
+    kv_mask = key_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    allowed = real[:, None] & key_ok[None, :]
+    if HAS_WINDOW:
+        # keys below some rows' windows but inside others': those rows weigh them 0
+        allowed = allowed & (keys[None, :] >= window_lo[:, None])
+        v, row_bad = _clean_values(v, kv_mask, allowed, row_bad)
+    m_i, l_i, acc = _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+    return m_i, l_i, acc, row_bad
+
+
+@triton.jit
 def _clean_values(v, kv_mask, allowed, row_bad):
     """Zero non-finite values so that a weight of 0 never multiplies them (0 * NaN = NaN would leak into
     rows that do not attend the key); rows that do attend such a key are marked and output NaN instead."""
@@ -78,8 +126,13 @@ def _clean_values(v, kv_mask, allowed, row_bad):
 
 
 @triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
 def _tree_tile(
-    q, k_base, v_base, anc, real, tree_start, t0, S, tree_slots, stride_ks, stride_vs, d, d_ok,
+    q, k_base, v_base, anc, real, union, tree_start, t0, S, tree_slots, stride_ks, stride_vs, d, d_ok,
     m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE: tl.constexpr, TREE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Fold tree key slots [t0, t0 + TREE_BLOCK) into the running softmax: slot j is attended by the
@@ -87,9 +140,13 @@ def _tree_tile(
     j = t0 + tl.arange(0, TREE_BLOCK)
     keys = tree_start + j
     key_ok = (keys >= 0) & (keys < S) & (j < tree_slots)
-    is_ancestor = ((anc[:, None] >> j[None, :].to(tl.int64)) & 1) != 0
+    # the tile lies in one 32-bit half of the mask (TREE_BLOCK <= 32, t0 a multiple of it): int32 shifts
+    word = (anc >> (t0 // 32 * 32)).to(tl.int32)
+    is_ancestor = ((word[:, None] >> (j - t0 // 32 * 32)[None, :]) & 1) != 0
     allowed = real[:, None] & key_ok[None, :] & is_ancestor
-    used = tl.max(allowed.to(tl.int32), axis=0) > 0
+    # slots some real row attends, from the OR of the rows' masks (`union`): a reduction of `allowed` over
+    # the rows wanted a layout with 16 rows a thread, whose masks stayed live across the prefix loop
+    used = key_ok & (((union >> j.to(tl.int64)) & 1) != 0)
     kv_off = keys.to(tl.int64)[:, None]
     kv_mask = used[:, None] & d_ok[None, :]
     k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
@@ -110,8 +167,8 @@ def _tree_attention_kernel(
     tree_start_ptr,  # [B] int32: tree node j's key sits at tree_start + j
     anc_ptr,  # [B, Nq] int64: bit j set iff the query may attend tree node j; 0 = padding query
     window_lo_ptr,  # [B, Nq] int32: first prefix key the query may attend (read when HAS_WINDOW)
-    out_ptr,  # [B, Hq, Nq, D] q's dtype (written when NUM_SPLITS == 1)
-    part_acc_ptr,  # [B * Hq * Nq, NUM_SPLITS, BLOCK_D] fp32 unnormalised outputs (NUM_SPLITS > 1)
+    out_ptr,  # [B, Hq, Nq, D] q's dtype, contiguous: row * D addressing (written when NUM_SPLITS == 1)
+    part_acc_ptr,  # [B * Hq * Nq, NUM_SPLITS, BLOCK_D] q's dtype: normalised split outputs (NUM_SPLITS > 1)
     part_ml_ptr,  # [B * Hq * Nq, NUM_SPLITS, 2] fp32 running max (log2 units) and sum (NUM_SPLITS > 1)
     # strides (elements)
     stride_qb,
@@ -130,7 +187,7 @@ def _tree_attention_kernel(
     Hkv,
     Nq,
     S,
-    split_len,  # keys per split, a multiple of BLOCK_N
+    split_len,  # prefix keys per split, a multiple of BLOCK_N (the last split: the rest, usually none)
     tree_slots,  # tree key slots the masks may reference (<= TREE_SPAN)
     qk_scale,  # softmax scale * log2(e)
     # constexprs
@@ -161,10 +218,15 @@ def _tree_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
 
+    # q's per-row offsets in int32 from the request's base pointer (a request's q spans < 2^31 elements):
+    # fewer registers in the prologue than 64-bit row pointers.
     anc = tl.load(anc_ptr + b * Nq + node, mask=row_ok, other=0)
     real = row_ok & (anc != 0)
-    q_rows = q_ptr + b * stride_qb + head.to(tl.int64) * stride_qh + node.to(tl.int64) * stride_qn
-    q = tl.load(q_rows[:, None] + d[None, :], mask=real[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+    q_rows = head * stride_qh + node * stride_qn
+    q_b = q_ptr + b * stride_qb
+    # Padding rows' q is loaded too (whatever it holds): rows never mix, and their outputs are zeroed at the
+    # end. Masking the load by `real` kept the masks of its layout's rows in registers (spills at 256 rows).
+    q = tl.load(q_b + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
 
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
     v_base = v_ptr + b * stride_vb + hkv * stride_vh
@@ -177,79 +239,109 @@ def _tree_attention_kernel(
     key_start = tl.load(key_start_ptr + b).to(tl.int32)
     prefix_end = tl.minimum(tl.load(prefix_end_ptr + b).to(tl.int32), S)
     lo = tl.maximum(key_start, split * split_len)
-    hi = tl.minimum(prefix_end, (split + 1) * split_len)
+    # the prefix splits take split_len keys each; the last one (the tree's) whatever prefix is left
+    hi = tl.minimum(prefix_end, tl.where(split == NUM_SPLITS - 1, prefix_end, (split + 1) * split_len))
     if HAS_WINDOW:
         window_lo = tl.load(window_lo_ptr + b * Nq + node, mask=row_ok, other=0).to(tl.int32)
         # tiles below every row's window are skipped like tiles outside the prefix
         lo = tl.maximum(lo, tl.min(tl.where(real, window_lo, 2147483647), axis=0))
     any_real = tl.max(real.to(tl.int32), axis=0) > 0
     if any_real:
-        for tile in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
-            keys = tile + tl.arange(0, BLOCK_N)
-            key_ok = (keys >= lo) & (keys < hi)
-            kv_off = keys.to(tl.int64)[:, None]
-            kv_mask = key_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            allowed = real[:, None] & key_ok[None, :]
-            if HAS_WINDOW:
-                # keys below some rows' windows but inside others': those rows weigh them 0
-                allowed = allowed & (keys[None, :] >= window_lo[:, None])
-                v, row_bad = _clean_values(v, kv_mask, allowed, row_bad)
-            m_i, l_i, acc = _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+        if HAS_WINDOW:
+            for tile in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
+                m_i, l_i, acc, row_bad = _prefix_tile(
+                    q, k_base, v_base, tile, lo, hi, stride_ks, stride_vs, d, d_ok, real, window_lo,
+                    m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE, BLOCK_N, HAS_WINDOW,
+                )  # fmt: skip
+        else:
+            # Masks only on the (at most two) tiles that straddle lo or hi; the tiles between are
+            # attended by every row: the hot loop has no mask.
+            edge = lo // BLOCK_N * BLOCK_N  # the tile holding lo
+            full_lo = tl.cdiv(lo, BLOCK_N) * BLOCK_N
+            full_hi = hi // BLOCK_N * BLOCK_N
+            if (edge < full_lo) & (edge < hi):
+                m_i, l_i, acc, row_bad = _prefix_tile(
+                    q, k_base, v_base, edge, lo, hi, stride_ks, stride_vs, d, d_ok, real, lo,
+                    m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE, BLOCK_N, HAS_WINDOW,
+                )  # fmt: skip
+            for tile in range(full_lo, full_hi, BLOCK_N):
+                kv_off = (tile + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+                k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=d_ok[None, :], other=0.0).to(DOT_DTYPE)
+                v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=d_ok[None, :], other=0.0).to(DOT_DTYPE)
+                m_i, l_i, acc = _online_tile_full(q, k, v, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+            if (full_hi < hi) & (full_hi >= full_lo):
+                m_i, l_i, acc, row_bad = _prefix_tile(
+                    q, k_base, v_base, full_hi, lo, hi, stride_ks, stride_vs, d, d_ok, real, lo,
+                    m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE, BLOCK_N, HAS_WINDOW,
+                )  # fmt: skip
 
-        # The tree nodes (at most 64 keys), handled by the last split in tiles of at most BLOCK_N keys
-        # (a [BLOCK_M, 64] score tile next to the accumulator spilled).
+        # The tree nodes (at most 64 keys), handled by the last split in tiles of at most 32 keys (one
+        # 32-bit half of the masks; a [BLOCK_M, 64] score tile next to the accumulator spilled).
         if split == NUM_SPLITS - 1:
             tree_start = tl.load(tree_start_ptr + b).to(tl.int32)
-            TREE_BLOCK: tl.constexpr = TREE_SPAN if TREE_SPAN < BLOCK_N else BLOCK_N
+            TREE_BLOCK: tl.constexpr = min(TREE_SPAN, BLOCK_N, 32)
+            union = tl.reduce(tl.where(real, anc, 0), 0, _bit_or)  # slots some row attends
             for t0 in tl.static_range(0, TREE_SPAN, TREE_BLOCK):
                 m_i, l_i, acc, row_bad = _tree_tile(
-                    q, k_base, v_base, anc, real, tree_start, t0, S, tree_slots, stride_ks, stride_vs, d, d_ok,
+                    q, k_base, v_base, anc, real, union, tree_start, t0, S, tree_slots, stride_ks, stride_vs, d, d_ok,
                     m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE, TREE_BLOCK,
                 )  # fmt: skip
 
+    # Epilogue addresses: a scalar base + constexpr multiples of the row in the tile (out and the partials
+    # are ours, contiguous): per-row offsets or pointers shared with the prologue stayed live across the
+    # key loop and spilled at 256 rows.
+    r = tl.arange(0, BLOCK_M)
+    r_ok = r < GROUP * Nq - pid_m * BLOCK_M
+    first_row = b * (Hkv * GROUP * Nq) + hkv * (GROUP * Nq) + pid_m * BLOCK_M  # of [B * Hq * Nq]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out = tl.where(real[:, None], out, 0.0)  # padding rows: zeros (their acc may hold 0 * NaN)
         out = tl.where(row_bad[:, None], float("nan"), out)
-        o_rows = out_ptr + b * stride_ob + head.to(tl.int64) * stride_oh + node.to(tl.int64) * stride_on
-        tl.store(o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        o_ptrs = out_ptr + first_row * D + r[:, None] * D + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
     else:
-        flat = (b * (Hkv * GROUP) + head.to(tl.int64)) * Nq + node.to(tl.int64)  # row of [B*Hq*Nq]
-        slot = flat * NUM_SPLITS + split
-        acc = tl.where(real[:, None], acc, 0.0)
-        tl.store(part_acc_ptr + slot[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
-        tl.store(part_ml_ptr + slot * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + slot * 2 + 1, tl.where(row_bad, float("nan"), l_i), mask=row_ok)  # NaN: poisoned
+        # The split's own softmax output (normalised: |o| <= max |v|, safe in q's dtype, half the bytes of
+        # fp32) and its (max, sum) in fp32. Padding rows: o = 0, m = -inf, l = 0 (weight 0 in the merge).
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o = tl.where(real[:, None], o, 0.0)
+        first = first_row * NUM_SPLITS + split  # slot of [B * Hq * Nq, NUM_SPLITS]
+        o_ptrs = part_acc_ptr + first * BLOCK_D + r[:, None] * (NUM_SPLITS * BLOCK_D) + d[None, :]
+        tl.store(o_ptrs, o.to(part_acc_ptr.dtype.element_ty), mask=r_ok[:, None])
+        ml_ptrs = part_ml_ptr + first * 2 + r * (NUM_SPLITS * 2)
+        tl.store(ml_ptrs, tl.where(real, m_i, float("-inf")), mask=r_ok)
+        l_out = tl.where(row_bad, float("nan"), tl.where(real, l_i, 0.0))  # NaN: poisoned
+        tl.store(ml_ptrs + 1, l_out, mask=r_ok)
 
 
 @triton.jit
 def _tree_attention_combine_kernel(
-    part_acc_ptr,  # [B * Hq * Nq, NUM_SPLITS, BLOCK_D] fp32
-    part_ml_ptr,  # [B * Hq * Nq, NUM_SPLITS, 2] fp32
+    part_acc_ptr,  # [B * Hq * Nq, NUM_SPLITS, BLOCK_D] q's dtype: each split's normalised output
+    part_ml_ptr,  # [B * Hq * Nq, NUM_SPLITS, 2] fp32: each split's running max (log2 units) and sum
     out_ptr,  # [B, Hq, Nq, D] q's dtype
     stride_ob,
     stride_oh,
     stride_on,
     Hq,
     Nq,
+    NUM_SPLITS,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,  # power of two >= NUM_SPLITS
 ):
-    """Merge the splits' partial softmaxes of one query row: sum_s 2^(m_s - M) acc_s / same for l_s."""
+    """Merge the splits' partial softmaxes of one query row: sum_s w_s o_s / sum_s w_s, w_s = 2^(m_s - M) l_s."""
     row = tl.program_id(0).to(tl.int64)
-    splits = tl.arange(0, NUM_SPLITS)
+    splits = tl.arange(0, SPLITS_P2)
+    s_ok = splits < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
-    m = tl.load(part_ml_ptr + (row * NUM_SPLITS + splits) * 2)
-    l = tl.load(part_ml_ptr + (row * NUM_SPLITS + splits) * 2 + 1)
-    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + splits)[:, None] * BLOCK_D + d[None, :])
+    slot = row * NUM_SPLITS + splits
+    m = tl.load(part_ml_ptr + slot * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + slot * 2 + 1, mask=s_ok, other=0.0)
+    o = tl.load(part_acc_ptr + slot[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0).to(tl.float32)
     m_max = tl.max(m, axis=0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_safe)  # splits that saw no key: m = -inf -> weight 0
-    total = tl.sum(w * l, axis=0)  # NaN when a split marked the row as attending a NaN/inf value
-    out = tl.sum(tl.where(w[:, None] > 0, w[:, None] * acc, 0.0), axis=0) / tl.where(total > 0, total, 1.0)
+    w = tl.exp2(m - m_safe) * l  # splits that saw no key: weight 0; NaN when a split marked the row poisoned
+    total = tl.sum(w, axis=0)
+    out = tl.sum(tl.where(w[:, None] > 0, w[:, None] * o, 0.0), axis=0) / tl.where(total > 0, total, 1.0)
     out = tl.where(total == total, out, float("nan"))
     b = row // (Hq * Nq)
     h = (row // Nq) % Hq
@@ -266,18 +358,18 @@ def _num_sms(device: torch.device) -> int:
     return 1 if plans_for_interpreter(device) else multiprocessors(device)
 
 
-def _choose_splits(programs: int, S: int, block_n: int, device: torch.device) -> int:
-    """Flash-decoding split count: enough programs to fill the GPU twice, >= 128 keys per split.
+def _choose_splits(programs: int, prefix_keys: int, device: torch.device) -> int:
+    """Flash-decoding split count (the last split takes the tree keys only): just enough prefix splits to
+    give every SM one program, each >= 128 prefix keys; 1 when the programs alone fill the GPU.
 
-    128 keys (not more) so that batch 1 with a 4k prefix and 8 KV heads reaches 8 * 32 = 256 programs
-    on a 132-SM H100; the partials cost 4 * D bytes per query row and split, against 4 * D bytes of K/V
-    per key and KV head.
+    No more splits than that: every split writes a partial output row (D values in q's dtype + max and
+    sum) per query row, and the merge reads it back. Batch 1, 8 KV heads, a 4k prefix: 16 prefix splits
+    of 256 keys + the tree split = 136 programs on a 132-SM H100.
     """
     if plans_for_interpreter(device):
         return 1
-    want = triton.cdiv(2 * _num_sms(device), max(programs, 1))
-    most = max(1, S // 128)
-    return max(1, min(next_pow2(want), 64, next_pow2(most + 1) // 2))
+    prefix_splits = min(_num_sms(device) // max(programs, 1), prefix_keys // 128)
+    return prefix_splits + 1 if prefix_splits > 1 else 1
 
 
 def _tile_config(block_d: int, dtype: torch.dtype) -> tuple[int, dict]:
@@ -431,13 +523,19 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
         block_m = rows
         if not interpreter_requested():
             launch = dict(launch, num_warps=16)
+        if block_d <= 64:  # a 32-register accumulator leaves room for 64-key tiles: half the per-key
+            block_n = max(block_n, 64)  # softmax bookkeeping (D = 64, N = 64, B = 64: 261 -> 181 us est.)
     m_tiles = triton.cdiv(group * Nq, block_m)
-    splits = _num_splits or _choose_splits(B * Hkv * m_tiles, S, block_n, q.device)
-    splits = next_pow2(splits)
-    split_len = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
+    # Keys [0, S - tree_slots) hold the prefix (in tree_attention; an upper bound elsewhere: any prefix key
+    # past the prefix splits falls to the last split, which runs to prefix_end).
+    prefix_keys = max(S - tree_slots, 1)
+    splits = _num_splits or _choose_splits(B * Hkv * m_tiles, prefix_keys, q.device)
+    split_len = triton.cdiv(triton.cdiv(prefix_keys, max(splits - 1, 1)), block_n) * block_n
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if scale < 0:  # the kernel's unmasked tiles need scale >= 0: (-q) k |scale| = q k scale, exactly
+        q, scale = -q, -scale
     if splits > 1:
-        part_acc = torch.empty((B * Hq * Nq, splits, block_d), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((B * Hq * Nq, splits, block_d), dtype=q.dtype, device=q.device)
         part_ml = torch.empty((B * Hq * Nq, splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
@@ -492,9 +590,10 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
             out.stride(2),
             Hq,
             Nq,
+            splits,
             D=D,
             BLOCK_D=block_d,
-            NUM_SPLITS=splits,
+            SPLITS_P2=next_pow2(splits),
         )
     return out
 

@@ -607,8 +607,10 @@ def _tree_walk_kernel(
         parent_in_set = ((in_set[:, None] >> tl.maximum(par, 0).to(tl.int64)) & 1) != 0
         in_pos = tl.where(par >= 0, parent_in_set, (par == -1) & at_root[:, None])
         cand = in_pos & tok_ok & active[:, None]
-        k = tl.sum(cand.to(tl.int32), axis=1)
         rank = tl.cumsum(cand.to(tl.int32), axis=1) - 1
+        # k from the ranks, not tl.sum(cand): LLVM turns that sum of booleans into a bitcast of <8 x i1>
+        # to <2 x i4> + popcount, which the NVPTX backend lowers through an (unused) 8-byte stack frame
+        k = tl.max(rank, axis=1) + 1
         first = tl.min(tl.where(cand, nodes, NP2), axis=1)
         has_cand = k > 0
         counter = rep + 1  # Philox row counter of this position

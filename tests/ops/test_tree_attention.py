@@ -51,12 +51,23 @@ def test_head_dims_and_dtypes(D, dtype):
     _check(*_problem(2, 4, 1, 5, D, dtype=dtype, seed=D))
 
 
-@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("splits", [2, 3, 4, 7])
 def test_flash_decoding_splits_match_one_pass(splits):
+    """Any split count (the launcher picks just enough to fill the SMs, not a power of two); the last split
+    takes the tree keys and whatever prefix the others leave."""
     args = _problem(2, 8, 2, 6, 64, seed=3, max_prefix=300)
     whole = _check(*args, _num_splits=1)
     split = _check(*args, _num_splits=splits)
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_split_partials_in_half_precision(dtype):
+    """The splits' partial outputs are stored normalised in q's dtype (fp32 max and sum): still within the
+    dtype's tolerance of the fp64 reference, negative scales included (the kernel flips q's sign)."""
+    args = _problem(2, 8, 2, 6, 128, dtype=dtype, seed=5, max_prefix=300)
+    _check(*args, _num_splits=5)
+    _check(*args, _num_splits=5, scale=-0.05)
 
 
 @pytest.mark.parametrize("window, splits", [(7, 1), (16, 1), (40, 4), (1000, 1)])
