@@ -354,8 +354,8 @@ def _rho_active(pos_ptr, temperature_ptr, brk_ptr, pos, in_range, b, rnd, temper
     """(k, lanes whose search runs this round): positions with siblings of sampled requests, not
     done after an earlier round."""
     k = tl.load(pos_ptr + pos * POS_REC + POS_K, mask=in_range, other=0)
-    temperature = per_request(temperature_ptr, temperature, b, in_range, PER_REQ_T).to(tl.float32)
-    greedy, _inv_t = inverse_temperature(temperature)
+    t_req = per_request(temperature_ptr, temperature, b, in_range, PER_REQ_T).to(tl.float32)
+    greedy, _inv_t = inverse_temperature(t_req)
     active = in_range & ~greedy & (k > 1)
     if rnd > 0:
         done = tl.load(brk_ptr + pos * RB_REC + RB_DONE, mask=active, other=1.0)
@@ -462,8 +462,8 @@ def _tree_rho_kernel(
     k, active = _rho_active(pos_ptr, temperature_ptr, brk_ptr, pos, in_range, b, rnd, temperature, PER_REQ_T)
     if tl.max(active.to(tl.int32), axis=0) > 0:
         first = tl.load(pos_ptr + pos * POS_REC + POS_FIRST, mask=in_range, other=0)
-        temperature = per_request(temperature_ptr, temperature, b, in_range, PER_REQ_T).to(tl.float32)
-        _greedy, inv_t = inverse_temperature(temperature)
+        t_req = per_request(temperature_ptr, temperature, b, in_range, PER_REQ_T).to(tl.float32)
+        _greedy, inv_t = inverse_temperature(t_req)
         pts_i = tl.arange(0, RHO_P)[None, :]
         if rnd == 0:
             pts = _rho_first_points(k.to(tl.float32), RHO_P)
