@@ -71,7 +71,6 @@ from .verify import (
     STAT_Z_T,
     THR_Q,
     THR_T,
-    _kept_prob,
     _prob_of,
     _verify_row_stats_kernel,
     launch_threshold_phases,
@@ -491,23 +490,40 @@ def _tree_rho_kernel(
         inv_zq = tl.where(z_q > 0.0, 1.0 / tl.where(z_q > 0.0, z_q, 1.0), 0.0)[:, None]
         pts3 = pts[:, :, None]
         # per-lane running sums of min(rho q, p) = q min(rho, p / q): elementwise in the loop (two
-        # instructions per point and entry), one reduction after it
+        # instructions per point and entry), one reduction after it. Rows are loaded as [BP, 1, BV]
+        # tiles, in the accumulator's layout: broadcasting over the points moves no data.
+        t_row = t_row[:, :, None]
+        d_row = d_row[:, :, None]
+        c = c[:, :, None]
+        m_t, m_q = m_t[:, :, None], m_q[:, :, None]
+        inv_zt, inv_zq = inv_zt[:, :, None], inv_zq[:, :, None]
+        thr_t, thr_q = thr_t[:, None, None], thr_q[:, None, None]
+        mc_t, mc_q = m_t * c, m_q * c
+        # exponent offsets m c + log2 z (+inf for an empty row: its probabilities are 0)
+        off_t = mc_t + tl.where(inv_zt > 0.0, -tl.log2(tl.where(inv_zt > 0.0, inv_zt, 1.0)), float("inf"))
+        off_q = mc_q + tl.where(inv_zq > 0.0, -tl.log2(tl.where(inv_zq > 0.0, inv_zq, 1.0)), float("inf"))
         acc = tl.zeros([BLOCK_P, RHO_P, BLOCK_V], tl.float32)
         start_col = chunk * chunk_size
         end_col = tl.minimum(start_col + chunk_size, V)
-        vcols = tl.arange(0, BLOCK_V)[None, :]
+        vcols = tl.arange(0, BLOCK_V)[None, None, :]
         for start in range(start_col, end_col, BLOCK_V):
             cols = start + vcols
-            lane = active[:, None] & (cols < end_col)
+            lane = active[:, None, None] & (cols < end_col)
             x = tl.load(t_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
-            pv = _kept_prob(x, m_t, c, inv_zt, thr_t[:, None])
+            kept_t = (x >= thr_t) & (x > float("-inf")) & (x < float("inf"))
             if DRAFT_MODE == DRAFT_LOGITS:
+                # p = 2^a_t, q = 2^a_q with a = x c - (m c + log2 z); p / q = 2^(a_t - a_q): no division
                 xq = tl.load(d_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
-                qv = _kept_prob(xq, m_q, c, inv_zq, thr_q[:, None])
+                kept_q = (xq >= thr_q) & (xq > float("-inf")) & (xq < float("inf"))
+                a_t = x * c - off_t
+                a_q = xq * c - off_q
+                qv = tl.where(kept_q, tl.exp2(a_q), 0.0)
+                ratio = tl.where(kept_t & (qv > 0.0), tl.exp2(a_t - a_q), 0.0)
             else:
+                pv = tl.where(kept_t, tl.exp2(x * c - mc_t) * inv_zt, 0.0)
                 qv, _bad_q = load_probs(d_row + cols, lane)
-            ratio = tl.where(qv > 0.0, tl.fdiv(pv, qv, approx=True), 0.0)  # the term is 0 where q = 0
-            acc += qv[:, None, :] * tl.minimum(pts3, ratio[:, None, :])
+                ratio = tl.where(qv > 0.0, tl.fdiv(pv, qv, approx=True), 0.0)  # the term is 0 where q = 0
+            acc += qv * tl.minimum(pts3, ratio)
         sums = tl.sum(acc, axis=2)
         tl.store(sums_ptr + (pos[:, None] * num_chunks + chunk) * RHO_P + pts_i, sums, mask=active[:, None])
 
@@ -1217,7 +1233,7 @@ def launch_tree(
         )
     if kseq and sampled:
         # K-SEQ's rho for every position with siblings, before the walk and split over the vocabulary
-        rho_block_v = block_v if interpreted else 256
+        rho_block_v = block_v if interpreted else 512
         rho_blocks = triton.cdiv(V, rho_block_v)
         rho_c = 1
         if num_chunks is not None:
@@ -1229,7 +1245,7 @@ def launch_tree(
         brk = torch.empty((P, RB_REC_HOST), dtype=torch.float32, device=dev)
         sums = torch.empty((P, rho_c, RHO_POINTS), dtype=torch.float32, device=dev)
         block_p = 1 if not interpreted else max(1, min(next_pow2(P), (1 << 16) // (rho_block_v * RHO_POINTS)))
-        step_block_p = 64 if not interpreted else next_pow2(P)
+        step_block_p = 64 if not interpreted else min(next_pow2(P), (1 << 16) // RHO_POINTS)
         for rnd in range(RHO_ROUNDS):  # a round's sums, then one step of every search that ran
             _tree_rho_kernel[(triton.cdiv(P, block_p), rho_c)](
                 target,
