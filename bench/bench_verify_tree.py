@@ -86,8 +86,8 @@ DEFAULT_SIGMA = 1.0
 DEFAULT_ACCEPT_REQUESTS, SMOKE_ACCEPT_REQUESTS = 1024, 8
 MAX_NODES = 64  # K*G; the walk keeps node sets as 64-bit masks
 
-# The reference loops in Python over requests, positions and candidates (K-SEQ evaluates 64 vocabulary
-# sums per position); above this many target logits a call takes seconds, so it is skipped (unless
+# The reference loops in Python over requests, positions and candidates (K-SEQ evaluates up to 24
+# vocabulary sums per position); above this many target logits a call takes seconds, so it is skipped (unless
 # --all-providers) and never repeated much.
 REFERENCE_MAX_ELEMENTS = 1e7
 REFERENCE_MAX_WARMUP, REFERENCE_MAX_REP = 1, 3
