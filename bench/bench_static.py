@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -407,6 +408,42 @@ def _sibling_positions(case: dict) -> list[int]:
     return [k for k in children.values() if k > 1]
 
 
+RHO_ACTIVITY_SAMPLES = 4  # synthetic (p, q) pairs per position with siblings
+
+
+@functools.cache
+def rho_round_activity(V: int, temperature: float, ks: tuple[int, ...], samples: int = RHO_ACTIVITY_SAMPLES):
+    """Share of the positions with siblings whose K-SEQ rho search is still running in each round
+    (round 0: all), *measured* with the reference's rule (``reference.verify_tree.rho_search``) on
+    bench_verify_tree's synthetic world at its default mismatch (target 3 N(0, 1), draft = target +
+    sigma N(0, 1), sigma = 1) at the case's temperature: ``samples`` pairs per position (k in ks).
+    A position whose search stopped costs its round's programs one record load, no vocabulary; the
+    worst case (every search runs every round) is RHO_ROUNDS full rounds."""
+    import torch
+
+    from bench.bench_verify_tree import DEFAULT_SIGMA, LOGIT_SCALE
+    from specdec_kernels.reference.verify_tree import RHO_POINTS, RHO_ROUNDS, rho_search
+
+    gen = torch.Generator().manual_seed(2026)
+    running = [0] * RHO_ROUNDS
+    for k in ks:
+        for _ in range(samples):
+            z = torch.randn(2, V, generator=gen, dtype=torch.float64)
+            target = z[0] * LOGIT_SCALE
+            p = torch.softmax(target / temperature, 0)
+            q = torch.softmax((target + DEFAULT_SIGMA * z[1]) / temperature, 0)
+            rounds = []
+
+            def g_of(pts, p=p, q=q, rounds=rounds):
+                rounds.append(1)
+                return torch.stack([torch.minimum(pts[:, m : m + 1] * q, p).sum(1) for m in range(RHO_POINTS)], 1)
+
+            rho_search(g_of, torch.tensor([k]))
+            for r in range(len(rounds)):
+                running[r] += 1
+    return [n / (len(ks) * samples) for n in running]
+
+
 class TreeVerifyModel:
     """Loops and bytes of the tree verification launches. The walk's vocabulary work depends on the
     random path; modelled: the request rejects every candidate at the root (one position with
@@ -454,6 +491,12 @@ class TreeVerifyModel:
         return TreeVerifyModel.extra_loops(case, launch, loops, reading, bound)
 
     @staticmethod
+    def rho_share(case: dict, bound: dict) -> float:
+        """Share of the positions with siblings whose rho search runs in this round (measured)."""
+        ks = tuple(sorted(_sibling_positions(case)))
+        return rho_round_activity(case["V"], case["temperature"], ks)[bound["rnd"]]
+
+    @staticmethod
     def walk_searches(case: dict, launch: Launch) -> int:
         """Vocabulary passes of the walk before its race at the root (K-SEQ's rho search in the walk
         itself, or RRS's residual masses), 0 once they run in _tree_rho_kernel."""
@@ -474,9 +517,11 @@ class TreeVerifyModel:
             share = math.ceil(active / H100["sms"]) / math.ceil(programs / H100["sms"])
             return [(outer[-1], bound["chunk_size"] / kw["BLOCK_V"] * share)], kw["BLOCK_P"] * kw["BLOCK_V"] * 2
         if name == "_tree_rho_kernel" and reading:
-            # only programs of positions with siblings work: scale to the busiest SM's share of them
+            # only programs of positions with siblings whose search runs this round work: scale to the
+            # busiest SM's share of them
             programs = math.prod(launch.grid)
-            active = case["B"] * len(_sibling_positions(case)) * launch.grid[1]
+            active = round(case["B"] * len(_sibling_positions(case)) * TreeVerifyModel.rho_share(case, bound))
+            active *= launch.grid[1]
             share = math.ceil(active / H100["sms"]) / math.ceil(programs / H100["sms"])
             trips = bound["chunk_size"] / kw["BLOCK_V"] * share
             return [(reading[-1], trips)], kw["BLOCK_P"] * kw["BLOCK_V"] * 2  # after the merge of the last round
@@ -494,8 +539,9 @@ class TreeVerifyModel:
             return B * (search + races) * 2 * V * e  # target and draft row of the root: searches + race
         if name == "_tree_race_kernel":
             return B * 2 * V * e
-        if name == "_tree_rho_kernel":  # one round: target and draft row of every position with siblings
-            return B * len(_sibling_positions(case)) * 2 * V * e
+        if name == "_tree_rho_kernel":  # one round: target and draft row of every position still searching
+            bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
+            return B * len(_sibling_positions(case)) * TreeVerifyModel.rho_share(case, bound) * 2 * V * e
         if name == "_tree_rrs_kernel":  # round j: the positions with more than j candidates
             j = dict(zip(launch.kernel.arg_names, launch.args, strict=False))["rnd"]
             return B * sum(k > j for k in _sibling_positions(case)) * 2 * V * e

@@ -49,6 +49,10 @@ Shared columns (``median_us``, ``GBps``, ``floor_us``, ``copy_GBps``): ``bench/_
   ``accept_gain`` = accept_len / accept_len_k1 and ``accept_gain_diff`` = accept_len - accept_len_k1:
   what K drafts buy over one; ``accept_gain_se`` is the standard error of the difference (paired:
   the same requests and seeds).
+* ``kseq_rho_accept_diff`` (kseq rows): max over RHO_CHECK_REQUESTS root rows of this world of
+  |A(rho) - A(rho*)|, A = 1 - (1 - beta)^K the probability that K-SEQ accepts a draft, with rho from
+  the rule every backend implements (``reference.verify_tree.rho_search``, float64 here) and rho*
+  solved to float64 resolution by bisection. Issue 13 bounds it by 1e-4.
 
 Usage
 -----
@@ -82,8 +86,8 @@ DEFAULT_SIGMA = 1.0
 DEFAULT_ACCEPT_REQUESTS, SMOKE_ACCEPT_REQUESTS = 1024, 8
 MAX_NODES = 64  # K*G; the walk keeps node sets as 64-bit masks
 
-# The reference loops in Python over requests, positions and candidates (K-SEQ evaluates 64 vocabulary
-# sums per position); above this many target logits a call takes seconds, so it is skipped (unless
+# The reference loops in Python over requests, positions and candidates (K-SEQ evaluates up to 24
+# vocabulary sums per position); above this many target logits a call takes seconds, so it is skipped (unless
 # --all-providers) and never repeated much.
 REFERENCE_MAX_ELEMENTS = 1e7
 REFERENCE_MAX_WARMUP, REFERENCE_MAX_REP = 1, 3
@@ -91,9 +95,13 @@ REFERENCE_MAX_WARMUP, REFERENCE_MAX_REP = 1, 3
 # The synthetic world: target logits LOGIT_SCALE * N(0, 1); draft logits = target + sigma * N(0, 1).
 LOGIT_SCALE = 3.0
 OVERLAP_REQUESTS = 256  # root rows the reported (and --overlap-calibrated) overlap is averaged over
+RHO_CHECK_REQUESTS = 64  # root rows K-SEQ's rho rule is compared with the exact rho* on
+RHO_EXACT_STEPS = 64  # bisection steps for rho* on [1, K]: below float64 resolution
 ACCEPT_CHUNK_BYTES = 1 << 30  # logits built at once per draft set while measuring acceptance
 
-ACCEPT_COLUMNS = "accept_len accept_len_k1 accept_gain accept_gain_diff accept_gain_se accept_requests"
+ACCEPT_COLUMNS = (
+    "accept_len accept_len_k1 accept_gain accept_gain_diff accept_gain_se accept_requests kseq_rho_accept_diff"
+)
 CSV_COLUMNS = common.csv_columns(
     "provider api method B K G V dtype sigma overlap median_us p20_us p80_us GBps floor_us frac_of_floor "
     f"copy_GBps bytes_read_once mean_accepted {ACCEPT_COLUMNS} accept_provider"
@@ -274,6 +282,33 @@ def calibrate_sigma(overlap: float, z: torch.Tensor, dtype) -> float:
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if root_overlap(z, mid, dtype) > overlap else (lo, mid)
     return hi
+
+
+def kseq_rho_accept_diff(z: torch.Tensor, sigma: float, dtype, K: int) -> float:
+    """Max over the root rows built from noise z [R, 2, V] of |A(rho) - A(rho*)|: K-SEQ's acceptance
+    with the backends' rho rule vs with rho* (float64 bisection to machine resolution)."""
+    from specdec_kernels.reference.verify_tree import RHO_POINTS, rho_search  # lazy, like the providers
+
+    target = z[:, 0] * LOGIT_SCALE
+    p = target.to(dtype).double().softmax(dim=-1)
+    q = (target + sigma * z[:, 1]).to(dtype).double().softmax(dim=-1)
+
+    def g(rho):  # sum_x min(rho q, p) per row, rho [R]
+        return torch.minimum(rho[:, None] * q, p).sum(dim=-1)
+
+    _rho, beta = rho_search(
+        lambda pts: torch.stack([g(pts[:, m]) for m in range(RHO_POINTS)], 1),
+        torch.full((p.shape[0],), K, dtype=torch.int64, device=p.device),
+    )
+    lo = torch.ones(p.shape[0], dtype=torch.float64, device=p.device)
+    hi = torch.full_like(lo, float(K))
+    for _ in range(RHO_EXACT_STEPS):
+        mid = 0.5 * (lo + hi)
+        gm = g(mid)
+        positive = 1.0 - (1.0 - gm / mid).clamp(min=0.0) ** K - gm > 0.0
+        lo, hi = torch.where(positive, mid, lo), torch.where(positive, hi, mid)
+    beta_star = g(hi) / hi
+    return float(((1.0 - beta_star) ** K - (1.0 - beta) ** K).abs().max())
 
 
 def bytes_read_once(inputs: TreeInputs, api: str) -> int:
@@ -476,8 +511,13 @@ def sweep(run: common.Run) -> list[dict]:
             continue
         for sigma, overlap in sigmas:
             world = World(V, sigma, args.seed, args.device)
+            z = root_noise(world)[:RHO_CHECK_REQUESTS]
+            rho_diff = {K: kseq_rho_accept_diff(z, sigma, dtype, K) for K in args.K if K > 1}
             for G in args.G:
                 acceptance = measure_acceptance(world, G, run, dtype, f"G={G} V={V} sigma={sigma:.3g}")
+                for (method, K), cols in acceptance.items():
+                    if method == "kseq" and K in rho_diff:
+                        cols["kseq_rho_accept_diff"] = rho_diff[K]
                 for (method, K), cols in sorted(acceptance.items()):
                     if K in args.K:
                         accept_rows.append(dict(V=V, G=G, sigma=sigma, overlap=overlap, method=method, K=K, **cols))

@@ -10,8 +10,13 @@
 namespace sk {
 
 constexpr int MAX_TREE_NODES = 64;  // node sets are 64-bit masks
-constexpr int RHO_POINTS = 16;      // must match ops/verify_tree.py
-constexpr int RHO_ROUNDS = 4;
+// K-SEQ's rho search: must match reference/verify_tree.py (rho_step)
+constexpr int RHO_POINTS = 8;          // values of rho per vocabulary pass
+constexpr int RHO_ROUNDS = 3;          // passes at most
+constexpr float RHO_TOL = 5e-5f;       // stop once A(lo) - A(hi) <= RHO_TOL
+constexpr int RHO_BISECT = 16;         // bisection steps placing the next points
+constexpr float RHO_MARGIN = 0.125f;   // the next points span the sandwich's roots widened by this share
+constexpr float RHO_EPS = 1.0f / 65536.0f;  // 2^-RHO_BISECT
 
 // Statistics record of a node's target row (node -1 = root) or of its draft row.
 SK_HD int64_t tree_record(const ChainParams& P, int64_t b, int64_t node, int target) {
@@ -138,49 +143,96 @@ SK_HD CandidateDraw candidate_draw(const ChainParams& P, const Request& rq, cons
   return c;
 }
 
-// K-SEQ: the smallest grid point rho >= rho* (bracketed in [1, k], RHO_POINTS points per vocabulary
-// pass, RHO_ROUNDS passes) and beta(rho) = sum min(q, p / rho) there. Arrays indexed only by
-// unrolled constants: registers.
+// f = 1 - (1 - beta)^k - rho beta with beta = g / rho (g = sum_x min(rho q, p)): decreasing, root rho*.
+SK_HD float kseq_f(float rho, float g, float kf) {
+  const float om = 1.0f - g / rho;
+  return 1.0f - expf(kf * logf(om > 0.0f ? om : 0.0f)) - g;
+}
+
+// P(some draft accepted) = 1 - (1 - beta)^k at rho.
+SK_HD float kseq_acceptance(float rho, float g, float kf) {
+  const float om = 1.0f - g / rho;
+  return 1.0f - expf(kf * logf(om > 0.0f ? om : 0.0f));
+}
+
+// Root of f on [a, b] with g replaced by its chord (lower bound) or the neighbours' extended chords.
+SK_HD float rho_bisect(float a, float b, float ga, float gb, float s_left, float s_right, float chord, float kf,
+                       bool upper) {
+  float x_lo = a, x_hi = b;
+  for (int i = 0; i < RHO_BISECT; ++i) {
+    const float mid = 0.5f * (x_lo + x_hi);
+    const float g = upper ? fminf(ga + s_left * (mid - a), gb - s_right * (b - mid)) : ga + chord * (mid - a);
+    if (kseq_f(mid, g, kf) > 0.0f) {
+      x_lo = mid;
+    } else {
+      x_hi = mid;
+    }
+  }
+  return x_hi;
+}
+
+// K-SEQ: rho >= rho* and beta(rho) = g(rho) / rho, the reference's rho_search: RHO_POINTS points per
+// vocabulary pass; after a pass, the bracket [lo, hi] around rho*; stop once A(lo) - A(hi) <= RHO_TOL,
+// else the next points spread over the roots of f with g bounded by concavity (chord below, the
+// neighbours' extended chords above). Arrays indexed only by unrolled constants: registers.
 template <class R, class TT, class TD>
 SK_HD void kseq_rho(const ChainParams& P, R& red, const Position<TT, TD>& pos, int k, float& rho, float& beta_hi) {
   const float kf = float(k);
-  float lo = 1.0f, hi = kf > 1.0f ? kf : 1.0f;
-  beta_hi = 0.0f;
-  for (int round = 0; round < RHO_ROUNDS; ++round) {
-    float pts[RHO_POINTS], beta[RHO_POINTS];
+  float pts[RHO_POINTS], gs[RHO_POINTS];
 SK_UNROLL
-    for (int i = 0; i < RHO_POINTS; ++i) {
-      pts[i] = i == RHO_POINTS - 1 ? hi : lo + (hi - lo) * (float(i + 1) / float(RHO_POINTS));
-      beta[i] = 0.0f;
-    }
+  for (int i = 0; i < RHO_POINTS; ++i) pts[i] = 1.0f + (kf - 1.0f) * (float(i) / float(RHO_POINTS - 1));
+  float lo = 1.0f, glo = 0.0f, hi = kf, ghi = 0.0f;
+  for (int round = 0; round < RHO_ROUNDS; ++round) {
+SK_UNROLL
+    for (int i = 0; i < RHO_POINTS; ++i) gs[i] = 0.0f;
     for_each_entry(P, red, pos, true, [&](int32_t, int, int64_t, float, float pv, float qv) {
 SK_UNROLL
       for (int i = 0; i < RHO_POINTS; ++i) {
-        const float a = pv / pts[i];
-        beta[i] += qv < a ? qv : a;
+        const float a = pts[i] * qv;
+        gs[i] += a < pv ? a : pv;
       }
     });
 SK_UNROLL
-    for (int i = RHO_POINTS - 1; i >= 0; --i) beta[i] = red.sum(beta[i]);
-    // the first point where f(rho) = 1 - (1 - beta)^k - rho * beta <= 0 (else the last)
-    bool found = false;
-    float new_lo = lo, new_hi = pts[RHO_POINTS - 1], new_beta = beta[RHO_POINTS - 1];
+    for (int i = RHO_POINTS - 1; i >= 0; --i) gs[i] = red.sum(gs[i]);
+    if (round == 0) {
+      lo = pts[0];
+      glo = gs[0];
+    }
+    // hi: the first point where f <= 0 (else the last), lo: the point before it (else the old lo)
+    int m = RHO_POINTS - 1;
+SK_UNROLL
+    for (int i = RHO_POINTS - 1; i >= 0; --i) {
+      if (kseq_f(pts[i], gs[i], kf) <= 0.0f) m = i;
+    }
+    float a = lo, ga = glo, b = 0.0f, gb = 0.0f, an = 0.0f, gan = 0.0f, bn = 0.0f, gbn = 0.0f;
 SK_UNROLL
     for (int i = 0; i < RHO_POINTS; ++i) {
-      const float om = 1.0f - beta[i];
-      const float f = 1.0f - expf(kf * logf(om > 0.0f ? om : 0.0f)) - pts[i] * beta[i];
-      if (!found && f <= 0.0f) {
-        found = true;
-        new_lo = i > 0 ? pts[i > 0 ? i - 1 : 0] : lo;
-        new_hi = pts[i];
-        new_beta = beta[i];
-      }
+      if (i == m - 1) a = pts[i], ga = gs[i];
+      if (i == m) b = pts[i], gb = gs[i];
+      if (i == m - 2) an = pts[i], gan = gs[i];
+      if (i == m + 1) bn = pts[i], gbn = gs[i];
     }
-    lo = found ? new_lo : (RHO_POINTS > 1 ? pts[RHO_POINTS - 2] : lo);
-    hi = new_hi;
-    beta_hi = new_beta;
+    lo = a, glo = ga, hi = b, ghi = gb;
+    if (kseq_acceptance(a, ga, kf) - kseq_acceptance(b, gb, kf) <= RHO_TOL || round == RHO_ROUNDS - 1) break;
+    if (!(m >= 2 && an < a)) an = 0.0f, gan = 0.0f;  // no left neighbour: the chord from the origin
+    const float s_left = (ga - gan) / (a - an);
+    const bool right = m + 1 < RHO_POINTS && bn > b;
+    const float s_right = right ? (gbn - gb) / (bn - b) : 0.0f;
+    const float w = b - a;
+    const float chord = (gb - ga) / (w > 0.0f ? w : 1.0f);
+    const float r_lower = rho_bisect(a, b, ga, gb, s_left, s_right, chord, kf, false);
+    const float r_upper = rho_bisect(a, b, ga, gb, s_left, s_right, chord, kf, true);
+    float x0 = fminf(r_lower, r_upper), x1 = fmaxf(r_lower, r_upper);
+    const float margin = RHO_MARGIN * (x1 - x0) + w * RHO_EPS;
+    x0 = fmaxf(a, x0 - margin);
+    x1 = fminf(b, x1 + margin);
+SK_UNROLL
+    for (int i = 0; i < RHO_POINTS; ++i) {
+      pts[i] = i == RHO_POINTS - 1 ? b : x0 + (x1 - x0) * (float(i) / float(RHO_POINTS - 2));
+    }
   }
   rho = hi;
+  beta_hi = ghi / hi;
 }
 
 template <class R, class TT, class TD>

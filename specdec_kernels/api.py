@@ -243,8 +243,9 @@ def verify_tree(
         process_group, vocab_size: vocabulary shards, as for :func:`verify`: each rank passes
                        target_logits [B, N+1, V_r] and draft rows [B, N, V_r] of its contiguous shard;
                        tokens are global ids. The walk runs one depth per step with the per-row
-                       collectives of :func:`verify`, plus the K-SEQ rho search (4 all-reduces of
-                       16 sums of min(q, p / rho)) or, for RRS, one lookup and one sum per candidate.
+                       collectives of :func:`verify`, plus the K-SEQ rho search (at most 3
+                       all-reduces of 8 sums of min(rho q, p)) or, for RRS, one lookup and one sum
+                       per candidate.
 
     Math: walk from the root; at each position the children are samples from the draft's q there;
     K-SEQ accepts child X_i (first in order) w.p. min(1, p(X_i) / (rho* q(X_i))) with rho* solving

@@ -211,7 +211,13 @@ def test_tree_kernels_within_budget(tmp_path):
     result = json.loads(out.read_text())
     rows = [r for r in result["rows"] if r["kernel"] != "(call)"]
     kernels = {r["kernel"] for r in rows}
-    for name in ("_tree_positions_kernel", "_tree_rho_kernel", "_tree_rrs_kernel", "_tree_walk_kernel"):
+    for name in (
+        "_tree_positions_kernel",
+        "_tree_rho_kernel",
+        "_tree_rho_step_kernel",
+        "_tree_rrs_kernel",
+        "_tree_walk_kernel",
+    ):
         assert name in kernels, kernels
     assert {"_tree_race_kernel", "_tree_attention_kernel", "_tree_attention_combine_kernel"} <= kernels, kernels
     attention = {r["case"] for r in rows if r["kernel"] == "_tree_attention_kernel"}

@@ -9,10 +9,12 @@ the random path runs before the walk, split over the vocabulary; the walk itself
 2. ``_tree_positions_kernel`` grid (requests): the positions a walk can reach (node sets spelling the
    same token path, named by their first node), their candidate counts, first candidates and the
    first candidates' tokens by rank - from the tree alone.
-3. K-SEQ: ``_tree_rho_kernel`` grid (positions, vocabulary chunks), RHO_ROUNDS launches: one
-   bracketing round of the rho* search (``reference.verify_tree.solve_rho``) for every position with
-   siblings. RRS: ``_tree_rrs_kernel``, one launch per rejection count j: the mass Z_j of the
-   residual left after the first j candidates of every position are rejected.
+3. K-SEQ: ``_tree_rho_kernel`` grid (positions, vocabulary chunks), RHO_ROUNDS launches: g(rho) at
+   one round's RHO_POINTS points of the rho* search (``reference.verify_tree.rho_search``) for every
+   position with siblings whose search is not done, each followed by ``_tree_rho_step_kernel`` grid
+   (positions): the bracket, the stop test and the next round's points. RRS: ``_tree_rrs_kernel``,
+   one launch per rejection count j: the mass Z_j of the residual left after the first j candidates
+   of every position are rejected.
 4. ``_tree_walk_kernel`` grid (request tiles): walks each request's tree from the root with the
    gathered p(x), q(x) of the candidates and the precomputed rho / Z_j, writes the accepted path and
    records the race it ends with (position, rho and scale, RRS state).
@@ -33,6 +35,7 @@ import triton.language as tl
 from .._interpreter import multiprocessors, plans_for_interpreter
 from .._tree_args import TreeArgs
 from .._types import METHODS, TreeVerifyOutput
+from ..reference import verify_tree as _ref_tree
 from ._triton_helpers import (
     DRAFT_LOGITS,
     DRAFT_NONE,
@@ -68,7 +71,6 @@ from .verify import (
     STAT_Z_T,
     THR_Q,
     THR_T,
-    _kept_prob,
     _prob_of,
     _verify_row_stats_kernel,
     launch_threshold_phases,
@@ -76,8 +78,22 @@ from .verify import (
     threshold_plan,
 )
 
-RHO_POINTS = 16  # must match reference.verify_tree
-RHO_ROUNDS = 4
+# K-SEQ's rho search: the reference's rule (reference.verify_tree.rho_step)
+RHO_POINTS = _ref_tree.RHO_POINTS
+RHO_ROUNDS = _ref_tree.RHO_ROUNDS
+RHO_TOL = tl.constexpr(_ref_tree.RHO_TOL)
+RHO_BISECT = tl.constexpr(_ref_tree.RHO_BISECT)
+RHO_MARGIN = tl.constexpr(_ref_tree.RHO_MARGIN)
+RHO_EPS = tl.constexpr(2.0**-_ref_tree.RHO_BISECT)  # the bisection's resolution on [lo, hi]
+# The rho search's record per position (fp32), rewritten by _tree_rho_step_kernel after each round:
+RB_LO = tl.constexpr(0)  # bracket's lower end and g = sum_x min(rho q, p) there
+RB_GLO = tl.constexpr(1)
+RB_HI = tl.constexpr(2)  # upper end (rho) and g there (beta = g / rho)
+RB_GHI = tl.constexpr(3)
+RB_DONE = tl.constexpr(4)  # 1: converged, no more rounds
+RB_PTS = tl.constexpr(8)  # the next round's RHO_POINTS points
+RB_REC_HOST = 8 + RHO_POINTS
+RB_REC = tl.constexpr(RB_REC_HOST)
 # Position records of _tree_positions_kernel (int32): candidate count, first candidate.
 POS_K = tl.constexpr(0)
 POS_FIRST = tl.constexpr(1)
@@ -264,21 +280,136 @@ def _tree_nodes(
 
 
 @triton.jit
-def _rho_bracket(brk_ptr, sums_ptr, slot, ok, kf, lo, hi, num_chunks, RHO_P: tl.constexpr):
-    """One K-SEQ bracketing round (as ``reference.verify_tree.solve_rho``) from the chunk sums of
-    a round: its points lo + (hi - lo) m / RHO_P (the last one hi), f at each, the new (lo, hi) and
-    beta(hi). slot: [BP] records of the round's positions."""
+def _kseq_f(rho, g, kf):
+    """f = 1 - (1 - beta)^k - rho beta, beta = g / rho (reference.verify_tree.kseq_f)."""
+    return 1.0 - tl.exp(kf * tl.log(tl.maximum(1.0 - g / rho, 0.0))) - g
+
+
+@triton.jit
+def _kseq_acceptance(rho, g, kf):
+    return 1.0 - tl.exp(kf * tl.log(tl.maximum(1.0 - g / rho, 0.0)))
+
+
+@triton.jit
+def _rho_first_points(kf, RHO_P: tl.constexpr):
     pts_i = tl.arange(0, RHO_P)[None, :]
-    pts = lo[:, None] + (hi - lo)[:, None] * ((pts_i + 1).to(tl.float32) / RHO_P)
-    pts = tl.where(pts_i == RHO_P - 1, hi[:, None], pts)
-    acc = tl.zeros([lo.shape[0], RHO_P], tl.float32)
-    for c in range(0, num_chunks):
-        acc += tl.load(sums_ptr + (slot[:, None] * num_chunks + c) * RHO_P + pts_i, mask=ok[:, None], other=0.0)
-    beta = acc / pts  # the chunks sum min(rho q, p) = rho min(q, p / rho)
-    f = 1.0 - tl.exp(kf[:, None] * tl.log(tl.maximum(1.0 - beta, 0.0))) - pts * beta
-    m_star = tl.min(tl.where(f <= 0.0, pts_i, RHO_P - 1), axis=1)
-    new_lo = tl.where(m_star > 0, _pick(pts, pts_i, m_star - 1), lo)
-    return new_lo, _pick(pts, pts_i, m_star), _pick(beta, pts_i, m_star)
+    return 1.0 + (kf[:, None] - 1.0) * (pts_i.to(tl.float32) / (RHO_P - 1))
+
+
+@triton.jit
+def _rho_bisect(a, b, ga, gb, s_left, s_right, chord, kf, UPPER: tl.constexpr):
+    """Root of f on [a, b] with g replaced by its chord (lower bound) or by the neighbours' extended
+    chords (UPPER): RHO_BISECT bisection steps, the upper end."""
+    x_lo = a
+    x_hi = b
+    for _ in tl.static_range(RHO_BISECT):
+        mid = 0.5 * (x_lo + x_hi)
+        if UPPER:
+            g = tl.minimum(ga + s_left * (mid - a), gb - s_right * (b - mid))
+        else:
+            g = ga + chord * (mid - a)
+        pos = _kseq_f(mid, g, kf) > 0.0
+        x_lo = tl.where(pos, mid, x_lo)
+        x_hi = tl.where(pos, x_hi, mid)
+    return x_hi
+
+
+@triton.jit
+def _rho_step(pts, gs, kf, lo, glo, RHO_P: tl.constexpr):
+    """One round of the rho search (reference.verify_tree.rho_step) on [BP, RHO_P] tiles: the
+    bracket (lo, g(lo), hi, g(hi)), whether it is done, and the next round's points."""
+    pts_i = tl.arange(0, RHO_P)[None, :]
+    nonpos = _kseq_f(pts, gs, kf[:, None]) <= 0.0
+    m = tl.min(tl.where(nonpos, pts_i, RHO_P - 1), axis=1)
+    a = tl.where(m > 0, _pick(pts, pts_i, m - 1), lo)
+    ga = tl.where(m > 0, _pick(gs, pts_i, m - 1), glo)
+    b = _pick(pts, pts_i, m)
+    gb = _pick(gs, pts_i, m)
+    done = _kseq_acceptance(a, ga, kf) - _kseq_acceptance(b, gb, kf) <= RHO_TOL
+    an = _pick(pts, pts_i, m - 2)
+    left = (m >= 2) & (an < a)
+    an = tl.where(left, an, 0.0)
+    gan = tl.where(left, _pick(gs, pts_i, m - 2), 0.0)
+    s_left = (ga - gan) / (a - an)
+    bn = _pick(pts, pts_i, m + 1)
+    right = (m + 1 < RHO_P) & (bn > b)
+    s_right = tl.where(right, (_pick(gs, pts_i, m + 1) - gb) / tl.where(right, bn - b, 1.0), 0.0)
+    w = b - a
+    chord = (gb - ga) / tl.where(w > 0.0, w, 1.0)
+    r_lower = _rho_bisect(a, b, ga, gb, s_left, s_right, chord, kf, False)
+    r_upper = _rho_bisect(a, b, ga, gb, s_left, s_right, chord, kf, True)
+    x0 = tl.minimum(r_lower, r_upper)
+    x1 = tl.maximum(r_lower, r_upper)
+    margin = RHO_MARGIN * (x1 - x0) + w * RHO_EPS
+    x0 = tl.maximum(a, x0 - margin)
+    x1 = tl.minimum(b, x1 + margin)
+    nxt = x0[:, None] + (x1 - x0)[:, None] * (pts_i.to(tl.float32) / (RHO_P - 2))
+    nxt = tl.where(pts_i == RHO_P - 1, b[:, None], nxt)
+    return a, ga, b, gb, done, nxt
+
+
+@triton.jit
+def _rho_active(pos_ptr, temperature_ptr, brk_ptr, pos, in_range, b, rnd, temperature, PER_REQ_T: tl.constexpr):
+    """(k, lanes whose search runs this round): positions with siblings of sampled requests, not
+    done after an earlier round."""
+    k = tl.load(pos_ptr + pos * POS_REC + POS_K, mask=in_range, other=0)
+    t_req = per_request(temperature_ptr, temperature, b, in_range, PER_REQ_T).to(tl.float32)
+    greedy, _inv_t = inverse_temperature(t_req)
+    active = in_range & ~greedy & (k > 1)
+    if rnd > 0:
+        done = tl.load(brk_ptr + pos * RB_REC + RB_DONE, mask=active, other=1.0)
+        active = active & (done == 0.0)
+    return k, active
+
+
+@triton.jit
+def _tree_rho_step_kernel(
+    # pointers
+    temperature_ptr,  # [B] float (PER_REQ_T)
+    pos_ptr,  # [B, N+1, POS_REC] int32 (_tree_positions_kernel)
+    brk_ptr,  # [B*(N+1), RB_REC] fp32 in/out: the search's record per position
+    sums_ptr,  # [B*(N+1), C, RHO_P] fp32: this round's chunk sums of min(rho q, p) per point
+    # sizes
+    B,
+    N,
+    num_chunks,
+    rnd,
+    # scalar parameters
+    temperature,
+    # constexprs
+    PER_REQ_T: tl.constexpr,
+    RHO_P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """After round rnd of _tree_rho_kernel: merge its chunk sums and take one step of the search for
+    every position that ran (no vocabulary). Grid (position tiles)."""
+    P = B * (N + 1)
+    pos = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P).to(tl.int64)
+    in_range = pos < P
+    b = pos // (N + 1)
+    k, active = _rho_active(pos_ptr, temperature_ptr, brk_ptr, pos, in_range, b, rnd, temperature, PER_REQ_T)
+    if tl.max(active.to(tl.int32), axis=0) > 0:
+        kf = k.to(tl.float32)
+        pts_i = tl.arange(0, RHO_P)[None, :]
+        gs = tl.zeros([BLOCK_P, RHO_P], tl.float32)
+        for c in range(0, num_chunks):
+            gs += tl.load(sums_ptr + (pos[:, None] * num_chunks + c) * RHO_P + pts_i, mask=active[:, None], other=0.0)
+        if rnd == 0:
+            pts = _rho_first_points(kf, RHO_P)
+            lo = _pick(pts, pts_i, tl.zeros_like(k))
+            glo = _pick(gs, pts_i, tl.zeros_like(k))
+        else:
+            pts = tl.load(brk_ptr + pos[:, None] * RB_REC + RB_PTS + pts_i, mask=active[:, None], other=1.0)
+            lo = tl.load(brk_ptr + pos * RB_REC + RB_LO, mask=active, other=1.0)
+            glo = tl.load(brk_ptr + pos * RB_REC + RB_GLO, mask=active, other=0.0)
+        lo, glo, hi, ghi, done, nxt = _rho_step(pts, gs, kf, lo, glo, RHO_P)
+        rec = brk_ptr + pos * RB_REC
+        tl.store(rec + RB_LO, lo, mask=active)
+        tl.store(rec + RB_GLO, glo, mask=active)
+        tl.store(rec + RB_HI, hi, mask=active)
+        tl.store(rec + RB_GHI, ghi, mask=active)
+        tl.store(rec + RB_DONE, done.to(tl.float32), mask=active)
+        tl.store(rec[:, None] + RB_PTS + pts_i, nxt, mask=active[:, None])
 
 
 @triton.jit
@@ -290,8 +421,8 @@ def _tree_rho_kernel(
     pos_ptr,  # [B, N+1, POS_REC] int32 (_tree_positions_kernel)
     stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
     thr_ptr,  # [B*K*(G+1), 2] fp32 (HAS_FILTER)
-    brk_ptr,  # [RHO_R, B*(N+1), 2] fp32: (lo, hi) of each round's points (written by chunk 0)
-    sums_ptr,  # [RHO_R, B*(N+1), C, RHO_P] fp32: sum over the chunk of min(rho q, p) per point
+    brk_ptr,  # [B*(N+1), RB_REC] fp32: the search's record (_tree_rho_step_kernel; this round's points)
+    sums_ptr,  # [B*(N+1), C, RHO_P] fp32 out: sum over the chunk of min(rho q, p) per point
     # strides
     stride_tb,
     stride_tk,
@@ -307,7 +438,7 @@ def _tree_rho_kernel(
     N,
     chunk_size,
     num_chunks,
-    rnd,  # this round (0 .. RHO_R - 1); round r reads round r - 1's sums
+    rnd,  # this round (0 .. RHO_ROUNDS - 1): round 0 takes the first points, later ones the record's
     # scalar parameters
     temperature,
     # constexprs
@@ -318,35 +449,25 @@ def _tree_rho_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """K-SEQ's rho search, vocabulary-parallel: one bracketing round for every position with
-    siblings (k > 1) of every request, whatever path the walk takes. Grid (position tiles, chunks)."""
+    """K-SEQ's rho search, vocabulary-parallel: g = sum_x min(rho q, p) at this round's points for
+    every position with siblings (k > 1) of every request that is not done, whatever path the walk
+    takes. Programs of done positions read nothing. Grid (position tiles, chunks)."""
     P = B * (N + 1)
     pos = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P).to(tl.int64)
     chunk = tl.program_id(1)
     in_range = pos < P
     b = pos // (N + 1)
     rep = (pos % (N + 1) - 1).to(tl.int32)  # -1: the root
-    k = tl.load(pos_ptr + pos * POS_REC + POS_K, mask=in_range, other=0)
-    first = tl.load(pos_ptr + pos * POS_REC + POS_FIRST, mask=in_range, other=0)
-    temperature = per_request(temperature_ptr, temperature, b, in_range, PER_REQ_T).to(tl.float32)
-    greedy, inv_t = inverse_temperature(temperature)
-    active = in_range & ~greedy & (k > 1)
+    k, active = _rho_active(pos_ptr, temperature_ptr, brk_ptr, pos, in_range, b, rnd, temperature, PER_REQ_T)
     if tl.max(active.to(tl.int32), axis=0) > 0:
-        kf = k.to(tl.float32)
-        lo = tl.full([BLOCK_P], 1.0, tl.float32)
-        hi = tl.maximum(kf, 1.0)
-        if rnd > 0:
-            prev = (rnd - 1) * P + pos
-            lo = tl.load(brk_ptr + prev * 2, mask=active, other=1.0)
-            hi = tl.load(brk_ptr + prev * 2 + 1, mask=active, other=1.0)
-            lo, hi, _beta = _rho_bracket(brk_ptr, sums_ptr, prev, active, kf, lo, hi, num_chunks, RHO_P)
-        slot = rnd * P + pos
-        if chunk == 0:
-            tl.store(brk_ptr + slot * 2, lo, mask=active)
-            tl.store(brk_ptr + slot * 2 + 1, hi, mask=active)
+        first = tl.load(pos_ptr + pos * POS_REC + POS_FIRST, mask=in_range, other=0)
+        t_req = per_request(temperature_ptr, temperature, b, in_range, PER_REQ_T).to(tl.float32)
+        _greedy, inv_t = inverse_temperature(t_req)
         pts_i = tl.arange(0, RHO_P)[None, :]
-        pts = lo[:, None] + (hi - lo)[:, None] * ((pts_i + 1).to(tl.float32) / RHO_P)
-        pts = tl.where(pts_i == RHO_P - 1, hi[:, None], pts)
+        if rnd == 0:
+            pts = _rho_first_points(k.to(tl.float32), RHO_P)
+        else:
+            pts = tl.load(brk_ptr + pos[:, None] * RB_REC + RB_PTS + pts_i, mask=active[:, None], other=1.0)
 
         rec_t = _record(b, rep, K, G, 1)
         rec_q = _record(b, first, K, G, 0)
@@ -369,25 +490,42 @@ def _tree_rho_kernel(
         inv_zq = tl.where(z_q > 0.0, 1.0 / tl.where(z_q > 0.0, z_q, 1.0), 0.0)[:, None]
         pts3 = pts[:, :, None]
         # per-lane running sums of min(rho q, p) = q min(rho, p / q): elementwise in the loop (two
-        # instructions per point and entry), one reduction after it
+        # instructions per point and entry), one reduction after it. Rows are loaded as [BP, 1, BV]
+        # tiles, in the accumulator's layout: broadcasting over the points moves no data.
+        t_row = t_row[:, :, None]
+        d_row = d_row[:, :, None]
+        c = c[:, :, None]
+        m_t, m_q = m_t[:, :, None], m_q[:, :, None]
+        inv_zt, inv_zq = inv_zt[:, :, None], inv_zq[:, :, None]
+        thr_t, thr_q = thr_t[:, None, None], thr_q[:, None, None]
+        mc_t, mc_q = m_t * c, m_q * c
+        # exponent offsets m c + log2 z (+inf for an empty row: its probabilities are 0)
+        off_t = mc_t + tl.where(inv_zt > 0.0, -tl.log2(tl.where(inv_zt > 0.0, inv_zt, 1.0)), float("inf"))
+        off_q = mc_q + tl.where(inv_zq > 0.0, -tl.log2(tl.where(inv_zq > 0.0, inv_zq, 1.0)), float("inf"))
         acc = tl.zeros([BLOCK_P, RHO_P, BLOCK_V], tl.float32)
         start_col = chunk * chunk_size
         end_col = tl.minimum(start_col + chunk_size, V)
-        vcols = tl.arange(0, BLOCK_V)[None, :]
+        vcols = tl.arange(0, BLOCK_V)[None, None, :]
         for start in range(start_col, end_col, BLOCK_V):
             cols = start + vcols
-            lane = active[:, None] & (cols < end_col)
+            lane = active[:, None, None] & (cols < end_col)
             x = tl.load(t_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
-            pv = _kept_prob(x, m_t, c, inv_zt, thr_t[:, None])
+            kept_t = (x >= thr_t) & (x > float("-inf")) & (x < float("inf"))
             if DRAFT_MODE == DRAFT_LOGITS:
+                # p = 2^a_t, q = 2^a_q with a = x c - (m c + log2 z); p / q = 2^(a_t - a_q): no division
                 xq = tl.load(d_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
-                qv = _kept_prob(xq, m_q, c, inv_zq, thr_q[:, None])
+                kept_q = (xq >= thr_q) & (xq > float("-inf")) & (xq < float("inf"))
+                a_t = x * c - off_t
+                a_q = xq * c - off_q
+                qv = tl.where(kept_q, tl.exp2(a_q), 0.0)
+                ratio = tl.where(kept_t & (qv > 0.0), tl.exp2(a_t - a_q), 0.0)
             else:
+                pv = tl.where(kept_t, tl.exp2(x * c - mc_t) * inv_zt, 0.0)
                 qv, _bad_q = load_probs(d_row + cols, lane)
-            ratio = tl.where(qv > 0.0, tl.fdiv(pv, qv, approx=True), 0.0)  # the term is 0 where q = 0
-            acc += qv[:, None, :] * tl.minimum(pts3, ratio[:, None, :])
+                ratio = tl.where(qv > 0.0, tl.fdiv(pv, qv, approx=True), 0.0)  # the term is 0 where q = 0
+            acc += qv * tl.minimum(pts3, ratio)
         sums = tl.sum(acc, axis=2)
-        tl.store(sums_ptr + (slot[:, None] * num_chunks + chunk) * RHO_P + pts_i, sums, mask=active[:, None])
+        tl.store(sums_ptr + (pos[:, None] * num_chunks + chunk) * RHO_P + pts_i, sums, mask=active[:, None])
 
 
 @triton.jit
@@ -510,8 +648,7 @@ def _tree_walk_kernel(
     out_nodes_ptr,  # [B, D] int64 out
     out_accepted_ptr,  # [B] int32 out
     nonfinite_ptr,  # [B] bool out
-    brk_ptr,  # [RHO_R, B*(N+1), 2] fp32 (_tree_rho_kernel, K-SEQ)
-    sums_ptr,  # [RHO_R, B*(N+1), rho_chunks, RHO_P] fp32 (_tree_rho_kernel, K-SEQ)
+    brk_ptr,  # [B*(N+1), RB_REC] fp32 (_tree_rho_step_kernel, K-SEQ): rho = RB_HI, beta = RB_GHI / rho
     race_i_ptr,  # [B, RACE_I] int32 out: the race's record
     race_f_ptr,  # [B, RACE_F] fp32 out
     race_zs_ptr,  # [B, NP2] fp32 out: RRS normalisers by rank
@@ -537,7 +674,6 @@ def _tree_walk_kernel(
     V,
     N,
     D,
-    rho_chunks,
     rrs_chunks,
     # scalar parameters
     temperature,
@@ -554,8 +690,6 @@ def _tree_walk_kernel(
     NP2: tl.constexpr,  # next power of two >= N
     DP2: tl.constexpr,  # next power of two >= D + 1
     BLOCK_V: tl.constexpr,
-    RHO_P: tl.constexpr,
-    RHO_R: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     b = pid * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
@@ -668,16 +802,15 @@ def _tree_walk_kernel(
             p_j = tl.where(repeated | (left <= 0.0), 0.0, p_c / tl.where(left > 0.0, left, 1.0))
             accept = cand & (p_j > 0.0) & (u <= p_j)
         elif METHOD == 0:
-            # K-SEQ: rho and beta(rho) from the last round of _tree_rho_kernel (lanes with k > 1)
+            # K-SEQ: rho and beta(rho) = g / rho from the rho search's record (lanes with k > 1)
             search = stochastic & (k > 1)
             kf = k.to(tl.float32)
             beta_hi = tl.zeros([BLOCK_B], tl.float32)
             hi = tl.full([BLOCK_B], 1.0, tl.float32)
             if tl.max(search.to(tl.int32), axis=0) > 0:
-                slot = (RHO_R - 1) * B * (N + 1) + b * (N + 1) + rep + 1
-                lo = tl.load(brk_ptr + slot * 2, mask=search, other=1.0)
-                hi = tl.load(brk_ptr + slot * 2 + 1, mask=search, other=1.0)
-                _lo, hi, beta_hi = _rho_bracket(brk_ptr, sums_ptr, slot, search, kf, lo, hi, rho_chunks, RHO_P)
+                rec = brk_ptr + (b * (N + 1) + rep + 1) * RB_REC
+                hi = tl.load(rec + RB_HI, mask=search, other=1.0)
+                beta_hi = tl.load(rec + RB_GHI, mask=search, other=0.0) / hi
             rho = tl.where(search, hi, 1.0)
             pow_k = tl.exp(kf * tl.log(tl.maximum(1.0 - beta_hi, 0.0)))
             scale = tl.where(
@@ -1075,8 +1208,8 @@ def launch_tree(
     P = B * (N + 1)
     kseq = METHODS[args.method] == 0 and args.draft_mode != DRAFT_NONE
     sampled = per_req_t or float(t_val) >= 2.0**-126
-    rho_c = rrs_c = 1
-    brk = sums = rrs = stats  # unused unless K-SEQ / RRS sample with draft distributions
+    rrs_c = 1
+    brk = rrs = stats  # unused unless K-SEQ / RRS sample with draft distributions
     if args.draft_mode != DRAFT_NONE and sampled:
         # the positions a walk can reach and their candidates, from the tree alone
         pos = torch.empty((B, N + 1, POS_REC_HOST), dtype=torch.int32, device=dev)
@@ -1102,18 +1235,20 @@ def launch_tree(
         )
     if kseq and sampled:
         # K-SEQ's rho for every position with siblings, before the walk and split over the vocabulary
-        rho_block_v = block_v if interpreted else 256
+        rho_block_v = block_v if interpreted else 512
         rho_blocks = triton.cdiv(V, rho_block_v)
+        rho_c = 1
         if num_chunks is not None:
             rho_c = max(1, min(int(num_chunks), rho_blocks))
         elif not interpreted:  # a few positions per request have siblings: fill the GPU with chunks
             rho_c = max(1, min(64, rho_blocks, triton.cdiv(4 * multiprocessors(dev), B)))
         rho_chunk = triton.cdiv(rho_blocks, rho_c) * rho_block_v
         rho_c = triton.cdiv(V, rho_chunk)
-        brk = torch.empty((RHO_ROUNDS, P, 2), dtype=torch.float32, device=dev)
-        sums = torch.empty((RHO_ROUNDS, P, rho_c, RHO_POINTS), dtype=torch.float32, device=dev)
+        brk = torch.empty((P, RB_REC_HOST), dtype=torch.float32, device=dev)
+        sums = torch.empty((P, rho_c, RHO_POINTS), dtype=torch.float32, device=dev)
         block_p = 1 if not interpreted else max(1, min(next_pow2(P), (1 << 16) // (rho_block_v * RHO_POINTS)))
-        for rnd in range(RHO_ROUNDS):
+        step_block_p = 64 if not interpreted else min(next_pow2(P), (1 << 16) // RHO_POINTS)
+        for rnd in range(RHO_ROUNDS):  # a round's sums, then one step of every search that ran
             _tree_rho_kernel[(triton.cdiv(P, block_p), rho_c)](
                 target,
                 draft,
@@ -1142,6 +1277,21 @@ def launch_tree(
                 RHO_P=RHO_POINTS,
                 BLOCK_P=block_p,
                 BLOCK_V=rho_block_v,
+                num_warps=4,
+            )
+            _tree_rho_step_kernel[(triton.cdiv(P, step_block_p),)](
+                t_ptr,
+                pos,
+                brk,
+                sums,
+                B,
+                N,
+                rho_c,
+                rnd,
+                float(t_val),
+                PER_REQ_T=per_req_t,
+                RHO_P=RHO_POINTS,
+                BLOCK_P=step_block_p,
                 num_warps=4,
             )
     rrs_rounds = min((K if args.parents is None else N) - 1, RRS_MAX_HOST - 1)
@@ -1207,7 +1357,6 @@ def launch_tree(
         num_accepted,
         nonfinite,
         brk,
-        sums,
         race_i,
         race_f,
         race_zs,
@@ -1229,7 +1378,6 @@ def launch_tree(
         V,
         N,
         D,
-        rho_c,
         rrs_c,
         float(t_val),
         s_val,
@@ -1244,8 +1392,6 @@ def launch_tree(
         NP2=np2,
         DP2=next_pow2(D + 1),
         BLOCK_V=block_v,
-        RHO_P=RHO_POINTS,
-        RHO_R=RHO_ROUNDS,
         num_warps=4,
     )
     if sampled:  # the recovered / bonus tokens: races split over the vocabulary like chain verification

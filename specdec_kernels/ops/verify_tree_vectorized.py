@@ -20,7 +20,7 @@ from torch import Tensor
 from .._tree_args import TreeArgs
 from .._types import DRAFT_LOGITS, DRAFT_PROBS, TreeVerifyOutput
 from ..reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
-from ..reference.verify_tree import RHO_POINTS, RHO_ROUNDS
+from ..reference.verify_tree import RHO_POINTS, rho_search
 from .verify_vectorized import _MIN_TEMPERATURE, philox, processed_probs, race, sanitize, uniform_from_bits
 
 _NEG_INF = float("-inf")
@@ -235,30 +235,19 @@ def _beta(p, q, rho):
 def _solve_rho(p, q, k):
     """The reference's solve_rho for every row: (rho, beta(rho)) [M] each; k [M] candidates."""
     M = p.shape[0]
-    kf = k.to(torch.float64)
-    lo = torch.ones(M, dtype=torch.float64, device=p.device)
-    hi = kf.clone()
+    hi = torch.ones(M, dtype=torch.float64, device=p.device)
     beta_hi = torch.zeros(M, dtype=torch.float64, device=p.device)
     multi = k > 1
     rows = multi.nonzero().squeeze(1)
     if rows.numel() > 0:
-        pr, qr, kr, lo_r, hi_r = p[rows], q[rows], kf[rows], lo[rows], hi[rows]
-        bh = torch.zeros(rows.numel(), dtype=torch.float64, device=p.device)
-        for _ in range(RHO_ROUNDS):
-            points = [lo_r + (hi_r - lo_r) * m / RHO_POINTS for m in range(1, RHO_POINTS + 1)]
-            points[-1] = hi_r
-            betas = [_beta(pr, qr, rho) for rho in points]
-            f = torch.stack([1.0 - (1.0 - beta) ** kr - rho * beta for rho, beta in zip(points, betas, strict=True)], 1)
-            pts, bts = torch.stack(points, 1), torch.stack(betas, 1)
-            nonpos = f <= 0.0
-            m = torch.where(nonpos.any(1), _first_true(nonpos), RHO_POINTS - 1)
-            lo_r = torch.where(m > 0, pts.gather(1, (m - 1).clamp(min=0)[:, None]).squeeze(1), lo_r)
-            hi_r = pts.gather(1, m[:, None]).squeeze(1)
-            bh = bts.gather(1, m[:, None]).squeeze(1)
-        hi[rows], beta_hi[rows] = hi_r, bh
+        pr, qr = p[rows], q[rows]
+
+        def g_of(pts):
+            return torch.stack([torch.minimum(pts[:, m : m + 1] * qr, pr).sum(1) for m in range(RHO_POINTS)], 1)
+
+        hi[rows], beta_hi[rows] = rho_search(g_of, k[rows])
     single = (~multi).nonzero().squeeze(1)
     if single.numel() > 0:
-        hi[single] = 1.0
         beta_hi[single] = _beta(p[single], q[single], hi[single])
     return hi, beta_hi
 

@@ -43,7 +43,7 @@ from .._params import SamplingParams, mix_seed
 from .._types import DRAFT_LOGITS, DRAFT_NONE, DRAFT_PROBS, TreeVerifyOutput, VerifyOutput
 from ..reference.philox import philox4x32_torch, uniform_open_torch
 from ..reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
-from ..reference.verify_tree import RHO_POINTS, RHO_ROUNDS, kseq_scale
+from ..reference.verify_tree import RHO_POINTS, kseq_scale, rho_search
 
 NEG_INF = float("-inf")
 _DIGIT_BITS = 8
@@ -786,29 +786,21 @@ def _kseq(shard, p, q, p_at, q_at, u, ncand, active):
     dev = p.device
     k_h = ncand.cpu().tolist()
     act = active.cpu().tolist()
-    lo = [1.0] * B
-    hi = [float(max(k, 1)) for k in k_h]
-    beta_hi = [0.0] * B
+    hi, beta_hi = [1.0] * B, [0.0] * B
     multi = [act[b] and k_h[b] > 1 for b in range(B)]
-    # k <= 1: rho = 1 and beta(1) (one sum); k > 1: 4 rounds of 16 candidate rhos
+    # k <= 1: rho = 1 and beta(1) (one sum); k > 1: the reference's rho search on global sums (every
+    # shard takes the same rounds: they see the same sums)
     one = torch.minimum(q, p / 1.0).sum(1, keepdim=True)
     beta1 = shard.sum(one.to(shard.device)).cpu()[:, 0].tolist()
     if any(multi):
-        for _ in range(RHO_ROUNDS):
-            pts = [[lo[b] + (hi[b] - lo[b]) * m / RHO_POINTS for m in range(1, RHO_POINTS + 1)] for b in range(B)]
-            for b in range(B):
-                pts[b][-1] = hi[b]
-            rho = torch.tensor(pts, dtype=torch.float64, device=dev)  # [B, 16]
-            local = torch.stack([torch.minimum(q, p / rho[:, m : m + 1]).sum(1) for m in range(RHO_POINTS)], 1)
-            betas = shard.sum(local.to(shard.device)).cpu().tolist()
-            for b in range(B):
-                if not multi[b]:
-                    continue
-                k = k_h[b]
-                f = [1.0 - (1.0 - be) ** k - rh * be for rh, be in zip(pts[b], betas[b], strict=True)]
-                m = next((i for i, v in enumerate(f) if v <= 0.0), RHO_POINTS - 1)
-                lo[b] = pts[b][m - 1] if m > 0 else lo[b]
-                hi[b], beta_hi[b] = pts[b][m], betas[b][m]
+
+        def g_of(pts):
+            rho = pts.to(dev)
+            local = torch.stack([torch.minimum(rho[:, m : m + 1] * q, p).sum(1) for m in range(RHO_POINTS)], 1)
+            return shard.sum(local.to(shard.device)).cpu()
+
+        rho_t, beta_t = rho_search(g_of, torch.tensor([max(k, 2) for k in k_h]))
+        hi, beta_hi = rho_t.tolist(), beta_t.tolist()
     rho_h = [hi[b] if multi[b] else 1.0 for b in range(B)]
     beta_h = [beta_hi[b] if multi[b] else beta1[b] for b in range(B)]
     p_h, q_h, u_h = p_at.cpu().tolist(), q_at.cpu().tolist(), u.cpu().tolist()

@@ -17,7 +17,8 @@ Methods:
            min(1, p(X_i) / (rho q(X_i))); residual ∝ max(p - c min(q, p/rho), 0) with
            c = (1 - (1 - beta)^k) / beta, beta = sum_x min(q, p/rho). rho comes from
            ``solve_rho``: the upper end of a bracketing search for the root rho* of
-           1 - (1 - beta)^k = rho beta on [1, k]; any rho >= rho* keeps the output exact (c <= rho).
+           1 - (1 - beta)^k = rho beta on [1, k], stopped once the acceptance it loses is at most
+           RHO_TOL; any rho >= rho* keeps the output exact (c <= rho).
   rrs      recursive rejection sampling: test candidates in order with min(1, p_j/q), on rejection
            p_{j+1} = norm(max(p_j - q, 0)); all rejected: draw from p_{k+1}.
   rrs_wor  as rrs, and q_{j+1} = q_j without the rejected token, renormalised.
@@ -44,34 +45,128 @@ from .sampling import (
     uniforms,
 )
 
-RHO_POINTS = 16  # candidates evaluated per search round (the last one is the current upper end)
-RHO_ROUNDS = 4  # bracket shrinks 16x per round
+RHO_POINTS = 8  # values of rho evaluated per vocabulary pass (the first round's include 1 and k)
+RHO_ROUNDS = 3  # passes at most; a position stops once its bracket is within RHO_TOL of acceptance
+RHO_TOL = 5e-5  # bound on the acceptance lost by using the bracket's upper end instead of rho*
+RHO_BISECT = 16  # bisection steps that place the next round's points (on [lo, hi]: no vocabulary)
+RHO_MARGIN = 0.125  # the next points span the sandwich's roots widened by this share on each side
 
 
 def kseq_beta(p: torch.Tensor, q: torch.Tensor, rho: float) -> float:
     return float(torch.minimum(q, p / rho).sum())
 
 
-def solve_rho(p: torch.Tensor, q: torch.Tensor, k: int) -> tuple[float, float]:
-    """(rho, beta(rho)) for K-SEQ with k drafts: the upper end of a bracket around rho*.
+def kseq_f(rho, g, k):
+    """f = 1 - (1 - beta)^k - rho beta with beta = g / rho (g = rho beta = sum_x min(rho q, p));
+    decreasing in rho, root rho*."""
+    return 1.0 - torch.clamp(1.0 - g / rho, min=0.0) ** k - g
 
-    f(rho) = 1 - (1 - beta(rho))^k - rho beta(rho) is decreasing with f(k) <= 0. Each round
-    evaluates f at lo + (hi - lo) m / 16 for m = 1..16 and keeps the smallest point with f <= 0 as
-    hi (the largest point below it with f > 0 as lo). k = 1 gives rho = 1 exactly.
+
+def kseq_acceptance(rho, g, k):
+    """P(some draft accepted) = 1 - (1 - beta)^k at rho: decreasing in rho."""
+    return 1.0 - torch.clamp(1.0 - g / rho, min=0.0) ** k
+
+
+def rho_first_points(k: torch.Tensor) -> torch.Tensor:
+    """The first round's points [M, RHO_POINTS]: 1 + (k - 1) m / (RHO_POINTS - 1), m = 0 .. RHO_POINTS - 1."""
+    m = torch.arange(RHO_POINTS, dtype=torch.float64, device=k.device)
+    return 1.0 + (k.to(torch.float64)[:, None] - 1.0) * (m / (RHO_POINTS - 1))
+
+
+def rho_step(pts, gs, k, lo, glo):
+    """One round of the rho search from its points pts [M, P] (ascending, the last one the old upper
+    end) and g = sum_x min(rho q, p) at them; k, lo, glo [M]: candidates, the old lower end and g there
+    (round 0: the first point). Returns (lo, glo, hi, ghi, done, next points [M, P]).
+
+    The bracket: hi = the first point with f <= 0 (the last one if rounding says none), lo = the
+    point before it (the old lo when it is the first). Any rho >= rho* keeps K-SEQ exact, so rho = hi
+    and the acceptance lost is at most A(lo) - A(hi); done when that is <= RHO_TOL. The next points
+    use that g is concave and piecewise linear in rho (g(0) = 0): on [lo, hi] it lies above the chord
+    and below the extended chords of the neighbouring intervals. The roots of f with g replaced by
+    either bound are found by bisection (no vocabulary), and RHO_POINTS - 1 points spread evenly
+    over them (widened by RHO_MARGIN), plus hi.
     """
+    P = pts.shape[1]
+    kf = k.to(pts.dtype)
+    idx = torch.arange(P, device=pts.device)
+    nonpos = kseq_f(pts, gs, kf[:, None]) <= 0.0
+    m = torch.where(nonpos.any(1), torch.where(nonpos, idx, P).min(1).values, P - 1)
+
+    def at(i):
+        i = i.clamp(0, P - 1)[:, None]
+        return pts.gather(1, i).squeeze(1), gs.gather(1, i).squeeze(1)
+
+    a, ga = at(m - 1)
+    a, ga = torch.where(m > 0, a, lo), torch.where(m > 0, ga, glo)
+    b, gb = at(m)
+    done = kseq_acceptance(a, ga, kf) - kseq_acceptance(b, gb, kf) <= RHO_TOL
+    # neighbours' chords (the origin when there is no left neighbour; slope 0 when no right one)
+    an, gan = at(m - 2)
+    left = (m >= 2) & (an < a)
+    an, gan = torch.where(left, an, 0.0), torch.where(left, gan, 0.0)
+    s_left = (ga - gan) / (a - an)
+    bn, gbn = at(m + 1)
+    right = (m + 1 < P) & (bn > b)
+    s_right = torch.where(right, (gbn - gb) / torch.where(right, bn - b, 1.0), 0.0)
+    w = b - a
+    chord = (gb - ga) / torch.where(w > 0, w, 1.0)
+
+    def lower(x):
+        return ga + chord * (x - a)
+
+    def upper(x):
+        return torch.minimum(ga + s_left * (x - a), gb - s_right * (b - x))
+
+    def root(bound):
+        x_lo, x_hi = a, b
+        for _ in range(RHO_BISECT):
+            mid = 0.5 * (x_lo + x_hi)
+            pos = kseq_f(mid, bound(mid), kf) > 0.0
+            x_lo, x_hi = torch.where(pos, mid, x_lo), torch.where(pos, x_hi, mid)
+        return x_hi
+
+    r_lower, r_upper = root(lower), root(upper)
+    x0, x1 = torch.minimum(r_lower, r_upper), torch.maximum(r_lower, r_upper)
+    margin = RHO_MARGIN * (x1 - x0) + w * 2.0**-RHO_BISECT
+    x0, x1 = torch.maximum(a, x0 - margin), torch.minimum(b, x1 + margin)
+    j = torch.arange(P, dtype=pts.dtype, device=pts.device) / (P - 2)
+    nxt = x0[:, None] + (x1 - x0)[:, None] * j
+    nxt[:, P - 1] = b
+    return a, ga, b, gb, done, nxt
+
+
+def kseq_g(p: torch.Tensor, q: torch.Tensor, rhos: torch.Tensor) -> torch.Tensor:
+    """g(rho) = rho beta(rho) = sum_x min(rho q, p) at each of rhos [P]."""
+    return torch.minimum(rhos[:, None] * q, p).sum(1)
+
+
+def rho_search(g_of, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rho, beta(rho)) [M] of rows with k [M] > 1 candidates: at most RHO_ROUNDS rounds of
+    ``rho_step``; a row stops (keeps its bracket) once it is done. g_of(points [M, P]) gives
+    g = sum_x min(rho q, p) at the points (one pass over the vocabulary)."""
+    pts = rho_first_points(k)
+    live = torch.ones(k.shape, dtype=torch.bool, device=k.device)
+    state = None
+    for rnd in range(RHO_ROUNDS):
+        gs = g_of(pts)
+        lo, glo = (pts[:, 0], gs[:, 0]) if rnd == 0 else state[:2]
+        *new, done, pts = rho_step(pts, gs, k, lo, glo)
+        state = new if state is None else [torch.where(live, n, o) for n, o in zip(new, state, strict=True)]
+        live = live & ~done
+        if not bool(live.any()):
+            break
+    _lo, _glo, hi, ghi = state
+    return hi, ghi / hi
+
+
+def solve_rho(p: torch.Tensor, q: torch.Tensor, k: int) -> tuple[float, float]:
+    """(rho, beta(rho)) for K-SEQ with k drafts: the upper end of a bracket around rho*, whose
+    acceptance is within RHO_TOL of rho*'s (``rho_step``); at most RHO_ROUNDS passes over the
+    vocabulary of RHO_POINTS values each. k = 1 gives rho = 1 exactly."""
     if k <= 1:
         return 1.0, kseq_beta(p, q, 1.0)
-    lo, hi, beta_hi = 1.0, float(k), None
-    for _ in range(RHO_ROUNDS):
-        points = [lo + (hi - lo) * m / RHO_POINTS for m in range(1, RHO_POINTS + 1)]
-        points[-1] = hi
-        betas = [kseq_beta(p, q, rho) for rho in points]
-        f = [1.0 - (1.0 - beta) ** k - rho * beta for rho, beta in zip(points, betas, strict=False)]
-        # the first point with f <= 0 (the last point, the old hi, if rounding says none)
-        m = next((i for i, v in enumerate(f) if v <= 0.0), RHO_POINTS - 1)
-        lo = points[m - 1] if m > 0 else lo
-        hi, beta_hi = points[m], betas[m]
-    return hi, beta_hi
+    rho, beta = rho_search(lambda pts: kseq_g(p, q, pts[0])[None], torch.tensor([k]))
+    return float(rho), float(beta)
 
 
 def kseq_scale(beta: float, k: int) -> float:

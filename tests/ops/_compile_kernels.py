@@ -156,15 +156,17 @@ def tree_kernels():
                 NP2=64,
                 DP2=32,
                 BLOCK_V=1024,
-                RHO_P=16,
-                RHO_R=4,
             ),
         )
         race = dict(PER_REQ_T=True, PER_REQ_SEED=True, DRAFT_MODE=mode, HAS_FILTER=has_filter, METHOD=method)
         yield v._tree_race_kernel, t, dict(race, NP2=64, BLOCK_B=1, BLOCK_V=1024)
         if mode and method == 0:
-            rho = dict(PER_REQ_T=True, DRAFT_MODE=mode, HAS_FILTER=has_filter, RHO_P=16, BLOCK_P=1, BLOCK_V=256)
+            rho = dict(
+                PER_REQ_T=True, DRAFT_MODE=mode, HAS_FILTER=has_filter, RHO_P=v.RHO_POINTS, BLOCK_P=1, BLOCK_V=256
+            )
             yield v._tree_rho_kernel, t, rho
+            step = dict(PER_REQ_T=True, RHO_P=v.RHO_POINTS, BLOCK_P=64)
+            yield v._tree_rho_step_kernel, t, step
         if mode and method > 0:
             rrs = dict(PER_REQ_T=True, DRAFT_MODE=mode, HAS_FILTER=has_filter, WOR=method == 2, BLOCK_P=1)
             yield v._tree_rrs_kernel, t, dict(rrs, BLOCK_V=1024)
