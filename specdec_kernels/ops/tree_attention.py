@@ -51,24 +51,34 @@ _SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 
 
 @triton.jit
-def _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr):
-    """Fold one key tile into the running (max, sum, acc) of each query row (log2 domain)."""
+def _scores(q, k, DOT_DTYPE: tl.constexpr):
+    """q k^T of one tile (IEEE fp32 products for fp32 inputs: TF32 would lose the reference's digits)."""
     if DOT_DTYPE == tl.float32:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(allowed, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # Rows that have seen no allowed key yet keep m = -inf; subtract 0 instead to avoid inf - inf.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _fold_values(p, v, alpha, l_i, acc, DOT_DTYPE: tl.constexpr):
+    """The running (sum, acc) after a tile's weights p: rescale by alpha, add p's row sums and p v."""
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if DOT_DTYPE == tl.float32:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(DOT_DTYPE), v)
-    acc = acc * alpha[:, None] + pv
+    return l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr):
+    """Fold one key tile into the running (max, sum, acc) of each query row (log2 domain)."""
+    s = tl.where(allowed, _scores(q, k, DOT_DTYPE) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows that have seen no allowed key yet keep m = -inf; subtract 0 instead to avoid inf - inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i, acc = _fold_values(p, v, alpha, l_i, acc, DOT_DTYPE)
     return m_new, l_i, acc
 
 
@@ -77,20 +87,12 @@ def _online_tile_full(q, k, v, m_i, l_i, acc, qk_scale, DOT_DTYPE: tl.constexpr)
     """_online_tile for a tile every row attends (a full prefix tile, no window): no mask, and the scale
     folded into the exponent's FMA. Needs qk_scale >= 0 (the kernel flips q's sign otherwise), so that
     max(s) * scale is the max of s * scale. Padding rows (q = 0) get finite garbage, discarded at the end."""
-    if DOT_DTYPE == tl.float32:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+    s = _scores(q, k, DOT_DTYPE)
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # keys of -inf scores only (k = -inf)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s * qk_scale - m_safe[:, None])  # one FFMA and one MUFU per score
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if DOT_DTYPE == tl.float32:
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(DOT_DTYPE), v)
-    acc = acc * alpha[:, None] + pv
+    l_i, acc = _fold_values(p, v, alpha, l_i, acc, DOT_DTYPE)
     return m_new, l_i, acc
 
 

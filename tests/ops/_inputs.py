@@ -26,3 +26,17 @@ def make_problem(
     else:
         tokens = torch.zeros(B, G, dtype=torch.int64)
     return target.to(dtype).to(device), tokens.to(device), draft.to(dtype).to(device)
+
+
+def reference_thresholds(x, temperature, top_k, top_p):
+    """[R] fp32: reference.sampling.filter_threshold of each row of x [R, V] (sanitised first) with
+    its own (temperature, top_k, top_p)."""
+    from specdec_kernels.reference.sampling import filter_threshold, sanitize_logits
+
+    return torch.tensor(
+        [
+            filter_threshold(sanitize_logits(row)[0], t, k, p)
+            for row, t, k, p in zip(x, temperature, top_k, top_p, strict=True)
+        ],
+        dtype=torch.float32,
+    )

@@ -17,8 +17,8 @@ from specdec_kernels.ops._triton_helpers import (
     inverse_temperature,
     select_candidates,
 )
-from specdec_kernels.reference.sampling import filter_threshold as reference_threshold
-from specdec_kernels.reference.sampling import sanitize_logits
+
+from ._inputs import reference_thresholds
 
 
 @triton.jit
@@ -73,19 +73,9 @@ def _kernel_thresholds(x, temperature, top_k, top_p, block_r=2, filter_block=64,
     return out
 
 
-def _reference_thresholds(x, temperature, top_k, top_p):
-    return torch.tensor(
-        [
-            reference_threshold(sanitize_logits(row)[0], t, k, p)
-            for row, t, k, p in zip(x, temperature, top_k, top_p, strict=True)
-        ],
-        dtype=torch.float32,
-    )
-
-
 def _check(x, temperature, top_k, top_p, **kw):
     got = _kernel_thresholds(x, temperature, top_k, top_p, **kw)
-    want = _reference_thresholds(x, temperature, top_k, top_p)
+    want = reference_thresholds(x, temperature, top_k, top_p)
     assert torch.equal(got, want), (got, want)
 
 
@@ -158,7 +148,7 @@ def test_rows_with_too_many_candidates_fall_back_to_bisection(cap):
     x = (torch.randn(len(PARAMS), 300, generator=gen) * 0.3).to(torch.bfloat16)
     t, k, p = (list(c) for c in zip(*PARAMS, strict=True))
     got = _kernel_thresholds(x, t, k, p, cap=cap)
-    assert torch.equal(got, _reference_thresholds(x, t, k, p))
+    assert torch.equal(got, reference_thresholds(x, t, k, p))
 
 
 def test_coarse_pivot_bins_still_exact():
@@ -167,7 +157,7 @@ def test_coarse_pivot_bins_still_exact():
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(len(PARAMS), 500, generator=gen) * 2
     t, k, p = (list(c) for c in zip(*PARAMS, strict=True))
-    want = _reference_thresholds(x, t, k, p)
+    want = reference_thresholds(x, t, k, p)
     assert torch.equal(_kernel_thresholds(x, t, k, p, nb_bits=1), want)
     assert torch.equal(_kernel_thresholds(x, t, k, p, nb_bits=14, block_r=1), want)
 
@@ -181,7 +171,7 @@ def test_peaked_rows_take_the_two_pass_path():
     fast = torch.empty(2, dtype=torch.int32)
     got = _kernel_thresholds(x, [1.0, 1.0], [5, 0], [1.0, 0.9], cap=16, filter_block=1024, fast=fast)
     assert fast.tolist() == [1, 1]
-    assert torch.equal(got, _reference_thresholds(x, [1.0, 1.0], [5, 0], [1.0, 0.9]))
+    assert torch.equal(got, reference_thresholds(x, [1.0, 1.0], [5, 0], [1.0, 0.9]))
 
 
 def test_a_wrong_threshold_is_caught():
@@ -190,7 +180,7 @@ def test_a_wrong_threshold_is_caught():
     x = torch.randn(4, 200)
     t, k, p = [1.0] * 4, [5] * 4, [1.0] * 4
     got = _kernel_thresholds(x, t, k, p)
-    assert not torch.equal(torch.nextafter(got, torch.full_like(got, float("inf"))), _reference_thresholds(x, t, k, p))
+    assert not torch.equal(torch.nextafter(got, torch.full_like(got, float("inf"))), reference_thresholds(x, t, k, p))
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,7 +288,7 @@ def _split_thresholds(x, temperature, top_k, top_p, width=64, slots=16, bins=256
 
 def _check_split(x, t, k, p, **kw):
     got, fast = _split_thresholds(x, t, k, p, **kw)
-    want = _reference_thresholds(x, t, k, p)
+    want = reference_thresholds(x, t, k, p)
     assert torch.equal(got, want), (got, want, fast)
     return fast
 
