@@ -198,19 +198,23 @@ SK_UNROLL
       lo = pts[0];
       glo = gs[0];
     }
-    // hi: the first point where f <= 0 (else the last), lo: the point before it (else the old lo)
+    // hi: the first point m where f <= 0 (else the last), lo: the point before it (else the old lo),
+    // and their neighbours. One scan with constant indices: selecting pts[m - 1] etc. by comparing
+    // i with m let the compiler index the arrays in local memory.
     int m = RHO_POINTS - 1;
-SK_UNROLL
-    for (int i = RHO_POINTS - 1; i >= 0; --i) {
-      if (kseq_f(pts[i], gs[i], kf) <= 0.0f) m = i;
-    }
     float a = lo, ga = glo, b = 0.0f, gb = 0.0f, an = 0.0f, gan = 0.0f, bn = 0.0f, gbn = 0.0f;
+    bool found = false;
 SK_UNROLL
     for (int i = 0; i < RHO_POINTS; ++i) {
-      if (i == m - 1) a = pts[i], ga = gs[i];
-      if (i == m) b = pts[i], gb = gs[i];
-      if (i == m - 2) an = pts[i], gan = gs[i];
-      if (i == m + 1) bn = pts[i], gbn = gs[i];
+      const bool here = !found && (kseq_f(pts[i], gs[i], kf) <= 0.0f || i == RHO_POINTS - 1);
+      if (here) {
+        m = i;
+        b = pts[i], gb = gs[i];
+        if (i >= 1) a = pts[i >= 1 ? i - 1 : 0], ga = gs[i >= 1 ? i - 1 : 0];
+        if (i >= 2) an = pts[i >= 2 ? i - 2 : 0], gan = gs[i >= 2 ? i - 2 : 0];
+        if (i + 1 < RHO_POINTS) bn = pts[i + 1 < RHO_POINTS ? i + 1 : i], gbn = gs[i + 1 < RHO_POINTS ? i + 1 : i];
+      }
+      found = found || here;
     }
     lo = a, glo = ga, hi = b, ghi = gb;
     if (kseq_acceptance(a, ga, kf) - kseq_acceptance(b, gb, kf) <= RHO_TOL || round == RHO_ROUNDS - 1) break;
