@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .._types import MAX_NODES
-from ..ops.tree_attention import tree_attention_from_masks, tree_attention_torch, window_start
+from ..ops.tree_attention import (
+    tree_attention_allowed,
+    tree_attention_from_masks,
+    tree_attention_torch,
+    window_start,
+)
 from ..ops.tree_metadata import tree_metadata
 
 ATTN_NAME = "specdec_tree"
@@ -58,6 +63,9 @@ class TreeAttentionMetadata:
     position_ids: torch.Tensor
     tree_slots: int = MAX_NODES
     backend: str = "auto"
+    # The PyTorch path's dense [B, Nq, S] masks per (cache length, sliding window): the same for
+    # every layer of a forward, so built by its first layer only.
+    dense_masks: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def tree_attention_metadata(
@@ -135,20 +143,34 @@ def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0
     window_lo = _window_lower_bounds(meta, int(window)) if window else None
     _require_shape(meta, query)
     use_kernel = meta.backend == "triton" or (meta.backend == "auto" and query.device.type == "cuda")
-    attend = tree_attention_from_masks if use_kernel else tree_attention_torch
-    out = attend(
-        query,
-        key,
-        value,
-        meta.key_start,
-        meta.prefix_end,
-        meta.tree_start,
-        meta.query_masks,
-        scaling,
-        tree_slots=meta.tree_slots,
-        window_lo=window_lo,
-    )
+    args = (query, key, value, meta.key_start, meta.prefix_end, meta.tree_start, meta.query_masks, scaling)
+    if use_kernel:
+        out = tree_attention_from_masks(*args, tree_slots=meta.tree_slots, window_lo=window_lo)
+    else:
+        mask = _dense_mask(meta, key.shape[2], window, window_lo)
+        out = tree_attention_torch(*args, tree_slots=meta.tree_slots, window_lo=window_lo, allowed=mask)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _dense_mask(meta: TreeAttentionMetadata, S: int, window, window_lo) -> torch.Tensor:
+    """The forward's dense mask over S keys for the PyTorch path: every layer of a forward has the
+    same one, so the first builds it and the others reuse it (while torch.compile traces, the graph
+    builds it instead: the memo must not become part of it)."""
+    key = (S, int(window) if window else None)
+    mask = None if torch.compiler.is_compiling() else meta.dense_masks.get(key)
+    if mask is None:
+        mask = tree_attention_allowed(
+            meta.key_start,
+            meta.prefix_end,
+            meta.tree_start,
+            meta.query_masks,
+            S,
+            tree_slots=meta.tree_slots,
+            window_lo=window_lo,
+        )
+        if not torch.compiler.is_compiling():
+            meta.dense_masks[key] = mask
+    return mask
 
 
 def _window_lower_bounds(meta: TreeAttentionMetadata, window: int) -> torch.Tensor:

@@ -406,17 +406,15 @@ def window_start(key_start: torch.Tensor, positions: torch.Tensor, window: int) 
     return (key_start[:, None] + (positions - window + 1).clamp_min(0)).to(torch.int32)
 
 
-def tree_attention_torch(
-    q, k, v, key_start, prefix_end, tree_start, query_masks, scale=None, *, tree_slots=MAX_NODES, window_lo=None
+def tree_attention_allowed(
+    key_start, prefix_end, tree_start, query_masks, S: int, *, tree_slots=MAX_NODES, window_lo=None
 ):
-    """Same contract as :func:`tree_attention_from_masks` in plain PyTorch (builds the dense mask).
+    """[B, Nq, S] bool: query n of request b may attend key slot s (the dense form of the metadata).
 
-    For CPU runs, where Triton only has its (slow) interpreter: the Hugging Face backend uses it for
-    CPU tensors unless told otherwise. Not a reference: the reference is reference/tree_attention.py.
+    Every layer of one forward has the same mask: the Hugging Face backend builds it once per
+    forward and passes it to :func:`tree_attention_torch` (``allowed=``).
     """
-    B, Hq, Nq, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    s = torch.arange(S, device=q.device)
+    s = torch.arange(S, device=query_masks.device)
     prefix = (s[None, :] >= key_start[:, None]) & (s[None, :] < prefix_end[:, None])  # [B, S]
     prefix = prefix[:, None, :]  # [B, 1 or Nq, S]
     if window_lo is not None:
@@ -425,21 +423,52 @@ def tree_attention_torch(
     in_tree = (j >= 0) & (j < tree_slots)
     bits = (query_masks[:, :, None] >> j.clamp(0, MAX_NODES - 1)[:, None, :]) & 1  # [B, Nq, S]
     real = (query_masks != 0)[:, :, None]
-    allowed = real & (prefix | (in_tree[:, None, :] & (bits != 0)))
+    return real & (prefix | (in_tree[:, None, :] & (bits != 0)))
+
+
+def tree_attention_torch(
+    q,
+    k,
+    v,
+    key_start,
+    prefix_end,
+    tree_start,
+    query_masks,
+    scale=None,
+    *,
+    tree_slots=MAX_NODES,
+    window_lo=None,
+    allowed=None,
+):
+    """Same contract as :func:`tree_attention_from_masks` in plain PyTorch (a dense mask).
+
+    For CPU runs, where Triton only has its (slow) interpreter: the Hugging Face backend uses it for
+    CPU tensors unless told otherwise. Not a reference: the reference is reference/tree_attention.py.
+    ``allowed``: the mask of :func:`tree_attention_allowed` when the caller already has it.
+
+    GQA without copying K/V: the query heads of one KV head become extra query rows of that head
+    (a view), so each layer reads K and V once, as the kernel does.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if allowed is None:
+        allowed = tree_attention_allowed(
+            key_start, prefix_end, tree_start, query_masks, S, tree_slots=tree_slots, window_lo=window_lo
+        )
     group = Hq // Hkv
-    kk = k.repeat_interleave(group, dim=1) if group > 1 else k
-    vv = v.repeat_interleave(group, dim=1) if group > 1 else v
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    scores = torch.matmul(q.float(), kk.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    qg = q.float().reshape(B, Hkv, group * Nq, D)  # head h = kv * group + g, as repeat_interleave pairs them
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)).view(B, Hkv, group, Nq, S) * scale
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding queries: no key -> zeros
-    # Unattended NaN/inf values must not reach real rows through 0 * NaN: zero them, and give NaN to
-    # the rows that do attend one (what attending it means).
-    vv = vv.float()
-    good = vv.isfinite()
-    poisoned = (allowed[:, None] & ~good.all(-1)[:, :, None, :]).any(-1)  # [B, Hq, Nq]
-    out = torch.matmul(weights, torch.where(good, vv, 0.0))
-    return out.masked_fill(poisoned[..., None], float("nan")).to(q.dtype)
+    # Unattended NaN/inf values must not reach real rows through 0 * NaN: zero those keys' values,
+    # and give NaN to the rows that do attend one (what attending it means).
+    vv = v.float()
+    bad = ~vv.isfinite().all(-1)  # [B, Hkv, S]
+    poisoned = (allowed[:, None] & bad[:, :, None, :]).any(-1)  # [B, Hkv, Nq]
+    out = torch.matmul(weights.view(B, Hkv, group * Nq, S), vv.masked_fill(bad[..., None], 0.0))
+    out = out.view(B, Hkv, group, Nq, D).masked_fill(poisoned[:, :, None, :, None], float("nan"))
+    return out.view(B, Hq, Nq, D).to(q.dtype)
 
 
 def tree_attention_from_masks(

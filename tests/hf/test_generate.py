@@ -75,6 +75,35 @@ def test_greedy_equals_target_generate(pair, K, adaptive):
     assert sum(out.stats.draft_length_histogram.values()) == out.stats.steps
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_output_layer_rows_are_the_ones_verification_needs(pair, B):
+    """The prefill's logits are never used and the draft's first forward needs only the root's:
+    the output layers run on those positions only (the prompt's rows cost a prefill 15-30% on Qwen)."""
+    target, draft = pair
+    ids, mask = _ragged_prompts()
+    ids, mask = ids[:B], mask[:B]
+    rows = {"target": [], "draft": []}
+    hooks = [
+        model.get_output_embeddings().register_forward_pre_hook(
+            lambda m, a, name=name: rows[name].append(a[0].shape[1])
+        )
+        for name, model in (("target", target), ("draft", draft))
+    ]
+    try:
+        out = speculative_generate(
+            target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=3, eos_token_id=[], pad_token_id=PAD
+        )
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(out.sequences, _greedy_reference(target, ids, mask, 12))
+    assert rows["target"][0] == 1 and rows["draft"][0] == 1  # the prefills
+    # Batch 1: every draft forward keeps one position; a batch whose requests feed 1 and 2 committed
+    # tokens keeps both of its first forward's positions.
+    assert all(n <= (1 if B == 1 else 2) for n in rows["draft"][1:])
+    assert all(n <= 1 + 3 for n in rows["target"][1:])  # root + drafts
+
+
 def test_greedy_qwen2_triton_attention_kernel():
     """Same identity with the Triton tree-attention kernel (interpreter) in every forward."""
     target = tiny_model("qwen2", seed=3)
