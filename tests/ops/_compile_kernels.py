@@ -196,7 +196,7 @@ def attention_kernels():
         ("*bf16", tl.bfloat16, 256, 256, 16, 8, False),
         ("*fp32", tl.float32, 64, 64, 32, 1, True),
     ]:
-        types = dict(ints, q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, out_ptr=dtype)
+        types = dict(ints, q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, out_ptr=dtype, part_acc_ptr=dtype)
         yield (
             v._tree_attention_kernel,
             types,
@@ -213,7 +213,8 @@ def attention_kernels():
             ),
         )
         if splits > 1:
-            yield v._tree_attention_combine_kernel, dict(out_ptr=dtype), dict(D=D, BLOCK_D=block_d, NUM_SPLITS=splits)
+            combine_types = dict(out_ptr=dtype, part_acc_ptr=dtype)  # the splits' partials are in q's dtype
+            yield v._tree_attention_combine_kernel, combine_types, dict(D=D, BLOCK_D=block_d, SPLITS_P2=splits)
 
 
 FAMILIES = {
