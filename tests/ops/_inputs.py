@@ -28,6 +28,19 @@ def make_problem(
     return target.to(dtype).to(device), tokens.to(device), draft.to(dtype).to(device)
 
 
+# (temperature, top_k, top_p) of the threshold tests: each filter alone, both, neither, extremes
+THRESHOLD_SETTINGS = [
+    (1.0, 5, 1.0),
+    (0.7, 0, 0.9),
+    (0.7, 50, 0.9),
+    (1.3, 1, 0.5),
+    (0.5, 0, 1e-6),
+    (2.0, 7, 0.999),
+    (1.0, 0, 1.0),
+    (0.9, 10_000, 0.3),
+]
+
+
 def reference_thresholds(x, temperature, top_k, top_p):
     """[R] fp32: reference.sampling.filter_threshold of each row of x [R, V] (sanitised first) with
     its own (temperature, top_k, top_p)."""

@@ -15,7 +15,7 @@ import specdec_kernels as sk
 from specdec_kernels._validation import check_verify_args
 from specdec_kernels.reference import verify_reference
 
-from ._inputs import make_problem, reference_thresholds
+from ._inputs import THRESHOLD_SETTINGS, make_problem, reference_thresholds
 from .conftest import cpu_core_or_skip
 
 MODES = ["greedy", "logits", "probs", "ngram"]
@@ -158,15 +158,8 @@ def test_core_strided_target(core):
 # binding runs that program code on one host thread so it is checked here, value for value against
 # the reference's sort-based definition.
 
-THRESHOLD_PARAMS = [  # (temperature, top_k, top_p): each filter alone, both, neither, extremes
-    (1.0, 5, 1.0),
-    (0.7, 0, 0.9),
-    (0.7, 50, 0.9),
-    (1.3, 1, 0.5),
-    (0.5, 0, 1e-6),
-    (2.0, 7, 0.999),
-    (1.0, 0, 1.0),
-    (0.9, 10_000, 0.3),
+THRESHOLD_PARAMS = [
+    *THRESHOLD_SETTINGS,
     (1.0, 3_000, 0.9),  # more top-k survivors than the 2048 candidate slots: top-p over the row
 ]
 

@@ -18,7 +18,7 @@ from specdec_kernels.ops._triton_helpers import (
     select_candidates,
 )
 
-from ._inputs import reference_thresholds
+from ._inputs import THRESHOLD_SETTINGS, reference_thresholds
 
 
 @triton.jit
@@ -79,16 +79,7 @@ def _check(x, temperature, top_k, top_p, **kw):
     assert torch.equal(got, want), (got, want)
 
 
-PARAMS = [  # (temperature, top_k, top_p) per row: each selection alone, both, neither, extremes
-    (1.0, 5, 1.0),
-    (0.7, 0, 0.9),
-    (0.7, 50, 0.9),
-    (1.3, 1, 0.5),
-    (0.5, 0, 1e-6),
-    (2.0, 7, 0.999),
-    (1.0, 0, 1.0),
-    (0.9, 10_000, 0.3),
-]
+PARAMS = THRESHOLD_SETTINGS  # one (temperature, top_k, top_p) per row
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
