@@ -258,12 +258,7 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
 double filter_threshold_program(at::Tensor row, double temperature, int64_t top_k, double top_p) {
   TORCH_CHECK(row.device().is_cpu() && row.dim() == 1, "specdec: filter_threshold_program takes a 1-D CPU row");
   row = row.contiguous();
-  struct OneThread {
-    int64_t rank() const { return 0; }
-    int64_t size() const { return 1; }
-    float max(float v) const { return v; }
-    void sync() const {}
-  } red;
+  sk::SeqReducer red;
   auto scratch = std::make_unique<sk::ThresholdScratch>();
   const float inv_t = sk::inverse_temperature(float(temperature));
   const int32_t k = int32_t(std::min<int64_t>(top_k, INT32_MAX));

@@ -23,6 +23,18 @@ void dispatch_dtypes(int target_dtype, int draft_dtype, F&& f) {
   }
 }
 
+// A program of one host thread (the CPU build, and the binding's test entry points): every
+// reduction is the identity.
+struct SeqReducer {
+  int64_t rank() const { return 0; }
+  int64_t size() const { return 1; }
+  float sum(float v) const { return v; }
+  int sum(int v) const { return v; }
+  float max(float v) const { return v; }
+  void argmax(float&, int32_t&) const {}
+  void sync() const {}
+};
+
 // CPU run of the three programs, spread over OpenMP threads (backend="cpu"). With has_filter the
 // thresholds are found by selection first, so any num_chunks works.
 void verify_chain_cpu(const ChainParams& P, int target_dtype, int draft_dtype);

@@ -21,16 +21,6 @@
 namespace sk {
 namespace {
 
-struct SeqReducer {
-  int64_t rank() const { return 0; }
-  int64_t size() const { return 1; }
-  float sum(float v) const { return v; }
-  int sum(int v) const { return v; }
-  float max(float v) const { return v; }
-  void argmax(float&, int32_t&) const {}
-  void sync() const {}
-};
-
 // Threshold of one sanitised row, as reference/sampling.py's filter_threshold defines it:
 // top-k keeps logits >= the k-th largest finite one; top-p then keeps the smallest set of the
 // highest logits whose mass exp((x - max) / T) (float64, in descending order) reaches top_p of
