@@ -187,12 +187,7 @@ def neutralize_generation_config(model, eos: list[int], pad: int) -> dict:
     return dropped
 
 
-def _output_rows(model) -> int:
-    emb = model.get_output_embeddings()
-    return emb.weight.shape[0] if emb is not None else model.config.vocab_size
-
-
-def load_pair(args, dtype) -> Pair:
+def load_pair(args, dtype, draft_dtype=None) -> Pair:
     """The models and tokenizer of this run (smoke / demo / local directories)."""
     device = args.device
     if args.smoke:
@@ -221,11 +216,20 @@ def load_pair(args, dtype) -> Pair:
         names = (Path(args.target).name, Path(args.draft).name if args.draft else "none")
         eos = _eos_list(getattr(target.generation_config, "eos_token_id", None)) or _eos_list(tok.eos_token_id)
         pad = tok.pad_token_id
+    if draft is not None and draft_dtype is not None:
+        draft = draft.to(draft_dtype)  # the draft's precision never changes what is accepted, only how often
+    if getattr(args, "cpu_linear", "torch") == "onednn" and str(device).startswith("cpu"):
+        from specdec_kernels.hf.cpu_linear import use_onednn_linears
+
+        swapped = use_onednn_linears(target) + (use_onednn_linears(draft) if draft is not None else 0)
+        print(f"# cpu linear layers: {swapped} nn.Linear -> oneDNN (every mode, baselines included)")
     dropped = neutralize_generation_config(target, eos, pad)
     if draft is not None:
         neutralize_generation_config(draft, eos, pad)
+    from specdec_kernels.hf.generate import _vocab_rows
+
     vocab = args.vocab_size
-    if vocab is None and draft is not None and _output_rows(target) != _output_rows(draft):
+    if vocab is None and draft is not None and _vocab_rows(target) != _vocab_rows(draft):
         vocab = len(tok)  # the models pad their embedding matrices differently: compare real tokens only
     return Pair(target, draft, tok, names[0], names[1], eos, pad, vocab, dropped)
 

@@ -101,11 +101,12 @@ AXES = {
 WARMUP_NEW_TOKENS = 16  # max_new_tokens of the untimed warm-up calls
 
 CSV_COLUMNS = (
-    "date commit device torch triton transformers target_model draft_model model_dtype mode status G K method "
-    "temperature top_k top_p prompt_set prompts prompt_tokens_mean batch_size max_new_tokens rep new_tokens wall_s "
-    "cpu_s tokens_per_s speedup_vs_target cpu_speedup_vs_target speedup_vs_hf_assisted acceptance_rate "
-    "mean_accepted_length target_forwards draft_forwards time_draft time_target time_verify time_commit time_other "
-    "drafts_per_step greedy_equal greedy_equal_prompts seed warmup cache compiled triton_interpret cuda python"
+    "date commit device torch triton transformers target_model draft_model model_dtype draft_dtype "
+    "cpu_linear mode status G K method temperature top_k top_p prompt_set prompts prompt_tokens_mean "
+    "batch_size max_new_tokens rep new_tokens wall_s cpu_s tokens_per_s speedup_vs_target "
+    "cpu_speedup_vs_target speedup_vs_hf_assisted acceptance_rate mean_accepted_length target_forwards "
+    "draft_forwards time_draft time_target time_verify time_commit time_other drafts_per_step "
+    "greedy_equal greedy_equal_prompts seed warmup cache compiled triton_interpret cuda python"
 ).split()
 TABLE_COLUMNS = (
     "temperature prompt_set mode G K new_tokens wall_s cpu_s tokens_per_s speedup_vs_target cpu_speedup_vs_target "
@@ -422,7 +423,14 @@ def run_pair(pair: Pair, sets: dict[str, list[str]], run: common.Run) -> list[di
     if args.warmup:
         warm_up(pair, modes, first, run)
     draft_name = pair.draft_name if pair.draft is not None else "none"
-    base = {**meta, "target_model": pair.target_name, "draft_model": draft_name, "model_dtype": args.dtype}
+    base = {
+        **meta,
+        "target_model": pair.target_name,
+        "draft_model": draft_name,
+        "model_dtype": args.dtype,
+        "draft_dtype": args.draft_dtype or args.dtype,
+        "cpu_linear": args.cpu_linear if args.device.startswith("cpu") else "",
+    }
     rows = []
     sweep = list(args.G_sweep)
     for temperature in args.temperature:
@@ -498,6 +506,18 @@ def parse_args(argv=None):
         action="store_true",
         help="torch.compile the target's verification forward in ours (CUDA graphs on GPU; implies --cache static)",
     )
+    p.add_argument(
+        "--draft-dtype",
+        choices=sorted(common.DTYPES),
+        help="the draft model's dtype (default: --dtype); a bf16 draft halves its weight reads on CPU",
+    )
+    p.add_argument(
+        "--cpu-linear",
+        choices=["onednn", "torch"],
+        default="onednn",
+        help="CPU runs: nn.Linear layers of both models (every mode) run oneDNN on packed weights "
+        "(specdec_kernels.hf.cpu_linear), or PyTorch's default (MKL in fp32)",
+    )
     p.add_argument("--method", default="kseq", help="verification method of ours_k2/ours_k4 (kseq, rrs, rrs_wor)")
     p.add_argument(
         "--hf-assistant-tokens",
@@ -554,7 +574,8 @@ def sweep(run: common.Run) -> list[dict]:
     """Load the models and prompts (setup errors: exit code 2), then every mode on every prompt set."""
     args = run.args
     try:
-        pair = load_pair(args, common.torch_dtype(args.dtype))
+        draft_dtype = common.torch_dtype(args.draft_dtype) if args.draft_dtype else None
+        pair = load_pair(args, common.torch_dtype(args.dtype), draft_dtype)
     except (OSError, ValueError, ImportError) as e:
         raise common.SetupError(f"could not load the models: {e}") from e
     configure_hf_assistant(pair, args)

@@ -969,8 +969,13 @@ def _as_int(name: str, value) -> int:
 
 
 def _vocab_rows(model) -> int:
+    """Rows of the model's output layer (its logits' width); ``out_features`` first because an
+    output layer swapped for :class:`~specdec_kernels.hf.cpu_linear.OneDnnLinear` has no ``weight``."""
     emb = model.get_output_embeddings()
-    return emb.weight.shape[0] if emb is not None else model.config.vocab_size
+    if emb is None:
+        return model.config.vocab_size
+    rows = getattr(emb, "out_features", None)
+    return int(rows) if rows is not None else emb.weight.shape[0]
 
 
 def _check_inputs(

@@ -1,0 +1,70 @@
+"""specdec_kernels.hf.cpu_linear: oneDNN linear layers agree with nn.Linear and keep greedy identity."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from specdec_kernels.hf import speculative_generate  # noqa: E402
+from specdec_kernels.hf.cpu_linear import OneDnnLinear, onednn_linear_available, use_onednn_linears  # noqa: E402
+
+from ._models import tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this PyTorch build has no oneDNN")
+
+PAD = 2
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_nn_linear(dtype, atol, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 37, bias=bias).to(dtype)
+    fast = OneDnnLinear.from_linear(linear)
+    wide = torch.randn(3, 5, 96).to(dtype)
+    # a 3-D input, a strided view of one, a single row and no rows at all
+    for x in (wide[..., :48], wide[..., ::2], wide[0, :1, :48], wide[:, :0, :48]):
+        expected = linear(x).float()
+        got = fast(x)
+        assert got.shape == expected.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
+
+
+def test_wrong_width_is_a_clear_error():
+    fast = OneDnnLinear.from_linear(nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="expected 8"):
+        fast(torch.randn(2, 9))
+
+
+def test_models_it_cannot_speed_up_are_left_alone():
+    model = nn.Sequential(nn.Linear(8, 8).half(), nn.ReLU())
+    assert use_onednn_linears(model) == 0
+    assert type(model[0]) is nn.Linear
+
+
+def test_greedy_identity_after_the_swap():
+    """Every nn.Linear is swapped (the output layer included) and speculative_generate still equals
+    target.generate token for token when both run the swapped models."""
+    target = tiny_model("qwen2", seed=3)  # qwen2: q/k/v projections with biases
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.2 * p.std() * torch.randn_like(p))
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(0))
+    logits_before = target(ids).logits
+    n_linear = sum(type(m) is nn.Linear for m in target.modules())
+    assert use_onednn_linears(target) == n_linear > 0
+    use_onednn_linears(draft)
+    assert not any(type(m) is nn.Linear for m in target.modules())
+    torch.testing.assert_close(target(ids).logits, logits_before, atol=1e-4, rtol=1e-4)
+    expected = target.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    out = speculative_generate(
+        target, draft, ids, max_new_tokens=12, num_draft_tokens=4, eos_token_id=[], pad_token_id=PAD
+    )
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.accepted > 0
