@@ -217,6 +217,7 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
             vocab_size=pair.vocab_size,
             cache_implementation=args.cache,
             compile_target=args.compile,
+            **({} if args.draft_confidence is None else {"draft_confidence": args.draft_confidence}),
         ),
         args.device,
     )
@@ -510,6 +511,12 @@ def parse_args(argv=None):
         "--draft-dtype",
         choices=sorted(common.DTYPES),
         help="the draft model's dtype (default: --dtype); a bf16 draft halves its weight reads on CPU",
+    )
+    p.add_argument(
+        "--draft-confidence",
+        type=float,
+        help="ours (K = 1): stop a chain at the draft's first position whose top probability is below this "
+        "(default: speculative_generate's)",
     )
     p.add_argument(
         "--cpu-linear",

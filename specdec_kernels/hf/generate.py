@@ -192,6 +192,7 @@ class _StepResult:
     finished: list[bool]
     offered: list[int]
     tokens: list[list[int]] | None  # the emitted tokens (streamer / host-side drafter only)
+    drafted: int = 0  # draft tokens per chain this step (fewer than asked when drafting stopped early)
 
 
 class _PhaseTimer:
@@ -387,6 +388,7 @@ def speculative_generate(
             g = policy.choose(stats.accepted, stats.rejections, active) if policy else G
             step_start = time.perf_counter()
             result = session.step(g)  # ends with the step's one host synchronisation
+            g = result.drafted  # (a confidence stop on the CPU may have drafted fewer)
             if policy:
                 policy.record(g, active, time.perf_counter() - step_start)
             stats.target_forwards += 1
@@ -541,6 +543,7 @@ class _Session:
         with self.timer("draft"):
             if self.draft is not None:
                 drafts, draft_rows, fed, n_drafts = self._draft_chains(g)
+                g = drafts.shape[2]
             else:
                 drafts, n_drafts = _lookup_drafts(self.tokens.history, batch.rows, g, batch.index.device)
                 draft_rows = fed = None
@@ -647,10 +650,18 @@ class _Session:
         )
         tokens, rows = [first], [(probs if filtered else root_logits)[:, None].expand(A, K, V)]
         confident = [self._confident(root_logits, probs)]
+        # A chain keeps its drafts up to its first unsure position. On the CPU a flag costs nothing
+        # to read (no device to wait for), so drafting stops once every request has met one: the
+        # forwards after it would only make drafts that verification cuts. (On a GPU that read
+        # would be a synchronisation per draft token; there the drafts are cut, not skipped.)
+        stop_early = self.draft_confidence > 0.0 and K == 1 and device.type == "cpu"
+        met_unsure = ~confident[0]
         # Forwards 1..g-1: the K depth-t tokens, each seeing the root chain and its own chain.
         root_bits = (torch.ones_like(u) << u) - 1  # [A]
         chain_bits = torch.zeros(K, dtype=torch.int64, device=device)
         for t in range(1, g):
+            if stop_early and bool(met_unsure.all()):
+                break
             slots = U + (t - 1) * K + torch.arange(K, device=device)
             chain_bits = chain_bits | (torch.ones(K, dtype=torch.int64, device=device) << slots)
             masks = root_bits[:, None] | chain_bits[None, :]
@@ -664,6 +675,7 @@ class _Session:
             tokens.append(sample_next_tokens(probs, logits, greedy=greedy, generator=gen))
             rows.append(probs if filtered else logits)
             confident.append(self._confident(logits[:, 0], None if probs is None else probs[:, 0]))
+            met_unsure |= ~confident[-1]
         drafts = torch.stack(tokens, dim=2)  # [A, K, g]
         draft_rows = None if greedy else torch.stack(rows, dim=2)  # [A, K, g, V]
         n_drafts = None
@@ -755,7 +767,7 @@ class _Session:
             step_tokens = [flat_new[a * (g + 1) : a * (g + 1) + emit_h[a]] for a in range(A)]
             for b, t in zip(batch.rows, step_tokens, strict=True):
                 tokens.history[b].extend(t)
-        return _StepResult(acc_h, emit_h, [bool(f) for f in fin_h], off_h, step_tokens)
+        return _StepResult(acc_h, emit_h, [bool(f) for f in fin_h], off_h, step_tokens, g)
 
     def drop_finished_rows(self, finished: list[bool]) -> None:
         keep = [a for a, done in enumerate(finished) if not done]

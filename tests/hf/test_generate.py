@@ -76,6 +76,24 @@ def test_greedy_equals_target_generate(pair, K, adaptive):
 
 
 @pytest.mark.parametrize("B", [1, 3])
+def test_confidence_stop_keeps_greedy_identity(pair, B):
+    """draft_confidence cuts each chain at its first unsure draft; on the CPU drafting also stops
+    once every request has met one, so fewer draft forwards run than the lengths chosen."""
+    target, draft = pair
+    ids, mask = _ragged_prompts(B=B, lens=(5, 8, 3)[:B])
+    expected = _greedy_reference(target, ids, mask, 12)
+    # cheap drafts (cost 0.05 of a target forward): the policy asks for long chains
+    kwargs = dict(max_new_tokens=12, num_draft_tokens=6, eos_token_id=[], pad_token_id=PAD, draft_cost=0.05)
+    plain = speculative_generate(target, draft, ids, mask, **kwargs)
+    out = speculative_generate(target, draft, ids, mask, draft_confidence=0.25, **kwargs)
+    assert torch.equal(out.sequences, expected) and torch.equal(plain.sequences, expected)
+    assert 0 < out.stats.proposed < plain.stats.proposed  # drafts were cut
+    if B == 1:
+        assert out.stats.draft_forwards < plain.stats.draft_forwards  # and not drafted at all
+    assert sum(out.stats.draft_length_histogram.values()) == out.stats.steps
+
+
+@pytest.mark.parametrize("B", [1, 3])
 def test_output_layer_rows_are_the_ones_verification_needs(pair, B):
     """The prefill's logits are never used and the draft's first forward needs only the root's:
     the output layers run on those positions only (the prompt's rows cost a prefill 15-30% on Qwen)."""
@@ -344,6 +362,7 @@ def _two_token_distribution(target, prompt, temperature, top_k=0, top_p=1.0):
         (2, "rrs_wor", {}),
         (1, "kseq", dict(temperature=0.8, top_k=4, top_p=0.9)),
         (2, "kseq", dict(temperature=0.8, top_k=4, top_p=0.9)),
+        (1, "kseq", dict(draft_confidence=0.3)),  # drafts cut at the draft's first unsure position
     ],
 )
 def test_sampled_output_follows_the_target(K, method, sampling):
@@ -356,6 +375,7 @@ def test_sampled_output_follows_the_target(K, method, sampling):
     """
     V, n = 6, 3000
     sampling = {"temperature": 1.0, **sampling}
+    confidence = sampling.pop("draft_confidence", 0.0)
     target = tiny_model("llama", vocab=V, seed=13, init_std=0.1)  # flat: p_max ~ 0.3, overlap ~ 0.7
     draft = tiny_model("llama", vocab=V, seed=14, init_std=0.1, layers=1)
     prompt = [3, 4, 5, 0]
@@ -376,6 +396,7 @@ def test_sampled_output_follows_the_target(K, method, sampling):
         method=method,
         seed=1,
         eos_token_id=[],
+        draft_confidence=confidence,
         **sampling,
     )
     pairs = out.sequences[:, len(prompt) :]
