@@ -102,7 +102,7 @@ WARMUP_NEW_TOKENS = 16  # max_new_tokens of the untimed warm-up calls
 
 CSV_COLUMNS = (
     "date commit device torch triton transformers target_model draft_model model_dtype draft_dtype "
-    "cpu_linear mode status G K method temperature top_k top_p prompt_set prompts prompt_tokens_mean "
+    "cpu_linear threads mode status G K method temperature top_k top_p prompt_set prompts prompt_tokens_mean "
     "batch_size max_new_tokens rep new_tokens wall_s cpu_s tokens_per_s speedup_vs_target "
     "cpu_speedup_vs_target speedup_vs_hf_assisted acceptance_rate mean_accepted_length target_forwards "
     "draft_forwards time_draft time_target time_verify time_commit time_other drafts_per_step "
@@ -431,6 +431,7 @@ def run_pair(pair: Pair, sets: dict[str, list[str]], run: common.Run) -> list[di
         "model_dtype": args.dtype,
         "draft_dtype": args.draft_dtype or args.dtype,
         "cpu_linear": args.cpu_linear if args.device.startswith("cpu") else "",
+        "threads": torch.get_num_threads(),
     }
     rows = []
     sweep = list(args.G_sweep)
@@ -511,6 +512,11 @@ def parse_args(argv=None):
         "--draft-dtype",
         choices=sorted(common.DTYPES),
         help="the draft model's dtype (default: --dtype); a bf16 draft halves its weight reads on CPU",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: PyTorch's, one per core); pin it on a shared machine",
     )
     p.add_argument(
         "--draft-confidence",

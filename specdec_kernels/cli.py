@@ -322,6 +322,14 @@ def generate_command(args: argparse.Namespace) -> int:
 
     device = _device(args.device)
     target, draft, tok = _load_pair(args.target, args.draft, device, _dtype(args.dtype))
+    if draft is not None and args.draft_dtype:
+        draft = draft.to(_dtype(args.draft_dtype))  # changes acceptance, never the output's distribution
+    if args.cpu_linear == "onednn" and device == "cpu":
+        from .hf.cpu_linear import use_onednn_linears
+
+        use_onednn_linears(target)
+        if draft is not None:
+            use_onednn_linears(draft)
     drafter = args.drafter or ("model" if draft is not None else "prompt_lookup")
     heads = None
     if drafter == "medusa":
@@ -534,6 +542,13 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--seed", type=int, default=None)
     p_gen.add_argument("--vocab-size", type=int, default=None, help="real token count if embeddings are padded")
     p_gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p_gen.add_argument("--draft-dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p_gen.add_argument(
+        "--cpu-linear",
+        choices=["onednn", "torch"],
+        default="onednn",
+        help="on CPU: linear layers by oneDNN on packed weights (multi-token forwards near one token's cost)",
+    )
     p_gen.add_argument("--cache", choices=["dynamic", "static"], default="dynamic", help="KV cache of both models")
     p_gen.add_argument(
         "--compile",
