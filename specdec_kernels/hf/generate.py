@@ -276,10 +276,12 @@ def speculative_generate(
             ``cache_implementation="static"`` (and fixes the draft length: one graph per shape).
         adaptive_draft: chains (K = 1, draft model) choose the drafts per step (at most
             ``num_draft_tokens``) from the running acceptance and the measured draft/target cost.
-        draft_confidence: with ``adaptive_draft``, each request also stops drafting where the draft's
-            most likely next token has probability below this (a property of the draft's distribution,
-            not of its sample, so sampled output stays exact). 0 (default) = off: on the demo pair a
-            distilled draft is accepted often even where unsure, and the cut cost 10-20% tokens/s.
+        draft_confidence: with ``adaptive_draft``, each request's chain ends at the first draft whose
+            distribution's most likely token has probability below this (that draft included; a
+            property of the draft's distribution, not of its sample, so sampled output stays exact).
+            On the CPU, drafting stops once every request's chain has ended. 0 (default) = off: on
+            the demo pair a distilled draft is accepted often even where unsure, and the cut cost
+            10-20% tokens/s.
         exact_timing: synchronise the GPU around each phase of ``stats.time_s`` (slower; CPU: no-op).
         draft_cost: the cost model of ``adaptive_draft`` (``hf/draft_length.py``): ``"measured"``
             (the steps' own wall times per draft length, remembered per model pair for the process),
@@ -679,8 +681,10 @@ class _Session:
         drafts = torch.stack(tokens, dim=2)  # [A, K, g]
         draft_rows = None if greedy else torch.stack(rows, dim=2)  # [A, K, g, V]
         n_drafts = None
-        if self.draft_confidence > 0.0:  # chains only: drafts up to the first unsure position
-            n_drafts = torch.stack(confident, dim=1).long().cumprod(dim=1).sum(dim=1)
+        if self.draft_confidence > 0.0:  # chains only: drafts up to and including the first unsure one
+            # (that one is already drawn, and one more row costs the target's forward next to nothing)
+            sure_run = torch.stack(confident, dim=1).long().cumprod(dim=1).sum(dim=1)
+            n_drafts = (sure_run + 1).clamp_max(drafts.shape[2])
         return drafts, draft_rows, (S, U), n_drafts
 
     def _confident(self, logits: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
