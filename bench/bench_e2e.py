@@ -297,8 +297,16 @@ def warm_up(pair: Pair, modes: list[str], prompts: list[str], run: common.Run) -
 
 
 def measure_set(
-    pair: Pair, set_name: str, prompts: list[str], temperature: float, modes: list[str], run: common.Run
+    pair: Pair,
+    set_name: str,
+    prompts: list[str],
+    temperature: float,
+    modes: list[str],
+    run: common.Run,
+    references: dict | None = None,
 ) -> dict[str, Totals]:
+    """Every mode on every batch of ``prompts``. ``references`` keeps target_only's outputs per
+    (batch, rep) across calls, so the later values of a --G sweep are compared with them too."""
     args, errors = run.args, run.errors
     totals = {m: Totals() for m in modes}
     greedy = temperature == 0.0
@@ -306,7 +314,7 @@ def measure_set(
         ids, mask = encode(pair.tokenizer, texts, args.device)
         for rep in range(args.rep):
             seed = args.seed + 1000 * bi + rep
-            reference = None
+            references = {} if references is None else references
             for mode in modes:
                 t = totals[mode]
                 if t.status != "ok":
@@ -319,8 +327,9 @@ def measure_set(
                     t.status = "error"
                     continue
                 t.add(result)
+                reference = references.get((bi, rep))
                 if mode == "target_only":
-                    reference = result.new_tokens
+                    references[(bi, rep)] = result.new_tokens
                 elif greedy and reference is not None:
                     same = [a == b for a, b in zip(result.new_tokens, reference, strict=True)]
                     t.compared += len(same)
@@ -439,10 +448,11 @@ def run_pair(pair: Pair, sets: dict[str, list[str]], run: common.Run) -> list[di
         for set_name, prompts in sets.items():
             lengths = [int(m.sum()) for t in prompts for m in encode(pair.tokenizer, [t], "cpu")[1]]
             baselines: dict[str, dict] = {}
+            references: dict = {}  # target_only's outputs, for the greedy comparison at every G
             for gi, g in enumerate(sweep):  # baselines once (first G); ours at every G of the sweep
                 args.G = g
                 run_modes = modes if gi == 0 else [m for m in modes if m.startswith("ours")]
-                totals = measure_set(pair, set_name, prompts, temperature, run_modes, run)
+                totals = measure_set(pair, set_name, prompts, temperature, run_modes, run, references)
                 mode_args = argparse.Namespace(
                     **{**vars(args), "modes": [m for m in args.modes if m in run_modes or m in skipped]}
                 )
