@@ -81,7 +81,18 @@ def e2e_series(rows: list[dict], x: str, metric: str) -> dict[str, tuple[list, l
     return {label: (sorted(by_x), [by_x[v] for v in sorted(by_x)]) for label, by_x in sorted(points.items())}
 
 
+SETUP_COLUMNS = ("target_model", "draft_model", "model_dtype", "draft_dtype", "cpu_linear", "threads")
+
+
+def same_setup_as_newest(rows: list[dict]) -> list[dict]:
+    """The runs made with the newest run's models, dtypes, linear layers and threads: a run with
+    another setup measures another thing and would only blur the lines."""
+    newest = newest_run(rows)[0]
+    return [r for r in rows if all(r.get(c, "") == newest.get(c, "") for c in SETUP_COLUMNS)]
+
+
 def e2e_figure(plt, rows: list[dict], name: str):
+    rows = same_setup_as_newest(rows)
     ours = [r for r in rows if r["mode"].startswith("ours_k")]
     x = "G" if len({r["G"] for r in ours}) > 1 else "K"
     xlabel = "γ = G, draft tokens per chain" if x == "G" else f"K, draft chains (G = {ours[0]['G']})"
@@ -118,10 +129,15 @@ def e2e_figure(plt, rows: list[dict], name: str):
             sampling = "greedy" if temperature == 0 else f"temperature {temperature:g}"
             ax.set_title(f"{prompt_set} prompts, {sampling}", fontsize=10)
             ax.grid(alpha=0.3)
-    pair = f"{rows[0]['target_model']} / {rows[0]['draft_model']}, {rows[0]['model_dtype']}"
+    first = rows[0]
+    pair = f"{first['target_model']} / {first['draft_model']}, {first['model_dtype']}"
+    if first.get("draft_dtype") and first["draft_dtype"] != first["model_dtype"]:
+        pair += f" (draft {first['draft_dtype']})"
+    if first.get("cpu_linear"):
+        pair += f", {first['cpu_linear']} linears, {first.get('threads')} thread(s)"
     fig.suptitle(
-        f"{name}: end-to-end speculative decoding, {pair}, batch {rows[0]['batch_size']}, "
-        f"{rows[0]['max_new_tokens']} new tokens\nmeasured on {where(rows)}: CPU wall time, not GPU numbers",
+        f"{name}: end-to-end speculative decoding, batch {rows[0]['batch_size']}, "
+        f"{rows[0]['max_new_tokens']} new tokens\n{pair}\nmeasured on {where(rows)}: CPU wall time, not GPU numbers",
         fontsize=11,
     )
     return fig
