@@ -248,7 +248,6 @@ def _tree_positions_kernel(
     root_member = ok_j & (par_j == -1)  # [BB, 1, NP2]
     k_root = tl.sum(root_member.to(tl.int32), axis=2)  # [BB, 1]
     first_root = tl.min(tl.where(root_member, nj, NP2), axis=2)
-    _store_row_use(use_ptr, b[:, None], b_ok[:, None], n, is_first, k, first, k_root, first_root, K, G, N, NP2)
     base = (pos_ptr + b * (N + 1) * POS_REC)[:, None]
     r0 = tl.arange(0, 1)[None, :]
     ok_root = b_ok[:, None]
@@ -265,15 +264,16 @@ def _tree_positions_kernel(
         tl.store(base + (1 + n) * POS_REC + POS_TOK + r, x_r, mask=ok_node)
         x_root = tl.sum(tl.where(root_member & (root_rank == r), tok_j, 0), axis=2).to(tl.int32)
         tl.store(base + r0 * POS_REC + POS_TOK + r, x_root, mask=ok_root)
+    # the rows the row pass reads: each position's target row and its first candidate's draft row
+    first_cand = tl.max(((member & (rank == 0)) | (root_member & (root_rank == 0))).to(tl.int32), axis=1)
+    _store_row_use(use_ptr, b[:, None], b_ok[:, None], n, is_first, first_cand > 0, K, G, N)
 
 
 @triton.jit
-def _store_row_use(use_ptr, b, b_ok, n, t_used, k, first, k_root, first_root, K, G, N, NP2: tl.constexpr):
+def _store_row_use(use_ptr, b, b_ok, n, t_used, d_used, K, G, N):
     """Row use of the row pass's records ([BB, 1] requests, [1, NP2] nodes n): node n's target row
     where it is the first node of its set (t_used), its draft row where it is some position's first
-    candidate; slot 0 of chain c holds the root's target row (c = 0) or a copy of it (c > 0: unused)."""
-    firsts = (first[:, :, None] == n[:, None, :]) & (k[:, :, None] > 0)  # [BB, positions, nodes]
-    d_used = (tl.max(firsts.to(tl.int32), axis=1) > 0) | ((k_root > 0) & (first_root == n))
+    candidate (d_used); slot 0 of chain c holds the root's target row (c = 0) or a copy (c > 0: unused)."""
     ok = b_ok & (n < N)
     tl.store(use_ptr + _record(b, n, K, G, 1) * 2, t_used.to(tl.int8), mask=ok)
     tl.store(use_ptr + _record(b, n, K, G, 0) * 2 + 1, d_used.to(tl.int8), mask=ok)
