@@ -259,25 +259,27 @@ def _tree_positions_kernel(
     # candidate tokens by rank (RRS's residual masses before the walk)
     rank = tl.cumsum(member.to(tl.int32), axis=2) - 1
     root_rank = tl.cumsum(root_member.to(tl.int32), axis=2) - 1
-    for r in tl.static_range(RRS_MAX):
+    for r in range(0, RRS_MAX):  # a loop, not unrolled: the program is near the register limit
         x_r = tl.sum(tl.where(member & (rank == r), tok_j, 0), axis=2).to(tl.int32)
         tl.store(base + (1 + n) * POS_REC + POS_TOK + r, x_r, mask=ok_node)
         x_root = tl.sum(tl.where(root_member & (root_rank == r), tok_j, 0), axis=2).to(tl.int32)
         tl.store(base + r0 * POS_REC + POS_TOK + r, x_root, mask=ok_root)
-    # the rows the row pass reads: each position's target row and its first candidate's draft row
-    first_cand = tl.max(((member & (rank == 0)) | (root_member & (root_rank == 0))).to(tl.int32), axis=1)
-    _store_row_use(use_ptr, b[:, None], b_ok[:, None], n, is_first, first_cand > 0, K, G, N)
+    _store_row_use(use_ptr, b[:, None], n, ok_root, ok_node, is_first, k, first, k_root, first_root, K, G)
 
 
 @triton.jit
-def _store_row_use(use_ptr, b, b_ok, n, t_used, d_used, K, G, N):
-    """Row use of the row pass's records ([BB, 1] requests, [1, NP2] nodes n): node n's target row
-    where it is the first node of its set (t_used), its draft row where it is some position's first
-    candidate (d_used); slot 0 of chain c holds the root's target row (c = 0) or a copy (c > 0: unused)."""
-    ok = b_ok & (n < N)
-    tl.store(use_ptr + _record(b, n, K, G, 1) * 2, t_used.to(tl.int8), mask=ok)
-    tl.store(use_ptr + _record(b, n, K, G, 0) * 2 + 1, d_used.to(tl.int8), mask=ok)
-    tl.store(use_ptr + (b * K + n) * (G + 1) * 2, (n == 0).to(tl.int8), mask=b_ok & (n < K))
+def _store_row_use(use_ptr, b, n, ok_root, ok_node, is_first, k, first, k_root, first_root, K, G):
+    """Marks the rows the row pass reads in use_ptr (zeroed by the launcher; [BB, 1] requests, [1, NP2]
+    nodes): the root's target row and each position's (its first node's), and the draft row of each
+    position's first candidate - scattered ones (distinct positions have distinct first candidates).
+    Left unmarked: copies of the root row (chains k > 0), later siblings' draft rows, rows of nodes
+    repeating a sibling's token."""
+    one_root = tl.full(ok_root.shape, 1, tl.int8)
+    one = tl.full(ok_node.shape, 1, tl.int8)
+    tl.store(use_ptr + b * K * (G + 1) * 2, one_root, mask=ok_root)
+    tl.store(use_ptr + _record(b, first_root, K, G, 0) * 2 + 1, one_root, mask=ok_root & (k_root > 0))
+    tl.store(use_ptr + _record(b, n, K, G, 1) * 2, one, mask=ok_node & is_first)
+    tl.store(use_ptr + _record(b, first, K, G, 0) * 2 + 1, one, mask=ok_node & (k > 0))
 
 
 @triton.jit
@@ -1179,7 +1181,7 @@ def launch_tree(
     if args.draft_mode != DRAFT_NONE and sampled:
         # the positions a walk can reach and their candidates, from the tree alone
         pos = torch.empty((B, N + 1, POS_REC_HOST), dtype=torch.int32, device=dev)
-        use, row_use = torch.empty((rows, 2), dtype=torch.int8, device=dev), True
+        use, row_use = torch.zeros((rows, 2), dtype=torch.int8, device=dev), True
         pos_block_b = max(1, min(next_pow2(B), (1 << 16) // (np2 * np2))) if interpreted else 1
         _tree_positions_kernel[(triton.cdiv(B, pos_block_b),)](
             args.tokens,
