@@ -462,6 +462,19 @@ class TreeVerifyModel:
         return case["V"] * case["B"] * (rows_t + rows_d) * case["esize"]
 
     @staticmethod
+    def used_rows(case: dict) -> tuple[int, int]:
+        """(target rows, draft rows) of one request that the row pass reads (sibling tokens distinct):
+        every position's target row (the root's once, not its copies in chains k > 0) and the draft row
+        of each position's first candidate only (later siblings share its prefix)."""
+        if case["op"] == "verify_multi":
+            return 1 + case["K"] * case["G"], 1 + case["K"] * (case["G"] - 1)
+        return case["N"] + 1, len(set(case["parents"]))
+
+    @staticmethod
+    def row_pass_read(case: dict) -> float:
+        return case["V"] * case["B"] * sum(TreeVerifyModel.used_rows(case)) * case["esize"]
+
+    @staticmethod
     def loops(case: dict, launch: Launch, loops: list[dict]):
         name, kw = launch.kernel.fn.__name__, launch.kwargs
         bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
@@ -532,7 +545,7 @@ class TreeVerifyModel:
         name = launch.kernel.fn.__name__
         B, V, e = case["B"], case["V"], case["esize"]
         if name == "_verify_row_stats_kernel":
-            return TreeVerifyModel.one_read(case)
+            return TreeVerifyModel.row_pass_read(case)
         if name == "_tree_walk_kernel":
             search = TreeVerifyModel.walk_searches(case, launch)
             races = 0 if "race_i_ptr" in launch.kernel.arg_names else 1  # the race has its own launch now

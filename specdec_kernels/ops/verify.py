@@ -186,6 +186,7 @@ def _verify_row_stats_kernel(
     thr_ptr,  # [B*K*(G+1), 2] fp32 out: raw-logit thresholds of target and draft (HAS_FILTER)
     filter_buf_ptr,  # fp32 scratch of the threshold phases: candidates [2R, TC, FILTER_CAP], chunk (m, z)
     filter_int_ptr,  # int32 scratch of the threshold phases: each chunk's candidate bound [2R, TC] (not PHASE_WHOLE)
+    use_ptr,  # [B*K*(G+1), 2] int8 (ROW_USE): nonzero where the record's target / draft row is used
     # strides
     stride_tb,
     stride_tk,
@@ -220,6 +221,7 @@ def _verify_row_stats_kernel(
     PLACEHOLDERS_END: tl.constexpr,  # a draft id outside [0, V) ends the draft (chains)
     GP2: tl.constexpr,  # next power of two >= G (PLACEHOLDERS_END)
     FLAT: tl.constexpr,  # flattened ragged layout (chains): bases from cu_ptr, strides are row strides
+    ROW_USE: tl.constexpr,  # trees: rows no walk can use (use_ptr) are never read
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -242,6 +244,10 @@ def _verify_row_stats_kernel(
     temperature = per_request(temperature_ptr, temperature, b, row_ok, PER_REQ_T).to(tl.float32)
     greedy, inv_t = inverse_temperature(temperature)
     draft_ok = row_ok & (i < n_b) & ~greedy  # draft rows: never read for greedy, nor in DRAFT_NONE
+    target_ok = row_ok  # target rows read (the record is written whenever row_ok)
+    if ROW_USE:  # a tree's duplicate and non-first sibling rows: no position takes p or q from them
+        target_ok = row_ok & (tl.load(use_ptr + rows * 2, mask=row_ok, other=0) != 0)
+        draft_ok = draft_ok & (tl.load(use_ptr + rows * 2 + 1, mask=draft_ok, other=0) != 0)
 
     t_base = _request_base(cu_ptr, b, in_batch, stride_tb, 1, FLAT)  # + b: each request's bonus row
     d_base = _request_base(cu_ptr, b, in_batch, stride_db, 0, FLAT)
@@ -251,7 +257,7 @@ def _verify_row_stats_kernel(
     thr_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
     if HAS_FILTER:
         if PHASE == PHASE_STATS:  # thresholds from the threshold phases
-            thr_t = tl.load(thr_ptr + rows * NUM_THR + THR_T, mask=row_ok & ~greedy, other=float("-inf"))
+            thr_t = tl.load(thr_ptr + rows * NUM_THR + THR_T, mask=target_ok & ~greedy, other=float("-inf"))
             if DRAFT_MODE == DRAFT_LOGITS:
                 thr_q = tl.load(thr_ptr + rows * NUM_THR + THR_Q, mask=draft_ok, other=float("-inf"))
         else:
@@ -261,7 +267,7 @@ def _verify_row_stats_kernel(
             RS = B * K * (G + 1) * 2
             if PHASE == PHASE_WHOLE:  # the interpreter's plan: BLOCK_R whole rows per program, target then draft
                 _whole_rows(
-                    t_rows, rows * 2, row_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
+                    t_rows, rows * 2, target_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
                     V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS,
                 )  # fmt: skip
                 if DRAFT_MODE == DRAFT_LOGITS:
@@ -283,21 +289,21 @@ def _verify_row_stats_kernel(
                 d_shift: tl.constexpr = _key_shift(draft_ptr.dtype.element_ty)
                 if DRAFT_MODE != DRAFT_LOGITS:
                     _threshold_phase(
-                        t_rows, rows * 2, row_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
+                        t_rows, rows * 2, target_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
                         filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
                         PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group,
                     )  # fmt: skip
                 elif d_shift == t_shift:  # same dtype: one copy of the code, the rows picked by `which`
                     is_d = which == 1
                     _threshold_phase(
-                        tl.where(is_d, d_rows, t_rows), rows * 2 + which, tl.where(is_d, draft_ok, row_ok & ~greedy),
+                        tl.where(is_d, d_rows, t_rows), rows * 2 + which, tl.where(is_d, draft_ok, target_ok & ~greedy),
                         thr_ptr + rows * NUM_THR + which, filter_buf_ptr, filter_int_ptr, RS, num_chunks, part, parts,
                         chunk_size, V, inv_t, top_k, top_p,
                         PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group,
                     )  # fmt: skip
                 elif which == 0:
                     _threshold_phase(
-                        t_rows, rows * 2, row_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
+                        t_rows, rows * 2, target_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
                         filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
                         PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group,
                     )  # fmt: skip
@@ -315,6 +321,7 @@ def _verify_row_stats_kernel(
             stats_ptr + (rows * num_chunks + chunk) * NUM_STATS,
             idx_ptr + (rows * num_chunks + chunk) * NUM_IDX,
             row_ok,
+            target_ok,
             draft_ok,
             thr_t,
             thr_q,
@@ -334,6 +341,7 @@ def _row_stats_pass(
     rec_ptr,
     idx_rec_ptr,
     row_ok,
+    target_ok,
     draft_ok,
     thr_t,
     thr_q,
@@ -345,20 +353,31 @@ def _row_stats_pass(
     BLOCK_V: tl.constexpr,
 ):
     """Statistics of each row's chunk [start_col, end_col), written to its records rec_ptr /
-    idx_rec_ptr ([R] pointers)."""
+    idx_rec_ptr ([R] pointers) where row_ok; target rows are read where target_ok, draft rows where
+    draft_ok."""
     BLOCK_R: tl.constexpr = t_rows.shape[0]
     # Fast pass: no per-entry sanitising. NaN / +inf entries poison the NaN-propagating running max
     # (which is also the row max and the greedy max); such rows are redone exactly below.
     row_m_t, row_z_t, row_g_idx, row_m_q, row_z_q, bad_q = _row_pass_fast(
-        t_rows, d_rows, row_ok, draft_ok, thr_t, thr_q, inv_t, start_col, end_col, DRAFT_MODE, HAS_FILTER, BLOCK_V
+        t_rows, d_rows, target_ok, draft_ok, thr_t, thr_q, inv_t, start_col, end_col, DRAFT_MODE, HAS_FILTER, BLOCK_V
     )
-    redo = row_ok & ~(row_m_t < float("inf"))
+    redo = target_ok & ~(row_m_t < float("inf"))
     if DRAFT_MODE == DRAFT_LOGITS:
         redo = redo | (draft_ok & ~(row_m_q < float("inf")))
     bad_t = tl.zeros([BLOCK_R], tl.int32)
     if tl.max(redo.to(tl.int32), axis=0) > 0:
         e_m_t, e_z_t, e_g_max, e_g_idx, e_bad_t, e_m_q, e_z_q, e_bad_q = _row_pass_exact(
-            t_rows, d_rows, redo, redo & draft_ok, thr_t, thr_q, inv_t, start_col, end_col, DRAFT_MODE, BLOCK_V
+            t_rows,
+            d_rows,
+            redo & target_ok,
+            redo & draft_ok,
+            thr_t,
+            thr_q,
+            inv_t,
+            start_col,
+            end_col,
+            DRAFT_MODE,
+            BLOCK_V,
         )
         row_m_t = tl.where(redo, e_m_t, row_m_t)
         row_z_t = tl.where(redo, e_z_t, row_z_t)
@@ -1170,6 +1189,7 @@ def launch_verify(
             thr,
             filter_buf,
             filter_int,
+            filter_int,  # row use: unused (chains read every row they have)
             stride_tb,
             0,
             stride_tg,
@@ -1197,6 +1217,7 @@ def launch_verify(
             PLACEHOLDERS_END=True,
             GP2=next_pow2(max(G, 1)),
             FLAT=flat,
+            ROW_USE=False,
             BLOCK_R=block_r,
             BLOCK_V=plan.block_v,
             num_warps=num_warps,

@@ -4,11 +4,13 @@ No host synchronisation, no Python loop over requests or nodes. Everything that 
 the random path runs before the walk, split over the vocabulary; the walk itself reads no logits row
 (except RRS positions with more than RRS_MAX candidates):
 
-1. ``_verify_row_stats_kernel`` (shared with ``verify``): online max / sum-exp, greedy argmax and
-   top-k/top-p thresholds of every target row and draft row of the tree (chunks merged once).
-2. ``_tree_positions_kernel`` grid (requests): the positions a walk can reach (node sets spelling the
+1. ``_tree_positions_kernel`` grid (requests): the positions a walk can reach (node sets spelling the
    same token path, named by their first node), their candidate counts, first candidates and the
-   first candidates' tokens by rank - from the tree alone.
+   first candidates' tokens by rank - from the tree alone - and the rows they use (sampled requests
+   with draft distributions; greedy and one-hot calls skip it).
+2. ``_verify_row_stats_kernel`` (shared with ``verify``): online max / sum-exp, greedy argmax and
+   top-k/top-p thresholds of every used target row and draft row of the tree (chunks merged once):
+   later siblings' draft rows are never read (their prefix is the first sibling's).
 3. K-SEQ: ``_tree_rho_kernel`` grid (positions, vocabulary chunks), RHO_ROUNDS launches: g(rho) at
    one round's RHO_POINTS points of the rho* search (``reference.verify_tree.rho_search``) for every
    position with siblings whose search is not done, each followed by ``_tree_rho_step_kernel`` grid
@@ -187,6 +189,7 @@ def _tree_positions_kernel(
     parents_ptr,  # [B, N] int (unless CHAINS)
     num_nodes_ptr,  # [B] int (PER_REQ_N)
     pos_ptr,  # [B, N+1, POS_REC] int32 out: per position (slot 0 = root, 1 + n = node n)
+    use_ptr,  # [B*K*(G+1), 2] int8 out: the row pass's record use (target row, draft row)
     # strides
     stride_xb,
     stride_xk,
@@ -207,8 +210,10 @@ def _tree_positions_kernel(
     """The positions a walk can reach, from the tree alone (no randomness): nodes spelling the same
     token path form one position (the walk's node set), named by its first node. For each position:
     its candidate count k (0 when the node is not the first of its set) and its first candidate (whose
-    draft row is the position's q). BLOCK_B requests per program (1 on a GPU; a tile of them in the
-    interpreter, where a program per request costs more than its work); D rounds of
+    draft row is the position's q). And the rows the row pass reads: the positions' target rows and
+    their first candidates' draft rows; no walk uses the others (later siblings' draft rows, rows of
+    nodes repeating a sibling's token). BLOCK_B requests per program (1 on a GPU; a tile of them in
+    the interpreter, where a program per request costs more than its work); D rounds of
     [BLOCK_B, NP2, NP2] bit tiles."""
     b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     b_ok = b < B
@@ -254,11 +259,27 @@ def _tree_positions_kernel(
     # candidate tokens by rank (RRS's residual masses before the walk)
     rank = tl.cumsum(member.to(tl.int32), axis=2) - 1
     root_rank = tl.cumsum(root_member.to(tl.int32), axis=2) - 1
-    for r in tl.static_range(RRS_MAX):
+    for r in range(0, RRS_MAX):  # a loop, not unrolled: the program is near the register limit
         x_r = tl.sum(tl.where(member & (rank == r), tok_j, 0), axis=2).to(tl.int32)
         tl.store(base + (1 + n) * POS_REC + POS_TOK + r, x_r, mask=ok_node)
         x_root = tl.sum(tl.where(root_member & (root_rank == r), tok_j, 0), axis=2).to(tl.int32)
         tl.store(base + r0 * POS_REC + POS_TOK + r, x_root, mask=ok_root)
+    _store_row_use(use_ptr, b[:, None], n, ok_root, ok_node, is_first, k, first, k_root, first_root, K, G)
+
+
+@triton.jit
+def _store_row_use(use_ptr, b, n, ok_root, ok_node, is_first, k, first, k_root, first_root, K, G):
+    """Marks the rows the row pass reads in use_ptr (zeroed by the launcher; [BB, 1] requests, [1, NP2]
+    nodes): the root's target row and each position's (its first node's), and the draft row of each
+    position's first candidate - scattered ones (distinct positions have distinct first candidates).
+    Left unmarked: copies of the root row (chains k > 0), later siblings' draft rows, rows of nodes
+    repeating a sibling's token."""
+    one_root = tl.full(ok_root.shape, 1, tl.int8)
+    one = tl.full(ok_node.shape, 1, tl.int8)
+    tl.store(use_ptr + b * K * (G + 1) * 2, one_root, mask=ok_root)
+    tl.store(use_ptr + _record(b, first_root, K, G, 0) * 2 + 1, one_root, mask=ok_root & (k_root > 0))
+    tl.store(use_ptr + _record(b, n, K, G, 1) * 2, one, mask=ok_node & is_first)
+    tl.store(use_ptr + _record(b, first, K, G, 0) * 2 + 1, one, mask=ok_node & (k > 0))
 
 
 @triton.jit
@@ -1152,6 +1173,37 @@ def launch_tree(
     p_ptr, p_val, per_req_p = params["top_p"]
     s_ptr, s_val, per_req_s = params["seed"]
 
+    parents = args.parents if args.parents is not None else target
+    P = B * (N + 1)
+    kseq = METHODS[args.method] == 0 and args.draft_mode != DRAFT_NONE
+    sampled = per_req_t or float(t_val) >= 2.0**-126
+    use, row_use = stats, False  # the row pass reads every row unless the positions say which are used
+    if args.draft_mode != DRAFT_NONE and sampled:
+        # the positions a walk can reach and their candidates, from the tree alone
+        pos = torch.empty((B, N + 1, POS_REC_HOST), dtype=torch.int32, device=dev)
+        use, row_use = torch.zeros((rows, 2), dtype=torch.int8, device=dev), True
+        pos_block_b = max(1, min(next_pow2(B), (1 << 16) // (np2 * np2))) if interpreted else 1
+        _tree_positions_kernel[(triton.cdiv(B, pos_block_b),)](
+            args.tokens,
+            parents,
+            n_ptr,
+            pos,
+            use,
+            args.tokens.stride(0),
+            args.tokens.stride(1),
+            parents.stride(0) if args.parents is not None else 0,
+            B,
+            K,
+            G,
+            V,
+            N,
+            D,
+            PER_REQ_N=per_req_n,
+            CHAINS=args.parents is None,
+            NP2=np2,
+            BLOCK_B=pos_block_b,
+        )
+
     # Rows past a ragged tree's last node are skipped: "n_b" of the row pass is the node count
     # (row i of a single chain belongs to node i - 1); chains of verify_multi are never ragged.
     def row_pass(phase: int, rows_per_program: int, grid_chunks: int, chunks: int, chunk_size: int, warps: int) -> None:
@@ -1169,6 +1221,7 @@ def launch_tree(
             thr,
             filter_buf,
             filter_int,
+            use,
             target.stride(0),
             target.stride(1),
             target.stride(2),
@@ -1194,6 +1247,7 @@ def launch_tree(
             PLACEHOLDERS_END=False,
             GP2=1,
             FLAT=False,
+            ROW_USE=row_use,
             BLOCK_R=rows_per_program,
             BLOCK_V=block_v,
             num_warps=warps,
@@ -1204,35 +1258,8 @@ def launch_tree(
     row_pass(PHASE_STATS.value, block_r, C, C, chunk_size, 8 if block_r * block_v >= 2048 else 4)
     if C > 1:  # the walk reads one record per row
         stats, idx = merge_chunk_stats(stats, idx, rows, K * (G + 1), t_ptr, t_val, per_req_t)
-    parents = args.parents if args.parents is not None else target
-    P = B * (N + 1)
-    kseq = METHODS[args.method] == 0 and args.draft_mode != DRAFT_NONE
-    sampled = per_req_t or float(t_val) >= 2.0**-126
     rrs_c = 1
     brk = rrs = stats  # unused unless K-SEQ / RRS sample with draft distributions
-    if args.draft_mode != DRAFT_NONE and sampled:
-        # the positions a walk can reach and their candidates, from the tree alone
-        pos = torch.empty((B, N + 1, POS_REC_HOST), dtype=torch.int32, device=dev)
-        pos_block_b = max(1, min(next_pow2(B), (1 << 16) // (np2 * np2))) if interpreted else 1
-        _tree_positions_kernel[(triton.cdiv(B, pos_block_b),)](
-            args.tokens,
-            parents,
-            n_ptr,
-            pos,
-            args.tokens.stride(0),
-            args.tokens.stride(1),
-            parents.stride(0) if args.parents is not None else 0,
-            B,
-            K,
-            G,
-            V,
-            N,
-            D,
-            PER_REQ_N=per_req_n,
-            CHAINS=args.parents is None,
-            NP2=np2,
-            BLOCK_B=pos_block_b,
-        )
     if kseq and sampled:
         # K-SEQ's rho for every position with siblings, before the walk and split over the vocabulary
         rho_block_v = block_v if interpreted else 512

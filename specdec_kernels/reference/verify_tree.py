@@ -45,6 +45,10 @@ from .sampling import (
     uniforms,
 )
 
+# Why two rounds at least: the stop test needs a bracket whose acceptance gap is <= RHO_TOL, i.e. a
+# width of ~1e-4 in rho (dA/drho is 0.05-0.25 near rho*). Evenly spaced first-round points leave a gap
+# of 1e-3 - 3e-3 even at 128 of them (bench_verify_tree's world, V = 151,936, T = 0.7, k = 2..4), so a
+# second round is always needed; its points are placed from the first round's bounds on g (rho_step).
 RHO_POINTS = 8  # values of rho evaluated per vocabulary pass (the first round's include 1 and k)
 RHO_ROUNDS = 3  # passes at most; a position stops once its bracket is within RHO_TOL of acceptance
 RHO_TOL = 5e-5  # bound on the acceptance lost by using the bracket's upper end instead of rho*

@@ -45,6 +45,7 @@ def verify_kernels():
         "draft_tokens_ptr": "*i64",
         "cu_ptr": "*i64",
         "filter_int_ptr": "*i32",
+        "use_ptr": "*i8",
     }
     variants = itertools.product(["*bf16"], [0, 1, 2], [False, True], [(1, 2048), (2, 16)])
     others = [("*fp16", 1, True, (1, 2048)), ("*fp32", 2, True, (2, 16)), ("*bf16", 1, False, (64, 16))]
@@ -73,6 +74,7 @@ def verify_kernels():
                     PLACEHOLDERS_END=not per_req,
                     GP2=8,
                     FLAT=per_req,  # the flattened ragged layout rides on the per-request variant
+                    ROW_USE=not per_req,  # trees' row use rides on the scalar variant
                     BLOCK_R=block if phase == 0 else 1,  # the threshold phases: one row per program
                     BLOCK_V=bv,
                 ),
@@ -129,6 +131,7 @@ def tree_kernels():
         "race_i_ptr": "*i32",
         "race_xs_ptr": "*i64",
         "pos_ptr": "*i32",
+        "use_ptr": "*i8",
     }
     for chains in (False, True):
         yield v._tree_positions_kernel, types, dict(PER_REQ_N=not chains, CHAINS=chains, NP2=64, BLOCK_B=1)

@@ -261,3 +261,81 @@ def test_wide_positions_before_and_after_the_precomputed_rounds(method, device):
     _assert_same(sk.verify_tree(target, tokens, parents, **kw), ref)
     with launch_overrides(num_chunks=3, block_v=16):
         _assert_same(sk.verify_tree(target, tokens, parents, **kw), ref)
+
+
+def _rows_loaded(monkeypatch, tensors):
+    """Sets of the rows (over the last dimension) of each of `tensors` that the kernels load from
+    (interpreter loads, masked lanes excluded)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    spans = [(t.data_ptr(), t.numel() * t.element_size(), t.shape[-1] * t.element_size()) for t in tensors]
+    rows = [set() for _ in tensors]
+    original = interpreter.InterpreterBuilder.create_masked_load
+
+    def counting(self, ptrs, mask, other, cache_policy, is_volatile):
+        addr = ptrs.data[mask.data.astype(bool)].astype(np.int64)
+        for (base, size, row_bytes), seen in zip(spans, rows, strict=True):
+            off = addr[(addr >= base) & (addr < base + size)] - base
+            seen.update(int(r) for r in np.unique(off // row_bytes))
+        return original(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counting)
+    return rows
+
+
+def _used_rows(tokens, parents):
+    """(target rows, draft rows) of one tree that some position uses (reference semantics): the root's
+    and each same-path set's first node's target rows, and each position's first candidate's draft row."""
+    path = {}
+    for n, (tok, par) in enumerate(zip(tokens.tolist(), parents.tolist(), strict=True)):
+        path[n] = (path[par] if par >= 0 else ()) + (tok,)
+    reps = sorted({min(m for m in path if path[m] == path[n]) for n in path})
+    kids_of = {None: [n for n in path if parents[n] < 0]}
+    kids_of.update({r: [n for n in path if parents[n] >= 0 and path[int(parents[n])] == path[r]] for r in reps})
+    return {0} | {1 + r for r in reps}, {min(kids) for kids in kids_of.values() if kids}
+
+
+@pytest.mark.parametrize("repeats", [False, True])
+def test_rows_no_position_uses_are_never_read(monkeypatch, repeats):
+    """Issue 13: later siblings' draft rows (their prefix is the first sibling's) and the rows of nodes
+    repeating a sibling's token are never read; bench_static's TreeVerifyModel.used_rows counts the
+    rest for trees without repeats."""
+    if torch.cuda.is_available():
+        pytest.skip("counts the interpreter's loads")
+    from bench.bench_static import TreeVerifyModel, eagle_tree
+
+    N, V = 14, 40
+    parents = torch.tensor(eagle_tree(N))
+    tokens = torch.arange(N) + 1  # distinct sibling tokens
+    if repeats:
+        tokens[1] = tokens[0]  # the root's second child repeats the first: one position, their children merge
+    target, _tok, _par, draft = make_tree_problem(1, N, V, shape="chain", seed=5)
+    kw = dict(draft_logits=draft, seed=3, temperature=0.9)
+    ref = verify_tree_reference(target, tokens[None], parents[None], **kw)
+    read_t, read_d = _rows_loaded(monkeypatch, [target, draft])
+    _assert_same(sk.verify_tree(target, tokens[None], parents[None], **kw), ref)
+    used_t, used_d = _used_rows(tokens, parents)
+    assert (read_t, read_d) == (used_t, used_d)
+    if not repeats:
+        case = dict(op="verify_tree", N=N, parents=eagle_tree(N))
+        assert (len(used_t), len(used_d)) == TreeVerifyModel.used_rows(case)
+
+
+def test_multi_reads_one_root_row_and_first_draft_row(monkeypatch):
+    """verify_multi: the copies of the root's target row in chains k > 0 and their first draft rows
+    (chain 0's are the same distribution) are never read (bench_static's used_rows)."""
+    if torch.cuda.is_available():
+        pytest.skip("counts the interpreter's loads")
+    from bench.bench_static import TreeVerifyModel
+
+    B, K, G, V = 1, 3, 3, 40
+    target, _tokens, draft = _chains(B, K, G, V, "cpu", seed=4)
+    tokens = torch.arange(K * G).reshape(B, K, G) + 1  # distinct: no chains merge
+    kw = dict(draft_logits=draft, seed=5, temperature=0.9)
+    ref = verify_multi_reference(target, tokens, **kw)
+    read_t, read_d = _rows_loaded(monkeypatch, [target, draft])
+    _assert_same(sk.verify_multi(target, tokens, **kw), ref)
+    assert read_t == {0} | {k * (G + 1) + j for k in range(K) for j in range(1, G + 1)}
+    assert read_d == {0} | {k * G + j for k in range(K) for j in range(1, G)}
+    assert (len(read_t), len(read_d)) == TreeVerifyModel.used_rows(dict(op="verify_multi", K=K, G=G))
