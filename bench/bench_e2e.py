@@ -26,6 +26,12 @@ drift affects all modes alike), greedy (``--temperature 0``, the default) and/or
 configs are reset to neutral ones (no repetition penalty, no sampling defaults) so that every mode
 decodes the same distribution; the values that were dropped are printed.
 
+On CPU every mode (baselines included) runs the models' linear layers through oneDNN on packed
+weights (``--cpu-linear onednn``, the default; ``specdec_kernels.hf.cpu_linear``): PyTorch's fp32
+``nn.Linear`` (MKL) can cost 2-3x a one-token forward for 2-4 tokens, which no verification forward
+recovers. ``--draft-dtype bf16`` runs the draft in bf16 (acceptance may change, outputs cannot);
+``--threads`` pins torch's thread count. Rows record ``draft_dtype``, ``cpu_linear`` and ``threads``.
+
 Prompts: ``code`` -- the opening of the first top-level ``def``/``class`` of a fixed list of
 standard-library modules (``sysconfig.get_paths()["stdlib"]``), cut at a line boundary after
 ``--prompt-chars`` characters; ``prose`` -- three short English paragraphs fixed in this file, cut
@@ -62,6 +68,8 @@ Usage
         --draft bench/models/Qwen2.5-Coder-0.5B-Instruct         # -> bench/results/e2e.csv
     python bench/bench_e2e.py --pair demo --temperature 0 0.7 --max-new-tokens 64
     python bench/bench_e2e.py --target DIR --draft DIR --modes target_only ours_k1 ours_k4 --G 6 --batch-size 4
+    python bench/bench_e2e.py --target DIR --draft DIR --device cpu --threads 1 --draft-dtype bf16 \\
+        --modes target_only hf_assisted ours_k1 --code-prompts 4 --prose-prompts 2 --G 4 8 16
     python bench/bench_e2e.py --smoke                             # tiny random models on CPU (CI)
 """
 
