@@ -61,6 +61,12 @@ class OneDnnLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         return cls(packed, linear.bias, linear.in_features, linear.out_features)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as a plain ``[out_features, in_features]`` tensor, unpacked on each access (a copy:
+        for code that inspects an output layer's shape or dtype, not for the hot path)."""
+        return self.packed_weight.to_dense()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"OneDnnLinear: input's last dimension is {x.shape[-1]}, expected {self.in_features}")
@@ -74,8 +80,10 @@ def use_onednn_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of a CPU fp32/bf16 ``model`` with an :class:`OneDnnLinear`, in place.
 
     Returns how many were replaced (0 when this PyTorch has no oneDNN, or the model is on a GPU or
-    in another dtype: nothing to gain there, and the model is left as it was). Inference only.
-    A tied output layer gets its own packed copy (the input embedding keeps the original weight).
+    in another dtype: nothing to gain there, and the model is left as it was). Inference only: the
+    packed weights are not parameters, so ``state_dict()``, ``.to(device)`` and training no longer see
+    them (save or move the model before the swap). A tied output layer gets its own packed copy (the
+    input embedding keeps the original weight).
 
     Example::
 

@@ -35,6 +35,12 @@ def test_matches_nn_linear(dtype, atol, bias):
         torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
 
 
+def test_weight_reads_back_the_original():
+    linear = nn.Linear(12, 5)
+    fast = OneDnnLinear.from_linear(linear)
+    assert torch.equal(fast.weight, linear.weight.detach()) and fast.bias is linear.bias
+
+
 def test_wrong_width_is_a_clear_error():
     fast = OneDnnLinear.from_linear(nn.Linear(8, 4))
     with pytest.raises(ValueError, match="expected 8"):
