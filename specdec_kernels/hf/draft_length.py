@@ -24,24 +24,57 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
+from torch import nn
+
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 4  # acceptance before any test: 0.7, worth 4 tested drafts
 EXPLORE_WITHIN = 0.7  # an unmeasured length is tried once if its predicted rate is within 70% of the best
 REFRESH_EVERY = 16  # every 16th timed step re-measures a neighbour of the best length
 SMOOTHING = 0.3  # weight of a new step time in its length's running mean
 
 
+# A CPU forward's fixed cost per decoder layer (framework dispatch, norms, rotary, attention over a short
+# cache) in bytes of weights it could have read instead: ~1 ms a layer at ~25 GB/s on the 2-core AMD
+# EPYC where it was measured (Qwen2.5-Coder 1.5B fp32 / 0.5B bf16: 278 / 65 ms per token with oneDNN
+# linears; 6.2 / 0.99 GB of weights). It predicts the 0.5B bf16 draft at 0.23 of the fp32 target
+# (measured 0.23) and the embedded demo pair at 0.11.
+CPU_LAYER_BYTES = 25e6
+
+
 def draft_cost_estimate(target, draft) -> float:
-    """A draft forward's cost relative to the target's, from the two models' shapes: the mean of
-    the parameter ratio (what bandwidth- and FLOP-bound forwards scale with) and the layer ratio
-    (what per-layer launch and framework overhead scales with, dominant for small models). From
-    shapes, not timings, so that a seeded call draws the same tokens every time."""
+    """A draft forward's cost relative to the target's, from the two models' shapes (not timings, so
+    that a seeded call draws the same tokens every time).
+
+    On the CPU: weight bytes (what a decoding forward streams) plus a fixed cost per layer
+    (``CPU_LAYER_BYTES``), so a bf16 draft counts half its parameters. Elsewhere (GPU): the mean of
+    the parameter ratio and the layer ratio, the layer term standing for per-layer launch overhead,
+    which dominates eager forwards of small models there."""
 
     def size(model):
         config = model.config.get_text_config(decoder=True)
-        return sum(p.numel() for p in model.parameters()), max(1, int(config.num_hidden_layers))
+        params = list(model.parameters())
+        device = params[0].device.type if params else "cpu"
+        return sum(p.numel() for p in params), _streamed_bytes(model), max(1, int(config.num_hidden_layers)), device
 
-    (p_t, l_t), (p_d, l_d) = size(target), size(draft)
-    return 0.5 * (p_d / max(p_t, 1)) + 0.5 * (l_d / l_t)
+    (n_t, b_t, l_t, device), (n_d, b_d, l_d, _) = size(target), size(draft)
+    if device == "cpu":
+        return (b_d + l_d * CPU_LAYER_BYTES) / max(b_t + l_t * CPU_LAYER_BYTES, 1.0)
+    return 0.5 * (n_d / max(n_t, 1)) + 0.5 * (l_d / l_t)
+
+
+def _streamed_bytes(model) -> int:
+    """Weight bytes a one-token forward reads: every parameter but the input embedding (of which it
+    reads one row) unless that matrix is also the output layer (tied), plus the weights of linear
+    layers swapped for oneDNN ones (``hf/cpu_linear.py``), which are not parameters."""
+    embedding = model.get_input_embeddings()
+    output = model.get_output_embeddings()
+    tied = embedding is not None and isinstance(output, nn.Linear) and output.weight is embedding.weight
+    skip = {id(embedding.weight)} if embedding is not None and not tied else set()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    for m in model.modules():
+        packed = getattr(m, "packed_weight", None)
+        if packed is not None:
+            nbytes += m.in_features * m.out_features * packed.element_size()
+    return nbytes
 
 
 def acceptance_estimate(accepted: int, rejections: int) -> float:

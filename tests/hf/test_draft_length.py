@@ -7,9 +7,11 @@ import torch
 
 from specdec_kernels.hf import speculative_generate
 from specdec_kernels.hf.draft_length import (
+    CPU_LAYER_BYTES,
     DraftLengthPolicy,
     acceptance_estimate,
     best_by_shapes,
+    draft_cost_estimate,
     expected_tokens,
     pair_step_times,
 )
@@ -40,6 +42,30 @@ def test_expected_tokens_and_acceptance_estimate():
     assert acceptance_estimate(0, 0) == pytest.approx(0.7)  # the prior
     assert acceptance_estimate(900, 100) == pytest.approx(0.9, abs=0.01)
     assert acceptance_estimate(0, 10_000) == 0.01  # clamped
+
+
+def test_cpu_cost_estimate_counts_streamed_bytes_and_layers():
+    """On the CPU a draft costs its weight bytes plus a fixed cost per layer, relative to the target's:
+    a bf16 draft counts half its bytes, and swapping in oneDNN linears changes nothing."""
+    import copy
+
+    from specdec_kernels.hf.cpu_linear import onednn_linear_available, use_onednn_linears
+    from specdec_kernels.hf.draft_length import _streamed_bytes
+
+    target = tiny_model("qwen2", layers=4, hidden=128, vocab=997)
+    draft = tiny_model("qwen2", layers=1, hidden=64, vocab=997)
+    expected = (_streamed_bytes(draft) + CPU_LAYER_BYTES) / (_streamed_bytes(target) + 4 * CPU_LAYER_BYTES)
+    assert draft_cost_estimate(target, draft) == pytest.approx(expected)
+    embedding = target.get_input_embeddings().weight
+    params = sum(p.numel() * 4 for p in target.parameters())
+    assert _streamed_bytes(target) == params - embedding.numel() * 4  # one embedding row is read, not all
+    half = copy.deepcopy(draft).to(torch.bfloat16)
+    assert _streamed_bytes(half) * 2 == _streamed_bytes(draft)
+    if onednn_linear_available():
+        swapped_t, swapped_d = copy.deepcopy(target), copy.deepcopy(draft)
+        use_onednn_linears(swapped_t), use_onednn_linears(swapped_d)
+        assert _streamed_bytes(swapped_t) == _streamed_bytes(target)
+        assert draft_cost_estimate(swapped_t, swapped_d) == pytest.approx(expected)
 
 
 def test_shapes_model_drafts_more_when_drafts_are_cheap_or_accepted():
