@@ -192,7 +192,7 @@ class _StepResult:
     finished: list[bool]
     offered: list[int]
     tokens: list[list[int]] | None  # the emitted tokens (streamer / host-side drafter only)
-    drafted: int = 0  # draft tokens per chain this step (fewer than asked when drafting stopped early)
+    drafted: int  # draft tokens per chain this step (fewer than asked when drafting stopped early)
 
 
 class _PhaseTimer:
@@ -652,7 +652,7 @@ class _Session:
         )
         tokens, rows = [first], [(probs if filtered else root_logits)[:, None].expand(A, K, V)]
         confident = [self._confident(root_logits, probs)]
-        # A chain keeps its drafts up to its first unsure position. On the CPU a flag costs nothing
+        # A chain keeps its drafts up to its first unsure one. On the CPU a flag costs nothing
         # to read (no device to wait for), so drafting stops once every request has met one: the
         # forwards after it would only make drafts that verification cuts. (On a GPU that read
         # would be a synchronisation per draft token; there the drafts are cut, not skipped.)
@@ -985,8 +985,9 @@ def _as_int(name: str, value) -> int:
 
 
 def _vocab_rows(model) -> int:
-    """Rows of the model's output layer (its logits' width); ``out_features`` first because an
-    output layer swapped for :class:`~specdec_kernels.hf.cpu_linear.OneDnnLinear` has no ``weight``."""
+    """Rows of the model's output layer (its logits' width); ``out_features`` first because the
+    ``weight`` of an output layer swapped for :class:`~specdec_kernels.hf.cpu_linear.OneDnnLinear` is
+    an unpacked copy."""
     emb = model.get_output_embeddings()
     if emb is None:
         return model.config.vocab_size
