@@ -316,13 +316,13 @@ def measure_set(
     """Every mode on every batch of ``prompts``. ``references`` keeps target_only's outputs per
     (batch, rep) across calls, so the later values of a --G sweep are compared with them too."""
     args, errors = run.args, run.errors
+    references = {} if references is None else references
     totals = {m: Totals() for m in modes}
     greedy = temperature == 0.0
     for bi, texts in enumerate(batches(prompts, args.batch_size)):
         ids, mask = encode(pair.tokenizer, texts, args.device)
         for rep in range(args.rep):
             seed = args.seed + 1000 * bi + rep
-            references = {} if references is None else references
             for mode in modes:
                 t = totals[mode]
                 if t.status != "ok":
