@@ -41,6 +41,17 @@ def test_weight_reads_back_the_original():
     assert torch.equal(fast.weight, linear.weight.detach()) and fast.bias is linear.bias
 
 
+def test_nan_inf_and_subnormal_inputs_match_nn_linear():
+    """A NaN or inf in a row reaches that row's outputs as nn.Linear's do; subnormals are kept."""
+    torch.manual_seed(1)
+    linear = nn.Linear(16, 8)
+    fast = OneDnnLinear.from_linear(linear)
+    x = torch.randn(4, 16)
+    x[0, 3], x[1, 5], x[2] = float("nan"), float("inf"), 1e-40
+    torch.testing.assert_close(fast(x), linear(x), equal_nan=True, atol=1e-5, rtol=1e-5)
+    assert torch.isnan(fast(x)[0]).all() and torch.isfinite(fast(x)[3]).all()
+
+
 def test_wrong_width_is_a_clear_error():
     fast = OneDnnLinear.from_linear(nn.Linear(8, 4))
     with pytest.raises(ValueError, match="expected 8"):
