@@ -130,6 +130,27 @@ def test_attention_byte_model_matches_counted_traffic(monkeypatch, N, splits):
     assert modelled <= counted["bytes"] <= modelled + metadata, (counted["bytes"], modelled)
 
 
+def test_attention_at_the_filled_gpu_bound(tmp_path):
+    """The tree attention launches' modelled bytes against the least any layout can move that reads K/V
+    once per (request, KV head) and fills the 132 SMs (bench_static's ``filled_bound_bytes``): within 3%
+    at every configuration of the issue (B = 1: split keys, partials; B = 64: the SDPA floor)."""
+    out = tmp_path / "bytes.json"
+    code = (
+        "import json; from bench import bench_static as b; M = b.TreeAttentionModel; "
+        "rows = [dict(case=c['name'], ours=sum(M.bytes(c, l) for l in b.capture_attention(c)), "
+        "bound=M.filled_bound_bytes(c), once=M.kv_once(c)) for c in b.attention_cases(False)]; "
+        f"json.dump(rows, open({str(out)!r}, 'w'))"
+    )
+    _compile_in_subprocess(code, dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)  # captures, compiles nothing
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4
+    for row in rows:
+        assert row["bound"] <= row["ours"] <= 1.03 * row["bound"], row
+    by_case = {row["case"].split("prefix=4096 ")[1]: row["bound"] / row["once"] for row in rows}
+    assert by_case["N=16 B=1 bf16"] > 1.3 and by_case["N=64 B=1 bf16"] > 2.5, by_case  # why 1.1x is out of reach
+    assert by_case["N=16 B=64 bf16"] < 1.1 and by_case["N=64 B=64 bf16"] < 1.1, by_case
+
+
 def _element_size(ptrs) -> int:
     """Bytes of one element behind an interpreter pointer tensor."""
     return ptrs.get_element_ty().primitive_bitwidth // 8
