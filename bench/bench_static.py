@@ -637,7 +637,7 @@ class TreeAttentionModel:
         return (TreeAttentionModel.kv_once(case) + qo) / H100["hbm"] * 1e6
 
     @staticmethod
-    def filled_bound_bytes(case: dict, sms: int = 0) -> float:
+    def filled_bound_bytes(case: dict) -> float:
         """The fewest bytes any layout can move that reads K/V once per (request, KV head) and launches at
         least one program per SM (the issue's ">= 132 CTAs at B = 1"), counting every byte as HBM traffic.
 
@@ -647,10 +647,10 @@ class TreeAttentionModel:
         but one per pair must hand a partial result per row to a merge (in q's dtype + fp32 max and sum,
         written once and read once; the pair's last program could merge in place). Smaller tiles of rows
         do not help: a pair's keys would then be read once per tile. At B = 1, N = 16 this is 1.40x reading
-        K/V once, at N = 64 2.58x: the 1.1x target needs L2 hits, which this model does not count."""
+        K/V once, at N = 64 2.57x: the 1.1x target needs L2 hits, which this model does not count."""
         B, Hq, Hkv, N, D, e = (case[k] for k in ("B", "Hq", "Hkv", "N", "D", "esize"))
         pairs, rows = B * Hkv, Hq // Hkv * N
-        programs = max(pairs, math.ceil((sms or H100["sms"]) / pairs) * pairs)
+        programs = max(pairs, math.ceil(H100["sms"] / pairs) * pairs)
         q_reads = programs * rows * D * e
         partials = 2 * (programs - pairs) * rows * (D * e + 8)
         return TreeAttentionModel.kv_once(case) + q_reads + partials + B * Hq * N * D * e
