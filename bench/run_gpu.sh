@@ -10,18 +10,21 @@
 #   bash bench/run_gpu.sh tree       # bench_verify_tree
 #   bash bench/run_gpu.sh attention  # bench_tree_attention (issue targets printed at the end)
 #   bash bench/run_gpu.sh e2e        # bench_e2e on the embedded demo pair (real models: carry them)
+#   bash bench/run_gpu.sh all        # every stage above in one lease-sized call (<= 530 s): builds and tests
+#                                    # overlap, timed stages run alone, each under its own time limit;
+#                                    # $OUT/results.tgz (all logs, CSV, JSON) is refreshed after every stage
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT="${OUT:-bench/results/run}"
+export OUT="${OUT:-bench/results/run}"
 mkdir -p "$OUT" bench/results
 PY="${PYTHON:-python3}"
 GPU="$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0).replace(" ", "_") if torch.cuda.is_available() else "cpu")')"
 
 run() {  # run NAME CMD...: tee the output to $OUT/NAME.log; keep the exit status
     local name="$1"; shift
-    echo "### $name: $*" | tee "$OUT/$name.log"
-    "$@" 2>&1 | tee -a "$OUT/$name.log"
+    echo "### $name: $*" | tee -i "$OUT/$name.log"
+    "$@" 2>&1 | tee -i -a "$OUT/$name.log"  # -i: a SIGINT time limit stops the command, not the log
     return "${PIPESTATUS[0]}"
 }
 
@@ -38,22 +41,53 @@ case "${1:-}" in
         run env bash -c "nvidia-smi; $PY -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(0))'; git log -1 --format='%H %cd' 2>/dev/null || true"
         ;;
     tests)
-        run tests "$PY" -m pytest -q -n 8 -p no:cacheprovider --durations=20 tests
+        run tests "$PY" -m pytest -q -n "${TEST_WORKERS:-12}" -p no:cacheprovider --durations=20 -m "not slow or gpu" --tb=short tests
         ;;
     verify)
-        bench verify bench_verify.py
+        bench verify bench_verify.py "${@:2}"
         ;;
     tree)
-        bench verify_tree bench_verify_tree.py
+        bench verify_tree bench_verify_tree.py "${@:2}"
         ;;
     attention)
         bench tree_attention bench_tree_attention.py --check
         ;;
+    attention_fast)  # without flex_attention (torch.compile per shape is minutes over the full sweep)
+        bench tree_attention bench_tree_attention.py --check --providers sdpa_dense_mask sdpa_no_mask ours "${@:2}"
+        ;;
+    attention_flex)  # flex_attention beside ours at the issue's prefix
+        bench tree_attention_flex bench_tree_attention.py --check --prefix 4096 --N 8 64 --B 1 32 "${@:2}"
+        ;;
     e2e)
-        bench e2e bench_e2e.py --pair demo --batch-size 1 --temperature 0 0.7
+        bench e2e bench_e2e.py --pair demo --batch-size 1 --temperature 0 0.7 "${@:2}"
+        ;;
+    all)
+        export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
+        # the tool returns at most 8 files from $OUT: the stages write elsewhere, packed into one archive
+        local_out="${STAGE_OUT:-/tmp/specdec_gpu_stages}"
+        mkdir -p "$local_out"
+        pack() { tar -czf "$OUT/results.tgz" -C "$local_out" . 2>/dev/null; }
+        stage() {  # stage SECONDS NAME...: one stage under a SIGINT time limit, its duration printed
+            local limit="$1"; shift
+            local t0=$SECONDS
+            OUT="$local_out" timeout -s INT -k 15 "$limit" bash "$PWD/bench/run_gpu.sh" "$@"
+            echo "### stage $* rc=$? took $((SECONDS - t0)) s (limit $limit s)"
+            pack
+        }
+        stage 30 env
+        # the csrc builds (CUDA and CPU) compile while the test suite runs; the tests wait on their lock
+        ( timeout "${TESTS_S:-150}" "$PY" -c 'import time, specdec_kernels.ops._cuda_ext as e; t=time.time(); e.load_cuda_extension(True); print("cuda ext", time.time()-t); e.load_cpu_core(True); print("both", time.time()-t)' ) >"$local_out/build.log" 2>&1 &
+        BUILD=$!
+        stage "${TESTS_S:-150}" tests
+        wait "$BUILD"; echo "### build rc=$?"; tail -3 "$local_out/build.log"
+        stage "${VERIFY_S:-100}" verify --providers eager ours cuda vectorized --B 1 64 256 --G 1 4 8 --V 151936 32000
+        stage "${TREE_S:-80}" tree --providers ours vectorized --B 1 64 --K 1 4 8
+        stage "${ATTN_S:-60}" attention_fast
+        stage "${FLEX_S:-50}" attention_flex
+        stage "${E2E_S:-60}" e2e
         ;;
     *)
-        sed -n '2,14p' "$0"
+        sed -n '2,17p' "$0"
         exit 2
         ;;
 esac
