@@ -14,6 +14,8 @@ Conventions (shared with ``specdec_kernels.reference``):
   counted the same way (``load_probs``).
 """
 
+import inspect
+
 import triton
 import triton.language as tl
 
@@ -30,6 +32,31 @@ PURPOSE_RECOVER = tl.constexpr(1)
 PURPOSE_BONUS = tl.constexpr(2)
 
 NEG_INF = tl.constexpr(float("-inf"))
+
+# Approximate fp32 division: Triton >= 3.7 spells it tl.fdiv(..., approx=True); older releases have
+# no `approx` and their non-IEEE fdiv (ieee_rounding=False) is the fast one. See fast_div.
+FDIV_HAS_APPROX = tl.constexpr("approx" in inspect.signature(tl.fdiv).parameters)
+
+# The floor under a positive residual weight before its log, as csrc's 1e-38f (verify_core.h): only
+# subnormal weights move. Subnormal in fp32, so Triton reads the bare Python float as an fp64 constant
+# (promoting the whole expression, which breaks loop-carried fp32 values): log_floored builds it as fp32.
+LOG_FLOOR = tl.constexpr(1e-38)
+
+
+@triton.jit
+def fast_div(x, y):
+    """x / y in fp32 without correct rounding (a few ulp), on every supported Triton release."""
+    if FDIV_HAS_APPROX:
+        q = tl.fdiv(x, y, approx=True)
+    else:
+        q = tl.fdiv(x, y, ieee_rounding=False)
+    return q
+
+
+@triton.jit
+def log_floored(w):
+    """log(max(w, 1e-38)) in fp32 (csrc's logf(w > 1e-38f ? w : 1e-38f))."""
+    return tl.log(tl.maximum(w, tl.full(w.shape, LOG_FLOOR, tl.float32)))
 
 
 @triton.jit
@@ -72,7 +99,7 @@ def race_inv_exp(seed, start, c1, c2, BLOCK_V: tl.constexpr):
     w0, w1, w2, w3 = tl.philox(seed, c0, (zero + c1).to(tl.uint32), (zero + c2).to(tl.uint32), c0 * 0)
     bits = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))  # word x % 4 at column x
     u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-    return tl.fdiv(-1.0, tl.log(u), approx=True)  # 1/E itself needs no correct rounding
+    return fast_div(tl.full(u.shape, -1.0, tl.float32), tl.log(u))  # 1/E itself needs no correct rounding
 
 
 @triton.jit

@@ -46,10 +46,12 @@ from ._triton_helpers import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
+    fast_div,
     first_argmax_update,
     inverse_temperature,
     load_logits,
     load_probs,
+    log_floored,
     next_pow2,
     per_request,
     race_noise,
@@ -543,7 +545,7 @@ def _tree_rho_kernel(
             else:
                 pv = tl.where(kept_t, tl.exp2(x * c - mc_t) * inv_zt, 0.0)
                 qv, _bad_q = load_probs(d_row + cols, lane)
-                ratio = tl.where(qv > 0.0, tl.fdiv(pv, qv, approx=True), 0.0)  # the term is 0 where q = 0
+                ratio = tl.where(qv > 0.0, fast_div(pv, qv), 0.0)  # the term is 0 where q = 0
             acc += qv * tl.minimum(pts3, ratio)
         sums = tl.sum(acc, axis=2)
         tl.store(sums_ptr + (pos[:, None] * num_chunks + chunk) * RHO_P + pts_i, sums, mask=active[:, None])
@@ -1058,7 +1060,7 @@ def _tree_race_kernel(
             w = tl.where(has_cand[:, None], w, pv)
             noise = race_noise(key[:, None], start, counter[:, None], purpose[:, None], BLOCK_V)
             log_p = (xt - safe_max(m_t)[:, None]) * inv_t[:, None] - log_z[:, None]
-            keys = tl.where(lane & (w > 0.0), tl.log(tl.maximum(w, 1e-38)) + noise, float("-inf"))
+            keys = tl.where(lane & (w > 0.0), log_floored(w) + noise, float("-inf"))
             keys_p = tl.where(lane & (pv > 0.0), log_p + noise, float("-inf"))
             best_key, best_idx = first_argmax_update(best_key, best_idx, keys, cols)
             p_key, p_idx = first_argmax_update(p_key, p_idx, keys_p, cols)
