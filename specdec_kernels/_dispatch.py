@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ._interpreter import require_triton_device
 from ._params import SamplingParams
 from ._tree_args import TreeArgs, validate_sharded_tree_values
 from ._types import BACKENDS, TreeVerifyOutput, VerifyOutput
@@ -223,6 +224,7 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
         return verify_vectorized(args.padded())
     if backend == "cuda":
         return _cuda_ext.verify_chain(args.padded(), num_chunks=num_chunks)
+    require_triton_device(device, "sk.verify")
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
     candidates = {"triton": lambda: launch_verify(args, num_chunks, block_v, *threshold)}
     if backend == "auto" and device.type == "cuda" and _cuda_ext.cuda_extension_ready():
@@ -249,6 +251,7 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
         return verify_tree_vectorized(args)
     if backend == "cuda":
         return _cuda_ext.verify_tree(args)
+    require_triton_device(args.target.device, "sk.verify_tree / sk.verify_multi")
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
     candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks, *threshold)}
     if backend == "auto" and args.target.device.type == "cuda" and _cuda_ext.cuda_extension_ready():

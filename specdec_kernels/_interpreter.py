@@ -28,6 +28,20 @@ def interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def require_triton_device(device, what: str) -> None:
+    """ValueError unless the Triton kernels of ``what`` can run on ``device``: CUDA tensors, or any
+    tensors while the interpreter is on (no CUDA, or TRITON_INTERPRET=1 set before the import).
+    Without it a CPU tensor on a machine with a GPU reached the compiled launcher and failed there."""
+    if device.type == "cuda" or interpreter_requested() or _PLAN_AS_GPU.get() is not None:
+        return
+    raise ValueError(
+        f"{what}: the Triton kernels need CUDA tensors, got {device.type} tensors. On {device.type} tensors "
+        "they run only in Triton's interpreter, which is off because this machine has CUDA (set "
+        "TRITON_INTERPRET=1 before importing specdec_kernels to force it). Move the tensors to CUDA, or "
+        "use backend='auto', 'cpu' or 'vectorized'."
+    )
+
+
 # Set by ``plan_as_gpu``: the launch plans are made as on a GPU with this many SMs.
 _PLAN_AS_GPU: contextvars.ContextVar[int | None] = contextvars.ContextVar("specdec_plan_as_gpu", default=None)
 

@@ -35,3 +35,70 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+def _moved(obj, device):
+    """obj with every tensor in it (dataclass fields, tuples, lists, dicts) copied to device."""
+    import copy
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        names = vars(obj) if hasattr(obj, "__dict__") else [f.name for f in dataclasses.fields(obj)]
+        for name in list(names):  # fields and anything cached beside them
+            object.__setattr__(out, name, _moved(getattr(obj, name), device))
+        return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_moved(v, device) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_moved(v, device) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _moved(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _on_cuda(fn, is_cpu_call):
+    """fn run on CUDA copies of its arguments when is_cpu_call(args, kwargs), the result copied back."""
+
+    def wrapper(*args, **kwargs):
+        if not is_cpu_call(args, kwargs):
+            return fn(*args, **kwargs)
+        return _moved(fn(*_moved(args, "cuda"), **_moved(kwargs, "cuda")), "cpu")
+
+    return wrapper
+
+
+@pytest.fixture(autouse=True)
+def triton_kernels_run_on_the_gpu(monkeypatch):
+    """With CUDA present the interpreter is off and the Triton kernels compile for the GPU, which cannot
+    read CPU tensors (the library says so: a ValueError). Tests build their problems on the CPU and ask
+    for the Triton kernels by name; on such a machine those launches run on CUDA copies of the checked
+    arguments and their outputs come back to the CPU, so every kernel test checks the compiled kernels
+    against the CPU references. (Stride patterns of views do not survive the copy: strided-view tests
+    check the kernels' stride handling in the interpreter only.)"""
+    from specdec_kernels._interpreter import interpreter_requested
+
+    if not HAS_CUDA or interpreter_requested():
+        return
+    from specdec_kernels import _dispatch
+    from specdec_kernels.ops import tree_attention, tree_metadata
+
+    def chain_on_cpu(args, kwargs):
+        backend = args[1] if len(args) > 1 else kwargs.get("backend", "auto")
+        return backend == "triton" and args[0].target_logits.device.type == "cpu"
+
+    def tree_on_cpu(args, kwargs):
+        backend = args[1] if len(args) > 1 else kwargs.get("backend", "auto")
+        return backend == "triton" and args[0].target.device.type == "cpu"
+
+    def first_on_cpu(args, kwargs):
+        return args[0].device.type == "cpu"
+
+    monkeypatch.setattr(_dispatch, "run_verify", _on_cuda(_dispatch.run_verify, chain_on_cpu))
+    monkeypatch.setattr(_dispatch, "run_tree", _on_cuda(_dispatch.run_tree, tree_on_cpu))
+    monkeypatch.setattr(tree_attention, "_launch", _on_cuda(tree_attention._launch, first_on_cpu))
+    monkeypatch.setattr(
+        tree_metadata, "_tree_metadata_triton", _on_cuda(tree_metadata._tree_metadata_triton, first_on_cpu)
+    )

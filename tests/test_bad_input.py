@@ -207,3 +207,32 @@ def test_the_builders_make_valid_calls():
     """Positive control: unchanged, every builder above is a valid call."""
     for call in (_verify(), _tree(), _multi(), _metadata([[-1, 0, 0, 1]]), _attention(), _generate()):
         call()
+
+
+def _triton_on_cpu_calls():
+    gen = torch.Generator().manual_seed(0)
+    logits, tokens = torch.randn(B, G + 1, V, generator=gen), torch.randint(0, V, (B, G), generator=gen)
+    parents = torch.tensor([[-1, 0, 1, 2]] * B)
+    tree_logits, tree_tokens = torch.randn(B, N + 1, V, generator=gen), torch.randint(0, V, (B, N), generator=gen)
+    q = torch.randn(B, 2, N, 16, generator=gen)
+    kv = torch.randn(B, 1, N + 5, 16, generator=gen)
+    return {
+        "verify": lambda: sk.verify(logits, tokens, seed=1, backend="triton"),
+        "verify_tree": lambda: sk.verify_tree(tree_logits, tree_tokens, parents, backend="triton"),
+        "tree_attention": lambda: sk.tree_attention(q, kv, kv, torch.tensor([5] * B), parents),
+        "tree_metadata": lambda: sk.tree_metadata(parents, backend="triton"),
+    }
+
+
+@pytest.mark.parametrize("op", sorted(_triton_on_cpu_calls()))
+def test_triton_kernels_on_cpu_tensors_with_cuda_present_say_so(op, monkeypatch):
+    """On a machine with CUDA the interpreter is off, and a CPU tensor handed to a Triton kernel failed
+    inside Triton's launcher ("cannot be accessed from Triton"); seen on an H200. A clear ValueError instead."""
+    from specdec_kernels import _interpreter
+
+    call = _triton_on_cpu_calls()[op]
+    if _interpreter.interpreter_requested():
+        call()  # the interpreter runs it (no CUDA here, or TRITON_INTERPRET=1)
+    monkeypatch.setattr(_interpreter, "interpreter_requested", lambda: False)  # as on a GPU machine
+    with pytest.raises(ValueError, match=r"need CUDA tensors, got cpu tensors"):
+        call()

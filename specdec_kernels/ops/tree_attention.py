@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._interpreter import interpreter_requested, multiprocessors, plans_for_interpreter
+from .._interpreter import interpreter_requested, multiprocessors, plans_for_interpreter, require_triton_device
 from .._params import FLOAT_DTYPES, INT_DTYPES
 from .._types import MAX_NODES
 from .._validation import _capturing, _require
@@ -536,6 +536,7 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
     out = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
     if B == 0 or Nq == 0 or Hq == 0:
         return out
+    require_triton_device(q.device, "sk.tree_attention")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     # [B] / [B, Nq] index tensors: the kernel indexes them densely; copies of strided views cost B * Nq elements
     key_start, prefix_end, tree_start, query_masks = (

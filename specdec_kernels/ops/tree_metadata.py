@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._interpreter import interpreter_requested
+from .._interpreter import interpreter_requested, require_triton_device
 from .._params import INT_DTYPES
 from .._types import MAX_NODES, TreeMetadata
 from .._validation import _capturing, _check_tensor, _require
@@ -96,10 +96,17 @@ def tree_metadata(
     # Under torch.compile the PyTorch path is traced into the graph (a Triton launch is not traceable).
     if backend == "torch" or (backend == "auto" and (parents.device.type != "cuda" or torch.compiler.is_compiling())):
         return _tree_metadata_torch(parents, num_nodes)
+    return _tree_metadata_triton(parents, num_nodes)
+
+
+def _tree_metadata_triton(parents: torch.Tensor, num_nodes: torch.Tensor | None) -> TreeMetadata:
+    """The kernel's launch on checked arguments (parents' last dim contiguous, num_nodes contiguous)."""
+    B, N = parents.shape
     depth = torch.empty((B, N), dtype=torch.int32, device=parents.device)
     mask = torch.empty((B, N), dtype=torch.int64, device=parents.device)
     if B == 0 or N == 0:
         return TreeMetadata(depth, mask)
+    require_triton_device(parents.device, "sk.tree_metadata(backend='triton')")
     np2 = max(2, next_pow2(N))
     cap = 1024 if (interpreter_requested() or parents.device.type != "cuda") else 16
     block_b = max(1, min(next_pow2(B), cap))
