@@ -227,6 +227,30 @@ def _time_cpu_us(fn: Callable[[], object], rep: int) -> list[float]:
     return samples
 
 
+def time_cuda_graph_us(fn: Callable[[], object], rep: int) -> float | None:
+    """Median microseconds of one replay of ``fn`` captured in a CUDA graph: the device time of its
+    launches with no host work between them (how engines that capture their decode step run it).
+    None if ``fn`` cannot be captured (a host synchronisation, say)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(side):  # allocations of the warm-up call stay out of the capture
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:  # noqa: BLE001 - any capture failure means "not capturable"
+        torch.cuda.synchronize()
+        print(f"[graph] not capturable: {str(e).splitlines()[0][:160]}", file=sys.stderr)
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    return summarize_us(_time_cuda_us(graph.replay, rep))["median_us"]
+
+
 def time_fn(fn: Callable[[], object], warmup: int, rep: int, device: str | None = None) -> dict:
     """Time ``fn()`` ``rep`` times after ``warmup`` untimed calls.
 
@@ -626,9 +650,18 @@ class CheckFailed(Exception):
     """A provider's output failed its check: an error without a traceback, that provider not timed."""
 
 
-def timed_row(fn: Callable[[], object], run: Run, nbytes: int, *, check=None, cap: tuple[int, int] | None = None):
+def timed_row(
+    fn: Callable[[], object],
+    run: Run,
+    nbytes: int,
+    *,
+    check=None,
+    cap: tuple[int, int] | None = None,
+    graph: bool = False,
+):
     """Time ``fn`` after one untimed call (compile / autotune, and ``check(out)``: a list of problems);
-    ``cap`` = (most warmup, most rep) for a slow provider (a reference that loops in Python).
+    ``cap`` = (most warmup, most rep) for a slow provider (a reference that loops in Python). With
+    ``graph`` on CUDA, also ``graph_us``: a CUDA-graph replay of ``fn`` (device time, no host overhead).
 
     Returns (the measured columns, the first call's output); raises CheckFailed on problems."""
     args = run.args
@@ -638,6 +671,8 @@ def timed_row(fn: Callable[[], object], run: Run, nbytes: int, *, check=None, ca
         raise CheckFailed("; ".join(problems))
     warmup, rep = (min(args.warmup, cap[0]), min(args.rep, cap[1])) if cap else (args.warmup, args.rep)
     timing = time_fn(fn, warmup=warmup, rep=rep, device=args.device)
+    if graph and str(args.device).startswith("cuda"):
+        timing["graph_us"] = time_cuda_graph_us(fn, rep)
     return {
         **timing,
         **bandwidth_columns(nbytes, timing["median_us"], run.copy_gbps),
@@ -682,7 +717,8 @@ def run_providers(
         rows.append(row)
         print(
             f"[done] {provider:{width}s} {label}: median {row['median_us']:.1f} us, "
-            f"frac_of_floor {row['frac_of_floor']:.3g}",
+            f"frac_of_floor {row['frac_of_floor']:.3g}"
+            + (f", graph {row['graph_us']:.1f} us" if row.get("graph_us") is not None else ""),
             file=sys.stderr,
         )
     free_device_memory(run.args.device)

@@ -89,11 +89,11 @@ TARGET_PREFIX, TARGET_RATIO_VS_NO_MASK, TARGET_SPEEDUP_VS_DENSE = 4096, 1.15, 2.
 
 SHAPE_COLUMNS = "B prefix N Hq Hkv D dtype"
 CSV_COLUMNS = common.csv_columns(
-    f"provider gqa status {SHAPE_COLUMNS} median_us p20_us p80_us GBps floor_us frac_of_floor "
+    f"provider gqa status {SHAPE_COLUMNS} median_us graph_us p20_us p80_us GBps floor_us frac_of_floor "
     "ratio_vs_sdpa_no_mask speedup_vs_dense copy_GBps bytes_read_once check_max_err tree_seed sliding_window"
 )
 TABLE_COLUMNS = (
-    f"provider gqa {SHAPE_COLUMNS} median_us p20_us p80_us floor_us frac_of_floor ratio_vs_sdpa_no_mask "
+    f"provider gqa {SHAPE_COLUMNS} median_us graph_us p20_us p80_us floor_us frac_of_floor ratio_vs_sdpa_no_mask "
     "speedup_vs_dense check_max_err status"
 ).split()
 TARGET_TABLE_COLUMNS = "B prefix N ratio_vs_sdpa_no_mask ratio_target speedup_vs_dense speedup_target".split()
@@ -327,7 +327,8 @@ def run_shape(shape: Shape, run: common.Run) -> list[dict]:
 
     def measure(provider: str) -> dict:
         fn, gqa = PROVIDER_FACTORIES[provider](inputs, args)
-        measured, _ = common.timed_row(fn, run, nbytes, check=lambda out: check(provider, out))
+        graph = provider != "flex_attention" and not args.validate  # flex: compiled per shape, left eager
+        measured, _ = common.timed_row(fn, run, nbytes, check=lambda out: check(provider, out), graph=graph)
         row = {**run.meta, "provider": provider, "gqa": gqa, "status": "ok", **columns, **measured}
         return {**row, "check_max_err": checked.get(provider)}
 

@@ -103,11 +103,11 @@ ACCEPT_COLUMNS = (
     "accept_len accept_len_k1 accept_gain accept_gain_diff accept_gain_se accept_requests kseq_rho_accept_diff"
 )
 CSV_COLUMNS = common.csv_columns(
-    "provider api method B K G V dtype sigma overlap median_us p20_us p80_us GBps floor_us frac_of_floor "
+    "provider api method B K G V dtype sigma overlap median_us graph_us p20_us p80_us GBps floor_us frac_of_floor "
     f"copy_GBps bytes_read_once mean_accepted {ACCEPT_COLUMNS} accept_provider"
 )
 TABLE_COLUMNS = (
-    "provider api method B K G V dtype sigma median_us p20_us p80_us floor_us frac_of_floor mean_accepted "
+    "provider api method B K G V dtype sigma median_us graph_us p20_us p80_us floor_us frac_of_floor mean_accepted "
     "accept_len accept_gain accept_gain_diff"
 ).split()
 ACCEPT_TABLE_COLUMNS = f"V G sigma overlap method K {ACCEPT_COLUMNS}".split()
@@ -481,7 +481,9 @@ def run_case(inputs: TreeInputs, case: dict, run: common.Run, label: str) -> lis
     def measure(provider: str) -> dict:
         fn = provider_fn(provider, case["api"], inputs, case["method"], args.validate)
         cap = (REFERENCE_MAX_WARMUP, REFERENCE_MAX_REP) if provider == "reference" else None
-        measured, out = common.timed_row(fn, run, nbytes, check=lambda out: output_problems(out, inputs), cap=cap)
+        check = lambda out: output_problems(out, inputs)  # noqa: E731
+        graph = provider == "ours" and not args.validate  # the Triton kernels: capturable
+        measured, out = common.timed_row(fn, run, nbytes, check=check, cap=cap, graph=graph)
         mean_accepted = float(out.num_accepted.float().mean().item())
         return {**case, "provider": provider, "dtype": args.dtype, **measured, "mean_accepted": mean_accepted}
 

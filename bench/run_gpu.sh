@@ -10,6 +10,7 @@
 #   bash bench/run_gpu.sh tree       # bench_verify_tree
 #   bash bench/run_gpu.sh attention  # bench_tree_attention (issue targets printed at the end)
 #   bash bench/run_gpu.sh e2e        # bench_e2e on the embedded demo pair (real models: carry them)
+#   bash bench/run_gpu.sh recheck    # the suite and one shape class per timed stage (~4 min)
 #   bash bench/run_gpu.sh all        # every stage above in one lease-sized call (<= 530 s): builds and tests
 #                                    # overlap, timed stages run alone, each under its own time limit;
 #                                    # $OUT/results.tgz (all logs, CSV, JSON) is refreshed after every stage
@@ -61,7 +62,7 @@ case "${1:-}" in
     e2e)
         bench e2e bench_e2e.py --pair demo --batch-size 1 --temperature 0 0.7 "${@:2}"
         ;;
-    all)
+    all | recheck)
         export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
         # the tool returns at most 8 files from $OUT: the stages write elsewhere, packed into one archive
         local_out="${STAGE_OUT:-/tmp/specdec_gpu_stages}"
@@ -74,12 +75,18 @@ case "${1:-}" in
             echo "### stage $* rc=$? took $((SECONDS - t0)) s (limit $limit s)"
             pack
         }
-        stage 30 env
+        [ "$1" = all ] && stage 30 env
         # the csrc builds (CUDA and CPU) compile while the test suite runs; the tests wait on their lock
         ( timeout "${TESTS_S:-150}" "$PY" -c 'import time, specdec_kernels.ops._cuda_ext as e; t=time.time(); e.load_cuda_extension(True); print("cuda ext", time.time()-t); e.load_cpu_core(True); print("both", time.time()-t)' ) >"$local_out/build.log" 2>&1 &
         BUILD=$!
         stage "${TESTS_S:-150}" tests
         wait "$BUILD"; echo "### build rc=$?"; tail -3 "$local_out/build.log"
+        if [ "$1" = recheck ]; then  # ~4 minutes: the suite, then one shape class per timed stage
+            stage 45 verify --providers eager ours cuda --B 1 64 --G 4 --V 151936 --warmup 5 --rep 50
+            stage 40 tree --providers ours --B 1 64 --K 4 --V 151936 --accept-requests 0 --warmup 5 --rep 50
+            stage 35 attention_fast --providers sdpa_dense_mask sdpa_no_mask ours --B 1 32 --prefix 4096 32768 --N 64 --rep 50
+            exit 0
+        fi
         stage "${VERIFY_S:-100}" verify --providers eager ours cuda vectorized --B 1 64 256 --G 1 4 8 --V 151936 32000
         stage "${TREE_S:-80}" tree --providers ours vectorized --B 1 64 --K 1 4 8
         stage "${ATTN_S:-60}" attention_fast
