@@ -80,10 +80,20 @@ def triton_kernels_run_on_the_gpu(monkeypatch):
     check the kernels' stride handling in the interpreter only.)"""
     from specdec_kernels._interpreter import interpreter_requested
 
-    if not HAS_CUDA or interpreter_requested():
-        return
+    if HAS_CUDA and not interpreter_requested():
+        install_gpu_harness(monkeypatch)
+
+
+def install_gpu_harness(monkeypatch):
+    """The patches of ``triton_kernels_run_on_the_gpu`` (a function, so a CPU-only run can check that
+    each one still finds its target: the first GPU run found one missing)."""
+    import importlib
+
     from specdec_kernels import _dispatch
-    from specdec_kernels.ops import tree_attention, tree_metadata
+
+    # By module path: `specdec_kernels.ops.tree_attention` the attribute is the function of that name.
+    tree_attention = importlib.import_module("specdec_kernels.ops.tree_attention")
+    tree_metadata = importlib.import_module("specdec_kernels.ops.tree_metadata")
 
     def chain_on_cpu(args, kwargs):
         backend = args[1] if len(args) > 1 else kwargs.get("backend", "auto")

@@ -36,3 +36,13 @@ def test_triton_language_imported_before_the_package():
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_the_gpu_test_harness_finds_what_it_patches(monkeypatch):
+    """tests/conftest.py's install_gpu_harness runs only where CUDA is present; its targets must exist here too."""
+    from tests.conftest import install_gpu_harness
+
+    install_gpu_harness(monkeypatch)
+    from specdec_kernels import _dispatch
+
+    assert _dispatch.run_verify.__name__ == "wrapper" and _dispatch.run_tree.__name__ == "wrapper"
