@@ -67,6 +67,9 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
                                      int64_t num_chunks, int64_t threads, int64_t stream) {
   TORCH_CHECK(target.dim() == 3 && target.stride(2) == 1, "specdec: target_logits must be [B, G+1, V], last dim contiguous");
   const int64_t B = target.size(0), G = target.size(1) - 1, V = target.size(2);
+  // Zero sizes: B = 0 returns empty outputs below; G = 0 is a bonus token per request. An empty
+  // vocabulary has nothing to sample (and would make the chunk size below 0).
+  TORCH_CHECK(G >= 0 && V >= 1, "specdec: target_logits must be [B, G+1, V] with G+1 >= 1 rows and V >= 1");
   TORCH_CHECK(draft_tokens.dim() == 2 && draft_tokens.size(0) == B && draft_tokens.size(1) == G,
               "specdec: draft_tokens must be [B, G]");
   TORCH_CHECK(draft_mode >= 0 && draft_mode <= 2, "specdec: draft_mode must be 0, 1 or 2");
@@ -169,6 +172,9 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
   TORCH_CHECK(target.dim() == 4 && target.stride(3) == 1, "specdec: target must be [B, K, G+1, V], last dim contiguous");
   const int64_t B = target.size(0), K = target.size(1), G = target.size(2) - 1, V = target.size(3);
   const int64_t N = K * G, D = max_depth;
+  // Row [0, 0] scores the root: without it (K = 0) there is no row to draw the bonus token from.
+  TORCH_CHECK(K >= 1 && G >= 0 && V >= 1,
+              "specdec: target must be [B, K, G+1, V] with K >= 1, G+1 >= 1 and V >= 1 (row [0, 0] is the root)");
   TORCH_CHECK(N <= sk::MAX_TREE_NODES, "specdec: at most 64 tree nodes");
   TORCH_CHECK(tree_tokens.dim() == 3 && tree_tokens.size(0) == B && tree_tokens.size(1) == K && tree_tokens.size(2) == G,
               "specdec: tokens must be [B, K, G]");

@@ -103,6 +103,7 @@ __global__ void row_stats_kernel(const ChainParams P) {
 // Row statistics of `rows` rows over P.num_chunks chunks.
 template <class TT, class TD>
 void launch_row_stats(const ChainParams& P, int64_t rows, int threads, cudaStream_t stream) {
+  if (rows <= 0 || P.num_chunks <= 0) return;  // an empty grid is a launch error, not a no-op
   const dim3 grid(unsigned(rows), unsigned(P.num_chunks));
   if (P.has_filter && !P.thresholds_given)
     row_stats_kernel<TT, TD, true><<<grid, threads, 0, stream>>>(P);
@@ -145,9 +146,10 @@ const char* verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_
     using TT = decltype(tt);
     using TD = decltype(td);
     launch_row_stats<TT, TD>(P, P.B * (P.G + 1), threads, stream);
-    accept_kernel<TT, TD><<<dim3(unsigned(P.B), unsigned(P.num_chunks)), threads, 0, stream>>>(P);
+    if (P.B > 0 && P.num_chunks > 0)
+      accept_kernel<TT, TD><<<dim3(unsigned(P.B), unsigned(P.num_chunks)), threads, 0, stream>>>(P);
   });
-  if (P.num_chunks > 1) finalize_kernel<<<unsigned((P.B + 127) / 128), 128, 0, stream>>>(P);
+  if (P.B > 0 && P.num_chunks > 1) finalize_kernel<<<unsigned((P.B + 127) / 128), 128, 0, stream>>>(P);
   const cudaError_t err = cudaGetLastError();
   if (device >= 0 && device != previous && previous >= 0) cudaSetDevice(previous);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
@@ -164,7 +166,7 @@ const char* verify_tree_cuda(const ChainParams& P, int target_dtype, int draft_d
     using TT = decltype(tt);
     using TD = decltype(td);
     launch_row_stats<TT, TD>(P, P.B * P.K * (P.G + 1), threads, stream);  // P.num_chunks == 1
-    tree_walk_kernel<TT, TD><<<unsigned(P.B), threads, 0, stream>>>(P);
+    if (P.B > 0) tree_walk_kernel<TT, TD><<<unsigned(P.B), threads, 0, stream>>>(P);
   });
   const cudaError_t err = cudaGetLastError();
   if (device >= 0 && device != previous && previous >= 0) cudaSetDevice(previous);

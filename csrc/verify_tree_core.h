@@ -18,18 +18,23 @@ constexpr int RHO_BISECT = 16;         // bisection steps placing the next point
 constexpr float RHO_MARGIN = 0.125f;   // the next points span the sandwich's roots widened by this share
 constexpr float RHO_EPS = 1.0f / 65536.0f;  // 2^-RHO_BISECT
 
+// Chain and slot of a node in the [K, G] layout; the root (node < 0) and any node of a tree with
+// no slots (G = 0: no nodes exist, so the caller never reads the row) map to chain 0, slot 0.
+SK_HD int64_t node_chain(int64_t node, int64_t G) { return (node < 0 || G <= 0) ? 0 : node / G; }
+SK_HD int64_t node_slot(int64_t node, int64_t G, int target) { return (node < 0 || G <= 0) ? 0 : node % G + target; }
+
 // Statistics record of a node's target row (node -1 = root) or of its draft row.
 SK_HD int64_t tree_record(const ChainParams& P, int64_t b, int64_t node, int target) {
-  const int64_t chain = node < 0 ? 0 : node / P.G;
-  const int64_t slot = node < 0 ? 0 : node % P.G + target;
+  const int64_t chain = node_chain(node, P.G);
+  const int64_t slot = node_slot(node, P.G, target);
   return (b * P.K + chain) * (P.G + 1) + slot;
 }
 
 template <class T>
 SK_HD const T* tree_row(const void* base, int64_t b, int64_t node, int64_t sb, int64_t sk_, int64_t sg, int64_t G,
                         int target) {
-  const int64_t chain = node < 0 ? 0 : node / G;
-  const int64_t slot = node < 0 ? 0 : node % G + target;
+  const int64_t chain = node_chain(node, G);
+  const int64_t slot = node_slot(node, G, target);
   return static_cast<const T*>(base) + b * sb + chain * sk_ + slot * sg;
 }
 

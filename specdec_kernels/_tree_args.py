@@ -60,7 +60,8 @@ class TreeArgs:
         if self.parents is not None:
             return self.parents.cpu().to(torch.int64)
         i = torch.arange(self.N)
-        chain_parent = torch.where(i % self.G == 0, torch.full_like(i, -1), i - 1)
+        slots = max(self.G, 1)  # G = 0: no nodes (N = 0), nothing is divided
+        chain_parent = torch.where(i % slots == 0, torch.full_like(i, -1), i - 1)
         return chain_parent.expand(self.B, -1)
 
 
@@ -99,9 +100,15 @@ def check_tree_args(
         _check_tensor("target_logits", target_logits, 4, FLOAT_DTYPES, device)
         B, K, G1, V = target_logits.shape
         G = G1 - 1
+        # G = 0 (no drafts) is one bonus token per request from the root row [0, 0]; K = 0 has no
+        # root row to draw it from, so it is an error rather than a guess.
         _require(
-            K >= 1 and G >= 1, f"target_logits must be [B, K, G+1, V] with K, G >= 1, got {tuple(target_logits.shape)}"
+            K >= 1,
+            "verify_multi needs K >= 1 chains: target_logits row [:, 0, 0] scores the root (the bonus token "
+            f"when nothing is accepted); for no drafts pass K >= 1 chains of G = 0 drafts "
+            f"([B, K, 1, V] logits, [B, K, 0] draft_tokens), got target_logits {tuple(target_logits.shape)}",
         )
+        _require(G >= 0, f"target_logits must be [B, K, G+1, V] with G+1 >= 1 rows, got {tuple(target_logits.shape)}")
         _check_tensor(tok_name, tokens, 3, INT_DTYPES, device)
         _require(
             tuple(tokens.shape) == (B, K, G),

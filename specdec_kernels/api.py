@@ -50,6 +50,9 @@ def verify(
         temperature:      float or [B] tensor; 0 = greedy for that request.
         top_k:            int or [B] tensor; 0 = off. top_p: float or [B] tensor in (0, 1]; 1 = off.
         num_draft_tokens: [B] int; request b verifies drafts [0, n_b) and draws its bonus from row n_b.
+        Zero sizes:       B = 0 returns empty outputs ([0, G+1], [0], [0]); G = 0 (or n_b = 0) means no
+                          drafts: tokens[b, 0] is one bonus token drawn from row 0 (greedy: its argmax),
+                          num_accepted 0.
         seed:             int (per-request seeds derived from (seed, b)) or [B] int64 tensor (results
                           independent of batch composition). Use a new seed for every call.
         validate:         check tensor values (ids in range, temperature >= 0, ...) on the host. Skipped
@@ -234,6 +237,9 @@ def verify_tree(
                        q = 0) are handled and flagged as in :func:`verify`; the draft rows a
                        request uses are those of the positions whose candidates it tests.
         temperature, top_k, top_p, seed: as for :func:`verify`. num_nodes: [B] int, ragged trees.
+                       Zero sizes: B = 0 gives empty outputs; a tree without nodes (N = 0, or
+                       num_nodes[b] = 0) is one bonus token drawn from the root row 0 (greedy: its
+                       argmax), num_accepted 0 - the token :func:`verify` emits with G = 0.
         method:        "kseq" (SpecTr K-SEQ), "rrs" (recursive rejection sampling), "rrs_wor"
                        (without replacement; siblings must be distinct).
         max_depth:     output width D; default: the deepest tree (found while validating, a host
@@ -309,6 +315,12 @@ def verify_multi(
     chain that agrees with the accepted prefix. Options (backend included) as :func:`verify_tree`.
     With K = 1 this is exactly :func:`verify` (same tokens for the same seeds). accepted_nodes
     index chain * G + slot.
+
+    Zero sizes: B = 0 gives empty outputs. G = 0 (chains without drafts: target_logits
+    [B, K, 1, V], draft_tokens [B, K, 0]) is one bonus token per request drawn from the root row
+    [b, 0, 0] (greedy: its argmax), num_accepted 0, accepted_nodes [B, 0] - as :func:`verify` with
+    G = 0. K = 0 is a ValueError: without a chain there is no root row to draw that token from
+    (pass K >= 1 chains of G = 0 drafts for "no drafts").
 
     Vocabulary parallel: ``process_group=`` (and ``vocab_size=``) as for :func:`verify`: each rank
     passes target_logits [B, K, G+1, V_r] and draft_logits / draft_probs [B, K, G, V_r] of its

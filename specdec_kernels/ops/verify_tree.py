@@ -123,17 +123,24 @@ RACE_F = tl.constexpr(RACE_F_HOST)
 
 
 @triton.jit
+def _slots(G):
+    """G as a divisor: chains without slots (G = 0) hold no nodes, so whatever a node index divided
+    by it gives is never used (every node of such a tree is padding); 1 keeps the division defined."""
+    return tl.maximum(G, 1)
+
+
+@triton.jit
 def _record(b, node, K, G, TARGET: tl.constexpr):
     """Row-statistics record of a node's target row (node -1 = root) or of its draft row."""
-    chain = tl.where(node < 0, 0, node // G)
-    slot = tl.where(node < 0, 0, node % G + TARGET)
+    chain = tl.where(node < 0, 0, node // _slots(G))
+    slot = tl.where(node < 0, 0, node % _slots(G) + TARGET)
     return (b * K + chain) * (G + 1) + slot
 
 
 @triton.jit
 def _row_ptr(base, b, node, stride_b, stride_k, stride_g, G, TARGET: tl.constexpr):
-    chain = tl.where(node < 0, 0, node // G).to(tl.int64)
-    slot = tl.where(node < 0, 0, node % G + TARGET).to(tl.int64)
+    chain = tl.where(node < 0, 0, node // _slots(G)).to(tl.int64)
+    slot = tl.where(node < 0, 0, node % _slots(G) + TARGET).to(tl.int64)
     return base + b * stride_b + chain * stride_k + slot * stride_g
 
 
@@ -291,12 +298,14 @@ def _tree_nodes(
     """(token, usable token, parent) of each node in `nodes` (parent -2 for padding nodes)."""
     node_ok = nodes < n_nodes
     tok = tl.load(
-        tokens_ptr + b * stride_xb + (nodes // G).to(tl.int64) * stride_xk + nodes % G, mask=node_ok, other=-1
+        tokens_ptr + b * stride_xb + (nodes // _slots(G)).to(tl.int64) * stride_xk + nodes % _slots(G),
+        mask=node_ok,
+        other=-1,
     )
     tok = tok.to(tl.int64)
     tok_ok = node_ok & (tok >= 0) & (tok < V)
     if CHAINS:
-        par = tl.where(nodes % G == 0, -1, nodes - 1)
+        par = tl.where(nodes % _slots(G) == 0, -1, nodes - 1)
     else:
         par = tl.load(parents_ptr + b * stride_pb + nodes, mask=node_ok, other=-2).to(tl.int32)
     return tl.where(tok_ok, tok, -1), tok_ok, tl.where(node_ok, par, -2)
@@ -725,12 +734,12 @@ def _tree_walk_kernel(
     # ---- the tree: tokens and parents of every node, [BLOCK_B, NP2]
     nodes = tl.arange(0, NP2)[None, :]
     node_ok = b_ok[:, None] & (nodes < n_nodes[:, None])
-    tok_ptrs = tokens_ptr + b[:, None] * stride_xb + (nodes // G).to(tl.int64) * stride_xk + nodes % G
+    tok_ptrs = tokens_ptr + b[:, None] * stride_xb + (nodes // _slots(G)).to(tl.int64) * stride_xk + nodes % _slots(G)
     tok = tl.load(tok_ptrs, mask=node_ok, other=-1).to(tl.int64)
     tok_ok = (tok >= 0) & (tok < V)  # out-of-range ids (validate=False) never become candidates
     tok = tl.where(tok_ok, tok, -1)
     if CHAINS:
-        par = tl.where(nodes % G == 0, -1, nodes - 1) + tl.zeros([BLOCK_B, NP2], tl.int32)
+        par = tl.where(nodes % _slots(G) == 0, -1, nodes - 1) + tl.zeros([BLOCK_B, NP2], tl.int32)
     else:
         par = tl.load(parents_ptr + b[:, None] * stride_pb + nodes, mask=node_ok, other=-1).to(tl.int32)
     par = tl.where(node_ok, par, -2)  # padding nodes are nobody's children

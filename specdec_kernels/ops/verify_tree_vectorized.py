@@ -48,6 +48,7 @@ class _Walk:
         B, N, dev = args.B, args.N, args.target.device
         self.args, self.tokens, self.parents, self.usable = args, tokens, parents, usable
         self.G, self.V, self.N = args.G, args.V, N
+        self.slots = max(args.G, 1)  # G as a divisor: with G = 0 there are no nodes to locate
         self.seed = params["seed"]
         self.t = params["temperature"].to(torch.float64)
         self.top_k, self.top_p = params["top_k"], params["top_p"].to(torch.float64)
@@ -69,8 +70,8 @@ class _Walk:
         S = self.S[b]
         first = torch.where(self.at_root[b], -1, _first_true(S))
         r = first + 1
-        k_row = torch.where(first < 0, 0, first // self.G)
-        s_row = torch.where(first < 0, 0, first % self.G + 1)
+        k_row = torch.where(first < 0, 0, first // self.slots)
+        s_row = torch.where(first < 0, 0, first % self.slots + 1)
         x, bad, m, idx = sanitize(self.args.target[b, k_row, s_row], with_index=True)
         self.flagged[b] |= bad
         # children of S (the root: parent -1), in node-index order
@@ -147,7 +148,7 @@ class _Walk:
         mode = self.args.draft_mode
         if mode not in (DRAFT_LOGITS, DRAFT_PROBS):
             return None
-        row = self.args.draft[b, c0 // self.G, c0 % self.G]
+        row = self.args.draft[b, c0 // self.slots, c0 % self.slots]
         if mode == DRAFT_LOGITS:
             xd, bad, md, _ = sanitize(row)
             self.flagged[b] |= bad
@@ -195,7 +196,9 @@ class _Walk:
 
 
 def _first_true(mask: Tensor) -> Tensor:
-    """Index of the first True of each row (rows with none: 0)."""
+    """Index of the first True of each row (rows with none, and rows of no columns: 0)."""
+    if mask.shape[1] == 0:  # a tree without nodes: argmax has nothing to reduce
+        return torch.zeros(mask.shape[0], dtype=torch.int64, device=mask.device)
     return mask.to(torch.int8).argmax(1)
 
 

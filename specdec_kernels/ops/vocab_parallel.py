@@ -540,12 +540,15 @@ def verify_chain_sharded(shard: Shard, args) -> VerifyOutput:
     B, G, V = args.B, args.G, shard.V
     dev = args.target_logits.device
     G1 = G + 1
+    if B == 0:  # B is replicated (the layout exchange checks it): every rank returns here, no collective
+        empty = torch.empty((0,), device=dev)
+        return VerifyOutput(empty.new_empty((0, G1), dtype=torch.int64), empty.int(), empty.bool())
     temp, top_k, top_p, seeds, greedy = _params(args.sampling, B, dev)
     n = args.per_request_cpu()["num_draft_tokens"].to(dev)
     drafts = args.draft_tokens.to(torch.int64)
     pos = torch.arange(G, device=dev)
     invalid = (pos[None] < n[:, None]) & ((drafts < 0) | (drafts >= V))
-    n = torch.where(invalid.any(1), torch.where(invalid, pos[None], G).min(1).values, n)  # placeholder ends it
+    n = torch.where(invalid.any(1), _row_min(torch.where(invalid, pos[None], G), G), n)  # placeholder ends it
     ids = torch.cat([torch.where((drafts >= 0) & (drafts < V), drafts, -1), torch.full((B, 1), -1, device=dev)], 1)
 
     def per_row(v):
@@ -636,6 +639,8 @@ def verify_tree_sharded(shard: Shard, args) -> TreeVerifyOutput:
     usable = (node[None] < num_nodes[:, None]) & (toks >= 0) & (toks < V)
     b_idx = torch.arange(B, device=dev)
     all_greedy = bool(greedy.all())
+    slots = max(G, 1)  # G as a divisor: with G = 0 (no nodes) only the root row is ever read
+    draft_mode = args.draft_mode if N > 0 else DRAFT_NONE  # no nodes: no candidate, no draft row to read
 
     cur = torch.zeros((B, N), dtype=torch.bool, device=dev)  # the node set S (empty: the root)
     at_root = torch.ones(B, dtype=torch.bool, device=dev)
@@ -649,7 +654,7 @@ def verify_tree_sharded(shard: Shard, args) -> TreeVerifyOutput:
             break
         live = ~done
         r = first + 1
-        t_rows = torch.where(first < 0, 0, first // G), torch.where(first < 0, 0, first % G + 1)
+        t_rows = torch.where(first < 0, 0, first // slots), torch.where(first < 0, 0, first % slots + 1)
         x_raw = args.target[b_idx, t_rows[0], t_rows[1]]  # [B, V_r]
         parent_in = torch.where(parents >= 0, cur.gather(1, parents.clamp(min=0)), at_root[:, None])
         cand = parent_in & usable
@@ -658,11 +663,11 @@ def verify_tree_sharded(shard: Shard, args) -> TreeVerifyOutput:
         order = torch.where(cand, node[None], N).sort(1).values
         cnode = torch.where(order < N, order, -1)
         ctok = torch.where(cnode >= 0, toks.gather(1, cnode.clamp(min=0)), -1)
-        c0 = cnode[:, 0].clamp(min=0)  # the position's draft row: the first candidate's
-        d_raw = None if args.draft is None else args.draft[b_idx, c0 // G, c0 % G]
+        c0 = _row_min(cnode.clamp(min=0)[:, :1], 0)  # the position's draft row: the first candidate's
+        d_raw = None if draft_mode == DRAFT_NONE else args.draft[b_idx, c0 // slots, c0 % slots]
         if all_greedy:  # greedy never reads q
             (target, _), draft = process_rows(shard, x_raw, params, ~greedy, ctok), None
-        elif args.draft_mode == DRAFT_LOGITS:  # target and draft rows share the collectives
+        elif draft_mode == DRAFT_LOGITS:  # target and draft rows share the collectives
             both, _ = process_rows(
                 shard,
                 torch.cat([x_raw.float(), d_raw.float()]),
@@ -671,7 +676,7 @@ def verify_tree_sharded(shard: Shard, args) -> TreeVerifyOutput:
                 torch.cat([ctok, ctok]),
             )
             target, draft = both.take(slice(0, B)), both.take(slice(B, None))
-        elif args.draft_mode == DRAFT_PROBS:
+        elif draft_mode == DRAFT_PROBS:
             target, draft = process_rows(shard, x_raw, params, ~greedy, ctok, d_raw, ctok)
         else:
             (target, _), draft = process_rows(shard, x_raw, params, ~greedy, ctok), None
@@ -703,20 +708,34 @@ def verify_tree_sharded(shard: Shard, args) -> TreeVerifyOutput:
             token = torch.where(leaf | rejected, drawn, token)
         s_acc = s_live & ~leaf & (chosen >= 0)
         # move S: to the candidates spelling the accepted token
-        acc_tok = torch.where(greedy, best, ctok.gather(1, chosen.clamp(min=0)[:, None])[:, 0])
+        acc_tok = torch.where(greedy, best, _at_rank(ctok, chosen))
         acc_node = torch.where(
             greedy,
-            torch.where(g_match, node[None], N).min(1).values,
-            cnode.gather(1, chosen.clamp(min=0)[:, None])[:, 0],
+            _row_min(torch.where(g_match, node[None], N), N),
+            _at_rank(cnode, chosen),
         )
         moving = (live & greedy & ~g_end) | s_acc
         new_cur = cand & (toks == acc_tok[:, None])
         cur = torch.where(moving[:, None], new_cur, cur)
-        first = torch.where(moving, torch.where(new_cur, node[None], N).min(1).values, first)
+        first = torch.where(moving, _row_min(torch.where(new_cur, node[None], N), N), first)
         last_node = torch.where(moving, acc_node, last_node)
         at_root = at_root & ~moving
         done = done | g_end | leaf | rejected
     return _tree_output(args, toks, parents, last_node, token, flag)
+
+
+def _row_min(x: torch.Tensor, empty: int) -> torch.Tensor:
+    """Minimum of each row of x [R, C]; ``empty`` when C = 0 (no drafts / no tree nodes)."""
+    if x.shape[1] == 0:
+        return torch.full((x.shape[0],), empty, dtype=x.dtype, device=x.device)
+    return x.min(1).values
+
+
+def _at_rank(x: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """x[b, rank[b]] of candidates x [B, N] (rank -1 reads rank 0); -1 when there are no nodes."""
+    if x.shape[1] == 0:
+        return torch.full_like(rank, -1)
+    return x.gather(1, rank.clamp(min=0)[:, None])[:, 0]
 
 
 def _tree_output(args, toks, parents, last_node, token, flag) -> TreeVerifyOutput:
