@@ -359,8 +359,10 @@ def speculative_generate(
         if use_draft:
             stack.enter_context(using_tree_attention(draft))
         hidden = stack.enter_context(_lm_head_input(target)) if use_medusa else None
-        # Occupancy bound: committed (<= prompt + max_new) - 1 + the 1 + K*G tree (target), or
-        # committed - u + u + (G-1)*K drafted (draft, u <= 2).
+        # Occupancy bound. The caches' shared end is the longest *unfinished* request's cached length
+        # (a finishing request keeps nothing of its last step, see _commit): committed - 1 with
+        # committed <= prompt + max_new - 1 (target), committed - u (draft). On top come the 1 +
+        # K*G tree (target), or u + (G-1)*K fed tokens (draft, u <= 2). _Session checks it per forward.
         static_len = max(len(p) for p in prompts) + max_new_tokens + tree_nodes + 2
         session = _Session.start(
             target,
@@ -459,6 +461,7 @@ class _Session:
     hidden_input: object = None  # _LMHeadInput: the target's last hidden states of its latest forward
     hidden: torch.Tensor | None = None  # [A, H] the heads' input: hidden state of each last accepted node
     cartesian: object = None  # medusa.CartesianTree over (num_drafts,) * heads
+    static_len: int | None = None  # slots of each StaticCache layer (None: DynamicCache)
 
     @classmethod
     def start(
@@ -530,7 +533,17 @@ class _Session:
             session.medusa, session.hidden_input = heads, hidden_input
             session.cartesian = _medusa.cartesian_tree((K,) * heads.num_heads, device)
             session.hidden = _prefill_hidden(hidden_input, lens, width, heads.hidden_size, device)
+        session.static_len = static_len
         return session
+
+    def _check_room(self, which: str, used: int, new: int) -> None:
+        """A forward appending ``new`` slots after ``used`` fits the static buffers (a host check: on
+        CUDA an out-of-range cache write is a device assert, which kills the process)."""
+        if self.static_len is not None and used + new > self.static_len:
+            raise RuntimeError(
+                f"internal error: the {which} StaticCache needs {used + new} slots but has {self.static_len}; "
+                "please report this with the call's arguments"
+            )
 
     def step(self, g: int | None = None) -> _StepResult:
         """One speculative step with ``g`` drafts per chain (default G) for every active request.
@@ -603,6 +616,7 @@ class _Session:
         """The target scores root + tree (verify_tree's parents, shifted by the root) in one forward."""
         batch = self.batch
         A, N = tree.tokens.shape
+        self._check_room("target", self.t_len, 1 + N)
         root = self.tokens.last(batch.index, 1)
         ids = torch.cat([root, tree.tokens], dim=1)
         parents = torch.cat([torch.full_like(root, -1), tree.parents.clamp_min(-1) + 1], dim=1)
@@ -632,6 +646,7 @@ class _Session:
         u = batch.uncached
         U = max(batch.uncached_host)  # known on the host: no synchronisation
         S = self.d_len
+        self._check_room("draft", S, U + (g - 1) * K)
         # Forward 0: the uncached committed tokens (1 or 2 per request), right-aligned; the last is the root.
         ids0 = self.tokens.last(batch.index, U)  # right-aligned; left-align the u real ones (the rest is padding)
         ids0 = ids0.gather(1, (torch.arange(U, device=device) + U - u[:, None]) % U)
@@ -703,6 +718,7 @@ class _Session:
         device = batch.index.device
         A, K = len(batch.rows), self.K
         N = 1 + K * g
+        self._check_room("target", self.t_len, N)
         root = self.tokens.last(batch.index, 1)
         ids = torch.cat([root, drafts.reshape(A, K * g)], dim=1)
         parents = chains_tree_parents(K, g, device).expand(A, N)
@@ -735,12 +751,15 @@ class _Session:
         first_eos = torch.where(is_eos, col, g + 1).min(dim=1).values
         emitted = torch.minimum(emitted, first_eos + 1)
         finished = (emitted >= room) | (first_eos <= g)
-        # Cache commits: the target keeps root + accepted path, the draft what it fed of it.
-        t_lengths = 1 + accepted
+        # Cache commits: the target keeps root + accepted path, the draft what it fed of it. A request
+        # that finishes keeps nothing (it leaves the batch): its accepted drafts past the max_new_tokens
+        # cut would otherwise hold the caches' shared end past the static bound for the others.
+        t_lengths = torch.where(finished, 0, 1 + accepted)
         t_src = torch.cat([torch.zeros_like(path[:, :1]), path.clamp_min(0)], dim=1) + tree_start
         d_src = d_kept = None
         if self.draft is not None:
             d_src, d_kept = _draft_commit_slots(fed, path, accepted, batch, g, K)
+            d_kept = torch.where(finished, 0, d_kept)
         offered = n_drafts if n_drafts is not None else torch.full((A,), g, dtype=torch.long, device=device)
         lens = [batch.target_cached + t_lengths] + ([batch.draft_cached + d_kept] if d_kept is not None else [])
         packed = [accepted, emitted, finished.long(), offered, torch.stack([x.max() for x in lens])]
