@@ -635,14 +635,13 @@ class _Session:
     # ---- drafting
 
     def _draft_chains(self, g: int):
-        """K chains of g draft tokens per request: drafts [A, K, g], the rows the verifier needs as q
-        (raw logits, or probabilities when top-k/top-p shape the draft's sampling; None when greedy),
-        the cache slots the draft fed (for the commit), and ragged draft counts [A] or None."""
+        """K chains of g draft tokens per request: drafts [A, K, g], the probabilities [A, K, g, V]
+        each draft was sampled from (what the verifier is told q is; None when greedy), the cache
+        slots the draft fed (for the commit), and ragged draft counts [A] or None."""
         batch, K, V, sampling = self.batch, self.K, self.V, self.sampling
         device = batch.index.device
         A = len(batch.rows)
         greedy = sampling["temperature"] == 0.0
-        filtered = sampling["top_k"] > 0 or sampling["top_p"] < 1.0
         u = batch.uncached
         U = max(batch.uncached_host)  # known on the host: no synchronisation
         S = self.d_len
@@ -665,7 +664,7 @@ class _Session:
         first = sample_first_tokens(
             probs, root_logits, K, greedy=greedy, distinct=self.method == "rrs_wor" and K > 1, generator=gen
         )
-        tokens, rows = [first], [(probs if filtered else root_logits)[:, None].expand(A, K, V)]
+        tokens, rows = [first], [None if greedy else probs[:, None].expand(A, K, V)]
         confident = [self._confident(root_logits, probs)]
         # A chain keeps its drafts up to its first unsure one. On the CPU a flag costs nothing
         # to read (no device to wait for), so drafting stops once every request has met one: the
@@ -690,7 +689,7 @@ class _Session:
             self.d_len += K
             probs = None if greedy else draft_distribution(logits, **sampling)
             tokens.append(sample_next_tokens(probs, logits, greedy=greedy, generator=gen))
-            rows.append(probs if filtered else logits)
+            rows.append(probs)
             confident.append(self._confident(logits[:, 0], None if probs is None else probs[:, 0]))
             met_unsure |= ~confident[-1]
         drafts = torch.stack(tokens, dim=2)  # [A, K, g]
@@ -935,13 +934,12 @@ def _verify(logits, drafts, draft_rows, n_drafts, G, K, method, sampling, genera
     """The fused verification of the target's logits [A, 1 + K*G, V]; returns (out, path) with path
     [A, G] the accepted nodes' tree indices (1 + chain*G + slot), -1 padding.
 
-    draft_rows are raw draft logits (the kernels process them like the target's) unless top-k/top-p
-    shaped the draft's sampling, then the exact probabilities it sampled from; None when greedy."""
+    draft_rows: the exact probabilities the drafts were sampled from (``draft_distribution``), handed
+    over as ``draft_probs`` so that q is the drafter's law by construction; None when greedy."""
     A, N, V = logits.shape
     device = logits.device
     seeds = torch.randint(0, 2**62, (A,), generator=generator).to(device)
-    filtered = sampling["top_k"] > 0 or sampling["top_p"] < 1.0
-    draft_kw = {} if draft_rows is None else {("draft_probs" if filtered else "draft_logits"): draft_rows}
+    draft_kw = {} if draft_rows is None else {"draft_probs": draft_rows}
     # validate=False: every input here is built by the driver (ids < V, probabilities normalised),
     # and value checks would synchronise with the GPU once per step.
     if K == 1:
