@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import torch
 
+from .._params import MIN_TEMPERATURE
+
 
 def draft_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """fp32 probabilities [..., V] the drafter samples from (temperature, then top-k, then top-p).
 
-    The verifier receives these exact probabilities (``draft_probs``), so the output stays exactly
-    target-distributed whatever this processing is; using the target's processing maximises acceptance.
+    The one definition of the draft's law: the driver samples its drafts from these probabilities
+    and hands the verifier exactly them (``draft_probs``), so the output is exactly target-distributed
+    whatever this processing is. It follows the verifier's own processing of the target (which
+    maximises acceptance): logits minus the row maximum, times 1/T, so near-tied logits keep their
+    spacing however small T is (x / T itself would round at the magnitude of x / T); a temperature
+    below ``MIN_TEMPERATURE`` (0 included) is the greedy limit T -> 0, one-hot at the first argmax,
+    as the kernels treat it.
     """
-    x = logits.float() / max(temperature, 1e-6)
+    x = logits.float()
     V = x.shape[-1]
+    if not temperature >= MIN_TEMPERATURE:  # (NaN included, as in the kernels)
+        return torch.nn.functional.one_hot(x.argmax(dim=-1), V).float()
+    x = (x - x.amax(dim=-1, keepdim=True)) * (1.0 / temperature)
     if 0 < top_k < V:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

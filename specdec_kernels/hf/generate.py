@@ -359,8 +359,10 @@ def speculative_generate(
         if use_draft:
             stack.enter_context(using_tree_attention(draft))
         hidden = stack.enter_context(_lm_head_input(target)) if use_medusa else None
-        # Occupancy bound: committed (<= prompt + max_new) - 1 + the 1 + K*G tree (target), or
-        # committed - u + u + (G-1)*K drafted (draft, u <= 2).
+        # Occupancy bound. The caches' shared end is the longest *unfinished* request's cached length
+        # (a finishing request keeps nothing of its last step, see _commit): committed - 1 with
+        # committed <= prompt + max_new - 1 (target), committed - u (draft). On top come the 1 +
+        # K*G tree (target), or u + (G-1)*K fed tokens (draft, u <= 2). _Session checks it per forward.
         static_len = max(len(p) for p in prompts) + max_new_tokens + tree_nodes + 2
         session = _Session.start(
             target,
@@ -459,6 +461,7 @@ class _Session:
     hidden_input: object = None  # _LMHeadInput: the target's last hidden states of its latest forward
     hidden: torch.Tensor | None = None  # [A, H] the heads' input: hidden state of each last accepted node
     cartesian: object = None  # medusa.CartesianTree over (num_drafts,) * heads
+    static_len: int | None = None  # slots of each StaticCache layer (None: DynamicCache)
 
     @classmethod
     def start(
@@ -530,7 +533,17 @@ class _Session:
             session.medusa, session.hidden_input = heads, hidden_input
             session.cartesian = _medusa.cartesian_tree((K,) * heads.num_heads, device)
             session.hidden = _prefill_hidden(hidden_input, lens, width, heads.hidden_size, device)
+        session.static_len = static_len
         return session
+
+    def _check_room(self, which: str, used: int, new: int) -> None:
+        """A forward appending ``new`` slots after ``used`` fits the static buffers (a host check: on
+        CUDA an out-of-range cache write is a device assert, which kills the process)."""
+        if self.static_len is not None and used + new > self.static_len:
+            raise RuntimeError(
+                f"internal error: the {which} StaticCache needs {used + new} slots but has {self.static_len}; "
+                "please report this with the call's arguments"
+            )
 
     def step(self, g: int | None = None) -> _StepResult:
         """One speculative step with ``g`` drafts per chain (default G) for every active request.
@@ -603,6 +616,7 @@ class _Session:
         """The target scores root + tree (verify_tree's parents, shifted by the root) in one forward."""
         batch = self.batch
         A, N = tree.tokens.shape
+        self._check_room("target", self.t_len, 1 + N)
         root = self.tokens.last(batch.index, 1)
         ids = torch.cat([root, tree.tokens], dim=1)
         parents = torch.cat([torch.full_like(root, -1), tree.parents.clamp_min(-1) + 1], dim=1)
@@ -621,17 +635,17 @@ class _Session:
     # ---- drafting
 
     def _draft_chains(self, g: int):
-        """K chains of g draft tokens per request: drafts [A, K, g], the rows the verifier needs as q
-        (raw logits, or probabilities when top-k/top-p shape the draft's sampling; None when greedy),
-        the cache slots the draft fed (for the commit), and ragged draft counts [A] or None."""
+        """K chains of g draft tokens per request: drafts [A, K, g], the probabilities [A, K, g, V]
+        each draft was sampled from (what the verifier is told q is; None when greedy), the cache
+        slots the draft fed (for the commit), and ragged draft counts [A] or None."""
         batch, K, V, sampling = self.batch, self.K, self.V, self.sampling
         device = batch.index.device
         A = len(batch.rows)
         greedy = sampling["temperature"] == 0.0
-        filtered = sampling["top_k"] > 0 or sampling["top_p"] < 1.0
         u = batch.uncached
         U = max(batch.uncached_host)  # known on the host: no synchronisation
         S = self.d_len
+        self._check_room("draft", S, U + (g - 1) * K)
         # Forward 0: the uncached committed tokens (1 or 2 per request), right-aligned; the last is the root.
         ids0 = self.tokens.last(batch.index, U)  # right-aligned; left-align the u real ones (the rest is padding)
         ids0 = ids0.gather(1, (torch.arange(U, device=device) + U - u[:, None]) % U)
@@ -650,7 +664,7 @@ class _Session:
         first = sample_first_tokens(
             probs, root_logits, K, greedy=greedy, distinct=self.method == "rrs_wor" and K > 1, generator=gen
         )
-        tokens, rows = [first], [(probs if filtered else root_logits)[:, None].expand(A, K, V)]
+        tokens, rows = [first], [None if greedy else probs[:, None].expand(A, K, V)]
         confident = [self._confident(root_logits, probs)]
         # A chain keeps its drafts up to its first unsure one. On the CPU a flag costs nothing
         # to read (no device to wait for), so drafting stops once every request has met one: the
@@ -675,7 +689,7 @@ class _Session:
             self.d_len += K
             probs = None if greedy else draft_distribution(logits, **sampling)
             tokens.append(sample_next_tokens(probs, logits, greedy=greedy, generator=gen))
-            rows.append(probs if filtered else logits)
+            rows.append(probs)
             confident.append(self._confident(logits[:, 0], None if probs is None else probs[:, 0]))
             met_unsure |= ~confident[-1]
         drafts = torch.stack(tokens, dim=2)  # [A, K, g]
@@ -703,6 +717,7 @@ class _Session:
         device = batch.index.device
         A, K = len(batch.rows), self.K
         N = 1 + K * g
+        self._check_room("target", self.t_len, N)
         root = self.tokens.last(batch.index, 1)
         ids = torch.cat([root, drafts.reshape(A, K * g)], dim=1)
         parents = chains_tree_parents(K, g, device).expand(A, N)
@@ -735,12 +750,15 @@ class _Session:
         first_eos = torch.where(is_eos, col, g + 1).min(dim=1).values
         emitted = torch.minimum(emitted, first_eos + 1)
         finished = (emitted >= room) | (first_eos <= g)
-        # Cache commits: the target keeps root + accepted path, the draft what it fed of it.
-        t_lengths = 1 + accepted
+        # Cache commits: the target keeps root + accepted path, the draft what it fed of it. A request
+        # that finishes keeps nothing (it leaves the batch): its accepted drafts past the max_new_tokens
+        # cut would otherwise hold the caches' shared end past the static bound for the others.
+        t_lengths = torch.where(finished, 0, 1 + accepted)
         t_src = torch.cat([torch.zeros_like(path[:, :1]), path.clamp_min(0)], dim=1) + tree_start
         d_src = d_kept = None
         if self.draft is not None:
             d_src, d_kept = _draft_commit_slots(fed, path, accepted, batch, g, K)
+            d_kept = torch.where(finished, 0, d_kept)
         offered = n_drafts if n_drafts is not None else torch.full((A,), g, dtype=torch.long, device=device)
         lens = [batch.target_cached + t_lengths] + ([batch.draft_cached + d_kept] if d_kept is not None else [])
         packed = [accepted, emitted, finished.long(), offered, torch.stack([x.max() for x in lens])]
@@ -916,13 +934,12 @@ def _verify(logits, drafts, draft_rows, n_drafts, G, K, method, sampling, genera
     """The fused verification of the target's logits [A, 1 + K*G, V]; returns (out, path) with path
     [A, G] the accepted nodes' tree indices (1 + chain*G + slot), -1 padding.
 
-    draft_rows are raw draft logits (the kernels process them like the target's) unless top-k/top-p
-    shaped the draft's sampling, then the exact probabilities it sampled from; None when greedy."""
+    draft_rows: the exact probabilities the drafts were sampled from (``draft_distribution``), handed
+    over as ``draft_probs`` so that q is the drafter's law by construction; None when greedy."""
     A, N, V = logits.shape
     device = logits.device
     seeds = torch.randint(0, 2**62, (A,), generator=generator).to(device)
-    filtered = sampling["top_k"] > 0 or sampling["top_p"] < 1.0
-    draft_kw = {} if draft_rows is None else {("draft_probs" if filtered else "draft_logits"): draft_rows}
+    draft_kw = {} if draft_rows is None else {"draft_probs": draft_rows}
     # validate=False: every input here is built by the driver (ids < V, probabilities normalised),
     # and value checks would synchronise with the GPU once per step.
     if K == 1:

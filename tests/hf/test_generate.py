@@ -264,6 +264,58 @@ def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft, static_len):
                 addresses = now
 
 
+def _static_runs_equal_generate(target, draft, batch: dict, pad: int, longest: int = 13, G: int = 4):
+    """Greedy static-cache runs for max_new_tokens 1..longest at K = 1 and 2 (G drafts every step)
+    equal generate's tokens; returns the last run's accepted-length histogram [B, G+1]."""
+    T = batch["input_ids"].shape[1]
+    expected = target.generate(**batch, max_new_tokens=longest, do_sample=False, eos_token_id=[], pad_token_id=pad)
+    for K in (1, 2):
+        for new in range(1, longest + 1):
+            out = speculative_generate(
+                target,
+                draft,
+                **batch,
+                max_new_tokens=new,
+                num_draft_tokens=G,
+                num_drafts=K,
+                eos_token_id=[],
+                pad_token_id=pad,
+                adaptive_draft=False,
+                cache_implementation="static",
+            )
+            assert torch.equal(out.sequences, expected[:, : T + new]), (K, new)
+    return out.stats.accepted_length_histogram
+
+
+def test_static_cache_fits_every_output_length():
+    """StaticCache at every output length 1..13, K = 1 and 2: greedy output equals generate's.
+
+    The case that overflowed the buffers: a longest-prompt request finishes with drafts accepted past
+    its max_new_tokens cut while another request goes on. The draft here is the target except that it
+    never proposes request 1's first token (its output row zeroed), so request 0 accepts every draft
+    and request 1 lags. Before the fix the finished request kept those drafts in the caches and the
+    next tree ran past the static bound (IndexError at max_new_tokens 2, 7, 12 for both K)."""
+    target = tiny_model("llama", seed=1)
+    ids, mask = _ragged_prompts(T=8, lens=(8, 8, 5))
+    first = _greedy_reference(target, ids, mask, 13 + 4, eos=[])[:, 8:]
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        draft.lm_head.weight[int(first[1, 0])] = 0
+    assert int(first[1, 0]) not in first[0].tolist()  # request 0's drafts are all accepted
+    hist = _static_runs_equal_generate(target, draft, dict(input_ids=ids, attention_mask=mask), PAD)
+    assert int(hist[0, :-1].sum()) == 0 and int(hist[1, :-1].sum()) > 0  # the scenario above
+
+
+@pytest.mark.slow
+def test_static_cache_fits_every_output_length_demo_pair():
+    """The report's case (the demo pair's four ragged prompts, 24..98 tokens, failed at max_new_tokens=10)
+    at every output length 1..13, K = 1 and 2 (about 20 s on a CPU)."""
+    from specdec_kernels.demo import DEMO_PROMPTS, load_demo_pair
+
+    target, draft, tok = load_demo_pair()
+    _static_runs_equal_generate(target, draft, tok(list(DEMO_PROMPTS[:4])), tok.pad_token_id)
+
+
 def test_static_cache_gives_the_same_tokens(pair):
     """cache_implementation="static": greedy equals generate, and sampling with a seed draws exactly
     the tokens of the DynamicCache run (same random stream, same logits); EOS mid-batch drops a
