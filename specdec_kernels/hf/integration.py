@@ -14,7 +14,8 @@ runs :func:`specdec_kernels.hf.speculative_generate` with the usual ``generate``
 ``max_new_tokens`` / ``max_length``, ``eos_token_id`` / ``pad_token_id``, ``streamer`` and
 ``return_dict_in_generate``. Extra keywords ``specdec_num_drafts`` (K draft chains verified as one
 tree) and ``specdec_method`` ("kseq", "rrs", "rrs_wor") select multi-draft verification. Greedy output
-is identical to plain ``generate``; sampled output is exactly target-distributed. Sampling seeds
+is identical to plain ``generate``; sampled output is exactly target-distributed, with top-p
+keeping the tokens ``generate``'s ``TopPLogitsWarper`` keeps (``top_p_ties="by_index"``). Sampling seeds
 are drawn from torch's global generator, so ``torch.manual_seed`` makes a call reproducible.
 Anything our loop cannot honour is a ``ValueError`` naming it rather than silently ignored: beam
 search, a ``logits_processor`` / ``stopping_criteria`` list, and every logits-processor or stopping
