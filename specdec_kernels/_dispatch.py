@@ -206,10 +206,25 @@ def cpu_auto_backend() -> str:
 
 
 _CPU_AUTO: str | None = None
+TIES_BY_INDEX_BACKENDS = ("vectorized", "torch")  # those implementing SamplingParams.top_p_ties="by_index"
+
+
+def ties_backend(sampling, backend: str) -> str:
+    """The backend for top_p_ties='by_index' with top-p active: "auto" runs "vectorized"; backends
+    without the rule raise (they would keep the whole boundary tie group)."""
+    if not sampling.ties_by_index() or backend in TIES_BY_INDEX_BACKENDS:
+        return backend
+    if backend == "auto":
+        return "vectorized"
+    raise ValueError(
+        f"top_p_ties='by_index' is implemented by the backends {TIES_BY_INDEX_BACKENDS} only, got backend="
+        f"{backend!r} (use top_p_ties='keep' to keep the whole tie group at the top-p boundary)"
+    )
 
 
 def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     """Run chain verification (checked VerifyArgs) on the requested backend."""
+    backend = ties_backend(args.sampling, backend)
     overrides = _OVERRIDES.get() or {}
     num_chunks, block_v = overrides.get("num_chunks"), overrides.get("block_v")
     device = args.target_logits.device
@@ -239,6 +254,7 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
 
 def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
     """Run tree / multi-draft verification (checked TreeArgs)."""
+    backend = ties_backend(args.sampling, backend)
     overrides = _OVERRIDES.get() or {}
     block_v, num_chunks = overrides.get("block_v"), overrides.get("num_chunks")
     if backend == "auto" and args.target.device.type == "cpu":
@@ -386,7 +402,7 @@ def _verify_chain_fake(target_logits, draft_tokens, draft, draft_mode, st, ss, s
 
 def call_verify_chain(args: VerifyArgs, backend: str) -> VerifyOutput:
     """Run the custom op on checked arguments."""
-    tensors, scalars, seed_t, seed = args.sampling.op_args()
+    tensors, scalars, seed_t, seed = args.sampling.op_args(with_ties=True)
     tokens, accepted, nonfinite = verify_chain_op(
         args.target_logits,
         args.draft_tokens,
@@ -444,7 +460,7 @@ def _verify_tree_fake(
 
 def call_verify_tree(args: TreeArgs, backend: str) -> TreeVerifyOutput:
     """Run the custom op on checked arguments."""
-    tensors, scalars, seed_t, seed = args.sampling.op_args()
+    tensors, scalars, seed_t, seed = args.sampling.op_args(with_ties=True)
     tokens, accepted, nodes, nonfinite = verify_tree_op(
         args.target,
         args.tokens,

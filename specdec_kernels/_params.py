@@ -13,6 +13,18 @@ Value rules (checked for scalars always, for tensors when ``validate=True``):
   kernels treat them as greedy (the limit T -> 0, lowest index on ties).
 * ``top_k``: 0 = off; values >= V keep the whole vocabulary (also off). Any int64 is honoured.
 * ``top_p``: in (0, 1]; 1 = off.
+* ``top_p_ties`` (one value for the call): which tokens of the tie group at the top-p boundary
+  stay. Order the kept-by-top-k tokens by descending logit; top-p keeps a token when the mass
+  ordered before it is < top_p of the total.
+
+  - ``"keep"`` (default; every kernel): equal logits are one token for this test: the whole tie
+    group at the boundary stays (the smallest set of whole tie groups holding top_p of the mass).
+  - ``"by_index"``: among equal logits the higher token index comes first, so only the tie
+    group's highest-index tokens that pass the test stay (4 equal logits, top_p = 0.5: tokens 2
+    and 3). This is transformers' ``TopPLogitsWarper`` (ascending ``torch.sort``, drop cumulative
+    mass <= 1 - top_p) when its sort is stable; the count it keeps is the same either way. Only
+    the reference and the vectorized backend implement it; the others raise ValueError when
+    top_p can be < 1 (the rule changes nothing otherwise).
 * ``seed``: an int (per-request keys are mixed from (seed, b)) or a [B] int tensor of keys.
 """
 
@@ -29,6 +41,10 @@ INT_DTYPES = (torch.int32, torch.int64)
 # Smallest positive temperature (the smallest normal float32): 1/T stays finite in float32.
 MIN_TEMPERATURE = 2.0**-126
 MAX_FLOAT32 = float(torch.finfo(torch.float32).max)
+
+# SamplingParams.top_p_ties: the whole boundary tie group stays, or ties broken by token index
+# (higher index first: transformers' TopPLogitsWarper). The custom ops carry it as its index.
+TOP_P_TIES = ("keep", "by_index")
 
 # Mixing constants for deriving per-request seeds from one integer seed (splitmix64-style).
 _SEED_MUL = 0x5851F42D4C957F2D  # odd, < 2**63
@@ -95,10 +111,13 @@ class SamplingParams:
     top_k: torch.Tensor | int
     top_p: torch.Tensor | float
     seed: torch.Tensor | int
+    top_p_ties: str = "keep"
 
     @classmethod
-    def check(cls, B: int, device, temperature=1.0, top_k=0, top_p=1.0, seed=None) -> SamplingParams:
+    def check(cls, B: int, device, temperature=1.0, top_k=0, top_p=1.0, seed=None, top_p_ties="keep") -> SamplingParams:
         """Type/shape checks of everything and value checks of the scalars (no host sync)."""
+        if not isinstance(top_p_ties, str) or top_p_ties not in TOP_P_TIES:
+            _fail(f"top_p_ties must be one of {TOP_P_TIES}, got {top_p_ties!r}")
         temperature = _per_request("temperature", temperature, B, device, float)
         top_k = _per_request("top_k", top_k, B, device, int)
         top_p = _per_request("top_p", top_p, B, device, float)
@@ -108,7 +127,7 @@ class SamplingParams:
             _fail(f"top_k must be >= 0 (0 = off), got {top_k}")
         if not isinstance(top_p, torch.Tensor) and not (0.0 < top_p <= 1.0):
             _fail(f"top_p must be in (0, 1], got {top_p}")
-        return cls(temperature, top_k, top_p, _check_seed(seed, B, device))
+        return cls(temperature, top_k, top_p, _check_seed(seed, B, device), top_p_ties)
 
     # ---- properties decided without reading tensors
 
@@ -116,6 +135,12 @@ class SamplingParams:
         """Top-k or top-p may be active for some request."""
         k, p = self.top_k, self.top_p
         return isinstance(k, torch.Tensor) or 0 < k < V or isinstance(p, torch.Tensor) or p < 1.0
+
+    def ties_by_index(self) -> bool:
+        """The ``"by_index"`` top-p tie rule with top-p possibly active: only the reference and the
+        vectorized backend implement it."""
+        p, greedy = self.top_p, isinstance(self.temperature, float) and self.temperature == 0.0
+        return self.top_p_ties == "by_index" and not greedy and (isinstance(p, torch.Tensor) or p < 1.0)
 
     def shape_class(self, V: int) -> tuple:
         """(greedy or "tensor", filtered) for the auto backend's measurement cache."""
@@ -163,6 +188,8 @@ class SamplingParams:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "top_p_ties":  # the kernels implement "keep" only (ties_by_index() is refused)
+                continue
             if isinstance(value, torch.Tensor):
                 out[f.name] = (value, 0, True)
             elif f.name == "seed":
@@ -173,18 +200,26 @@ class SamplingParams:
                 out[f.name] = (dummy, value, False)
         return out
 
-    def op_args(self) -> tuple[list[torch.Tensor | None], list[float], torch.Tensor | None, int]:
-        """Flat form for the torch.library custom ops: (tensors, float scalars, seed tensor, seed int)."""
+    def op_args(
+        self, with_ties: bool = False
+    ) -> tuple[list[torch.Tensor | None], list[float], torch.Tensor | None, int]:
+        """Flat form for the torch.library custom ops: (tensors, float scalars, seed tensor, seed int);
+        ``with_ties``: the floats end with the index of ``top_p_ties`` in ``TOP_P_TIES`` (the
+        custom ops carry it; the csrc calls take the first three floats)."""
         scalars = [getattr(self, n) for n in ("temperature", "top_k", "top_p")]
         tensors = [v if isinstance(v, torch.Tensor) else None for v in scalars]
         floats = [0.0 if isinstance(v, torch.Tensor) else float(min(v, 2**31 - 1)) for v in scalars]
+        if with_ties:
+            floats.append(float(TOP_P_TIES.index(self.top_p_ties)))
         seed_t = self.seed if isinstance(self.seed, torch.Tensor) else None
         return tensors, floats, seed_t, (0 if seed_t is not None else mix_seed(self.seed))
 
     @classmethod
     def from_op_args(cls, tensors, floats, seed_t, seed) -> SamplingParams:
+        floats, ties = (floats[:3], floats[3]) if len(floats) > 3 else (floats, 0)
         t, k, p = (tensor if tensor is not None else value for tensor, value in zip(tensors, floats, strict=True))
-        return cls(t, k if isinstance(k, torch.Tensor) else int(k), p, seed_t if seed_t is not None else seed)
+        seed = seed_t if seed_t is not None else seed
+        return cls(t, k if isinstance(k, torch.Tensor) else int(k), p, seed, TOP_P_TIES[int(ties)])
 
 
 def _check_seed(seed, B: int, device):

@@ -92,6 +92,7 @@ def check_tree_args(
     *,
     validate: bool = True,
     multi: bool = False,
+    top_p_ties: str = "keep",
 ) -> TreeArgs:
     _require(isinstance(target_logits, torch.Tensor), "target_logits must be a torch.Tensor", TypeError)
     device = target_logits.device
@@ -136,7 +137,7 @@ def check_tree_args(
     _require(V >= 1, "target_logits has an empty vocabulary dimension")
     _require(K * G <= MAX_NODES, f"at most {MAX_NODES} tree nodes are supported, got {K * G}")
     _require(method in METHODS, f"method must be one of {sorted(METHODS)}, got {method!r}")
-    sampling = SamplingParams.check(B, device, temperature, top_k, top_p, seed)
+    sampling = SamplingParams.check(B, device, temperature, top_k, top_p, seed, top_p_ties)
     num_nodes = check_counts("num_nodes", num_nodes, B, device)
     if max_depth is not None:
         _require(

@@ -119,6 +119,7 @@ def check_verify_args(
     seed,
     *,
     validate: bool = True,
+    top_p_ties: str = "keep",
 ) -> VerifyArgs:
     _require(isinstance(target_logits, torch.Tensor), "target_logits must be a torch.Tensor", TypeError)
     device = target_logits.device
@@ -135,7 +136,7 @@ def check_verify_args(
             f"{tuple(target_logits.shape)}, got {tuple(draft_tokens.shape)}"
         )
     draft, mode = _check_draft(draft_logits, draft_probs, (B, G), V, device)
-    sampling = SamplingParams.check(B, device, temperature, top_k, top_p, seed)
+    sampling = SamplingParams.check(B, device, temperature, top_k, top_p, seed, top_p_ties)
     num_draft_tokens = check_counts("num_draft_tokens", num_draft_tokens, B, device)
     # The kernels index drafts and vocabulary entries with stride 1 (a copy only for odd views).
     args = VerifyArgs(
@@ -164,6 +165,7 @@ def check_flat_verify_args(
     seed,
     *,
     validate: bool = True,
+    top_p_ties: str = "keep",
 ) -> VerifyArgs:
     """Checked arguments of the flattened ragged layout (``cu_num_draft_tokens``; see ``sk.verify``)."""
     _require(isinstance(target_logits, torch.Tensor), "target_logits must be a torch.Tensor", TypeError)
@@ -195,7 +197,7 @@ def check_flat_verify_args(
         )
         G = max_num_draft_tokens
     _require(G >= 0, f"max_num_draft_tokens must be >= 0, got {G}")
-    sampling = SamplingParams.check(B, device, temperature, top_k, top_p, seed)
+    sampling = SamplingParams.check(B, device, temperature, top_k, top_p, seed, top_p_ties)
     args = VerifyArgs(
         _last_dim_contiguous(target_logits),
         draft_tokens.contiguous(),

@@ -27,6 +27,7 @@ def verify(
     temperature: float | torch.Tensor = 1.0,
     top_k: int | torch.Tensor = 0,
     top_p: float | torch.Tensor = 1.0,
+    top_p_ties: str = "keep",
     num_draft_tokens: torch.Tensor | None = None,
     cu_num_draft_tokens: torch.Tensor | None = None,
     max_num_draft_tokens: int | None = None,
@@ -49,6 +50,10 @@ def verify(
                           one-hot q (n-gram drafters).
         temperature:      float or [B] tensor; 0 = greedy for that request.
         top_k:            int or [B] tensor; 0 = off. top_p: float or [B] tensor in (0, 1]; 1 = off.
+        top_p_ties:       the tie group at the top-p boundary: "keep" (default: all of it stays) or
+                          "by_index" (the higher token index counts as more probable: transformers'
+                          TopPLogitsWarper; backends "vectorized" and "torch" only, which "auto"
+                          then picks; see ``specdec_kernels._params``).
         num_draft_tokens: [B] int; request b verifies drafts [0, n_b) and draws its bonus from row n_b.
         Zero sizes:       B = 0 returns empty outputs ([0, G+1], [0], [0]); G = 0 (or n_b = 0) means no
                           drafts: tokens[b, 0] is one bonus token drawn from row 0 (greedy: its argmax),
@@ -176,6 +181,7 @@ def verify(
                 max_num_draft_tokens,
                 seed,
                 validate=validate and process_group is None,
+                top_p_ties=top_p_ties,
             )
         else:
             if max_num_draft_tokens is not None:
@@ -191,7 +197,10 @@ def verify(
                 num_draft_tokens,
                 seed,
                 validate=validate and process_group is None,
+                top_p_ties=top_p_ties,
             )
+        if process_group is not None:
+            _check_sharded_ties(args)
         return args
 
     if process_group is not None:  # vocabulary shards: see ops/vocab_parallel.py
@@ -213,6 +222,7 @@ def verify_tree(
     temperature: float | torch.Tensor = 1.0,
     top_k: int | torch.Tensor = 0,
     top_p: float | torch.Tensor = 1.0,
+    top_p_ties: str = "keep",
     seed: int | torch.Tensor | None = None,
     num_nodes: torch.Tensor | None = None,
     method: str = "kseq",
@@ -236,7 +246,7 @@ def verify_tree(
                        Non-finite logits and unusable draft_probs entries (NaN, +inf, negative:
                        q = 0) are handled and flagged as in :func:`verify`; the draft rows a
                        request uses are those of the positions whose candidates it tests.
-        temperature, top_k, top_p, seed: as for :func:`verify`. num_nodes: [B] int, ragged trees.
+        temperature, top_k, top_p, top_p_ties, seed: as for :func:`verify`. num_nodes: [B] int, ragged trees.
                        Zero sizes: B = 0 gives empty outputs; a tree without nodes (N = 0, or
                        num_nodes[b] = 0) is one bonus token drawn from the root row 0 (greedy: its
                        argmax), num_accepted 0 - the token :func:`verify` emits with G = 0.
@@ -286,6 +296,7 @@ def verify_tree(
         out_dtype=out_dtype,
         process_group=process_group,
         vocab_size=vocab_size,
+        top_p_ties=top_p_ties,
     )
 
 
@@ -298,6 +309,7 @@ def verify_multi(
     temperature: float | torch.Tensor = 1.0,
     top_k: int | torch.Tensor = 0,
     top_p: float | torch.Tensor = 1.0,
+    top_p_ties: str = "keep",
     seed: int | torch.Tensor | None = None,
     method: str = "kseq",
     validate: bool = True,
@@ -350,6 +362,7 @@ def verify_multi(
         out_dtype=out_dtype,
         process_group=process_group,
         vocab_size=vocab_size,
+        top_p_ties=top_p_ties,
     )
 
 
@@ -361,6 +374,7 @@ def _run_tree(
     out_dtype=torch.int64,
     process_group=None,
     vocab_size=None,
+    top_p_ties="keep",
 ) -> TreeVerifyOutput:
     """verify_tree and verify_multi: one check (``check_tree_args``), one dispatch."""
     _check_vocab_size_use(process_group, vocab_size)
@@ -369,14 +383,15 @@ def _run_tree(
         def checked():
             _dispatch.check_sharded_backend(backend)
             _check_out_dtype(out_dtype)
-            args = check_tree_args(*tree_args, validate=False, multi=multi)
+            args = check_tree_args(*tree_args, validate=False, multi=multi, top_p_ties=top_p_ties)
+            _check_sharded_ties(args)
             return args, tree_args[-1] is None and not multi  # max_depth not given: the deepest tree
 
         out = _dispatch.run_tree_sharded(checked, process_group, vocab_size, validate, multi)
     else:
         backend = _dispatch.check_backend(backend)
         _check_out_dtype(out_dtype)
-        args = check_tree_args(*tree_args, validate=validate, multi=multi)
+        args = check_tree_args(*tree_args, validate=validate, multi=multi, top_p_ties=top_p_ties)
         if torch.compiler.is_compiling():  # one opaque custom op in the graph
             out = _dispatch.call_verify_tree(args, backend)
         else:
@@ -389,6 +404,11 @@ def _run_tree(
 def _check_vocab_size_use(process_group, vocab_size) -> None:
     if vocab_size is not None and process_group is None:
         raise ValueError("vocab_size= describes vocabulary shards: it needs process_group=")
+
+
+def _check_sharded_ties(args) -> None:
+    if args.sampling.ties_by_index():
+        raise ValueError("top_p_ties='by_index' is not implemented for vocabulary shards (process_group=) yet")
 
 
 def _check_out_dtype(out_dtype) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import api as ops
-from .._params import check_temperature_value
+from .._params import TOP_P_TIES, check_temperature_value
 from .._types import MAX_NODES, METHODS
 from . import medusa as _medusa
 from .attention import (
@@ -229,6 +229,7 @@ def speculative_generate(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    top_p_ties: str = "by_index",
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
@@ -261,6 +262,10 @@ def speculative_generate(
             ``sk.verify_tree`` with ``method="rrs_wor"`` (the only method; the default for Medusa).
         temperature, top_k, top_p: the target's sampling; temperature 0 = greedy (output identical to
             ``target.generate(do_sample=False)``). Sampled output is exactly target-distributed.
+        top_p_ties: the tokens kept from the tie group at the top-p boundary (``sk.verify``):
+            "by_index" (default) as ``target.generate``'s TopPLogitsWarper (the higher token index
+            counts as more probable), verified by the "vectorized" backend when top_p < 1 (also on
+            a GPU); "keep" keeps the whole group and runs the fused kernels.
         seed: makes sampling reproducible. eos_token_id / pad_token_id: default from the target's
             generation config. streamer: a transformers streamer (batch size 1).
         vocab_size: real token count when the two models pad their embedding matrices differently
@@ -308,6 +313,8 @@ def speculative_generate(
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     if not (draft_cost in (None, "measured", "shapes") or _is_number(draft_cost) and draft_cost >= 0):
         raise ValueError(f"draft_cost must be 'measured', 'shapes', None or a number >= 0, got {draft_cost!r}")
+    if top_p_ties not in TOP_P_TIES:
+        raise ValueError(f"top_p_ties must be one of {TOP_P_TIES}, got {top_p_ties!r}")
     if not (isinstance(draft_confidence, (int, float)) and 0.0 <= draft_confidence <= 1.0):
         raise ValueError(f"draft_confidence must be in [0, 1], got {draft_confidence!r}")
     use_medusa = drafter == "medusa"
@@ -384,6 +391,7 @@ def speculative_generate(
             keep_history=drafter == "prompt_lookup" or streamer is not None,
             draft_confidence=draft_confidence if adaptive else 0.0,
             medusa=(medusa_heads, hidden) if use_medusa else None,
+            top_p_ties=top_p_ties,
         )
         session.drop_finished([max_new_tokens == 0] * len(prompts))
         policy = _draft_length_policy(target, draft, G, draft_cost, sampling) if adaptive else None
@@ -462,6 +470,7 @@ class _Session:
     hidden: torch.Tensor | None = None  # [A, H] the heads' input: hidden state of each last accepted node
     cartesian: object = None  # medusa.CartesianTree over (num_drafts,) * heads
     static_len: int | None = None  # slots of each StaticCache layer (None: DynamicCache)
+    top_p_ties: str = "by_index"  # the verifier's top-p tie rule (the drafter's own does not matter)
 
     @classmethod
     def start(
@@ -486,6 +495,7 @@ class _Session:
         keep_history: bool = True,
         draft_confidence: float = 0.0,
         medusa=None,
+        top_p_ties: str = "by_index",
     ):
         """``medusa``: (MedusaHeads, the _LMHeadInput hooked on the target) for drafter="medusa"."""
         # Medusa's heads read the prefill's hidden state at each prompt's end: the target then
@@ -528,6 +538,7 @@ class _Session:
             timer or _PhaseTimer(SpeculativeStats(G, K), False),
             draft_confidence,
         )
+        session.top_p_ties = top_p_ties
         if medusa is not None:
             heads, hidden_input = medusa
             session.medusa, session.hidden_input = heads, hidden_input
@@ -566,7 +577,8 @@ class _Session:
             tree_start = self.t_len
             logits = self._target_forward(drafts, n_drafts, g)
         with self.timer("verify"):
-            out, path = _verify(logits, drafts, draft_rows, n_drafts, g, K, self.method, self.sampling, self.generator)
+            sampling = dict(self.sampling, top_p_ties=self.top_p_ties)
+            out, path = _verify(logits, drafts, draft_rows, n_drafts, g, K, self.method, sampling, self.generator)
         with self.timer("commit"):
             return self._commit(out, path, tree_start, fed, n_drafts, g)
 
@@ -603,6 +615,7 @@ class _Session:
                 method=self.method,
                 max_depth=D,
                 validate=False,
+                top_p_ties=self.top_p_ties,
                 **sampling,
             )
             path = torch.where(out.accepted_nodes >= 0, out.accepted_nodes + 1, -1)  # forward slots

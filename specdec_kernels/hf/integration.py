@@ -14,15 +14,21 @@ runs :func:`specdec_kernels.hf.speculative_generate` with the usual ``generate``
 ``max_new_tokens`` / ``max_length``, ``eos_token_id`` / ``pad_token_id``, ``streamer`` and
 ``return_dict_in_generate``. Extra keywords ``specdec_num_drafts`` (K draft chains verified as one
 tree) and ``specdec_method`` ("kseq", "rrs", "rrs_wor") select multi-draft verification. Greedy output
-is identical to plain ``generate``; sampled output is exactly target-distributed. Sampling seeds
+is identical to plain ``generate``; sampled output is exactly target-distributed, with top-p
+keeping the tokens ``generate``'s ``TopPLogitsWarper`` keeps (``top_p_ties="by_index"``). Sampling seeds
 are drawn from torch's global generator, so ``torch.manual_seed`` makes a call reproducible.
-Anything our loop cannot honour (beam search, logits processors, stopping criteria) is a clear
-error rather than silently ignored.
+Anything our loop cannot honour is a ``ValueError`` naming it rather than silently ignored: beam
+search, a ``logits_processor`` / ``stopping_criteria`` list, and every logits-processor or stopping
+setting that ``generate`` would apply (``repetition_penalty``, ``min_new_tokens``, ``min_p``, ...;
+see :data:`_UNSUPPORTED`), whether passed to the call or inherited from the model's
+``generation_config.json``. A setting at its no-op value (``repetition_penalty=1.0``) is fine, and
+so is a sampling-only one (``min_p``, ``typical_p``, ...) when greedy: ``generate`` ignores it too.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,16 +72,14 @@ def generate_with_specdec(
         negative_prompt_attention_mask=negative_prompt_attention_mask,
         synced_gpus=synced_gpus,
     )
-    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    config = _merged_config(model, generation_config)
     explicit_draft_tokens = "num_assistant_tokens" in kwargs
+    passed = set(kwargs)
     unused = config.update(**kwargs)
     unused.pop("use_cache", None)
     if unused:
         raise ValueError(f"speculative generate does not support the arguments {sorted(unused)}")
-    if getattr(config, "num_beams", 1) not in (None, 1):
-        raise ValueError(f"speculative generate samples one sequence per prompt; num_beams={config.num_beams}")
-    if getattr(config, "num_return_sequences", 1) not in (None, 1):
-        raise ValueError("speculative generate returns one sequence per prompt; repeat the prompt instead")
+    _reject_active_settings(config, input_ids.shape[1], passed)
 
     lookup = getattr(config, "prompt_lookup_num_tokens", None)
     if assistant_model is None and not lookup:
@@ -107,6 +111,118 @@ def generate_with_specdec(
 
         return GenerateDecoderOnlyOutput(sequences=out.sequences)
     return out.sequences
+
+
+def _merged_config(model, generation_config):
+    """The call's generation config as ``generate`` builds it: a passed ``generation_config`` first,
+    the model's own (``generation_config.json``) for whatever it leaves unset."""
+    if generation_config is None:
+        return copy.deepcopy(model.generation_config)
+    config = copy.deepcopy(generation_config)
+    config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    return config
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What decides whether a setting takes effect in ``generate``."""
+
+    sampling: bool  # do_sample: the warpers (min_p, typical_p, ...) apply only then
+    has_eos: bool  # min_length / min_new_tokens only forbid EOS
+    prompt_width: int  # generate counts min_length over the padded prompt width
+
+
+def _set(value) -> bool:
+    """Not None and not an empty collection."""
+    return value is not None and not (isinstance(value, (list, tuple, dict)) and len(value) == 0)
+
+
+def _differs(default):
+    return lambda value, call: value is not None and value != default
+
+
+def _positive(value, call) -> bool:
+    return value is not None and value > 0
+
+
+def _inside_unit(value, call) -> bool:
+    return value is not None and 0.0 < value < 1.0
+
+
+def _when_sampling(active):
+    return lambda value, call: call.sampling and active(value, call)
+
+
+# Every generation-config setting that makes ``generate`` add a logits processor, a stopping
+# criterion or another decoding mode, with when it takes effect (the conditions of transformers'
+# ``_get_logits_processor`` / ``_get_stopping_criteria``) and the value that turns it off. The
+# driver implements none of them: an active one is a ValueError naming it, never a silent change.
+# (``renormalize_logits`` is not here: a log-softmax of the final scores changes no token.)
+_UNSUPPORTED = {
+    "repetition_penalty": (_differs(1.0), 1.0),
+    "encoder_repetition_penalty": (_differs(1.0), 1.0),  # decoder-only: the prompt is its "encoder input"
+    "no_repeat_ngram_size": (_positive, 0),
+    "encoder_no_repeat_ngram_size": (_positive, 0),
+    "bad_words_ids": (lambda v, call: _set(v), None),
+    "sequence_bias": (lambda v, call: _set(v), None),
+    "min_length": (lambda v, call: call.has_eos and v is not None and v > call.prompt_width, 0),
+    "min_new_tokens": (lambda v, call: call.has_eos and _positive(v, call), 0),
+    "forced_bos_token_id": (lambda v, call: v is not None, None),
+    "forced_eos_token_id": (lambda v, call: _set(v), None),
+    "remove_invalid_values": (lambda v, call: v is True, False),
+    "exponential_decay_length_penalty": (lambda v, call: v is not None, None),
+    "suppress_tokens": (lambda v, call: _set(v), None),
+    "begin_suppress_tokens": (lambda v, call: _set(v), None),
+    "guidance_scale": (_differs(1.0), 1.0),
+    "watermarking_config": (lambda v, call: v is not None, None),
+    "min_p": (_when_sampling(lambda v, call: v is not None), None),
+    "typical_p": (_when_sampling(lambda v, call: v is not None and v < 1.0), 1.0),
+    "epsilon_cutoff": (_when_sampling(_inside_unit), 0.0),
+    "eta_cutoff": (_when_sampling(_inside_unit), 0.0),
+    "top_h": (_when_sampling(lambda v, call: v is not None), None),
+    # other decoding modes
+    "num_beams": (_differs(1), 1),
+    "num_beam_groups": (_differs(1), 1),
+    "diversity_penalty": (_differs(0.0), 0.0),
+    "num_return_sequences": (_differs(1), 1),
+    "penalty_alpha": (_positive, None),  # contrastive search
+    "dola_layers": (lambda v, call: v is not None, None),
+    "constraints": (lambda v, call: _set(v), None),
+    "force_words_ids": (lambda v, call: _set(v), None),
+    "token_healing": (lambda v, call: v is True, False),
+    # stopping criteria
+    "max_time": (lambda v, call: v is not None, None),
+    "stop_strings": (lambda v, call: _set(v), None),
+    # outputs only sequences come back
+    "output_scores": (lambda v, call: v is True, False),
+    "output_logits": (lambda v, call: v is True, False),
+    "output_attentions": (lambda v, call: v is True, False),
+    "output_hidden_states": (lambda v, call: v is True, False),
+}
+
+
+def _reject_active_settings(config, prompt_width: int, passed: set[str]) -> None:
+    call = _Call(
+        sampling=bool(config.do_sample),
+        has_eos=bool(_eos_ids(config.eos_token_id)),
+        prompt_width=prompt_width,
+    )
+    for name, (active, off) in _UNSUPPORTED.items():
+        value = getattr(config, name, None)
+        if active(value, call):
+            source = "passed to generate" if name in passed else "from generation_config or generation_config.json"
+            raise ValueError(
+                f"speculative generate does not support {name}={value!r} ({source}) yet; "
+                f"pass {name}={off!r} to generate without it"
+            )
+
+
+def _eos_ids(eos) -> list:
+    if eos is None:
+        return []
+    if isinstance(eos, torch.Tensor):
+        return eos.flatten().tolist()
+    return [eos] if isinstance(eos, int) else list(eos)
 
 
 def _sampling(config) -> dict:

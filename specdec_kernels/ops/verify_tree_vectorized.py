@@ -54,6 +54,7 @@ class _Walk:
         self.top_k, self.top_p = params["top_k"], params["top_p"].to(torch.float64)
         self.greedy = ~(params["temperature"] >= _MIN_TEMPERATURE)
         self.filtered = args.has_filter
+        self.by_index = args.sampling.ties_by_index()  # top_p_ties="by_index" with top-p active
         self.active = torch.ones(B, dtype=torch.bool, device=dev)
         self.at_root = torch.ones(B, dtype=torch.bool, device=dev)
         self.S = torch.zeros((B, N), dtype=torch.bool, device=dev)
@@ -94,7 +95,7 @@ class _Walk:
         self._accept(b[found], match[found])
 
     def _sampled_step(self, b, x, m, cand, toks, r):
-        p = processed_probs(x, m, self.t[b], self.top_k[b], self.top_p[b], self.filtered)
+        p = processed_probs(x, m, self.t[b], self.top_k[b], self.top_p[b], self.filtered, self.by_index)
         self.flagged[b] |= ~(p > 0).any(1)
         k = cand.sum(1)
         leaf = k == 0
@@ -152,7 +153,7 @@ class _Walk:
         if mode == DRAFT_LOGITS:
             xd, bad, md, _ = sanitize(row)
             self.flagged[b] |= bad
-            return processed_probs(xd, md, self.t[b], self.top_k[b], self.top_p[b], self.filtered)
+            return processed_probs(xd, md, self.t[b], self.top_k[b], self.top_p[b], self.filtered, self.by_index)
         q = row.to(torch.float64, copy=True)
         bad = ~((q >= 0) & (q < float("inf")))
         self.flagged[b] |= bad.any(1)

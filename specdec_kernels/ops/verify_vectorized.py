@@ -15,7 +15,9 @@ It follows the reference step by step, in float64 where the reference is float64
 * greedy: the first index of the row max (``torch.max``), the first mismatch by a cumulative product;
 * top-k: the k-th largest finite logit (``torch.topk``, ties kept); top-p: the first position of
   the descending cumulative mass reaching ``top_p`` times the total, found on a partial sort that
-  widens until it holds that position (the whole row is never sorted unless it must be);
+  widens until it holds that position (the whole row is never sorted unless it must be); with
+  ``top_p_ties="by_index"`` only the highest-index entries of the boundary tie group up to that
+  position stay (a count from the prefix, then one pass over the rows that use top-p: ``_tie_cut``);
 * p(x) = exp((x - max) / T) / Z over the kept entries (Z from the sorted prefix when it holds every
   kept entry, else one pass over the row); the accept test u * q(x) <= p(x) with u from
   Philox(seed; 0, i, ACCEPT), position by position;
@@ -153,15 +155,25 @@ def unusable_prob_rows(q: Tensor) -> Tensor:
     return ~((q >= 0) & (q < float("inf"))).all(-1)
 
 
-def _weights(x: Tensor, thr: Tensor, m: Tensor, t: Tensor) -> Tensor:
-    """float64 exp((x - m) / T) at the kept entries (x >= thr, finite), 0 elsewhere.
+def _weights(x: Tensor, thr: Tensor, m: Tensor, t: Tensor, cut: Tensor | None = None) -> Tensor:
+    """float64 exp((x - m) / T) at the kept entries (x >= thr, finite, and where x == thr an index
+    >= cut), 0 elsewhere.
 
-    x [..., V]; thr, m (a finite row max), t: [...]. One float64 buffer, updated in place."""
+    x [..., V]; thr, m (a finite row max), t, cut (int64; None or 0: the whole tie group): [...].
+    One float64 buffer, updated in place."""
     w = x.to(torch.float64)
     w.sub_(m[..., None]).div_(t[..., None]).exp_()  # exp(-inf) = 0: -inf logits need no mask
     if bool((thr > float("-inf")).any()):
         w.masked_fill_(x < thr[..., None], 0.0)
+    if cut is not None and bool((cut > 0).any()):
+        index = torch.arange(x.shape[-1], device=x.device)
+        w.masked_fill_((x == thr[..., None]) & (index < cut[..., None]), 0.0)
     return w
+
+
+def _kept_at(x_at: Tensor, index: Tensor, thr: Tensor, cut: Tensor) -> Tensor:
+    """Whether entries with logits x_at at vocabulary indices ``index`` are kept ([M] each)."""
+    return (x_at > float("-inf")) & ((x_at > thr) | ((x_at == thr) & (index >= cut)))
 
 
 def _complete(vals: Tensor, thr: Tensor, V: int) -> Tensor:
@@ -172,9 +184,11 @@ def _complete(vals: Tensor, thr: Tensor, V: int) -> Tensor:
     return (last < thr) | (last == float("-inf"))
 
 
-def _row_stats(x: Tensor, m: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool):
-    """(thresholds [R], normalisers Z [R] float64) of sanitised fp32 rows x [R, V] with row max m
-    (0 for rows with nothing finite), temperature t and top_p float64, top_k int64 (all [R]).
+def _row_stats(x: Tensor, m: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool, by_index=False):
+    """(thresholds [R], normalisers Z [R] float64, tie cuts [R] int64) of sanitised fp32 rows x
+    [R, V] with row max m (0 for rows with nothing finite), temperature t and top_p float64, top_k
+    int64 (all [R]). by_index: the reference's ``top_p_ties="by_index"`` (``kept_entries``): an
+    entry equal to the threshold is kept only from index cut on; else cut = 0.
 
     The threshold is the reference's ``filter_threshold`` (keep x >= thr; -inf: nothing filtered):
     the k-th largest finite logit (ties kept), then the kept logit at the first position of the
@@ -184,18 +198,32 @@ def _row_stats(x: Tensor, m: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor, fi
     thr = torch.full((R,), float("-inf"), dtype=torch.float32, device=x.device)
     z = torch.zeros(R, dtype=torch.float64, device=x.device)
     known = torch.zeros(R, dtype=torch.bool, device=x.device)
+    cut = torch.zeros(R, dtype=torch.int64, device=x.device)
     if filtered:
         use_k = (top_k > 0) & (top_k < V)
         use_p = top_p < 1.0
         rows = (use_k | use_p).nonzero().squeeze(1)
         if rows.numel() > 0:
-            thr[rows], z[rows], known[rows] = _filtered_stats(
-                _take(x, rows), m[rows], t[rows], top_k[rows], top_p[rows], use_k[rows], use_p[rows]
+            thr[rows], z[rows], known[rows], count = _filtered_stats(
+                _take(x, rows), m[rows], t[rows], top_k[rows], top_p[rows], use_k[rows], use_p[rows], by_index
             )
+            if by_index:
+                tied = (count >= 0).nonzero().squeeze(1)
+                if tied.numel() > 0:
+                    cut[rows[tied]] = _tie_cut(_take(x, rows[tied]), thr[rows[tied]], count[tied])
     if not bool(known.all()):
         rows = (~known).nonzero().squeeze(1)
         z[rows] = _exp_sums(x, rows, thr[rows], m[rows], t[rows])
-    return thr, z
+    return thr, z, cut
+
+
+def _tie_cut(x: Tensor, thr: Tensor, count: Tensor) -> Tensor:
+    """[r] the lowest index among the ``count`` highest-index entries equal to thr of rows x [r, V]
+    (0 when the count covers the whole tie group)."""
+    tied = x == thr[:, None]
+    from_right = tied.flip(-1).cumsum(-1).flip(-1)  # tied entries at this index or above
+    cut = (tied & (from_right == count[:, None])).to(torch.int8).argmax(-1)
+    return torch.where(count >= from_right[:, 0], 0, cut)
 
 
 def _take(x: Tensor, rows: Tensor) -> Tensor:
@@ -217,8 +245,9 @@ def _exp_sums(x: Tensor, rows: Tensor, thr: Tensor, m: Tensor, t: Tensor) -> Ten
     return torch.cat(parts)
 
 
-def _filtered_stats(x, m, t, top_k, top_p, use_k, use_p):
-    """(thr, Z, Z known) of rows with top-k and / or top-p; see ``_row_stats``."""
+def _filtered_stats(x, m, t, top_k, top_p, use_k, use_p, by_index):
+    """(thr, Z, Z known, count) of rows with top-k and / or top-p; see ``_row_stats``. count
+    (by_index): entries of the boundary tie group kept, -1 for rows without top-p."""
     r, V = x.shape
     width = min(V, int(top_k[use_k].max())) if bool(use_k.any()) else min(V, _TOP_P_FIRST_WIDTH)
     vals = torch.topk(x, width, dim=-1).values  # descending
@@ -228,14 +257,18 @@ def _filtered_stats(x, m, t, top_k, top_p, use_k, use_p):
     wts = _weights(vals, thr, m, t)
     z = wts.sum(-1)
     known = _complete(vals, thr, V)
+    count = torch.full_like(top_k, -1)
     rows = use_p.nonzero().squeeze(1)
     if rows.numel() > 0:
-        thr[rows], z[rows], known[rows] = _top_p(_take(x, rows), vals[rows], thr[rows], m[rows], t[rows], top_p[rows])
-    return thr, z, known
+        x_p, args = _take(x, rows), (vals[rows], thr[rows], m[rows], t[rows], top_p[rows], by_index)
+        thr[rows], z[rows], known[rows], count[rows] = _top_p(x_p, *args)
+    return thr, z, known, count
 
 
-def _top_p(x, vals, thr, m, t, top_p):
-    """top-p on rows cut at thr (top-k, or -inf): (thr, Z, Z known) given a descending prefix vals.
+def _top_p(x, vals, thr, m, t, top_p, by_index):
+    """top-p on rows cut at thr (top-k, or -inf): (thr, Z, Z known, count) given a descending
+    prefix vals. by_index: count = the boundary tie group's entries kept (those up to the cut
+    position: the mass before each is < the goal) and Z their prefix mass; else count = -1.
 
     The reference sorts the kept logits, takes the float64 cumulative mass of exp((x - max) / T)
     and keeps the prefix up to its first position reaching top_p * the total. Here the prefix widens
@@ -244,6 +277,7 @@ def _top_p(x, vals, thr, m, t, top_p):
     r, V = x.shape
     out_thr, out_z = thr.clone(), torch.zeros(r, dtype=torch.float64, device=x.device)
     out_known = torch.zeros(r, dtype=torch.bool, device=x.device)
+    out_count = torch.full((r,), -1, dtype=torch.int64, device=x.device)
     live = vals[:, 0] > float("-inf")  # rows with nothing finite keep their threshold
     total = torch.full((r,), float("nan"), dtype=torch.float64, device=x.device)
     incomplete = (~_complete(vals, thr, V)) & live
@@ -262,15 +296,20 @@ def _top_p(x, vals, thr, m, t, top_p):
         kept = ((vals >= th[:, None]) & (vals > float("-inf"))).sum(-1)
         first = torch.minimum((mass < goal[:, None]).sum(-1), kept - 1).clamp(min=0)  # searchsorted, left
         new_thr = vals.gather(1, first[:, None]).squeeze(1)
-        z = (wts * (vals >= new_thr[:, None])).sum(-1)
         finished = pending[done]
+        if by_index:  # the prefix up to `first` is exactly the kept set (it lies within vals)
+            z = mass.gather(1, first[:, None]).squeeze(1)
+            out_count[finished] = (first + 1 - (vals > new_thr[:, None]).sum(-1))[done]
+            out_known[finished] = True
+        else:
+            z = (wts * (vals >= new_thr[:, None])).sum(-1)
+            out_known[finished] = _complete(vals, new_thr, V)[done]
         out_thr[finished], out_z[finished] = new_thr[done], z[done]
-        out_known[finished] = _complete(vals, new_thr, V)[done]
         pending = pending[~done]
         if pending.numel() > 0:
             width = min(V, vals.shape[1] * 4)
             vals = torch.topk(_take(x, pending), width, dim=-1).values
-    return out_thr, out_z, out_known
+    return out_thr, out_z, out_known, out_count
 
 
 class _Rows:
@@ -279,12 +318,14 @@ class _Rows:
     normaliser of each row (the reference's ``processed_probs``), computed by :meth:`fill` only for
     the rows a verification reaches."""
 
-    def __init__(self, x: Tensor, m: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool):
+    def __init__(self, x: Tensor, m: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool, by_index=False):
         self.x, self.t, self.top_k, self.top_p, self.filtered = x, t, top_k, top_p, filtered
+        self.by_index = by_index
         self.empty = m == float("-inf")  # nothing to sample: p = 0 everywhere
         self.m = m.masked_fill(self.empty, 0.0)
         self.thr = torch.full(m.shape, float("-inf"), dtype=torch.float32, device=x.device)
         self.z = torch.ones(m.shape, dtype=torch.float64, device=x.device)
+        self.cut = torch.zeros(m.shape, dtype=torch.int64, device=x.device)
 
     def rows(self, b: Tensor, i) -> Tensor:
         """x[b, i] [len(b), V] (a view when b is the whole batch in order and i one row)."""
@@ -295,20 +336,22 @@ class _Rows:
 
     def fill(self, b: Tensor, i: int) -> None:
         """Compute the statistics of rows (b, i) for requests b (a [M] index) and row i."""
-        thr, z = _row_stats(self.rows(b, i), self.m[b, i], self.t[b], self.top_k[b], self.top_p[b], self.filtered)
-        self.thr[b, i] = thr
+        rows, m = self.rows(b, i), self.m[b, i]
+        thr, z, cut = _row_stats(rows, m, self.t[b], self.top_k[b], self.top_p[b], self.filtered, self.by_index)
+        self.thr[b, i], self.cut[b, i] = thr, cut
         self.z[b, i] = z.masked_fill(self.empty[b, i], 1.0)
 
-    def prob_at(self, b: Tensor, i, x_at: Tensor) -> Tensor:
-        """float64 p(x) of rows (b, i) at their logits x_at [M]."""
+    def prob_at(self, b: Tensor, i, x_at: Tensor, index: Tensor) -> Tensor:
+        """float64 p(x) of rows (b, i) at tokens ``index`` [M] with logits x_at [M]."""
         thr, m, z = self.thr[b, i], self.m[b, i], self.z[b, i]
-        kept = (x_at >= thr) & (x_at > float("-inf"))
+        kept = _kept_at(x_at, index, thr, self.cut[b, i])
         p = torch.exp((x_at.to(torch.float64) - m) / self.t[b]) / z
         return p.masked_fill(~kept, 0.0)
 
     def probs(self, b: Tensor, i: Tensor) -> Tensor:
         """float64 probabilities [M, V] of rows (b[k], i[k])."""
-        return _weights(self.rows(b, i), self.thr[b, i], self.m[b, i], self.t[b]).div_(self.z[b, i][:, None])
+        w = _weights(self.rows(b, i), self.thr[b, i], self.m[b, i], self.t[b], self.cut[b, i])
+        return w.div_(self.z[b, i][:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,13 +405,14 @@ class _SampledChain:
         t = params["temperature"].to(torch.float64)
         top_k, top_p = params["top_k"], params["top_p"].to(torch.float64)
         filtered = args.has_filter and bool((((top_k > 0) & (top_k < V)) | (top_p < 1.0))[index].any())
-        self.target = _Rows(x, g_max, t, top_k, top_p, filtered)
+        by_index = args.sampling.ties_by_index()
+        self.target = _Rows(x, g_max, t, top_k, top_p, filtered, by_index)
         self.draft, self.probs = None, args.draft
         M = index.numel()
         self.draft_bad = torch.zeros((M, G), dtype=torch.bool, device=x.device)
         if self.mode == DRAFT_LOGITS:
             xd, draft_bad, xd_max, _ = sanitize(args.draft)
-            self.draft, self.draft_bad = _Rows(xd, xd_max, t, top_k, top_p, filtered), draft_bad[index]
+            self.draft, self.draft_bad = _Rows(xd, xd_max, t, top_k, top_p, filtered, by_index), draft_bad[index]
         elif self.mode == DRAFT_PROBS:
             self.draft_bad = unusable_prob_rows(args.draft)[index]
         rows = torch.arange(G, device=x.device, dtype=torch.int64)
@@ -383,10 +427,10 @@ class _SampledChain:
             if i == G or testing.numel() == 0:
                 break
             b, x_tok = index[testing], self.tok[testing, i]
-            p_tok = self.target.prob_at(b, i, x[b, i, x_tok])
+            p_tok = self.target.prob_at(b, i, x[b, i, x_tok], x_tok)
             if self.mode == DRAFT_LOGITS:
                 self.draft.fill(b, i)
-                q_tok = self.draft.prob_at(b, i, xd[b, i, x_tok])
+                q_tok = self.draft.prob_at(b, i, xd[b, i, x_tok], x_tok)
             elif self.mode == DRAFT_PROBS:
                 q_tok = usable_probs(args.draft[b, i, x_tok])
             else:
@@ -448,10 +492,13 @@ def race(w: Tensor, seed: Tensor, row: Tensor, purpose: Tensor) -> Tensor:
     return torch.where(top > float("-inf"), idx, torch.full_like(idx, -1))
 
 
-def processed_probs(x: Tensor, m: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool) -> Tensor:
+def processed_probs(
+    x: Tensor, m: Tensor, t: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool, by_index: bool = False
+) -> Tensor:
     """float64 probabilities [M, V] of sanitised fp32 rows x with row maxima m (-inf: nothing
-    finite, all zeros) after temperature, top-k and top-p (per-row t, top_k, top_p: [M])."""
+    finite, all zeros) after temperature, top-k and top-p (per-row t, top_k, top_p: [M]; by_index:
+    ``top_p_ties="by_index"``)."""
     empty = m == float("-inf")
     m = m.masked_fill(empty, 0.0)
-    thr, z = _row_stats(x, m, t, top_k, top_p, filtered)
-    return _weights(x, thr, m, t).div_(z.masked_fill(empty, 1.0)[:, None])
+    thr, z, cut = _row_stats(x, m, t, top_k, top_p, filtered, by_index)
+    return _weights(x, thr, m, t, cut).div_(z.masked_fill(empty, 1.0)[:, None])

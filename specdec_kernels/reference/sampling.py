@@ -58,11 +58,39 @@ def filter_threshold(x: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return thr
 
 
-def processed_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def kept_entries(x: torch.Tensor, temperature: float, top_k: int, top_p: float, top_p_ties: str = "keep"):
+    """[V] bool: the entries of a sanitised fp32 row that top-k then top-p keep.
+
+    top_p_ties="keep": x >= ``filter_threshold`` (the whole tie group at the top-p boundary stays).
+    top_p_ties="by_index": order the entries top-k keeps by descending logit and, among equal
+    logits, descending index; keep each entry whose float64 mass ordered before it is < top_p of
+    the total. transformers' TopPLogitsWarper keeps the same set when its ascending sort is stable
+    (ties then ascend by index, and it drops cumulative mass <= 1 - top_p). The cumulative mass
+    is the same sum as ``filter_threshold``'s, so both rules cut in the same tie group.
+    """
+    finite = x > float("-inf")
+    if top_p_ties == "keep" or top_p >= 1.0:
+        return (x >= filter_threshold(x, temperature, top_k, top_p)) & finite
+    if top_p_ties != "by_index":
+        raise ValueError(f"top_p_ties must be 'keep' or 'by_index', got {top_p_ties!r}")
+    index = torch.nonzero((x >= filter_threshold(x, temperature, top_k, 1.0)) & finite).squeeze(1).flip(0)
+    kept = torch.zeros(x.shape, dtype=torch.bool)
+    if index.numel() == 0:
+        return kept
+    index = index[torch.sort(x[index], descending=True, stable=True).indices]  # ties: higher index first
+    values = x[index].double()
+    mass = torch.cumsum(torch.exp((values - values[0]) / temperature), 0)
+    first = int(torch.searchsorted(mass, top_p * mass[-1]))  # the last entry whose mass before is < goal
+    kept[index[: min(first, index.numel() - 1) + 1]] = True
+    return kept
+
+
+def processed_probs(
+    row: torch.Tensor, temperature: float, top_k: int, top_p: float, top_p_ties: str = "keep"
+) -> torch.Tensor:
     """float64 probabilities after temperature, top-k and top-p (all zeros if nothing is finite)."""
     x, _ = sanitize_logits(row)
-    thr = filter_threshold(x, temperature, top_k, top_p)
-    kept = (x >= thr) & (x > float("-inf"))
+    kept = kept_entries(x, temperature, top_k, top_p, top_p_ties)
     if not bool(kept.any()):
         return torch.zeros(x.shape, dtype=torch.float64)
     xd = x.double()
@@ -71,12 +99,12 @@ def processed_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: fl
     return w / w.sum()
 
 
-def draft_distribution(row, mode: int, temperature: float, top_k: int, top_p: float):
+def draft_distribution(row, mode: int, temperature: float, top_k: int, top_p: float, top_p_ties: str = "keep"):
     """(q as float64, whether the row held unusable values) for a draft row given as logits
     (DRAFT_LOGITS: processed like the target) or probabilities (DRAFT_PROBS: used as given,
     unusable entries as 0); (None, False) for one-hot drafts (DRAFT_NONE: no row)."""
     if mode == DRAFT_LOGITS:
-        return processed_probs(row, temperature, top_k, top_p), sanitize_logits(row)[1]
+        return processed_probs(row, temperature, top_k, top_p, top_p_ties), sanitize_logits(row)[1]
     if mode == DRAFT_PROBS:
         return sanitize_probs(row)
     return None, False

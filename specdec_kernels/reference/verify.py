@@ -36,6 +36,7 @@ def verify_reference(
     num_draft_tokens=None,
     seed=None,
     validate=True,
+    top_p_ties="keep",
 ) -> VerifyOutput:
     """Same contract as :func:`specdec_kernels.verify`; see its docstring."""
     args = check_verify_args(
@@ -49,6 +50,7 @@ def verify_reference(
         num_draft_tokens,
         seed,
         validate=validate,
+        top_p_ties=top_p_ties,
     )
     return verify_checked(args)
 
@@ -73,6 +75,7 @@ def verify_checked(args) -> VerifyOutput:
             n=int(cpu["num_draft_tokens"][b]),
             seed=int(cpu["seed"][b]),
             V=V,
+            ties=args.sampling.top_p_ties,
         )
         tokens[b, :accepted] = torch.tensor(cpu["draft_tokens"][b][:accepted].tolist(), dtype=torch.int64)
         tokens[b, accepted] = token
@@ -82,7 +85,7 @@ def verify_checked(args) -> VerifyOutput:
     return VerifyOutput(tokens.to(dev), num_accepted.to(dev), nonfinite.to(dev))
 
 
-def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, seed, V):
+def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, seed, V, ties="keep"):
     """(number accepted, emitted token, nonfinite flag) for one request."""
     greedy = not temperature >= 2.0**-126  # subnormal / NaN temperatures act as greedy, like the kernels
     flagged = False
@@ -98,12 +101,12 @@ def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, s
             if i < n and drafts[i] == best:
                 continue
             return i, best, flagged
-        p = processed_probs(target[i], temperature, top_k, top_p)
+        p = processed_probs(target[i], temperature, top_k, top_p, ties)
         flagged |= not bool((p > 0).any())
         if i == n:  # all drafts accepted: bonus token from p_n
             return n, _race_or_zero(safe_log(p), seed, i, PURPOSE_BONUS), flagged
         tok = drafts[i]  # in [0, V): n ends at the first placeholder
-        q, bad_q = draft_distribution(draft[i] if draft is not None else None, mode, temperature, top_k, top_p)
+        q, bad_q = draft_distribution(draft[i] if draft is not None else None, mode, temperature, top_k, top_p, ties)
         flagged |= bad_q  # a draft row the request used held NaN / inf (or, as probabilities, < 0)
         if q is None:  # one-hot q (n-gram drafts): accept with probability p(x), residual = p without x
             q = torch.zeros(V, dtype=torch.float64)

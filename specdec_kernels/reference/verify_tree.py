@@ -197,6 +197,7 @@ def verify_tree_reference(
     method="kseq",
     max_depth=None,
     validate=True,
+    top_p_ties="keep",
 ):
     """Same contract as :func:`specdec_kernels.verify_tree`; see its docstring."""
     args = check_tree_args(
@@ -213,6 +214,7 @@ def verify_tree_reference(
         method,
         max_depth,
         validate=validate,
+        top_p_ties=top_p_ties,
     )
     return verify_tree_checked(args)
 
@@ -229,6 +231,7 @@ def verify_multi_reference(
     seed=None,
     method="kseq",
     validate=True,
+    top_p_ties="keep",
 ):
     """Same contract as :func:`specdec_kernels.verify_multi`; see its docstring."""
     args = check_tree_args(
@@ -246,6 +249,7 @@ def verify_multi_reference(
         None,
         validate=validate,
         multi=True,
+        top_p_ties=top_p_ties,
     )
     return verify_tree_checked(args)
 
@@ -278,6 +282,7 @@ def verify_tree_checked(args) -> TreeVerifyOutput:
             top_k=int(params["top_k"][b]),
             top_p=float(params["top_p"][b]),
             seed=int(params["seed"][b]),
+            ties=args.sampling.top_p_ties,
         )
         n = len(path)
         out_nodes[b, :n] = torch.tensor(path, dtype=torch.int64)
@@ -310,7 +315,7 @@ class _Tree:
         return [i for i in range(self.n) if int(self.parents[i]) in want]
 
 
-def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed):
+def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed, ties="keep"):
     """(accepted path nodes, emitted token, nonfinite flag) for one request."""
     greedy = not temperature >= 2.0**-126  # subnormal / NaN temperatures act as greedy, like the kernels
     current = None  # None = root; else the list of nodes spelling the accepted prefix
@@ -334,12 +339,12 @@ def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed):
             current, accepted_node = match, match[0]
             path_tokens += 1
             continue
-        p = processed_probs(row, temperature, top_k, top_p)
+        p = processed_probs(row, temperature, top_k, top_p, ties)
         flagged |= not bool((p > 0).any())
         if not cands:  # leaf: bonus token
             return _path_to(tree, accepted_node), max(exponential_race(safe_log(p), seed, r, PURPOSE_BONUS), 0), flagged
         draft_row = tree.draft_row(cands[0]) if tree.draft is not None else None
-        q, bad_q = draft_distribution(draft_row, mode, temperature, top_k, top_p)
+        q, bad_q = draft_distribution(draft_row, mode, temperature, top_k, top_p, ties)
         flagged |= bad_q  # the position's draft row held NaN / inf (or, as probabilities, < 0)
         chosen, residual = _choose(p, q, toks, method, seed, r)
         if chosen is None:

@@ -1,0 +1,200 @@
+"""``top_p_ties``: which tokens of the tie group at the top-p boundary stay.
+
+"keep" (default) keeps the whole group; "by_index" is transformers' TopPLogitsWarper: among equal
+logits the higher index counts as more probable (its ascending torch.sort, when stable). The
+reference's rule is checked against the warper itself on tie-heavy bf16 rows; the vectorized
+backend against the reference token for token; the fused backends refuse the rule."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+import specdec_kernels as sk
+from specdec_kernels._params import TOP_P_TIES, SamplingParams
+from specdec_kernels.ops.verify_vectorized import processed_probs as vectorized_probs
+from specdec_kernels.ops.verify_vectorized import sanitize
+from specdec_kernels.reference.sampling import filter_threshold, kept_entries, processed_probs
+
+from ._stats import ALPHA, chi_square_power, chi_square_pvalue
+
+_torch_sort = torch.sort
+
+
+def _stable_sort(*args, **kwargs):
+    return _torch_sort(*args, **{**kwargs, "stable": True})
+
+
+def _transformers_kept(x: torch.Tensor, temperature: float, top_k: int, top_p: float, stable: bool) -> torch.Tensor:
+    """The entries generate's warpers (temperature, top-k, top-p; as generate orders them) keep."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    scores = x[None] / temperature
+    if top_k > 0:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    with mock.patch.object(torch, "sort", _stable_sort) if stable else mock.MagicMock():
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores[0] > float("-inf")
+
+
+def _tie_heavy_row(gen: torch.Generator, V: int) -> torch.Tensor:
+    """bf16-rounded logits on a few levels (many exact ties), or bf16-rounded normals."""
+    if bool(torch.rand(1, generator=gen) < 0.5):
+        levels = int(torch.randint(1, 6, (1,), generator=gen))
+        return (torch.randint(0, levels, (V,), generator=gen).float() * 0.75).bfloat16().float()
+    return (torch.randn(V, generator=gen) * 2).bfloat16().float()
+
+
+def test_four_equal_logits():
+    """transformers keeps tokens 2 and 3 of four equal logits at top_p = 0.5 (and 1, 2, 3 when a
+    small fifth token adds mass below them); "keep" keeps all four."""
+    x = torch.zeros(4)
+    assert kept_entries(x, 1.0, 0, 0.5, "by_index").tolist() == [False, False, True, True]
+    assert torch.equal(kept_entries(x, 1.0, 0, 0.5, "by_index"), _transformers_kept(x, 1.0, 0, 0.5, stable=False))
+    assert kept_entries(x, 1.0, 0, 0.5, "keep").all()
+    y = torch.tensor([2.0, 2.0, 2.0, 2.0, -1.0])
+    assert kept_entries(y, 1.0, 0, 0.5, "by_index").tolist() == [False, True, True, True, False]
+    assert torch.equal(kept_entries(y, 1.0, 0, 0.5, "by_index"), _transformers_kept(y, 1.0, 0, 0.5, stable=False))
+
+
+def test_by_index_is_transformers_top_p_on_tie_heavy_rows():
+    """600 random rows: the kept set equals the warper's with a stable sort, and its size equals the
+    warper's as shipped (torch.sort is not stable: which equal tokens it keeps is arbitrary)."""
+    gen = torch.Generator().manual_seed(0)
+    differs_from_keep = 0
+    for i in range(600):
+        V = int(torch.randint(2, 400, (1,), generator=gen))
+        x = _tie_heavy_row(gen, V)
+        temperature = (1.0, 0.7, 1.3)[i % 3]
+        top_k = int(torch.randint(0, V + 1, (1,), generator=gen)) if i % 4 == 0 else 0
+        top_p = float(torch.rand(1, generator=gen)) * 0.98 + 0.01
+        ours = kept_entries(x, temperature, top_k, top_p, "by_index")
+        assert torch.equal(ours, _transformers_kept(x, temperature, top_k, top_p, stable=True)), (i, x, top_p)
+        assert int(ours.sum()) == int(_transformers_kept(x, temperature, top_k, top_p, stable=False).sum())
+        differs_from_keep += not torch.equal(ours, kept_entries(x, temperature, top_k, top_p, "keep"))
+    assert differs_from_keep > 100  # the rows do exercise the boundary ties
+
+
+def test_keep_is_todays_rule():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        x = _tie_heavy_row(gen, 50)
+        thr = filter_threshold(x, 0.9, 7, 0.6)
+        assert torch.equal(kept_entries(x, 0.9, 7, 0.6), (x >= thr) & (x > float("-inf")))
+        assert torch.equal(processed_probs(x, 0.9, 7, 0.6), processed_probs(x, 0.9, 7, 0.6, "keep"))
+
+
+@pytest.mark.parametrize("V", [7, 300, 5000])  # 5000: the partial sort widens past its first 256
+def test_vectorized_probabilities_equal_the_reference(V):
+    gen = torch.Generator().manual_seed(V)
+    R = 8
+    x = torch.stack([_tie_heavy_row(gen, V) for _ in range(R)])
+    t = torch.tensor([1.0, 0.5, 2.0, 1.0] * 2, dtype=torch.float64)
+    top_k = torch.tensor([0, 5, 0, 3, 0, 0, V, 1])
+    top_p = torch.rand(R, generator=gen, dtype=torch.float64) * 0.9 + 0.05
+    xs, _, m, _ = sanitize(x)
+    got = vectorized_probs(xs, m, t, top_k, top_p, True, by_index=True)
+    for r in range(R):
+        want = processed_probs(x[r], float(t[r]), int(top_k[r]), float(top_p[r]), "by_index")
+        assert torch.equal(got[r] > 0, want > 0)
+        torch.testing.assert_close(got[r], want, rtol=1e-12, atol=0)
+
+
+def _chain_inputs(gen, B=4, G=3, V=60, K=None):
+    lead = (B,) if K is None else (B, K)
+    levels = torch.randint(0, 4, (*lead, G + 1, V), generator=gen).float() * 0.5
+    target = levels.bfloat16().float()
+    draft = (torch.randint(0, 4, (*lead, G, V), generator=gen).float() * 0.5).bfloat16().float()
+    tokens = torch.randint(0, V, (*lead, G), generator=gen)
+    return target, tokens, draft
+
+
+SAMPLED = dict(temperature=0.9, top_k=0, top_p=0.6, top_p_ties="by_index")
+
+
+@pytest.mark.parametrize("backend", ["vectorized", "auto"])
+def test_chain_backend_matches_reference(backend):
+    gen = torch.Generator().manual_seed(2)
+    for seed in range(6):
+        target, tokens, draft = _chain_inputs(gen)
+        want = sk.verify(target, tokens, draft, backend="torch", seed=seed, **SAMPLED)
+        got = sk.verify(target, tokens, draft, backend=backend, seed=seed, **SAMPLED)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
+        probs = torch.softmax(draft, -1)
+        want = sk.verify(target, tokens, draft_probs=probs, backend="torch", seed=seed, **SAMPLED)
+        got = sk.verify(target, tokens, draft_probs=probs, backend=backend, seed=seed, **SAMPLED)
+        assert torch.equal(got.tokens, want.tokens)
+
+
+@pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
+def test_multi_and_tree_backends_match_reference(method):
+    gen = torch.Generator().manual_seed(3)
+    for seed in range(4):
+        target, tokens, draft = _chain_inputs(gen, K=2)
+        if method == "rrs_wor":
+            tokens[:, 1, 0] = (tokens[:, 0, 0] + 1) % target.shape[-1]  # distinct siblings
+        want = sk.verify_multi(target, tokens, draft, backend="torch", seed=seed, method=method, **SAMPLED)
+        got = sk.verify_multi(target, tokens, draft, backend="vectorized", seed=seed, method=method, **SAMPLED)
+        assert torch.equal(got.tokens, want.tokens)
+    parents = torch.tensor([[-1, 0, 0, 1]] * 2)
+    tree_target = (torch.randint(0, 3, (2, 5, 40), generator=gen).float() * 0.5).bfloat16().float()
+    tree_tokens = torch.randint(0, 40, (2, 4), generator=gen)
+    want = sk.verify_tree(tree_target, tree_tokens, parents, backend="torch", seed=1, **SAMPLED)
+    got = sk.verify_tree(tree_target, tree_tokens, parents, backend="vectorized", seed=1, **SAMPLED)
+    assert torch.equal(got.tokens, want.tokens)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda", "cpu"])
+def test_fused_backends_refuse_by_index(backend):
+    gen = torch.Generator().manual_seed(4)
+    target, tokens, draft = _chain_inputs(gen)
+    with pytest.raises(ValueError, match="top_p_ties='by_index'.*backend"):
+        sk.verify(target, tokens, draft, backend=backend, seed=0, **SAMPLED)
+    with pytest.raises(ValueError, match="top_p_ties='by_index'.*backend"):
+        sk.verify_multi(target[:, None], tokens[:, None], draft[:, None], backend=backend, seed=0, **SAMPLED)
+
+
+def test_rule_without_top_p_runs_anywhere():
+    """top_p = 1 or greedy: no boundary, the rule changes nothing, every backend takes it."""
+    gen = torch.Generator().manual_seed(5)
+    target, tokens, draft = _chain_inputs(gen)
+    for kw in (dict(temperature=0.9, top_p=1.0), dict(temperature=0.0, top_p=0.5)):
+        want = sk.verify(target, tokens, draft, backend="torch", seed=0, **kw)
+        got = sk.verify(target, tokens, draft, backend="triton", seed=0, top_p_ties="by_index", **kw)
+        assert torch.equal(got.tokens, want.tokens)
+
+
+def test_default_and_keep_are_the_same_call():
+    gen = torch.Generator().manual_seed(6)
+    target, tokens, draft = _chain_inputs(gen)
+    kw = dict(temperature=0.9, top_p=0.6, seed=3, backend="vectorized")
+    assert torch.equal(
+        sk.verify(target, tokens, draft, **kw).tokens, sk.verify(target, tokens, draft, top_p_ties="keep", **kw).tokens
+    )
+
+
+def test_bad_rule_and_op_args_round_trip():
+    gen = torch.Generator().manual_seed(7)
+    target, tokens, draft = _chain_inputs(gen)
+    with pytest.raises(ValueError, match="top_p_ties"):
+        sk.verify(target, tokens, draft, top_p_ties="first")
+    for ties in TOP_P_TIES:
+        params = SamplingParams.check(2, torch.device("cpu"), 0.5, 3, torch.tensor([0.5, 0.9]), 7, ties)
+        back = SamplingParams.from_op_args(*params.op_args(with_ties=True))
+        assert back.top_p_ties == ties and back.top_k == 3 and torch.equal(back.top_p, params.top_p)
+
+
+def test_sampled_tokens_follow_the_by_index_distribution():
+    """Chi-square (alpha 1e-6) of 4,000 bonus tokens (G = 0) from a row of 4 equal logits and a
+    smaller one at top_p = 0.5: tokens 1, 2, 3 only; power > 0.99 against the "keep" rule's p."""
+    n = 4000
+    row = torch.tensor([2.0, 2.0, 2.0, 2.0, -1.0, 0.5])
+    target = row.expand(n, 1, 6).contiguous()
+    tokens = torch.zeros(n, 0, dtype=torch.long)
+    p = processed_probs(row, 1.0, 0, 0.5, "by_index")
+    p_keep = processed_probs(row, 1.0, 0, 0.5, "keep")
+    assert chi_square_power(p, p_keep, n) > 0.99
+    out = sk.verify(target, tokens, temperature=1.0, top_p=0.5, top_p_ties="by_index", seed=11)
+    assert chi_square_pvalue(out.tokens[:, 0], p) > ALPHA
+    keep = sk.verify(target, tokens, temperature=1.0, top_p=0.5, seed=11, backend="vectorized")
+    assert chi_square_pvalue(keep.tokens[:, 0], p) < ALPHA
