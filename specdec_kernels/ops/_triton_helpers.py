@@ -667,6 +667,12 @@ def inverse_temperature(temperature):
     return greedy, tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the launchers. (triton.cdiv is a constexpr function in newer Triton releases:
+    ~15 us a host call there, and a verify_tree call made 30 of them.)"""
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (>= 1): Triton block shapes must be powers of two."""
     return 1 << max(0, int(n) - 1).bit_length()

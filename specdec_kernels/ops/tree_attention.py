@@ -43,7 +43,7 @@ from .._interpreter import interpreter_requested, multiprocessors, plans_for_int
 from .._params import FLOAT_DTYPES, INT_DTYPES
 from .._types import MAX_NODES
 from .._validation import _capturing, _require
-from ._triton_helpers import next_pow2
+from ._triton_helpers import cdiv, next_pow2
 from .tree_metadata import check_parents, tree_metadata
 
 _LOG2E = 1.4426950408889634
@@ -557,12 +557,12 @@ def _launch(q, k, v, key_start, prefix_end, tree_start, query_masks, scale, tree
             launch = dict(launch, num_warps=16)
         if block_d <= 64:  # a 32-register accumulator leaves room for 64-key tiles: half the per-key
             block_n = max(block_n, 64)  # softmax bookkeeping (D = 64, N = 64, B = 64: 261 -> 181 us est.)
-    m_tiles = triton.cdiv(group * Nq, block_m)
+    m_tiles = cdiv(group * Nq, block_m)
     # Keys [0, S - tree_slots) hold the prefix (in tree_attention; an upper bound elsewhere: any prefix key
     # past the prefix splits falls to the last split, which runs to prefix_end).
     prefix_keys = max(S - tree_slots, 1)
     splits = _num_splits or _choose_splits(B * Hkv * m_tiles, prefix_keys, q.device)
-    split_len = triton.cdiv(triton.cdiv(prefix_keys, max(splits - 1, 1)), block_n) * block_n
+    split_len = cdiv(cdiv(prefix_keys, max(splits - 1, 1)), block_n) * block_n
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if scale < 0:  # the kernel's unmasked tiles need scale >= 0: (-q) k |scale| = q k scale, exactly
         q, scale = -q, -scale

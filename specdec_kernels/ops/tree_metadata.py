@@ -14,7 +14,7 @@ from .._interpreter import interpreter_requested, require_triton_device
 from .._params import INT_DTYPES
 from .._types import MAX_NODES, TreeMetadata
 from .._validation import _capturing, _check_tensor, _require
-from ._triton_helpers import next_pow2
+from ._triton_helpers import cdiv, next_pow2
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def _tree_metadata_triton(parents: torch.Tensor, num_nodes: torch.Tensor | None)
     np2 = max(2, next_pow2(N))
     cap = 1024 if (interpreter_requested() or parents.device.type != "cuda") else 16
     block_b = max(1, min(next_pow2(B), cap))
-    _tree_metadata_kernel[(triton.cdiv(B, block_b),)](
+    _tree_metadata_kernel[(cdiv(B, block_b),)](
         parents,
         num_nodes if num_nodes is not None else parents,
         depth,

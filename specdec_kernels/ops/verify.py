@@ -44,6 +44,7 @@ from ._triton_helpers import (
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
     bisect_threshold,
+    cdiv,
     chunk_candidates,
     filter_threshold,
     inverse_temperature,
@@ -967,7 +968,7 @@ def gpu_plan(args: VerifyArgs, sms: int) -> _LaunchPlan:
     alone must cover half the SMs: chunks go down to one block, and blocks shrink (to 256 entries)
     while there are too few of them (V = 32,000 at 2,048 per block has only 16)."""
     plan = _plan_for(args, None, None, False, sms)
-    while plan.block_v > 256 and triton.cdiv(args.B, plan.block_b) * plan.num_chunks < (sms + 1) // 2:
+    while plan.block_v > 256 and cdiv(args.B, plan.block_b) * plan.num_chunks < (sms + 1) // 2:
         plan = _plan_for(args, None, plan.block_v // 2, False, sms)
     return plan
 
@@ -981,12 +982,12 @@ def _plan_for(args, num_chunks, block_v, interpreted: bool, sms: int) -> _Launch
     # On a GPU at most 2 rows per program: more programs, not wider ones, when blocks shrink.
     block_r = max(1, min(next_pow2(rows), tile // block_v, 1 << 30 if interpreted else 2))
     block_b = max(1, min(next_pow2(B), tile // block_v, max_block_b))
-    blocks = triton.cdiv(V, block_v)
+    blocks = cdiv(V, block_v)
     if num_chunks is None:
-        num_chunks = 1 if interpreted else min(blocks, max(1, math.ceil(4 * sms / triton.cdiv(rows, block_r))), 256)
+        num_chunks = 1 if interpreted else min(blocks, max(1, math.ceil(4 * sms / cdiv(rows, block_r))), 256)
     num_chunks = max(1, min(int(num_chunks), blocks))
-    chunk_size = triton.cdiv(blocks, num_chunks) * block_v
-    num_chunks = triton.cdiv(V, chunk_size)
+    chunk_size = cdiv(blocks, num_chunks) * block_v
+    num_chunks = cdiv(V, chunk_size)
     num_warps = 8 if block_r * block_v >= 2048 else 4
     return _LaunchPlan(block_v, block_r, block_b, num_chunks, chunk_size, num_warps)
 
@@ -1069,27 +1070,27 @@ def threshold_plan(
         block = max(16, min(4096, (1 << 16) // block_r, row))
         constexprs = dict(FILTER_BLOCK=block, FILTER_CAP=min(4096, row), FILTER_BINS=10, FILTER_CHUNKS=1)
         warps = 8 if block_r > 1 else 4
-        return ThresholdPlan(1, triton.cdiv(V, block) * block, 1, slots, warps, warps, constexprs, block_r)
+        return ThresholdPlan(1, cdiv(V, block) * block, 1, slots, warps, warps, constexprs, block_r)
     if interpreted:  # a forced split or capacity (tests): the GPU's two launches, interpreter-sized
         # whole rows (up to 64k entries) per chunk unless split, big tiles
         capacity = capacity or 4096
-        width = max(16, min(next_pow2(triton.cdiv(V, chunks or 1)), 1 << 16))
+        width = max(16, min(next_pow2(cdiv(V, chunks or 1)), 1 << 16))
         warps = 4
     else:
         capacity = capacity or SELECT_SLOTS
         sms = multiprocessors(target.device)
         best = None
         for width in (1024, 2048, 4096, 8192, 16384):
-            tc = triton.cdiv(V, width)
+            tc = cdiv(V, width)
             if next_pow2(tc) * 8 * MIN_GROUPS > capacity and width < 16384:
                 continue
             cost = math.ceil(rows * slots * tc / sms) * (width + 1024)
             if best is None or cost < best[0]:
                 best = (cost, width)
-        width = best[1] if chunks is None else next_pow2(triton.cdiv(V, chunks))
+        width = best[1] if chunks is None else next_pow2(cdiv(V, chunks))
         warps = max(4, min(8, width // 1024))
-        capacity = min(capacity, next_pow2(triton.cdiv(V, width)) * 8 * MIN_GROUPS)  # no bigger tile than needed
-    tc = triton.cdiv(V, width)
+        capacity = min(capacity, next_pow2(cdiv(V, width)) * 8 * MIN_GROUPS)  # no bigger tile than needed
+    tc = cdiv(V, width)
     tcp2 = next_pow2(tc)
     cap = max(8, capacity // tcp2)
     constexprs = dict(FILTER_BLOCK=width, FILTER_CAP=cap, FILTER_BINS=CANDIDATE_BINS, FILTER_CHUNKS=tcp2)
@@ -1101,7 +1102,7 @@ def merge_chunk_stats(stats, idx, rows: int, rows_per_request: int, t_ptr, t_val
     whole = torch.empty((rows, 1, NUM_STATS_HOST), dtype=torch.float32, device=stats.device)
     whole_idx = torch.empty((rows, 1, NUM_IDX_HOST), dtype=torch.int32, device=stats.device)
     block = min(next_pow2(rows), 128)
-    _combine_row_stats_kernel[(triton.cdiv(rows, block),)](
+    _combine_row_stats_kernel[(cdiv(rows, block),)](
         stats,
         idx,
         whole,
@@ -1175,7 +1176,7 @@ def launch_verify(
     s_ptr, s_val, per_req_s = params["seed"]
 
     def row_pass(phase: int, block_r: int, grid_chunks: int, chunks: int, chunk_size: int, num_warps: int) -> None:
-        _verify_row_stats_kernel[(triton.cdiv(rows, block_r), grid_chunks)](
+        _verify_row_stats_kernel[(cdiv(rows, block_r), grid_chunks)](
             target,
             draft,
             draft_tokens,
@@ -1230,7 +1231,7 @@ def launch_verify(
     if C > 1:  # merge the chunks once, not once per accept program (each would loop over all C)
         stats, idx = merge_chunk_stats(stats, idx, rows, G + 1, t_ptr, t_val, per_req_t)
         stat_chunks = 1
-    _verify_accept_kernel[(triton.cdiv(B, plan.block_b), C)](
+    _verify_accept_kernel[(cdiv(B, plan.block_b), C)](
         target,
         draft,
         draft_tokens,
@@ -1271,7 +1272,7 @@ def launch_verify(
         num_warps=plan.num_warps,
     )
     block_b3 = min(next_pow2(B), 128)
-    _verify_finalize_kernel[(triton.cdiv(B, block_b3),)](
+    _verify_finalize_kernel[(cdiv(B, block_b3),)](
         draft_tokens,
         cu,
         t_ptr,

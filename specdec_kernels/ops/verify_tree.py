@@ -46,6 +46,7 @@ from ._triton_helpers import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
+    cdiv,
     fast_div,
     first_argmax_update,
     inverse_temperature,
@@ -1164,10 +1165,10 @@ def launch_tree(
     # The walk holds [BLOCK_B, NP2, NP2] tiles (and [BLOCK_B, NP2, BLOCK_V] ones in its rare RRS passes).
     block_b = max(1, min(next_pow2(B), tile // max(block_v * RHO_POINTS, np2 * np2, 1))) if interpreted else 1
 
-    blocks = triton.cdiv(V, block_v)
-    C = _row_pass_chunks(args, triton.cdiv(rows, block_r), blocks, interpreted, num_chunks)
-    chunk_size = triton.cdiv(blocks, C) * block_v
-    C = triton.cdiv(V, chunk_size)
+    blocks = cdiv(V, block_v)
+    C = _row_pass_chunks(args, cdiv(rows, block_r), blocks, interpreted, num_chunks)
+    chunk_size = cdiv(blocks, C) * block_v
+    C = cdiv(V, chunk_size)
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
     thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
@@ -1194,7 +1195,7 @@ def launch_tree(
         pos = torch.empty((B, N + 1, POS_REC_HOST), dtype=torch.int32, device=dev)
         use, row_use = torch.zeros((rows, 2), dtype=torch.int8, device=dev), True
         pos_block_b = max(1, min(next_pow2(B), (1 << 16) // (np2 * np2))) if interpreted else 1
-        _tree_positions_kernel[(triton.cdiv(B, pos_block_b),)](
+        _tree_positions_kernel[(cdiv(B, pos_block_b),)](
             args.tokens,
             parents,
             n_ptr,
@@ -1218,7 +1219,7 @@ def launch_tree(
     # Rows past a ragged tree's last node are skipped: "n_b" of the row pass is the node count
     # (row i of a single chain belongs to node i - 1); chains of verify_multi are never ragged.
     def row_pass(phase: int, rows_per_program: int, grid_chunks: int, chunks: int, chunk_size: int, warps: int) -> None:
-        _verify_row_stats_kernel[(triton.cdiv(rows, rows_per_program), grid_chunks)](
+        _verify_row_stats_kernel[(cdiv(rows, rows_per_program), grid_chunks)](
             target,
             draft,
             target,  # draft tokens: unused (placeholders are handled by the walk)
@@ -1274,20 +1275,20 @@ def launch_tree(
     if kseq and sampled:
         # K-SEQ's rho for every position with siblings, before the walk and split over the vocabulary
         rho_block_v = block_v if interpreted else 512
-        rho_blocks = triton.cdiv(V, rho_block_v)
+        rho_blocks = cdiv(V, rho_block_v)
         rho_c = 1
         if num_chunks is not None:
             rho_c = max(1, min(int(num_chunks), rho_blocks))
         elif not interpreted:  # a few positions per request have siblings: fill the GPU with chunks
-            rho_c = max(1, min(64, rho_blocks, triton.cdiv(4 * multiprocessors(dev), B)))
-        rho_chunk = triton.cdiv(rho_blocks, rho_c) * rho_block_v
-        rho_c = triton.cdiv(V, rho_chunk)
+            rho_c = max(1, min(64, rho_blocks, cdiv(4 * multiprocessors(dev), B)))
+        rho_chunk = cdiv(rho_blocks, rho_c) * rho_block_v
+        rho_c = cdiv(V, rho_chunk)
         brk = torch.empty((P, RB_REC_HOST), dtype=torch.float32, device=dev)
         sums = torch.empty((P, rho_c, RHO_POINTS), dtype=torch.float32, device=dev)
         block_p = 1 if not interpreted else max(1, min(next_pow2(P), (1 << 16) // (rho_block_v * RHO_POINTS)))
         step_block_p = 64 if not interpreted else min(next_pow2(P), (1 << 16) // RHO_POINTS)
         for rnd in range(RHO_ROUNDS):  # a round's sums, then one step of every search that ran
-            _tree_rho_kernel[(triton.cdiv(P, block_p), rho_c)](
+            _tree_rho_kernel[(cdiv(P, block_p), rho_c)](
                 target,
                 draft,
                 t_ptr,
@@ -1317,7 +1318,7 @@ def launch_tree(
                 BLOCK_V=rho_block_v,
                 num_warps=4,
             )
-            _tree_rho_step_kernel[(triton.cdiv(P, step_block_p),)](
+            _tree_rho_step_kernel[(cdiv(P, step_block_p),)](
                 t_ptr,
                 pos,
                 brk,
@@ -1339,13 +1340,13 @@ def launch_tree(
         if num_chunks is not None:
             rrs_c = max(1, min(int(num_chunks), blocks))
         elif not interpreted:
-            rrs_c = max(1, min(64, blocks, triton.cdiv(4 * multiprocessors(dev), B)))
-        rrs_chunk = triton.cdiv(blocks, rrs_c) * block_v
-        rrs_c = triton.cdiv(V, rrs_chunk)
+            rrs_c = max(1, min(64, blocks, cdiv(4 * multiprocessors(dev), B)))
+        rrs_chunk = cdiv(blocks, rrs_c) * block_v
+        rrs_c = cdiv(V, rrs_chunk)
         rrs = torch.empty((RRS_MAX_HOST - 1, P, rrs_c), dtype=torch.float32, device=dev)
         block_p = 1 if not interpreted else max(1, min(next_pow2(P), (1 << 16) // block_v))
         for rnd in range(1, rrs_rounds + 1):
-            _tree_rrs_kernel[(triton.cdiv(P, block_p), rrs_c)](
+            _tree_rrs_kernel[(cdiv(P, block_p), rrs_c)](
                 target,
                 draft,
                 t_ptr,
@@ -1379,7 +1380,7 @@ def launch_tree(
     race_zs = torch.empty((B, np2), dtype=torch.float32, device=dev)
     race_ds = torch.empty((B, np2), dtype=torch.float32, device=dev)
     race_xs = torch.empty((B, np2), dtype=torch.int64, device=dev)
-    _tree_walk_kernel[(triton.cdiv(B, block_b),)](
+    _tree_walk_kernel[(cdiv(B, block_b),)](
         target,
         draft,
         args.tokens,
@@ -1438,12 +1439,12 @@ def launch_tree(
         if num_chunks is not None:
             race_c = max(1, min(int(num_chunks), blocks))
         elif not interpreted:  # at least ~2 programs per SM
-            race_c = max(1, min(blocks, triton.cdiv(2 * multiprocessors(dev), B)))
-        race_chunk = triton.cdiv(blocks, race_c) * block_v
-        race_c = triton.cdiv(V, race_chunk)
+            race_c = max(1, min(blocks, cdiv(2 * multiprocessors(dev), B)))
+        race_chunk = cdiv(blocks, race_c) * block_v
+        race_c = cdiv(V, race_chunk)
         race_key = torch.empty((B, race_c, 2), dtype=torch.float32, device=dev)
         race_idx = torch.empty((B, race_c, 2), dtype=torch.int32, device=dev)
-        _tree_race_kernel[(triton.cdiv(B, race_block_b), race_c)](
+        _tree_race_kernel[(cdiv(B, race_block_b), race_c)](
             target,
             draft,
             t_ptr,
@@ -1480,7 +1481,7 @@ def launch_tree(
             num_warps=4,
         )
         fin_block = min(next_pow2(B), 128)
-        _tree_finalize_kernel[(triton.cdiv(B, fin_block),)](
+        _tree_finalize_kernel[(cdiv(B, fin_block),)](
             race_i, race_key, race_idx, tokens, tokens.stride(0), B, V, race_c, BLOCK_B=fin_block
         )
     return TreeVerifyOutput(tokens, num_accepted, nodes, nonfinite)
