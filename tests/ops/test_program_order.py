@@ -199,3 +199,23 @@ def test_tree_metadata(gpu_plan):
     parents = torch.stack([tree_parents("random", N, gen) for _ in range(B)])
     num_nodes = torch.randint(0, N + 1, (B,), generator=gen)
     _check_orders(lambda: sk.tree_metadata(parents, num_nodes, backend="triton"), gpu_plan)
+
+
+@triton.jit
+def _racy_prefix_kernel(x_ptr):
+    """Program i reads what program i - 1 of the same launch writes: correct only in order."""
+    i = tl.program_id(0)
+    previous = tl.load(x_ptr + i - 1, mask=i > 0, other=0)
+    tl.store(x_ptr + i, previous + 1)
+
+
+def test_a_racy_kernel_is_caught():
+    """The check fails for a kernel with a dependence between the programs of one launch."""
+
+    def call():
+        x = torch.zeros(6, dtype=torch.int32)
+        _racy_prefix_kernel[(6,)](x)
+        return x
+
+    with pytest.raises(AssertionError, match="reversed"):
+        _check_orders(call, gpu_plan=False)
