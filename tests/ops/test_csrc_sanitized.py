@@ -12,6 +12,7 @@ that process and fails the test.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from .conftest import cpu_core_or_skip
 ROOT = Path(__file__).resolve().parents[2]
 # The csrc test modules the sanitized run repeats (besides this one's edge inputs).
 CSRC_TESTS = ["tests/ops/test_csrc_core.py", "tests/ops/test_csrc_tree_core.py", "tests/ops/test_cpu_backend.py"]
+MIN_SANITIZED_PASSES = 150  # of the ~210 tests those modules and this one hold (a collection slip must fail)
 SANITIZED_RUN_SECONDS = 3600  # build (about two minutes) and the tests, 5-10x slower under ASan
 N0_XFAIL = "csrc verify_tree with N = 0 dies of SIGFPE (fix in flight: enable once it is merged)"
 
@@ -202,4 +204,5 @@ def test_csrc_under_address_and_undefined_behaviour_sanitizers(tmp_path):
     output = proc.stdout + proc.stderr
     assert "ERROR: AddressSanitizer" not in output and "runtime error:" not in output, output[-6000:]
     assert proc.returncode == 0, output[-6000:]
-    assert " passed" in output, output[-3000:]
+    passed = re.search(r"(\d+) passed", output)
+    assert passed and int(passed.group(1)) >= MIN_SANITIZED_PASSES, output[-3000:]  # the modules did run
