@@ -118,11 +118,11 @@ def _specialise(launch: Launch):
     bound = dict(zip(fn.arg_names, launch.args, strict=False))
     bound.update({k: v for k, v in launch.kwargs.items() if k in fn.arg_names})
     options = {k: v for k, v in launch.kwargs.items() if k not in fn.arg_names}
-    constexprs = {p.name for p in fn.params if p.is_constexpr}
+    params = {p.name: p for p in fn.params}
     sig, consts, attrs = {}, {}, {}
     for index, name in enumerate(fn.arg_names):
-        value = bound[name]
-        if name in constexprs or value is None:
+        value, param = bound[name], params[name]
+        if param.is_constexpr or value is None:
             sig[name], consts[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             sig[name] = "*" + _TYPES[str(value.dtype)]
@@ -130,11 +130,13 @@ def _specialise(launch: Launch):
         elif isinstance(value, bool):
             sig[name] = "i1"
         elif isinstance(value, int):
-            if value == 1:
+            # as the JIT: an annotated type wins; do_not_specialize: no constant 1, no divisibility
+            specialise = not param.do_not_specialize
+            if value == 1 and specialise:
                 sig[name], consts[name] = "constexpr", 1  # the JIT specialises ints equal to 1
             else:
-                sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-                if value % 16 == 0:
+                sig[name] = param.annotation_type or ("i32" if -(2**31) <= value < 2**31 else "i64")
+                if value % 16 == 0 and specialise:
                     attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32"

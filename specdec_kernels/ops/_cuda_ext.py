@@ -14,6 +14,11 @@ Two builds of the same sources:
   time on first use (about a minute; ninja) or ahead of time by ``SPECDEC_BUILD_CPU=1 pip install -e .``.
 
 Sources and flags of both builds are declared once, in ``csrc/build.json`` (setup.py reads it too).
+With ``SPECDEC_CSRC_SANITIZE=1`` :func:`load_cpu_core` loads a third, just-in-time build instead of the
+CPU one: the same sources under AddressSanitizer and UndefinedBehaviorSanitizer (``cpu_sanitize`` in
+build.json; any report aborts the process). Its process must start with the ASan runtime preloaded
+(``LD_PRELOAD=$(gcc -print-file-name=libasan.so)``, ``ASAN_OPTIONS=detect_leaks=0``): see
+``tests/ops/test_csrc_sanitized.py``, which runs the csrc tests that way.
 
 Builds are cached under ``$SPECDEC_BUILD_DIR`` (default ``<repo>/build/torch_extensions``).
 """
@@ -96,7 +101,8 @@ _CPU_FAILURE: str | None = None
 
 
 def load_cpu_core(verbose: bool = False):
-    """The CPU build of the csrc core: prebuilt, or compiled once just in time and cached.
+    """The CPU build of the csrc core: prebuilt, or compiled once just in time and cached (the
+    sanitized build when SPECDEC_CSRC_SANITIZE=1; see the module docstring).
 
     Raises RuntimeError if it cannot be built; the failure is remembered for the process."""
     global _cpu_core, _CPU_FAILURE
@@ -104,13 +110,14 @@ def load_cpu_core(verbose: bool = False):
         return _cpu_core
     if _CPU_FAILURE is not None:
         raise RuntimeError(_CPU_FAILURE)
-    ext = _prebuilt_cpu()
+    sanitize = os.environ.get("SPECDEC_CSRC_SANITIZE", "0") not in ("", "0")
+    ext = None if sanitize else _prebuilt_cpu()  # the prebuilt module is never the sanitized one
     if ext is None:
         if os.environ.get("SPECDEC_NO_JIT", "0") not in ("", "0"):
             _CPU_FAILURE = "the CPU build specdec_kernels._csrc_cpu is not built and SPECDEC_NO_JIT is set"
             raise RuntimeError(_CPU_FAILURE)
         try:
-            ext = _load("cpu", verbose)
+            ext = _load("cpu_sanitize" if sanitize else "cpu", verbose)
         except Exception as exc:  # no compiler, no ninja, no sources: say why, once
             _CPU_FAILURE = f"building the CPU backend failed: {str(exc).strip().splitlines()[-1][:300]}"
             raise RuntimeError(_CPU_FAILURE) from exc

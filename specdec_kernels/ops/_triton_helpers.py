@@ -12,6 +12,15 @@ Conventions (shared with ``specdec_kernels.reference``):
   accepted) and are counted so the request can be flagged.
 * Draft probabilities are loaded as fp32 with unusable entries (NaN, +inf, negative) replaced by 0,
   counted the same way (``load_probs``).
+* Per-call scalars are not specialised: kernel arguments whose value changes from call to call
+  in a serving process (batch size B and the row and chunk counts derived from it, seeds, a scalar
+  top-k, round indices, the KV length S, split counts) are listed in the decorators'
+  ``do_not_specialize``. Triton would otherwise compile another variant for a value of 1 (made a
+  constant) or a multiple of 16 (an alignment hint), and a serving process would stall mid-stream
+  on a fresh compile. Seeds are also annotated ``tl.int64``: a small seed would otherwise be passed
+  as i32 and a large one as i64 (two variants). Values fixed by the model and the configuration
+  (V, G, N, D, strides, chunk widths that are multiples of the block) stay specialised, and tile
+  sizes are constexpr (``tests/ops/test_specialisation.py``).
 """
 
 import inspect

@@ -158,7 +158,7 @@ def _tree_tile(
     return m_i, l_i, acc, row_bad
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # per-call scalars: _triton_helpers
 def _tree_attention_kernel(
     # pointers
     q_ptr,  # [B, Hq, Nq, D] fp32 | fp16 | bf16, last dim contiguous
@@ -315,7 +315,7 @@ def _tree_attention_kernel(
         tl.store(ml_ptrs + 1, l_out, mask=r_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])  # per-call scalars: _triton_helpers
 def _tree_attention_combine_kernel(
     part_acc_ptr,  # [B * Hq * Nq, NUM_SPLITS, BLOCK_D] q's dtype: each split's normalised output
     part_ml_ptr,  # [B * Hq * Nq, NUM_SPLITS, 2] fp32: each split's running max (log2 units) and sum

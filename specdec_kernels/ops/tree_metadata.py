@@ -10,14 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .._interpreter import interpreter_requested, require_triton_device
+from .._interpreter import plans_for_interpreter, require_triton_device
 from .._params import INT_DTYPES
 from .._types import MAX_NODES, TreeMetadata
 from .._validation import _capturing, _check_tensor, _require
 from ._triton_helpers import cdiv, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])  # per-call scalars: _triton_helpers
 def _tree_metadata_kernel(
     parents_ptr,  # [B, N] int
     num_nodes_ptr,  # [B] int (PER_REQ_N)
@@ -108,7 +108,7 @@ def _tree_metadata_triton(parents: torch.Tensor, num_nodes: torch.Tensor | None)
         return TreeMetadata(depth, mask)
     require_triton_device(parents.device, "sk.tree_metadata(backend='triton')")
     np2 = max(2, next_pow2(N))
-    cap = 1024 if (interpreter_requested() or parents.device.type != "cuda") else 16
+    cap = 1024 if plans_for_interpreter(parents.device) else 16  # the interpreter pays per operation
     block_b = max(1, min(next_pow2(B), cap))
     _tree_metadata_kernel[(cdiv(B, block_b),)](
         parents,

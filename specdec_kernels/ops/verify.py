@@ -171,7 +171,7 @@ def _row_pass_exact(t_rows, d_rows, row_ok, draft_ok, thr_t, thr_q, inv_t, start
     return row_m_t, row_z_t, row_g_max, row_g_idx, tl.sum(bad, axis=1), row_m_q, row_z_q, tl.sum(bad_q, axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "num_chunks", "top_k"])  # per-call scalars: _triton_helpers
 def _verify_row_stats_kernel(
     # pointers
     target_ptr,  # [B, (K,) G+1, V] fp32/fp16/bf16 raw target logits
@@ -513,7 +513,7 @@ def _threshold_phase(
         tl.store(thr_out, thr, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "num_chunks"])  # per-call scalars: _triton_helpers
 def _combine_row_stats_kernel(
     # pointers
     stats_ptr,  # [R, C, NUM_STATS] fp32: per-chunk statistics of kernel 1
@@ -696,7 +696,7 @@ def _race_row_j(
     return key_r, at_r, key_p, at_p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "num_chunks", "stat_chunks", "seed"])  # per-call scalars: _triton_helpers
 def _verify_accept_kernel(
     # pointers
     target_ptr,  # [B, G+1, V] raw target logits
@@ -729,7 +729,7 @@ def _verify_accept_kernel(
     stat_chunks,  # chunks per record of stats_ptr (1 once merged by _combine_row_stats_kernel)
     # scalar parameters (used when the per-request tensor is absent)
     temperature,
-    seed,
+    seed: tl.int64,  # one signature for every seed (see _triton_helpers)
     # constexprs
     PER_REQ_N: tl.constexpr,
     PER_REQ_T: tl.constexpr,
@@ -875,7 +875,7 @@ def _verify_accept_kernel(
     tl.store(race_idx_ptr + rec + RACE_TARGET, p_idx, mask=b_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "num_chunks"])  # per-call scalars: _triton_helpers
 def _verify_finalize_kernel(
     # pointers
     draft_tokens_ptr,  # [B, G] int32/int64

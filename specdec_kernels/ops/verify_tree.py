@@ -192,7 +192,7 @@ def _rrs_residual(p, q, steps, zs, xs, ds, x_ids, cols, WOR: tl.constexpr):
     return r
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])  # per-call scalars: _triton_helpers
 def _tree_positions_kernel(
     # pointers
     tokens_ptr,  # [B, K, G] int: node tokens (node = chain * G + slot)
@@ -395,7 +395,7 @@ def _rho_active(pos_ptr, temperature_ptr, brk_ptr, pos, in_range, b, rnd, temper
     return k, active
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "num_chunks", "rnd"])  # per-call scalars: _triton_helpers
 def _tree_rho_step_kernel(
     # pointers
     temperature_ptr,  # [B] float (PER_REQ_T)
@@ -445,7 +445,7 @@ def _tree_rho_step_kernel(
         tl.store(rec[:, None] + RB_PTS + pts_i, nxt, mask=active[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "num_chunks", "rnd"])  # per-call scalars: _triton_helpers
 def _tree_rho_kernel(
     # pointers
     target_ptr,  # [B, K, G+1, V] raw target logits
@@ -561,7 +561,7 @@ def _tree_rho_kernel(
         tl.store(sums_ptr + (pos[:, None] * num_chunks + chunk) * RHO_P + pts_i, sums, mask=active[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "num_chunks", "rnd"])  # per-call scalars: _triton_helpers
 def _tree_rrs_kernel(
     # pointers
     target_ptr,  # [B, K, G+1, V] raw target logits
@@ -664,7 +664,7 @@ def _tree_rrs_kernel(
         tl.store(sums_ptr + ((rnd - 1) * P + pos) * num_chunks + chunk, tl.sum(acc, axis=1), mask=active)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "rrs_chunks", "seed"])  # per-call scalars: _triton_helpers
 def _tree_walk_kernel(
     # pointers
     target_ptr,  # [B, K, G+1, V] raw target logits
@@ -710,7 +710,7 @@ def _tree_walk_kernel(
     rrs_chunks,
     # scalar parameters
     temperature,
-    seed,
+    seed: tl.int64,  # one signature for every seed (see _triton_helpers)
     # constexprs
     PER_REQ_N: tl.constexpr,
     PER_REQ_T: tl.constexpr,
@@ -959,7 +959,7 @@ def _tree_walk_kernel(
     tl.store(nonfinite_ptr + b, flagged, mask=b_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "num_chunks", "seed"])  # per-call scalars: _triton_helpers
 def _tree_race_kernel(
     # pointers
     target_ptr,  # [B, K, G+1, V] raw target logits
@@ -991,7 +991,7 @@ def _tree_race_kernel(
     num_chunks,
     # scalar parameters
     temperature,
-    seed,
+    seed: tl.int64,  # one signature for every seed (see _triton_helpers)
     # constexprs
     PER_REQ_T: tl.constexpr,
     PER_REQ_SEED: tl.constexpr,
@@ -1081,7 +1081,7 @@ def _tree_race_kernel(
     tl.store(idx_ptr + rec + 1, p_idx, mask=b_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "num_chunks"])  # per-call scalars: _triton_helpers
 def _tree_finalize_kernel(
     race_i_ptr,  # [B, RACE_I] int32 (walk)
     key_ptr,  # [B, C, 2] fp32 (_tree_race_kernel)
