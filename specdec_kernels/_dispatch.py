@@ -10,11 +10,11 @@ Backends, ``backend="auto" | "triton" | "cuda" | "cpu" | "vectorized" | "torch"`
 * ``"triton"``: the fused Triton kernels (``ops/verify.py``, ``ops/verify_tree.py``); on CPU tensors
   they run in Triton's interpreter (slow; tests ask for it explicitly).
 * ``"cuda"``:   the CUDA C++ kernels of ``csrc/`` (chain and tree verification). Needs a GPU and the
-  compiled extension: built by ``SPECDEC_BUILD_CUDA=1 pip install -e .`` or just in time on first use
-  (see :mod:`specdec_kernels.ops._cuda_ext`). Without them: a RuntimeError that says how to build.
+  compiled extension: built by ``SPECDEC_BUILD_CUDA=1 pip install --no-build-isolation -e .`` or just in
+  time on first use (see :mod:`specdec_kernels.ops._cuda_ext`). Without them: a RuntimeError that says how to build.
 * ``"cpu"``:    the same csrc core compiled for the host (-O3, OpenMP over rows and vocab chunks), for
   CPU tensors; built just in time on first use (about a minute, cached) or by
-  ``SPECDEC_BUILD_CPU=1 pip install -e .``.
+  ``SPECDEC_BUILD_CPU=1 pip install --no-build-isolation -e .``.
 * ``"vectorized"``: batched PyTorch tensor ops (``ops/verify_vectorized.py``, the tree walk in
   ``ops/verify_tree_vectorized.py``): no compiler needed, no Python loop over requests, the
   reference's tokens.

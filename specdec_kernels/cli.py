@@ -13,6 +13,8 @@
   first-draft acceptance  alpha = sum_x min(p(x), q(x))
   tokens per step         E = sum_{k=0..G} prod_{i<k} alpha_i   (chain; exact for sampled drafts)
   K-SEQ acceptance        1 - (1 - beta(rho*))^K
+  each with the standard error the theory gives its mean over the batch (not the sample's, which is
+  0 when every draft passed), so ``--batch`` must be at least 100.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ from ._types import METHODS
 
 MAX_TREE_NODES = 64  # root + drafts of one verification tree (the kernels' node masks)
 Z_PASS = 4.0  # verify-demo: measured vs theory within 4 standard errors (a false FAIL ~ 1 in 16,000)
+# verify-demo: fewer requests make the measured means too coarse (a handful of 0/1 outcomes) for the
+# normal approximation behind |z| < 4; the batch-1 default of a laptop would test nothing
+MIN_VERIFY_BATCH = 100
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+# what `specdec demo` / `generate` import beyond torch: dependencies, missing only after --no-deps installs
+HF_MODULES = ("transformers", "safetensors", "tqdm", "tokenizers", "huggingface_hub")
 
 
 class UsageError(Exception):
@@ -144,7 +152,7 @@ def _validate(args: argparse.Namespace) -> None:
             raise UsageError("--num-drafts", args.num_drafts, "1 with --drafter prompt_lookup (one chain)")
     elif args.command == "verify-demo":
         if args.batch is not None:
-            _at_least("--batch", args.batch, 1)
+            _at_least("--batch", args.batch, MIN_VERIFY_BATCH, " (fewer requests are too few to test against theory)")
         if args.vocab is not None:
             _at_least("--vocab", args.vocab, 2)
         _check_drafts(args.num_draft_tokens, args.num_drafts)
@@ -175,8 +183,11 @@ def _setting(name, closeness, B, G, V, K, temperature, seed, device):
     q = torch.softmax(draft / temperature, -1)
     tokens = torch.multinomial(q.reshape(-1, V), 1, generator=gen).reshape(B, G)
     seeds = torch.randint(0, 2**62, (B,), generator=gen)
-    alpha = torch.minimum(p[:, :G], q).sum(-1)  # [B, G]
-    expected = torch.cumprod(torch.cat([torch.ones(B, 1), alpha], 1), 1).sum(1).mean()
+    alpha = torch.minimum(p[:, :G], q).double().sum(-1)  # [B, G]
+    reach = torch.cumprod(alpha, 1)  # [B, G]: P(at least k drafts accepted), k = 1..G
+    expected = 1 + reach.sum(1)  # tokens per step, per request
+    # its variance per request: E[N^2] - E[N]^2 with E[N^2] = sum_k (2k - 1) P(N >= k)
+    steps_var = ((2 * torch.arange(1, G + 1, dtype=torch.float64) - 1) * reach).sum(1) - reach.sum(1) ** 2
 
     args = [t.to(device) for t in (target, tokens, draft, seeds)]
     start = time.perf_counter()
@@ -192,16 +203,23 @@ def _setting(name, closeness, B, G, V, K, temperature, seed, device):
     multi = sk.verify_multi(t_multi, multi_tokens.to(device), d_multi, temperature=temperature, seed=args[3])
     multi_accepted = multi.num_accepted.cpu()
     multi_s = time.perf_counter() - start
-    kseq_alpha = float(_kseq_theory(p[:, 0], q[:, 0], K).mean())
+    kseq = _kseq_theory(p[:, 0], q[:, 0], K)
+    kseq_alpha = float(kseq.mean())
     first = (accepted >= 1).double()
     steps = (accepted + 1).double()
     multi_first = (multi_accepted >= 1).double()
-    checks = [  # (measured mean, its standard error, theory)
-        (float(first.mean()), float(first.std() / B**0.5), float(alpha[:, 0].mean())),
-        (float(steps.mean()), float(steps.std() / B**0.5), float(expected)),
-        (float(multi_first.mean()), float(multi_first.std() / B**0.5), kseq_alpha),
+
+    def theory_se(variance: torch.Tensor) -> float:  # of a mean over B independent requests
+        return float(variance.clamp_min(0).sum().sqrt() / B)
+
+    a0 = alpha[:, 0]
+    checks = [  # (measured mean, the theory's standard error of that mean, theory)
+        (float(first.mean()), theory_se(a0 * (1 - a0)), float(a0.mean())),
+        (float(steps.mean()), theory_se(steps_var), float(expected.mean())),
+        (float(multi_first.mean()), theory_se(kseq * (1 - kseq)), kseq_alpha),
     ]
-    worst = max(abs(m - t) / max(se, 1e-12) for m, se, t in checks)
+    # a theory with no variance (every draft certain to pass) must be met exactly
+    worst = max(abs(m - t) / se if se > 0 else (0.0 if abs(m - t) < 1e-9 else float("inf")) for m, se, t in checks)
     return {
         "setting": name,
         "alpha theory": checks[0][2],
@@ -331,6 +349,12 @@ def generate_command(args: argparse.Namespace) -> int:
         if draft is not None:
             use_onednn_linears(draft)
     drafter = args.drafter or ("model" if draft is not None else "prompt_lookup")
+    if args.vocab_size is not None:
+        from .hf.generate import _vocab_rows
+
+        rows = min(_vocab_rows(m) for m in (target, draft) if m is not None)
+        if args.vocab_size > rows:
+            raise UsageError("--vocab-size", args.vocab_size, f"an integer in [1, {rows}] (the models' logit columns)")
     heads = None
     if drafter == "medusa":
         from .hf.medusa import MedusaHeads
@@ -343,6 +367,8 @@ def generate_command(args: argparse.Namespace) -> int:
             heads = load_medusa_heads(device=device, dtype=_dtype(args.dtype))
     batch = tok([args.prompt], return_tensors="pt")
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    lookahead = heads.num_heads if heads is not None else args.num_draft_tokens  # the deepest draft
+    _check_positions(args.max_new_tokens, ids.shape[1], lookahead, target, draft)
     sys.stdout.write(args.prompt)
     out = speculative_generate(
         target,
@@ -371,6 +397,32 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _position_limit(*models) -> int | None:
+    """The fewest positions any of the models was built for (None when their configs do not say)."""
+    limits = []
+    for model in models:
+        if model is None:
+            continue
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if isinstance(limit, int) and limit > 0:
+            limits.append(limit)
+    return min(limits) if limits else None
+
+
+def _check_positions(max_new_tokens: int, prompt_len: int, lookahead: int, *models) -> None:
+    """Prompt + new tokens + the drafts of the last step fit the models' positions (past them a model
+    reads positions it never saw and writes garbage)."""
+    limit = _position_limit(*models)
+    if limit is None or prompt_len + max_new_tokens + lookahead <= limit:
+        return
+    room = limit - prompt_len - lookahead
+    why = f"the model has {limit} positions; the prompt takes {prompt_len} and the last drafts {lookahead}"
+    if room < 1:
+        raise UsageError("--prompt", f"<{prompt_len} tokens>", f"a shorter prompt ({why})")
+    raise UsageError("--max-new-tokens", max_new_tokens, f"an integer in [1, {room}] ({why})")
+
+
 def demo(args: argparse.Namespace) -> int:
     """Target alone vs chain speculative decoding vs K-draft SpecTr on the embedded pair, greedy and
     sampled, one prompt at a time (batch 1, as on a laptop), torch pinned to a fixed thread count."""
@@ -386,6 +438,8 @@ def demo(args: argparse.Namespace) -> int:
     target, draft, tok = load_demo_pair(device=device)
     heads = load_medusa_heads(device=device)
     prompts = list(DEMO_PROMPTS[: args.prompts])
+    longest = max(tok([p], return_tensors="pt")["input_ids"].shape[1] for p in prompts)
+    _check_positions(args.max_new_tokens, longest, max(args.num_draft_tokens, heads.num_heads), target, draft)
     new, G, K, T = args.max_new_tokens, args.num_draft_tokens, args.num_drafts, args.temperature
     where = "CUDA" if device == "cuda" else f"CPU, torch pinned to {threads} thread(s)"
     print(
@@ -581,6 +635,22 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"specdec {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        if args.debug or (exc.name or "").split(".")[0] not in HF_MODULES:
+            raise
+        print(
+            f"specdec {args.command}: error: {exc.name} is not installed (a dependency that a --no-deps install "
+            'skips): pip install "transformers>=4.56" "safetensors>=0.4" "tqdm>=4"',
+            file=sys.stderr,
+        )
+        return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        sys.stdout.write("\n")  # end a half-streamed line
+        sys.stdout.flush()
+        print(f"specdec {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 import math
 import re
+import sys
+import warnings
 
 import pytest
 import torch
@@ -127,6 +129,13 @@ def test_generate_with_the_demo_medusa_heads(capsys):
         (["verify-demo", "--batch", "0"], "--batch"),
         (["verify-demo", "--num-draft-tokens", "0"], "--num-draft-tokens"),
         (["verify-demo", "--device", "cuda"], "--device"),
+        # issue 24: batches too small to test (batch 1 printed NaN, batch 16 a z of 6e10: FAIL)
+        (["verify-demo", "--batch", "1"], "--batch"),
+        (["verify-demo", "--batch", "16", "--vocab", "16"], "--batch"),
+        # issue 24: checked against the loaded models (a traceback, or garbage past 2048 positions)
+        (["generate", "--target", "demo", "--prompt", "x", "--vocab-size", "100000"], "--vocab-size"),
+        (["generate", "--target", "demo", "--prompt", "x", "--max-new-tokens", "1000000"], "--max-new-tokens"),
+        (["demo", "--max-new-tokens", "5000"], "--max-new-tokens"),
     ],
 )
 def test_bad_invocations_are_one_line_errors(argv, argument, capsys):
@@ -142,3 +151,55 @@ def test_debug_shows_the_traceback():
 
     with pytest.raises(UsageError):
         main(["demo", "--prompts", "0", "--debug"])
+
+
+def test_demo_without_transformers_or_tqdm_is_one_line(monkeypatch, capsys):
+    """A --no-deps install without tqdm (or transformers): one line saying what to install, exit 2."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    assert main(["demo", "--prompts", "1", "--max-new-tokens", "2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "tqdm" in err and "pip install" in err and "Traceback" not in err, err
+
+
+def test_ctrl_c_during_generate_is_exit_130_and_one_line(monkeypatch, capsys):
+    import specdec_kernels.hf as hf
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf, "speculative_generate", interrupted)
+    assert main(["generate", "--target", "demo", "--prompt", "x", "--max-new-tokens", "4", "--device", "cpu"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == "specdec generate: interrupted", err
+
+
+def test_verify_demo_uses_the_theory_standard_error(capsys):
+    """V = 2: the close setting's K-SEQ acceptance is 0.985, so all 100 requests accept and the
+    sample's standard error is 0 (it printed z = 1.5e10, FAIL); the theory's is 0.012."""
+    assert main(["verify-demo", "--batch", "100", "--vocab", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "measured vs theory: PASS" in out and "nan" not in out.lower(), out
+
+
+def test_generate_passes_the_kv_cache_by_the_models_current_keyword(capsys):
+    """transformers renamed forward's past_key_values to cache (a FutureWarning per call)."""
+    argv = ["generate", "--target", "demo", "--prompt", "def f(x):", "--max-new-tokens", "6", "--device", "cpu"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(argv) == 0
+    said = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert not said, said
+
+
+def test_cache_kwargs_follow_the_forward_signature():
+    from specdec_kernels.hf.cache import cache_kwargs
+
+    class Renamed:
+        def forward(self, input_ids=None, cache=None): ...
+
+    class Older:
+        def forward(self, input_ids=None, past_key_values=None): ...
+
+    assert cache_kwargs(Renamed(), "C") == {"cache": "C"}
+    assert cache_kwargs(Older(), "C") == {"past_key_values": "C"}

@@ -16,7 +16,10 @@ Example (verify a token tree on top of a DynamicCache holding ragged prefixes):
     >>> register_tree_attention(); model.set_attn_implementation("specdec_tree")
     >>> meta = tree_attention_metadata(parents, prefix_lens, cache_len=cache.get_seq_length())
     >>> with tree_attention_context(meta):
-    ...     logits = model(input_ids=tree_tokens, position_ids=meta.position_ids, past_key_values=cache).logits
+    ...     logits = model(input_ids=tree_tokens, position_ids=meta.position_ids, cache=cache).logits
+
+(``past_key_values=cache`` on transformers releases before the keyword's rename; ``cache.cache_kwargs``
+picks the one a model takes.)
 """
 
 from __future__ import annotations

@@ -14,7 +14,23 @@ graphs need), the path is moved in place, and "cropping" only moves each layer's
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The KV cache as the keyword the model's forward takes: ``cache`` where transformers renamed
+    it (``past_key_values`` is deprecated there, with a FutureWarning per call), else
+    ``past_key_values``."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_type: type) -> str:
+    parameters = inspect.signature(model_type.forward).parameters  # follows the deprecation wrapper
+    return "cache" if "cache" in parameters and "past_key_values" not in parameters else "past_key_values"
 
 
 def _layers(cache):

@@ -41,7 +41,7 @@ from .attention import (
     tree_attention_metadata,
     using_tree_attention,
 )
-from .cache import commit_paths, select_requests
+from .cache import cache_kwargs, commit_paths, select_requests
 from .draft_length import DraftLengthPolicy, draft_cost_estimate
 from .drafting import (
     chains_tree_parents,
@@ -846,8 +846,8 @@ def _prefill(model, prompts: list[list[int]], device, static_len: int | None = N
         input_ids=ids.to(device),
         attention_mask=mask.to(device),
         position_ids=positions.to(device),
-        past_key_values=cache,
         use_cache=True,
+        **cache_kwargs(model, cache),
         **({} if every_position else _last_logits_only(model)),
     )
     return cache
@@ -896,11 +896,11 @@ def _forward(
     with tree_attention_context(meta):
         if compiled is None:
             kw = _last_logits_only(model) if keep_last else {}
-            out = model(input_ids=ids, position_ids=meta.position_ids, past_key_values=cache, use_cache=True, **kw)
+            kw.update(cache_kwargs(model, cache))
+            out = model(input_ids=ids, position_ids=meta.position_ids, use_cache=True, **kw)
         else:  # the metadata as an argument: its tensors become graph inputs (the context is not traceable)
-            out = compiled(
-                input_ids=ids, position_ids=meta.position_ids, past_key_values=cache, use_cache=True, specdec_tree=meta
-            )
+            kw = cache_kwargs(model, cache)
+            out = compiled(input_ids=ids, position_ids=meta.position_ids, use_cache=True, specdec_tree=meta, **kw)
     return out.logits[..., :V]
 
 

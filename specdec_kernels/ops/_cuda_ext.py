@@ -3,15 +3,16 @@
 Two builds of the same sources:
 
 * the CUDA extension (``backend="cuda"``): ``csrc/binding.cpp`` + ``verify_cpu.cpp`` + ``verify_cuda.cu``
-  with ``-DSPECDEC_WITH_CUDA``. Either prebuilt by ``SPECDEC_BUILD_CUDA=1 pip install -e .`` (module
-  ``specdec_kernels._csrc_cuda``) or compiled just in time on first use with
+  with ``-DSPECDEC_WITH_CUDA``. Either prebuilt (module ``specdec_kernels._csrc_cuda``) by
+  ``SPECDEC_BUILD_CUDA=1 pip install --no-build-isolation -e .`` or compiled just in time on first use with
   ``torch.utils.cpp_extension.load`` (ninja + nvcc; honours ``TORCH_CUDA_ARCH_LIST`` and ``MAX_JOBS``;
-  set ``SPECDEC_NO_JIT=1`` to forbid it). The JIT needs a source checkout (``csrc/`` next to the package).
+  set ``SPECDEC_NO_JIT=1`` to forbid it).
 * the CPU build (``backend="cpu"``, :func:`load_cpu_core`): ``binding.cpp`` + ``verify_cpu.cpp`` compiled
   by the host C++ compiler with -O3 and OpenMP. It runs the very per-row code of the CUDA kernels
   (``csrc/verify_core.h``, all ``__host__ __device__``) spread over the cores, so it is both the fast
   CPU backend and the token-for-token test of the CUDA math on machines with no GPU. Built just in
-  time on first use (about a minute; ninja) or ahead of time by ``SPECDEC_BUILD_CPU=1 pip install -e .``.
+  time on first use (about a minute; ninja) or ahead of time by
+  ``SPECDEC_BUILD_CPU=1 pip install --no-build-isolation -e .``.
 
 Sources and flags of both builds are declared once, in ``csrc/build.json`` (setup.py reads it too).
 With ``SPECDEC_CSRC_SANITIZE=1`` :func:`load_cpu_core` loads a third, just-in-time build instead of the
@@ -20,15 +21,26 @@ build.json; any report aborts the process). Its process must start with the ASan
 (``LD_PRELOAD=$(gcc -print-file-name=libasan.so)``, ``ASAN_OPTIONS=detect_leaks=0``): see
 ``tests/ops/test_csrc_sanitized.py``, which runs the csrc tests that way.
 
-Builds are cached under ``$SPECDEC_BUILD_DIR`` (default ``<repo>/build/torch_extensions``).
+A wheel carries the sources as package data (``specdec_kernels/csrc/``, copied there by setup.py's
+``build_py``); a source checkout or editable install reads the checkout's ``csrc/``.
+
+Just-in-time builds go to a per-user cache, never into site-packages or the source tree:
+``$SPECDEC_BUILD_DIR`` if set, else ``$TORCH_EXTENSIONS_DIR``, else ``$XDG_CACHE_HOME/specdec_kernels``
+(``~/.cache/specdec_kernels``); one subdirectory per build name and fingerprint of the sources, flags,
+torch and Python versions, so checkouts with different sources and torch upgrades never share a
+binary. A location that cannot be written falls back to the temporary directory, with one warning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import shutil
+import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,7 +48,9 @@ import torch
 from .._types import METHODS, TreeVerifyOutput, VerifyOutput
 from .._validation import VerifyArgs
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_PACKAGED_CSRC = Path(__file__).resolve().parents[1] / "csrc"  # a wheel: package data (setup.py's build_py)
+_CHECKOUT_CSRC = Path(__file__).resolve().parents[2] / "csrc"  # a source checkout or an editable install
+CSRC = _PACKAGED_CSRC if (_PACKAGED_CSRC / "build.json").is_file() else _CHECKOUT_CSRC
 
 
 def build_config() -> dict:
@@ -46,20 +60,72 @@ def build_config() -> dict:
 
 
 _HOW_TO_BUILD = (
-    "Build it with `SPECDEC_BUILD_CUDA=1 pip install -e .` (CUDA toolkit matching torch, ninja; "
+    "Build it with `SPECDEC_BUILD_CUDA=1 pip install --no-build-isolation -e .` (CUDA toolkit matching torch, ninja; "
     "TORCH_CUDA_ARCH_LIST, default '8.0;9.0', and MAX_JOBS are honoured) or let it compile just in time "
-    "on first use (needs nvcc / CUDA_HOME, ninja, and a source checkout with csrc/). Or use backend='triton'."
+    "on first use (needs nvcc / CUDA_HOME and ninja). Or use backend='triton'."
 )
 
 _cuda_ext = None
 _cpu_core = None
 
 
-def build_dir(name: str) -> Path:
-    base = os.environ.get("SPECDEC_BUILD_DIR") or str(CSRC.parent / "build" / "torch_extensions")
-    path = Path(base) / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def cache_root() -> Path:
+    """Where just-in-time builds go: $SPECDEC_BUILD_DIR, $TORCH_EXTENSIONS_DIR, else the user's cache."""
+    for variable in ("SPECDEC_BUILD_DIR", "TORCH_EXTENSIONS_DIR"):
+        if os.environ.get(variable):
+            return Path(os.environ[variable]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "specdec_kernels"
+
+
+def _fingerprint(kind: str) -> str:
+    """Sources, headers, flags, torch and Python versions of one build: a binary is reused only by
+    the very same inputs (another checkout's sources or another torch get their own directory)."""
+    config = build_config()
+    digest = hashlib.sha256(json.dumps(config.get(kind) or {}, sort_keys=True).encode())
+    digest.update(f"{torch.__version__} {sys.version_info[:2]} {torch.version.cuda}".encode())
+    for name in sorted(set((config.get(kind) or {}).get("sources", []) + config["headers"])):
+        path = CSRC / name
+        digest.update(name.encode() + (path.read_bytes() if path.is_file() else b""))
+    return digest.hexdigest()[:16]
+
+
+_WARNED_READ_ONLY = False
+
+
+def _writable(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def build_dir(name: str, kind: str = "cpu") -> Path:
+    """The cache directory of one build (created); the temporary directory if the cache is read-only."""
+    global _WARNED_READ_ONLY
+    leaf = f"{name}-{_fingerprint(kind)}"
+    path = cache_root() / leaf
+    if _writable(path):
+        return path
+    fallback = Path(tempfile.gettempdir()) / f"specdec_kernels-{os.getuid()}" / leaf
+    if not _WARNED_READ_ONLY:
+        _WARNED_READ_ONLY = True
+        warnings.warn(
+            f"specdec_kernels: cannot write the build cache {path.parent} (set SPECDEC_BUILD_DIR or "
+            f"TORCH_EXTENSIONS_DIR to a writable directory); building into {fallback.parent} instead",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
+_BUILDING = {  # the one line printed before a just-in-time build (it takes a while, once)
+    "cpu": "specdec_kernels: building the native CPU backend (once, ~1 min) into {}",
+    "cuda": "specdec_kernels: building the CUDA backend (once, several minutes) into {}",
+    "cpu_sanitize": "specdec_kernels: building the sanitized CPU backend (SPECDEC_CSRC_SANITIZE=1) into {}",
+}
 
 
 def _load(kind: str, verbose: bool):
@@ -73,15 +139,21 @@ def _load(kind: str, verbose: bool):
         [] if sources else ["build.json"]
     )
     if missing:
-        raise RuntimeError(f"csrc sources not found ({', '.join(missing)} under {CSRC}); a source checkout is needed")
+        raise RuntimeError(
+            f"csrc sources not found ({', '.join(missing)} under {CSRC}): reinstall specdec_kernels "
+            "(its wheel carries them as specdec_kernels/csrc) or use a source checkout"
+        )
     kwargs = {"extra_cuda_cflags": build["cuda_cflags"]} if kind == "cuda" else {}
+    directory = build_dir(build["name"], kind)
+    if not (directory / f"{build['name']}.so").is_file():
+        print(_BUILDING[kind].format(directory), file=sys.stderr, flush=True)
     return load(
         name=build["name"],
         sources=[str(CSRC / s) for s in sources],
         extra_cflags=build["cflags"],
         extra_ldflags=build.get("ldflags", []),
         extra_include_paths=[str(CSRC)],
-        build_directory=str(build_dir(build["name"])),
+        build_directory=str(directory),
         with_cuda=kind == "cuda",
         verbose=verbose,
         **kwargs,

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 from specdec_kernels.hf import speculative_generate, using_tree_attention  # noqa: E402
-from specdec_kernels.hf.cache import cache_length  # noqa: E402
+from specdec_kernels.hf.cache import cache_kwargs, cache_length  # noqa: E402
 from specdec_kernels.hf.generate import _Session  # noqa: E402
 from specdec_kernels.reference.sampling import processed_probs  # noqa: E402
 
@@ -251,7 +251,7 @@ def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft, static_len):
                     n = int(cached[b])
                     assert n <= int(tokens.length[b])
                     fresh = DynamicCache(config=model.config)
-                    model(input_ids=tokens.seq[b : b + 1, :n], past_key_values=fresh)
+                    model(input_ids=tokens.seq[b : b + 1, :n], **cache_kwargs(model, fresh))
                     for layer, fresh_layer in zip(cache.layers, fresh.layers):
                         torch.testing.assert_close(layer.keys[b : b + 1, :, :n], fresh_layer.keys, atol=1e-5, rtol=1e-5)
                         torch.testing.assert_close(
