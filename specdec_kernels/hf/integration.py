@@ -75,6 +75,10 @@ def generate_with_specdec(
     config = _merged_config(model, generation_config)
     explicit_draft_tokens = "num_assistant_tokens" in kwargs
     passed = set(kwargs)
+    if isinstance(kwargs.get("watermarking_config"), dict):  # update() validates it as an object (5.x)
+        from transformers.generation import WatermarkingConfig
+
+        kwargs["watermarking_config"] = WatermarkingConfig.from_dict(kwargs["watermarking_config"])
     unused = config.update(**kwargs)
     unused.pop("use_cache", None)
     if unused:

@@ -86,6 +86,10 @@ def test_setting_passed_to_generate_is_a_clear_error(model, name, value, off, ne
 def test_setting_from_the_generation_config_is_a_clear_error(name, value, off, needs_sample):
     """As if read from the model's generation_config.json: the call does not mention it."""
     model = tiny_model("llama", seed=1, layers=1)
+    if name == "watermarking_config":  # generation_config.json loads it as this object (update() before
+        from transformers.generation import WatermarkingConfig  # transformers 5.17 kept a dict as is)
+
+        value = WatermarkingConfig(**value)
     model.generation_config.update(**_sampling(needs_sample), **{name: value})
     with pytest.raises(ValueError, match=rf"{name}=.*generation_config"):
         _spec(model, **_sampling(needs_sample))
