@@ -365,9 +365,10 @@ def select_thresholds(
     inv_t,
     CAP: tl.constexpr,
     NB_BITS: tl.constexpr,
+    TIES: tl.constexpr,
 ):
-    """The exact thresholds among the copied candidates, in registers: (threshold, fast) where a
-    top-p row stays fast only if the candidates hold the goal's mass."""
+    """The exact thresholds among the copied candidates, in registers: (threshold, fast, need) where a
+    top-p row stays fast only if the candidates hold the goal's mass; need: ``tie_need`` (TIES)."""
     slots = tl.arange(0, CAP)[None, :]
     vals = tl.load(buf_ptrs + slots, mask=fast[:, None] & (slots < filled[:, None]), other=float("-inf"))
     t_k = tl.where(has_k, _kth_largest(vals, top_k), float("-inf"))
@@ -379,12 +380,40 @@ def select_thresholds(
     fast = fast & (has_k | ~use_p | (kept_mass >= goal))
     pivot = _bin_floor(pivot_bin, 32 - NB_BITS)
     t_p = _mass_threshold(vals, weights, goal, tl.maximum(t_k, pivot), row_m)
-    return tl.where(use_p & (goal > 0.0), t_p, t_k), fast
+    do_p = use_p & (goal > 0.0)
+    need = tl.zeros(top_k.shape, tl.int32)
+    if TIES:  # every entry equal to t_p is a candidate (t_p >= the pivot)
+        above = tl.sum(tl.where(vals > t_p[:, None], weights, 0.0), axis=1)
+        n_tie = tl.sum((kept & (vals == t_p[:, None])).to(tl.int32), axis=1)
+        w = tl.exp((t_p - safe_max(row_m)) * inv_t)
+        need = tie_need(above, w, goal, n_tie, do_p)
+    return tl.where(do_p, t_p, t_k), fast, need
 
 
 @triton.jit
 def filter_threshold(
     row_ptrs, buf_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK: tl.constexpr, CAP: tl.constexpr, NB_BITS: tl.constexpr
+):
+    """``filter_threshold_ties`` without the tie count: (threshold, took the two-pass path)."""
+    thr, fast, _need = filter_threshold_ties(
+        row_ptrs, buf_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK, CAP, NB_BITS, False
+    )
+    return thr, fast
+
+
+@triton.jit
+def filter_threshold_ties(
+    row_ptrs,
+    buf_ptrs,
+    row_ok,
+    V,
+    inv_t,
+    top_k,
+    top_p,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    NB_BITS: tl.constexpr,
+    TIES: tl.constexpr,
 ):
     """Raw-logit threshold per row implementing top-k then top-p (keep x >= threshold).
 
@@ -403,13 +432,15 @@ def filter_threshold(
        kept entry when the k-th largest lies at or above the pivot (top-k) or, for top-p alone,
        when their mass reaches top_p (checked exactly on the copies).
     Other rows (a very flat top-p row, a huge k) fall back to bisection over the row
-    (``bisect_threshold``, 32 passes per selection). Returns (threshold, took the two-pass path).
+    (``bisect_threshold``, 32 passes per selection). Returns (threshold, took the two-pass path,
+    need): need is the by_index tie count (``tie_need``; TIES only, else 0).
     The verification kernels read each row once instead (``chunk_candidates``, ``select_candidates``).
     """
     use_k = row_ok & (top_k > 0) & (top_k < V)
     use_p = row_ok & (top_p < 1.0)
     active = use_k | use_p
     thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
+    need = tl.zeros(inv_t.shape, tl.int32)
     fast = active & False
     if tl.max(active.to(tl.int32), axis=0) > 0:
         counts, row_m, row_z = pivot_histogram(row_ptrs, active, 0, V, inv_t, BLOCK, NB_BITS)
@@ -419,14 +450,17 @@ def filter_threshold(
                 row_ptrs, buf_ptrs, fast, pivot_bin, 0, V, tl.zeros(inv_t.shape, tl.int32), BLOCK, CAP, NB_BITS
             )
             tl.debug_barrier()  # the copies of other threads must be visible before reading back
-            fast_thr, fast = select_thresholds(
-                buf_ptrs, filled, fast, has_k, use_p, top_k, top_p, row_m, row_z, pivot_bin, inv_t, CAP, NB_BITS
+            fast_thr, fast, fast_need = select_thresholds(
+                buf_ptrs, filled, fast, has_k, use_p, top_k, top_p, row_m, row_z, pivot_bin, inv_t, CAP, NB_BITS, TIES
             )
             thr = tl.where(fast, fast_thr, thr)
+            need = tl.where(fast, fast_need, need)
         slow = (has_k | use_p) & ~fast
         if tl.max(slow.to(tl.int32), axis=0) > 0:
-            thr = tl.where(slow, bisect_threshold(row_ptrs, slow, V, inv_t, top_k, top_p, BLOCK), thr)
-    return thr, fast
+            slow_thr, slow_need = bisect_threshold_ties(row_ptrs, slow, V, inv_t, top_k, top_p, BLOCK, TIES)
+            thr = tl.where(slow, slow_thr, thr)
+            need = tl.where(slow, slow_need, need)
+    return thr, fast, need
 
 
 @triton.jit
@@ -525,6 +559,30 @@ def select_candidates(
     NB: tl.constexpr,
     SHIFT: tl.constexpr,
 ):
+    """``select_candidates_ties`` without the tie count: (threshold, fast)."""
+    thr, fast, _need = select_candidates_ties(
+        cand_ptr, rec_ptr, tau_ptr, TC, ok, V, inv_t, top_k, top_p, TCP2, L, NB, SHIFT, False
+    )
+    return thr, fast
+
+
+@triton.jit
+def select_candidates_ties(
+    cand_ptr,
+    rec_ptr,
+    tau_ptr,
+    TC,
+    ok,
+    V,
+    inv_t,
+    top_k,
+    top_p,
+    TCP2: tl.constexpr,
+    L: tl.constexpr,
+    NB: tl.constexpr,
+    SHIFT: tl.constexpr,
+    TIES: tl.constexpr,
+):
     """Exact top-k/top-p thresholds of one row from its TC chunks' candidates (``chunk_candidates``):
     (threshold, fast) as [1] tensors. cand_ptr: [1] -> [TC, L] fp32 candidates; rec_ptr: [1] ->
     [TC, 2] (max, sum-exp) per chunk; tau_ptr: [1] -> [TC] int32; ok, inv_t, top_k, top_p: [1].
@@ -535,7 +593,8 @@ def select_candidates(
     is found from a histogram of key16 steps below the row max (for bf16 its step is its value;
     fp16 / fp32 bisect the low key bits inside the step: SHIFT = 13 / 0, 16 for bf16), the top-p
     threshold by bisection between it and the max. Same thresholds and tie rule as
-    ``bisect_threshold`` and the reference."""
+    ``bisect_threshold`` and the reference. Returns (threshold, fast, need): need is the by_index
+    tie count (``tie_need``; TIES only, else 0)."""
     SH: tl.constexpr = 16 - SHIFT
     use_k = ok & (top_k > 0) & (top_k < V)
     use_p = ok & (top_p < 1.0)
@@ -580,11 +639,23 @@ def select_candidates(
     hi_p = tl.where(do_p, (_unsigned_key(m) >> SHIFT) + 1, 0)
     lo_p = _bisect_mass(keys, weights, goal, lo_p, hi_p)
     t_p = tl.min(tl.where(kept & (keys >= lo_p), v, float("inf")), axis=0)
-    return tl.where(do_p, t_p, t_k), fast
+    need = tl.zeros(inv_t.shape, tl.int32)
+    if TIES:  # every entry equal to t_p is a candidate (its key16 is >= P)
+        above = tl.sum(tl.where(v > t_p, weights, 0.0), axis=0)
+        n_tie = tl.sum((kept & (v == t_p)).to(tl.int32), axis=0)
+        need = tie_need(above, tl.exp((t_p - ref) * inv_t), goal, n_tie, do_p)
+    return tl.where(do_p, t_p, t_k), fast, need
 
 
 @triton.jit
 def bisect_threshold(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.constexpr):
+    """``bisect_threshold_ties`` without the tie count."""
+    thr, _need = bisect_threshold_ties(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V, False)
+    return thr
+
+
+@triton.jit
+def bisect_threshold_ties(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.constexpr, TIES: tl.constexpr):
     """``filter_threshold`` by bisection on the float order key: 32 passes over the row per
     selection. The fallback for rows whose candidate set does not fit the selection buffer.
 
@@ -594,11 +665,14 @@ def bisect_threshold(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.const
       top-k: the k-th largest value t (largest t with #{x >= t} >= k); ties at t are kept.
       top-p: after top-k, the largest t with sum_{x >= t} p(x) >= top_p; ties at t are kept.
     Rows with top_k in {0} or >= V and top_p >= 1 get -inf (no filtering).
+    Returns (threshold, need): need is the by_index tie count (``tie_need``; TIES only: one more
+    pass over the top-p rows, else 0).
     """
     offs = tl.arange(0, BLOCK_V)[None, :]
     use_k = row_ok & (top_k > 0) & (top_k < V)
     use_p = row_ok & (top_p < 1.0)
     thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
+    need = tl.zeros(inv_t.shape, tl.int32)
     if tl.max(use_k.to(tl.int32), axis=0) > 0:
         lo = order_key(thr).to(tl.int64)
         hi = order_key(tl.full(inv_t.shape, float("inf"), tl.float32)).to(tl.int64)
@@ -636,8 +710,68 @@ def bisect_threshold(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.const
             ok = mass >= goal
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid)
-        thr = tl.where(use_p, key_to_float(lo), thr)
-    return thr
+        t_p = key_to_float(lo)
+        if TIES:  # the mass above t_p and the entries equal to it (all >= the top-k threshold)
+            above = tl.zeros(inv_t.shape, tl.float32)
+            n_tie = tl.zeros(inv_t.shape, tl.int32)
+            for start in range(0, V, BLOCK_V):
+                cols = start + offs
+                x, _bad = load_logits(row_ptrs + cols, use_p[:, None] & (cols < V))
+                hit = x > t_p[:, None]
+                above += tl.sum(tl.where(hit, tl.exp((x - m_ref[:, None]) * inv_t[:, None]), 0.0), axis=1)
+                n_tie += tl.sum((x == t_p[:, None]).to(tl.int32), axis=1)
+            w = tl.exp((t_p - m_ref) * inv_t)
+            need = tie_need(above, w, goal, n_tie, use_p & (goal > 0.0))
+        thr = tl.where(use_p, t_p, thr)
+    return thr, need
+
+
+@triton.jit
+def tie_need(above, w, goal, n_tie, active):
+    """The by_index top-p rule (``SamplingParams.top_p_ties``): how many entries of the boundary tie
+    group (n_tie entries of weight w each, mass `above` before them) stay: the fewest m >= 1 with
+    above + m * w >= goal (the reference's first cumulative mass reaching the goal). 0 where the
+    whole group stays (m = n_tie, w = 0) or the row has no top-p cut (not active): no cut."""
+    q = tl.minimum((goal - above) / tl.where(w > 0.0, w, 1.0), n_tie.to(tl.float32))
+    m = q.to(tl.int32)
+    m = tl.maximum(m + (m.to(tl.float32) < q).to(tl.int32), 1)  # the ceiling, at least one
+    return tl.where(active & (w > 0.0) & (m < n_tie), m, 0)
+
+
+@triton.jit
+def tie_index(row_ptrs, need, thr, V, BLOCK: tl.constexpr):
+    """The by_index cut of each row: the index of the need-th highest-index entry equal to thr
+    (``tie_need``), 0 where need = 0 (the whole tie group stays). Kept entries are then x > thr,
+    and x == thr at an index >= the cut (``kept_at``). Reads the row's blocks from its end until
+    every row found its cut. row_ptrs: [R, 1]; need, thr: [R]."""
+    offs = tl.arange(0, BLOCK)[None, :]
+    cut = tl.zeros(need.shape, tl.int32)
+    left = tl.where(V > 0, need, 0)
+    blk = (V - 1) // BLOCK
+    while tl.max(left, axis=0) > 0:
+        cols = blk * BLOCK + offs
+        looking = left > 0
+        x = tl.load(row_ptrs + cols, mask=looking[:, None] & (cols < V), other=float("-inf")).to(tl.float32)
+        tie = ((x == thr[:, None]) & looking[:, None]).to(tl.int32)
+        count = tl.sum(tie, axis=1)
+        at_or_after = count[:, None] - tl.cumsum(tie, axis=1) + tie  # ties of the block at columns >= col
+        found = looking & (count >= left)
+        hit = (tie > 0) & (at_or_after == left[:, None])
+        cut = tl.where(found, tl.max(tl.where(hit, cols, -1), axis=1), cut)
+        left = tl.where(found, 0, left - count)
+        blk -= 1
+        left = tl.where(blk >= 0, left, 0)  # never past the row's start (need <= the tie count)
+    return cut
+
+
+@triton.jit
+def kept_at(x, cols, thr, cut, BY_INDEX: tl.constexpr):
+    """Whether the entries x at columns cols pass the top-k/top-p threshold: x >= thr, or with
+    the by_index tie rule x > thr, or x == thr at a column >= cut (``tie_index``; cut 0 = x >= thr)."""
+    if BY_INDEX:
+        return (x > thr) | ((x == thr) & (cols >= cut))
+    else:
+        return x >= thr
 
 
 @triton.jit

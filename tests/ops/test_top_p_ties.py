@@ -2,8 +2,9 @@
 
 "keep" (default) keeps the whole group; "by_index" is transformers' TopPLogitsWarper: among equal
 logits the higher index counts as more probable (its ascending torch.sort, when stable). The
-reference's rule is checked against the warper itself on tie-heavy bf16 rows; the vectorized
-backend against the reference token for token; the fused backends refuse the rule."""
+reference's rule is checked against the warper itself on tie-heavy bf16 rows; the vectorized and
+Triton backends against the reference token for token (Triton: every threshold plan, the cut
+inside the tie group from ``tie_need`` / ``tie_index``); the csrc backends refuse the rule."""
 
 from unittest import mock
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import specdec_kernels as sk
+from specdec_kernels._dispatch import launch_overrides
 from specdec_kernels._params import TOP_P_TIES, SamplingParams
 from specdec_kernels.ops.verify_vectorized import processed_probs as vectorized_probs
 from specdec_kernels.ops.verify_vectorized import sanitize
@@ -126,25 +128,116 @@ def test_chain_backend_matches_reference(backend):
         assert torch.equal(got.tokens, want.tokens)
 
 
+@pytest.mark.parametrize("backend", ["vectorized", "triton"])
 @pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
-def test_multi_and_tree_backends_match_reference(method):
+def test_multi_and_tree_backends_match_reference(method, backend):
     gen = torch.Generator().manual_seed(3)
     for seed in range(4):
         target, tokens, draft = _chain_inputs(gen, K=2)
         if method == "rrs_wor":
             tokens[:, 1, 0] = (tokens[:, 0, 0] + 1) % target.shape[-1]  # distinct siblings
-        want = sk.verify_multi(target, tokens, draft, backend="torch", seed=seed, method=method, **SAMPLED)
-        got = sk.verify_multi(target, tokens, draft, backend="vectorized", seed=seed, method=method, **SAMPLED)
-        assert torch.equal(got.tokens, want.tokens)
+        for kw in ({"draft_logits": draft}, {"draft_probs": torch.softmax(draft, -1)}, {}):
+            want = sk.verify_multi(target, tokens, backend="torch", seed=seed, method=method, **kw, **SAMPLED)
+            got = sk.verify_multi(target, tokens, backend=backend, seed=seed, method=method, **kw, **SAMPLED)
+            assert torch.equal(got.tokens, want.tokens), (seed, list(kw))
     parents = torch.tensor([[-1, 0, 0, 1]] * 2)
     tree_target = (torch.randint(0, 3, (2, 5, 40), generator=gen).float() * 0.5).bfloat16().float()
     tree_tokens = torch.randint(0, 40, (2, 4), generator=gen)
-    want = sk.verify_tree(tree_target, tree_tokens, parents, backend="torch", seed=1, **SAMPLED)
-    got = sk.verify_tree(tree_target, tree_tokens, parents, backend="vectorized", seed=1, **SAMPLED)
+    tree_draft = (torch.randint(0, 3, (2, 4, 40), generator=gen).float() * 0.5).bfloat16().float()
+    for kw in ({}, {"draft_logits": tree_draft}):
+        want = sk.verify_tree(
+            tree_target, tree_tokens, parents, backend="torch", seed=1, method=method, **kw, **SAMPLED
+        )
+        got = sk.verify_tree(tree_target, tree_tokens, parents, backend=backend, seed=1, method=method, **kw, **SAMPLED)
+        assert torch.equal(got.tokens, want.tokens)
+
+
+# Triton threshold plans: the interpreter's whole rows; the GPU's two launches (candidates per chunk,
+# selection per row); a tiny selection tile (the bisection fallback); split row passes.
+TRITON_PLANS = {
+    "whole": {},
+    "two_launch": {"threshold_chunks": 3},
+    "bisect": {"threshold_chunks": 2, "threshold_capacity": 16},
+    "split_rows": {"num_chunks": 3, "block_v": 64},
+}
+
+
+def _tie_boundary_inputs(gen, B, G, V, dtype):
+    """Tie-heavy bf16-rounded rows: few levels (wide tie groups at any top-p boundary) or normals."""
+    levels = int(torch.randint(2, 5, (1,), generator=gen))
+    target = torch.randint(0, levels, (B, G + 1, V), generator=gen).float() * 0.75
+    target[: B // 2] = torch.randn(B // 2, G + 1, V, generator=gen) * 2
+    draft = torch.randint(0, levels, (B, G, V), generator=gen).float() * 0.75
+    tokens = torch.randint(0, V, (B, G), generator=gen)
+    return target.bfloat16().to(dtype), tokens, draft.bfloat16().to(dtype)
+
+
+@pytest.mark.parametrize("plan", list(TRITON_PLANS))
+def test_triton_chain_matches_reference_on_tie_boundaries(plan):
+    """Both rules, Triton against the reference token for token: ragged drafts (n_b and the flattened
+    layout), per-request top-p with top-k, draft logits / probabilities / one-hot, bf16 and fp32 rows,
+    V past one tie_index block. Fails before the Triton kernels implemented by_index (ValueError)."""
+    gen = torch.Generator().manual_seed(11)
+    B, G = 6, 3
+    top_p = torch.tensor([0.3, 0.55, 0.9, 0.7, 1.0, 0.45])
+    top_k = torch.tensor([0, 0, 7, 0, 3, 40])
+    n_b = torch.tensor([3, 0, 2, 3, 1, 3])
+    differs = 0
+    for V, dtype in ((50, torch.bfloat16), (300, torch.float32), (2100, torch.bfloat16)):
+        target, tokens, draft = _tie_boundary_inputs(gen, B, G, V, dtype)
+        cases = (
+            {"draft_logits": draft, "top_p": top_p, "top_k": top_k},
+            {"draft_probs": torch.softmax(draft.float(), -1), "top_p": 0.6},
+            {"top_p": top_p, "num_draft_tokens": n_b},
+            {"draft_logits": draft, "top_p": 0.5, "num_draft_tokens": n_b},
+        )
+        for i, kw in enumerate(cases):
+            for ties in TOP_P_TIES:
+                common = dict(temperature=(0.8, 1.0, 1.3)[i % 3], seed=i, top_p_ties=ties)
+                want = sk.verify(target, tokens, backend="torch", **kw, **common)
+                with launch_overrides(**TRITON_PLANS[plan]):
+                    got = sk.verify(target, tokens, backend="triton", **kw, **common)
+                assert torch.equal(got.tokens, want.tokens), (V, i, ties)
+                assert torch.equal(got.num_accepted, want.num_accepted)
+            keep = sk.verify(target, tokens, backend="torch", **kw, **{**common, "top_p_ties": "keep"})
+            differs += not torch.equal(keep.tokens, want.tokens)
+    assert differs > 0  # the rows do cut inside tie groups
+
+
+def test_triton_flattened_layout_by_index():
+    """The flattened ragged layout (cu_num_draft_tokens) keeps the rule."""
+    gen = torch.Generator().manual_seed(12)
+    V, n = 64, torch.tensor([2, 0, 3])
+    target, tokens, draft = _tie_boundary_inputs(gen, 3, 3, V, torch.float32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)])
+    flat_t = torch.cat([target[b, : int(n[b]) + 1] for b in range(3)])
+    flat_d = torch.cat([draft[b, : int(n[b])] for b in range(3)])
+    flat_x = torch.cat([tokens[b, : int(n[b])] for b in range(3)])
+    kw = dict(temperature=0.9, top_p=0.5, top_p_ties="by_index", seed=3)
+    want = sk.verify(target, tokens, draft, num_draft_tokens=n, backend="torch", **kw)
+    got = sk.verify(flat_t, flat_x, flat_d, cu_num_draft_tokens=cu, max_num_draft_tokens=3, backend="triton", **kw)
     assert torch.equal(got.tokens, want.tokens)
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda", "cpu"])
+@pytest.mark.parametrize("plan", ["whole", "two_launch", "bisect"])
+def test_triton_tree_matches_reference_on_tie_boundaries(plan):
+    gen = torch.Generator().manual_seed(13)
+    V = 200
+    parents = torch.tensor([[-1, 0, 0, 1, -1, 4]] * 3)
+    target = (torch.randint(0, 3, (3, 7, V), generator=gen).float() * 0.75).bfloat16()
+    draft = (torch.randint(0, 3, (3, 6, V), generator=gen).float() * 0.75).bfloat16()
+    tokens = torch.randint(0, V, (3, 6), generator=gen)
+    top_p = torch.tensor([0.4, 0.8, 0.55])
+    for method in ("kseq", "rrs", "rrs_wor"):
+        for ties in TOP_P_TIES:
+            kw = dict(temperature=1.1, top_p=top_p, top_p_ties=ties, seed=5, method=method, draft_logits=draft)
+            want = sk.verify_tree(target, tokens, parents, backend="torch", **kw)
+            with launch_overrides(**TRITON_PLANS[plan]):
+                got = sk.verify_tree(target, tokens, parents, backend="triton", **kw)
+            assert torch.equal(got.tokens, want.tokens), (method, ties)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cpu"])
 def test_fused_backends_refuse_by_index(backend):
     gen = torch.Generator().manual_seed(4)
     target, tokens, draft = _chain_inputs(gen)
@@ -184,9 +277,11 @@ def test_bad_rule_and_op_args_round_trip():
         assert back.top_p_ties == ties and back.top_k == 3 and torch.equal(back.top_p, params.top_p)
 
 
-def test_sampled_tokens_follow_the_by_index_distribution():
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=pytest.mark.slow)])
+def test_sampled_tokens_follow_the_by_index_distribution(backend):
     """Chi-square (alpha 1e-6) of 4,000 bonus tokens (G = 0) from a row of 4 equal logits and a
-    smaller one at top_p = 0.5: tokens 1, 2, 3 only; power > 0.99 against the "keep" rule's p."""
+    smaller one at top_p = 0.5: tokens 1, 2, 3 only; power > 0.99 against the "keep" rule's p. The
+    keep rule's tokens (same backend) must fail the test."""
     n = 4000
     row = torch.tensor([2.0, 2.0, 2.0, 2.0, -1.0, 0.5])
     target = row.expand(n, 1, 6).contiguous()
@@ -194,7 +289,8 @@ def test_sampled_tokens_follow_the_by_index_distribution():
     p = processed_probs(row, 1.0, 0, 0.5, "by_index")
     p_keep = processed_probs(row, 1.0, 0, 0.5, "keep")
     assert chi_square_power(p, p_keep, n) > 0.99
-    out = sk.verify(target, tokens, temperature=1.0, top_p=0.5, top_p_ties="by_index", seed=11)
+    out = sk.verify(target, tokens, temperature=1.0, top_p=0.5, top_p_ties="by_index", seed=11, backend=backend)
     assert chi_square_pvalue(out.tokens[:, 0], p) > ALPHA
-    keep = sk.verify(target, tokens, temperature=1.0, top_p=0.5, seed=11, backend="vectorized")
+    keep_backend = "vectorized" if backend == "auto" else backend  # auto: the CPU build (no by_index)
+    keep = sk.verify(target, tokens, temperature=1.0, top_p=0.5, seed=11, backend=keep_backend)
     assert chi_square_pvalue(keep.tokens[:, 0], p) < ALPHA
