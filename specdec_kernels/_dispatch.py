@@ -206,17 +206,18 @@ def cpu_auto_backend() -> str:
 
 
 _CPU_AUTO: str | None = None
-TIES_BY_INDEX_BACKENDS = ("vectorized", "torch", "triton")  # those implementing SamplingParams.top_p_ties="by_index"
+TIES_BY_INDEX_BACKENDS = ("vectorized", "torch", "triton", "cpu")  # those implementing top_p_ties="by_index"
 
 
 def ties_backend(sampling, backend: str, device) -> str:
     """The backend for top_p_ties='by_index' with top-p active: "auto" runs "triton" on CUDA tensors
-    and "vectorized" on others (the csrc builds do not implement the rule); backends without the
-    rule raise (they would keep the whole boundary tie group)."""
+    (the CUDA build does not implement the rule) and picks as usual on CPU tensors ("cpu", or
+    "vectorized" without the CPU build); backends without the rule raise (they would keep the whole
+    boundary tie group)."""
     if not sampling.ties_by_index() or backend in TIES_BY_INDEX_BACKENDS:
         return backend
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "vectorized"
+        return "triton" if device.type == "cuda" else backend
     raise ValueError(
         f"top_p_ties='by_index' is implemented by the backends {TIES_BY_INDEX_BACKENDS} only, got backend="
         f"{backend!r} (use top_p_ties='keep' to keep the whole tie group at the top-p boundary)"

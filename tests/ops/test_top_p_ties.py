@@ -4,7 +4,8 @@
 logits the higher index counts as more probable (its ascending torch.sort, when stable). The
 reference's rule is checked against the warper itself on tie-heavy bf16 rows; the vectorized and
 Triton backends against the reference token for token (Triton: every threshold plan, the cut
-inside the tie group from ``tie_need`` / ``tie_index``); the csrc backends refuse the rule."""
+inside the tie group from ``tie_need`` / ``tie_index``) and the CPU build; the CUDA build and
+vocabulary shards refuse the rule."""
 
 from unittest import mock
 
@@ -114,7 +115,7 @@ def _chain_inputs(gen, B=4, G=3, V=60, K=None):
 SAMPLED = dict(temperature=0.9, top_k=0, top_p=0.6, top_p_ties="by_index")
 
 
-@pytest.mark.parametrize("backend", ["vectorized", "auto"])
+@pytest.mark.parametrize("backend", ["vectorized", "auto", "cpu"])
 def test_chain_backend_matches_reference(backend):
     gen = torch.Generator().manual_seed(2)
     for seed in range(6):
@@ -128,11 +129,11 @@ def test_chain_backend_matches_reference(backend):
         assert torch.equal(got.tokens, want.tokens)
 
 
-@pytest.mark.parametrize("backend", ["vectorized", "triton"])
+@pytest.mark.parametrize("backend", ["vectorized", "triton", "cpu"])
 @pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
 def test_multi_and_tree_backends_match_reference(method, backend):
     gen = torch.Generator().manual_seed(3)
-    for seed in range(4):
+    for seed in range(4 if backend == "vectorized" else 2):
         target, tokens, draft = _chain_inputs(gen, K=2)
         if method == "rrs_wor":
             tokens[:, 1, 0] = (tokens[:, 0, 0] + 1) % target.shape[-1]  # distinct siblings
@@ -194,8 +195,18 @@ def test_triton_chain_matches_reference_on_tie_boundaries(plan, V, dtype):
     """Both rules, Triton against the reference token for token: ragged drafts (n_b), per-request
     top-p with top-k, draft logits / probabilities / one-hot, bf16 and fp32 rows. Fails before the
     Triton kernels implemented by_index (ValueError)."""
+    _check_chain_tie_boundaries("triton", TRITON_PLANS[plan], V, dtype, small=plan in ("two_launch", "bisect"))
+
+
+@pytest.mark.parametrize("V, dtype", [(50, torch.bfloat16), (300, torch.float32), (2100, torch.bfloat16)])
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_cpu_chain_matches_reference_on_tie_boundaries(V, dtype, num_chunks):
+    """The CPU build (thresholds and cuts by selection, rows split into chunks or not)."""
+    _check_chain_tie_boundaries("cpu", {"num_chunks": num_chunks}, V, dtype, small=False)
+
+
+def _check_chain_tie_boundaries(backend, overrides, V, dtype, small):
     gen = torch.Generator().manual_seed(11 + V)
-    small = plan in ("two_launch", "bisect")  # one program per row in the interpreter: slow
     B, G = (3, 1) if small else (6, 3)
     top_p = torch.tensor([0.3, 0.55, 0.9, 0.7, 1.0, 0.45])[:B]
     top_k = torch.tensor([0, 0, 7, 0, 3, 40])[:B]
@@ -212,8 +223,8 @@ def test_triton_chain_matches_reference_on_tie_boundaries(plan, V, dtype):
         for ties in TOP_P_TIES:
             common = dict(temperature=(0.8, 1.0, 1.3)[i % 3], seed=i, top_p_ties=ties)
             want = sk.verify(target, tokens, backend="torch", **kw, **common)
-            with launch_overrides(**TRITON_PLANS[plan]):
-                got = sk.verify(target, tokens, backend="triton", **kw, **common)
+            with launch_overrides(**overrides):
+                got = sk.verify(target, tokens, backend=backend, **kw, **common)
             assert torch.equal(got.tokens, want.tokens), (i, ties)
             assert torch.equal(got.num_accepted, want.num_accepted)
     # the rows do cut inside tie groups (the two rules keep different sets)
@@ -237,7 +248,7 @@ def test_triton_flattened_layout_by_index():
     assert torch.equal(got.tokens, want.tokens)
 
 
-@pytest.mark.parametrize("plan", ["whole", _slow("two_launch"), _slow("bisect")])
+@pytest.mark.parametrize("plan", ["whole", _slow("two_launch"), _slow("bisect"), "cpu"])
 def test_triton_tree_matches_reference_on_tie_boundaries(plan):
     gen = torch.Generator().manual_seed(13)
     V = 120
@@ -250,12 +261,37 @@ def test_triton_tree_matches_reference_on_tie_boundaries(plan):
         for ties in TOP_P_TIES:
             kw = dict(temperature=1.1, top_p=top_p, top_p_ties=ties, seed=5, method=method, draft_logits=draft)
             want = sk.verify_tree(target, tokens, parents, backend="torch", **kw)
-            with launch_overrides(**TRITON_PLANS[plan]):
-                got = sk.verify_tree(target, tokens, parents, backend="triton", **kw)
+            backend, overrides = ("cpu", {}) if plan == "cpu" else ("triton", TRITON_PLANS[plan])
+            with launch_overrides(**overrides):
+                got = sk.verify_tree(target, tokens, parents, backend=backend, **kw)
             assert torch.equal(got.tokens, want.tokens), (method, ties)
 
 
-@pytest.mark.parametrize("backend", ["cuda", "cpu"])
+def test_vocabulary_shards_refuse_by_index():
+    """process_group= (one gloo rank): by_index is not implemented there; ValueError, never "keep"."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
+        pytest.skip("needs gloo and no default process group")
+    gen = torch.Generator().manual_seed(8)
+    target, tokens, draft = _chain_inputs(gen)
+    with tempfile.NamedTemporaryFile() as store:
+        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+        try:
+            group = dist.group.WORLD
+            with pytest.raises(ValueError, match="top_p_ties='by_index'.*vocabulary shards"):
+                sk.verify(target, tokens, draft, process_group=group, vocab_size=target.shape[-1], seed=0, **SAMPLED)
+            with pytest.raises(ValueError, match="top_p_ties='by_index'.*vocabulary shards"):
+                sk.verify_multi(
+                    target[:, None], tokens[:, None], draft[:, None], process_group=group, seed=0, **SAMPLED
+                )
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["cuda"])
 def test_fused_backends_refuse_by_index(backend):
     gen = torch.Generator().manual_seed(4)
     target, tokens, draft = _chain_inputs(gen)
