@@ -43,6 +43,7 @@ from ._triton_helpers import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
+    bisect_threshold,
     bisect_threshold_ties,
     cdiv,
     chunk_candidates,
@@ -62,6 +63,7 @@ from ._triton_helpers import (
     race_inv_exp,
     request_seed,
     safe_max,
+    select_candidates,
     select_candidates_ties,
     tie_index,
     uniform_open,
@@ -536,23 +538,31 @@ def _threshold_phase(
                 _candidate_chunks(row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, True)
             else:
                 _candidate_chunks(row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, False)
-    else:  # PHASE_SELECT
+    elif BY_INDEX:  # PHASE_SELECT with the index cuts
         thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
         need = tl.zeros(inv_t.shape, tl.int32)
         if tl.max(active.to(tl.int32), axis=0) > 0:
             thr, fast, need = select_candidates_ties(
-                cand, rec, tau, TC, ok, V, inv_t, top_k, top_p, TCP2, CAP, NB, SHIFT, BY_INDEX
+                cand, rec, tau, TC, ok, V, inv_t, top_k, top_p, TCP2, CAP, NB, SHIFT, True
             )
             slow = active & ~fast
             if tl.max(slow.to(tl.int32), axis=0) > 0:
                 exact, exact_need = bisect_threshold_ties(
-                    row_ptrs, slow, V, inv_t, top_k, top_p, _fallback_block(BLOCK), BY_INDEX
+                    row_ptrs, slow, V, inv_t, top_k, top_p, _fallback_block(BLOCK), True
                 )
                 thr = tl.where(slow, exact, thr)
                 need = tl.where(slow, exact_need, need)
         tl.store(thr_out, thr, mask=ok)
-        if BY_INDEX:
-            store_cut(thr_out + CUT_OF_THR, tie_index(row_ptrs, need, thr, V, _fallback_block(BLOCK)), ok)
+        store_cut(thr_out + CUT_OF_THR, tie_index(row_ptrs, need, thr, V, _fallback_block(BLOCK)), ok)
+    else:  # PHASE_SELECT (the keep rule: no tie count carried through the branches)
+        thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
+        if tl.max(active.to(tl.int32), axis=0) > 0:
+            thr, fast = select_candidates(cand, rec, tau, TC, ok, V, inv_t, top_k, top_p, TCP2, CAP, NB, SHIFT)
+            slow = active & ~fast
+            if tl.max(slow.to(tl.int32), axis=0) > 0:
+                exact = bisect_threshold(row_ptrs, slow, V, inv_t, top_k, top_p, _fallback_block(BLOCK))
+                thr = tl.where(slow, exact, thr)
+        tl.store(thr_out, thr, mask=ok)
 
 
 @triton.jit(do_not_specialize=["R", "num_chunks"])  # per-call scalars: _triton_helpers

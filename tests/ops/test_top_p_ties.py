@@ -144,6 +144,7 @@ def test_multi_and_tree_backends_match_reference(method, backend):
     parents = torch.tensor([[-1, 0, 0, 1]] * 2)
     tree_target = (torch.randint(0, 3, (2, 5, 40), generator=gen).float() * 0.5).bfloat16().float()
     tree_tokens = torch.randint(0, 40, (2, 4), generator=gen)
+    tree_tokens[:, 2] = (tree_tokens[:, 1] + 1) % 40  # distinct siblings (rrs_wor)
     tree_draft = (torch.randint(0, 3, (2, 4, 40), generator=gen).float() * 0.5).bfloat16().float()
     for kw in ({}, {"draft_logits": tree_draft}):
         want = sk.verify_tree(
