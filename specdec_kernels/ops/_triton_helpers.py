@@ -767,9 +767,12 @@ def tie_index(row_ptrs, need, thr, V, BLOCK: tl.constexpr):
 @triton.jit
 def kept_at(x, cols, thr, cut, BY_INDEX: tl.constexpr):
     """Whether the entries x at columns cols pass the top-k/top-p threshold: x >= thr, or with
-    the by_index tie rule x > thr, or x == thr at a column >= cut (``tie_index``; cut 0 = x >= thr)."""
+    the by_index tie rule x > thr, or x == thr at a column >= cut (``tie_index``; cut 0 = x >= thr).
+    By index as one compare against a per-column threshold: thr from the cut on, before it the
+    smallest float above thr (above both zeros when thr is one: -0.0 == 0.0 are one tie group)."""
     if BY_INDEX:
-        return (x > thr) | ((x == thr) & (cols >= cut))
+        up = key_to_float(order_key(tl.where(thr == 0.0, 0.0, thr)) + 1)
+        return x >= tl.where(cols >= cut, thr, up)
     else:
         return x >= thr
 

@@ -349,3 +349,17 @@ def test_sampled_tokens_follow_the_by_index_distribution(backend):
     keep_backend = "vectorized" if backend == "auto" else backend  # auto: the CPU build (no by_index)
     keep = sk.verify(target, tokens, temperature=1.0, top_p=0.5, seed=11, backend=keep_backend)
     assert chi_square_pvalue(keep.tokens[:, 0], p) < ALPHA
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_signed_zeros_are_one_tie_group(backend):
+    """-0.0 == 0.0: both zeros form one boundary tie group, cut by index (the per-column threshold
+    before the cut lies above both zeros)."""
+    row = torch.tensor([0.0, -0.0, 0.0, -0.0, -0.0, 0.0, -1.0, -3.0])
+    target = row.expand(64, 1, 8).contiguous()
+    tokens = torch.zeros(64, 0, dtype=torch.long)
+    kw = dict(temperature=1.0, top_p=0.4, top_p_ties="by_index", seed=4)
+    want = sk.verify(target, tokens, backend="torch", **kw)
+    got = sk.verify(target, tokens, backend=backend, **kw)
+    assert torch.equal(got.tokens, want.tokens)
+    assert set(want.tokens[:, 0].tolist()) <= {3, 4, 5}  # the three highest indices of the six zeros
