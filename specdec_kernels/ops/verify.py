@@ -35,6 +35,15 @@ import triton.language as tl
 from .._interpreter import multiprocessors, plans_for_interpreter
 from .._types import VerifyOutput
 from .._validation import VerifyArgs
+from ._thresholds import (
+    bisect_threshold,
+    bisect_threshold_ties,
+    chunk_candidates,
+    filter_threshold_ties,
+    select_candidates,
+    select_candidates_ties,
+    tie_index,
+)
 from ._triton_helpers import (
     DRAFT_LOGITS,
     DRAFT_PROBS,
@@ -43,11 +52,7 @@ from ._triton_helpers import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
-    bisect_threshold,
-    bisect_threshold_ties,
     cdiv,
-    chunk_candidates,
-    filter_threshold_ties,
     inverse_temperature,
     kept_at,
     lane_argmax_update,
@@ -63,9 +68,6 @@ from ._triton_helpers import (
     race_inv_exp,
     request_seed,
     safe_max,
-    select_candidates,
-    select_candidates_ties,
-    tie_index,
     uniform_open,
 )
 
@@ -199,7 +201,7 @@ def _verify_row_stats_kernel(
     top_p_ptr,  # [B] float: 1 = off (PER_REQ_P), else the scalar `top_p`
     stats_ptr,  # [B*K*(G+1), C, NUM_STATS] fp32 out
     idx_ptr,  # [B*K*(G+1), C, NUM_IDX] int32 out
-    thr_ptr,  # [B*K*(G+1), 2] fp32 out: raw-logit thresholds of target and draft (HAS_FILTER)
+    thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 out: thresholds of target and draft (+ index cuts: BY_INDEX)
     filter_buf_ptr,  # fp32 scratch of the threshold phases: candidates [2R, TC, FILTER_CAP], chunk (m, z)
     filter_int_ptr,  # int32 scratch of the threshold phases: each chunk's candidate bound [2R, TC] (not PHASE_WHOLE)
     use_ptr,  # [B*K*(G+1), 2] int8 (ROW_USE): nonzero where the record's target / draft row is used
@@ -780,7 +782,7 @@ def _verify_accept_kernel(
     seed_ptr,  # [B] int (PER_REQ_SEED)
     stats_ptr,  # [B*(G+1), C, NUM_STATS] fp32 (kernel 1)
     idx_ptr,  # [B*(G+1), C, 2] int32 (kernel 1)
-    thr_ptr,  # [B*(G+1), 2] fp32 (kernel 1, HAS_FILTER)
+    thr_ptr,  # [B*(G+1), NUM_THR] fp32 (kernel 1, HAS_FILTER)
     first_reject_ptr,  # [B] int32 out: j = number of accepted drafts
     token_ptr,  # [B] int32 out: greedy or bonus token (when no recovery race is needed)
     nonfinite_ptr,  # [B] bool out

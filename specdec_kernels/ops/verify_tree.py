@@ -459,7 +459,7 @@ def _tree_rho_kernel(
     temperature_ptr,  # [B] float (PER_REQ_T)
     pos_ptr,  # [B, N+1, POS_REC] int32 (_tree_positions_kernel)
     stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
-    thr_ptr,  # [B*K*(G+1), 2] fp32 (HAS_FILTER)
+    thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 (HAS_FILTER; index cuts: BY_INDEX)
     brk_ptr,  # [B*(N+1), RB_REC] fp32: the search's record (_tree_rho_step_kernel; this round's points)
     sums_ptr,  # [B*(N+1), C, RHO_P] fp32 out: sum over the chunk of min(rho q, p) per point
     # strides
@@ -581,7 +581,7 @@ def _tree_rrs_kernel(
     temperature_ptr,  # [B] float (PER_REQ_T)
     pos_ptr,  # [B, N+1, POS_REC] int32 (_tree_positions_kernel)
     stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
-    thr_ptr,  # [B*K*(G+1), 2] fp32 (HAS_FILTER)
+    thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 (HAS_FILTER; index cuts: BY_INDEX)
     sums_ptr,  # [RRS_MAX - 1, B*(N+1), C] fp32: chunk sums of Z_j (round j at j - 1)
     # strides
     stride_tb,
@@ -694,7 +694,7 @@ def _tree_walk_kernel(
     seed_ptr,  # [B] int (PER_REQ_SEED)
     stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
     idx_ptr,  # [B*K*(G+1), 1, 2] int32 (row statistics)
-    thr_ptr,  # [B*K*(G+1), 2] fp32 (HAS_FILTER)
+    thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 (HAS_FILTER; index cuts: BY_INDEX)
     out_tokens_ptr,  # [B, D+1] int64 out
     out_nodes_ptr,  # [B, D] int64 out
     out_accepted_ptr,  # [B] int32 out
@@ -993,7 +993,7 @@ def _tree_race_kernel(
     temperature_ptr,  # [B] float (PER_REQ_T)
     seed_ptr,  # [B] int (PER_REQ_SEED)
     stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
-    thr_ptr,  # [B*K*(G+1), 2] fp32 (HAS_FILTER)
+    thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 (HAS_FILTER; index cuts: BY_INDEX)
     race_i_ptr,  # [B, RACE_I] int32 (walk)
     race_f_ptr,  # [B, RACE_F] fp32 (walk)
     race_zs_ptr,  # [B, NP2] fp32 (walk)
