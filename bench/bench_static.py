@@ -348,15 +348,20 @@ def launch_row(case: dict, launch: Launch) -> dict:
 
 def chain_cases(smoke: bool) -> list[dict]:
     vocabs, batches = ([32000], [1]) if smoke else ([151936, 32000], [1, 8, 64])
-    settings = [("greedy", 0.0, 0, 1.0), ("sampled", 0.7, 0, 1.0), ("topk50_topp0.9", 0.7, 50, 0.9)]
+    settings = [
+        ("greedy", 0.0, 0, 1.0, "keep"),
+        ("sampled", 0.7, 0, 1.0, "keep"),
+        ("topk50_topp0.9", 0.7, 50, 0.9, "keep"),
+        ("topk50_topp0.9_by_index", 0.7, 50, 0.9, "by_index"),  # top_p_ties: the index cut's kernels
+    ]
     drafts = ["logits"] if smoke else ["logits", "probs", "none"]
     cases = []
     for V in vocabs:
         for B in batches:
-            for label, temperature, top_k, top_p in settings if not smoke else settings[1:]:
+            for label, temperature, top_k, top_p, ties in settings if not smoke else settings[1:]:
                 for draft in drafts if temperature > 0 else ["logits"]:
                     name = f"verify V={V} B={B} G=4 bf16 {label} draft={draft}"
-                    case = dict(name=name, V=V, B=B, G=4, esize=2, draft=draft)
+                    case = dict(name=name, V=V, B=B, G=4, esize=2, draft=draft, top_p_ties=ties)
                     cases.append(dict(case, temperature=temperature, top_k=top_k, top_p=top_p))
     return cases
 
@@ -376,6 +381,7 @@ def capture_chain(case: dict) -> list[Launch]:
         "none": {},
     }[case["draft"]]
     kw = dict(temperature=case["temperature"], top_k=case["top_k"], top_p=case["top_p"], seed=1)
+    kw["top_p_ties"] = case.get("top_p_ties", "keep")
     with plan_as_gpu(H100["sms"]), captured_launches() as launches:
         sk.verify(target, tokens, **draft, **kw, validate=False, backend="triton")
     return launches

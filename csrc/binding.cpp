@@ -63,7 +63,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
                                      c10::optional<at::Tensor> temperature_t, double temperature,
                                      c10::optional<at::Tensor> top_k_t, int64_t top_k,
                                      c10::optional<at::Tensor> top_p_t, double top_p,
-                                     c10::optional<at::Tensor> seed_t, int64_t seed, bool has_filter,
+                                     c10::optional<at::Tensor> seed_t, int64_t seed, bool has_filter, bool by_index,
                                      int64_t num_chunks, int64_t threads, int64_t stream) {
   TORCH_CHECK(target.dim() == 3 && target.stride(2) == 1, "specdec: target_logits must be [B, G+1, V], last dim contiguous");
   const int64_t B = target.size(0), G = target.size(1) - 1, V = target.size(2);
@@ -98,6 +98,10 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   at::Tensor stats = at::empty({rows, num_chunks, sk::NUM_STATS}, opts.dtype(at::kFloat));
   at::Tensor g_idx = at::empty({rows, num_chunks}, opts.dtype(at::kInt));
   at::Tensor thr = at::empty({has_filter ? rows : 1, 2}, opts.dtype(at::kFloat));
+  // top_p_ties="by_index": the index cuts of the thresholds (found by the CPU build's selection)
+  TORCH_CHECK(!by_index || target.device().is_cpu(), "specdec: top_p_ties='by_index' is implemented by the CPU build only");
+  by_index = by_index && has_filter;
+  at::Tensor cut = at::empty({by_index ? rows : 1, 2}, opts.dtype(at::kInt));
   at::Tensor first_reject = at::empty({B}, opts.dtype(at::kInt));
   at::Tensor direct = at::empty({B}, opts.dtype(at::kInt));
   at::Tensor flagged = at::empty({B}, opts.dtype(at::kByte));
@@ -132,6 +136,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   P.stats = stats.data_ptr<float>();
   P.g_idx = g_idx.data_ptr<int32_t>();
   P.thr = thr.data_ptr<float>();
+  P.cut = by_index ? cut.data_ptr<int32_t>() : nullptr;
   P.first_reject = first_reject.data_ptr<int32_t>();
   P.direct = direct.data_ptr<int32_t>();
   P.flagged = flagged.data_ptr<uint8_t>();
@@ -167,7 +172,8 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
                                     c10::optional<at::Tensor> num_nodes, c10::optional<at::Tensor> temperature_t,
                                     double temperature, c10::optional<at::Tensor> top_k_t, int64_t top_k,
                                     c10::optional<at::Tensor> top_p_t, double top_p, c10::optional<at::Tensor> seed_t,
-                                    int64_t seed, bool has_filter, int64_t method, int64_t max_depth, int64_t threads,
+                                    int64_t seed, bool has_filter, bool by_index, int64_t method, int64_t max_depth,
+                                    int64_t threads,
                                     int64_t stream) {
   TORCH_CHECK(target.dim() == 4 && target.stride(3) == 1, "specdec: target must be [B, K, G+1, V], last dim contiguous");
   const int64_t B = target.size(0), K = target.size(1), G = target.size(2) - 1, V = target.size(3);
@@ -199,6 +205,10 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
   at::Tensor stats = at::empty({rows, 1, sk::NUM_STATS}, opts.dtype(at::kFloat));
   at::Tensor g_idx = at::empty({rows, 1}, opts.dtype(at::kInt));
   at::Tensor thr = at::empty({has_filter ? rows : 1, 2}, opts.dtype(at::kFloat));
+  // top_p_ties="by_index": the index cuts of the thresholds (found by the CPU build's selection)
+  TORCH_CHECK(!by_index || target.device().is_cpu(), "specdec: top_p_ties='by_index' is implemented by the CPU build only");
+  by_index = by_index && has_filter;
+  at::Tensor cut = at::empty({by_index ? rows : 1, 2}, opts.dtype(at::kInt));
   at::Tensor nodes_out = D > 0 ? nodes : at::empty({B, 1}, opts.dtype(at::kLong));
 
   sk::ChainParams P{};
@@ -228,6 +238,7 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
   P.stats = stats.data_ptr<float>();
   P.g_idx = g_idx.data_ptr<int32_t>();
   P.thr = thr.data_ptr<float>();
+  P.cut = by_index ? cut.data_ptr<int32_t>() : nullptr;
   P.out_tokens = tokens.data_ptr<int64_t>();
   P.stride_ob = tokens.stride(0);
   P.out_accepted = accepted.data_ptr<int32_t>();

@@ -313,9 +313,15 @@ struct Argmax {
   SK_HD int32_t index_or_zero() const { return key > neg_inf() ? idx : 0; }
 };
 
-// p(x) of the processed distribution given its statistics (0 for filtered or -inf logits).
-SK_HD float prob_of(float x, float m, float z, float thr, float inv_t) {
-  const bool kept = (x >= thr) && (x > neg_inf()) && (z > 0.0f);
+// Whether entry idx (logit x) passes the top-k/top-p threshold: x >= thr, or with
+// top_p_ties="by_index" x > thr, or x == thr at an index >= cut (the lowest index kept of the
+// boundary tie group; cut 0 keeps the whole group, which is x >= thr).
+SK_HD bool kept_at(float x, int64_t idx, float thr, int32_t cut) { return x > thr || (x == thr && idx >= cut); }
+
+// p(x) of the processed distribution given its statistics (0 for filtered or -inf logits); idx and
+// cut: see kept_at.
+SK_HD float prob_of(float x, float m, float z, float thr, float inv_t, int64_t idx = 0, int32_t cut = 0) {
+  const bool kept = kept_at(x, idx, thr, cut) && (x > neg_inf()) && (z > 0.0f);
   return kept ? expf((x - safe_max(m)) * inv_t) / z : 0.0f;
 }
 
@@ -526,6 +532,7 @@ struct ChainParams {
   float* stats;    // [B*(G+1), C, NUM_STATS]
   int32_t* g_idx;  // [B*(G+1), C]
   float* thr;      // [B*(G+1), 2] (has_filter)
+  int32_t* cut = nullptr;  // [B*(G+1), 2] top_p_ties="by_index" index cuts (kept_at; CPU build), or null
   int32_t* first_reject;  // [B]
   int32_t* direct;        // [B] greedy token
   uint8_t* flagged;       // [B]
@@ -593,10 +600,15 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
   const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg;
   const bool draft_row = P.draft_mode != DRAFT_NONE && i < rq.n && i < P.G && !rq.greedy;
   float thr_t = neg_inf(), thr_q = neg_inf();
+  int32_t cut_t = 0, cut_q = 0;
   if (P.has_filter && !rq.greedy) {
     if (P.thresholds_given) {  // computed beforehand (the CPU build: by selection, any chunking)
       thr_t = P.thr[row * 2 + 0];
       thr_q = P.thr[row * 2 + 1];
+      if (P.cut) {
+        cut_t = P.cut[row * 2 + 0];
+        cut_q = P.cut[row * 2 + 1];
+      }
     } else {  // launched with one chunk and a scratch: the program owns the whole row
       thr_t = filter_threshold(red, *scratch, t_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
       if (draft_row && P.draft_mode == DRAFT_LOGITS)
@@ -624,10 +636,10 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
       const float v = sanitize_logit(tv[e], bad);
       g.add(v, x);
       if (rq.greedy) continue;  // greedy needs the argmax only
-      st.add(v >= thr_t ? v : neg_inf(), rq.inv_t);
+      st.add(kept_at(v, x, thr_t, cut_t) ? v : neg_inf(), rq.inv_t);
       if (draft_logits) {
         const float d = sanitize_logit(dv[e], bad_q);
-        sq.add(d >= thr_q ? d : neg_inf(), rq.inv_t);
+        sq.add(kept_at(d, x, thr_q, cut_q) ? d : neg_inf(), rq.inv_t);
       } else if (draft_row) {  // probabilities are used as given: only count the unusable ones
         load_prob(d_row, x, bad_q);
       }
@@ -658,6 +670,7 @@ struct RowStats {
   int32_t g_idx = 0;
   float bad = 0.0f;
   float thr_t = neg_inf(), thr_q = neg_inf();
+  int32_t cut_t = 0, cut_q = 0;
 };
 
 SK_HD RowStats combine_row(const ChainParams& P, int64_t row, const Request& rq) {
@@ -675,6 +688,10 @@ SK_HD RowStats combine_row(const ChainParams& P, int64_t row, const Request& rq)
   if (P.has_filter && !rq.greedy) {
     r.thr_t = P.thr[row * 2 + 0];
     r.thr_q = P.thr[row * 2 + 1];
+    if (P.cut) {
+      r.cut_t = P.cut[row * 2 + 0];
+      r.cut_q = P.cut[row * 2 + 1];
+    }
   }
   return r;
 }
@@ -732,11 +749,12 @@ SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red
     if (rq.greedy) {
       accept = tok == s.g_idx;
     } else {
-      const float p = prob_of(target_logit<TT, TD>(P, b, j, tok_j, unused), s.t.m, s.t.z, s.thr_t, rq.inv_t);
+      const float p =
+          prob_of(target_logit<TT, TD>(P, b, j, tok_j, unused), s.t.m, s.t.z, s.thr_t, rq.inv_t, tok_j, s.cut_t);
       float q = 1.0f;
       if (P.draft_mode == DRAFT_LOGITS) {
         const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg;
-        q = prob_of(load_logit(d_row, tok_j, unused), s.q.m, s.q.z, s.thr_q, rq.inv_t);
+        q = prob_of(load_logit(d_row, tok_j, unused), s.q.m, s.q.z, s.thr_q, rq.inv_t, tok_j, s.cut_q);
       } else if (P.draft_mode == DRAFT_PROBS) {
         q = load_prob(static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg, tok_j, unused);
       }
@@ -771,14 +789,14 @@ SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red
       for (int e = 0; e < 4 && q4 * 4 + e < end; ++e) {
         const int64_t x = q4 * 4 + e;
         const float xt = sanitize_logit(tv[e], unused);
-        const float p = prob_of(xt, s.t.m, s.t.z, s.thr_t, rq.inv_t);
+        const float p = prob_of(xt, s.t.m, s.t.z, s.thr_t, rq.inv_t, x, s.cut_t);
         if (!(p > 0.0f)) continue;
         const float noise = race_noise_from_uniform(uniform_from_bits(words.w[e]));
         pk.add((xt - m_ref) * rq.inv_t - log_z + noise, x);
         if (recover) {
           float w;
           if (P.draft_mode == DRAFT_LOGITS) {
-            const float q = prob_of(sanitize_logit(dv[e], unused), s.q.m, s.q.z, s.thr_q, rq.inv_t);
+            const float q = prob_of(sanitize_logit(dv[e], unused), s.q.m, s.q.z, s.thr_q, rq.inv_t, x, s.cut_q);
             w = p - q > 0.0f ? p - q : 0.0f;
           } else if (P.draft_mode == DRAFT_PROBS) {
             const float q = load_prob(d_row, x, unused);

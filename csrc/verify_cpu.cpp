@@ -25,9 +25,27 @@ namespace {
 // top-k keeps logits >= the k-th largest finite one; top-p then keeps the smallest set of the
 // highest logits whose mass exp((x - max) / T) (float64, in descending order) reaches top_p of
 // the kept mass, ties at the boundary kept. -inf: nothing filtered. `buf` is scratch.
+// by_index (top_p_ties="by_index"): ties at the boundary are ordered by index, higher first, and
+// only those whose mass before them is < the goal stay: `cut` gets the lowest index kept of the
+// boundary tie group (kept_at), 0 when the whole group stays.
+// The index of the m-th highest-index entry of the row equal to thr (m >= 1), or 0 when the row
+// holds no more than m of them (the whole tie group stays).
+template <class T>
+int32_t tie_cut(const T* row, int64_t V, float thr, int64_t m) {
+  int unused = 0;
+  int64_t seen = 0, total = 0;
+  for (int64_t x = 0; x < V; ++x) total += load_logit(row, x, unused) == thr ? 1 : 0;
+  if (total <= m) return 0;
+  for (int64_t x = V - 1; x >= 0; --x) {
+    if (load_logit(row, x, unused) == thr && ++seen == m) return int32_t(x);
+  }
+  return 0;
+}
+
 template <class T>
 float selected_threshold(const T* row, int64_t V, float temperature, int32_t top_k, float top_p,
-                         std::vector<float>& buf) {
+                         std::vector<float>& buf, bool by_index, int32_t& cut) {
+  cut = 0;
   buf.clear();
   int unused = 0;
   for (int64_t x = 0; x < V; ++x) {
@@ -54,7 +72,12 @@ float selected_threshold(const T* row, int64_t V, float temperature, int32_t top
     }
     const double goal = double(top_p) * total;
     const int64_t first = std::lower_bound(mass.begin(), mass.end(), goal) - mass.begin();
-    thr = buf[first < n ? first : n - 1];
+    const int64_t last = first < n ? first : n - 1;  // the last kept position
+    thr = buf[last];
+    if (by_index) {  // kept from the tie group: the kept positions past the entries above thr
+      const int64_t above = std::lower_bound(buf.begin(), kept_end, thr, descending) - buf.begin();
+      cut = tie_cut(row, V, thr, last + 1 - above);
+    }
   }
   return thr;
 }
@@ -79,12 +102,20 @@ void thresholds_by_selection(const ChainParams& P, int64_t rows) {
       const Request rq = load_request(P, b);
       P.thr[row * 2 + 0] = neg_inf();
       P.thr[row * 2 + 1] = neg_inf();
-      if (i > rq.n || rq.greedy) continue;
-      const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
-      P.thr[row * 2 + 0] = selected_threshold(t_row, P.V, rq.temperature, rq.top_k, rq.top_p, buf);
-      if (P.draft_mode == DRAFT_LOGITS && i < rq.n && i < P.G) {
-        const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg;
-        P.thr[row * 2 + 1] = selected_threshold(d_row, P.V, rq.temperature, rq.top_k, rq.top_p, buf);
+      int32_t cut[2] = {0, 0};
+      const bool by_index = P.cut != nullptr;
+      if (i <= rq.n && !rq.greedy) {
+        const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
+        P.thr[row * 2 + 0] = selected_threshold(t_row, P.V, rq.temperature, rq.top_k, rq.top_p, buf, by_index, cut[0]);
+        if (P.draft_mode == DRAFT_LOGITS && i < rq.n && i < P.G) {
+          const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg;
+          P.thr[row * 2 + 1] =
+              selected_threshold(d_row, P.V, rq.temperature, rq.top_k, rq.top_p, buf, by_index, cut[1]);
+        }
+      }
+      if (by_index) {
+        P.cut[row * 2 + 0] = cut[0];
+        P.cut[row * 2 + 1] = cut[1];
       }
     }
   }

@@ -93,13 +93,15 @@ struct Position {
   const TT* t_row;
   const TD* d_row;
   float m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t;
+  int32_t cut_t = 0, cut_q = 0;  // top_p_ties="by_index" index cuts (kept_at)
 };
 
 // q at vocab entry x, given its raw draft value (logits: processed; probs: loaded; n-gram: 0).
 template <class TT, class TD>
 SK_HD float position_q(const ChainParams& P, const Position<TT, TD>& pos, float raw_d, int64_t x) {
   int unused = 0;
-  if (P.draft_mode == DRAFT_LOGITS) return prob_of(sanitize_logit(raw_d, unused), pos.m_q, pos.z_q, pos.thr_q, pos.inv_t);
+  if (P.draft_mode == DRAFT_LOGITS)
+    return prob_of(sanitize_logit(raw_d, unused), pos.m_q, pos.z_q, pos.thr_q, pos.inv_t, x, pos.cut_q);
   if (P.draft_mode == DRAFT_PROBS) return load_prob(pos.d_row, x, unused);
   return 0.0f;
 }
@@ -119,7 +121,7 @@ SK_HD void for_each_entry(const ChainParams& P, R& red, const Position<TT, TD>& 
       const int64_t x = int64_t(q4) * 4 + e;
       if (x >= P.V) continue;
       const float xt = sanitize_logit(tv[e], unused);
-      const float p = prob_of(xt, pos.m_t, pos.z_t, pos.thr_t, pos.inv_t);
+      const float p = prob_of(xt, pos.m_t, pos.z_t, pos.thr_t, pos.inv_t, x, pos.cut_t);
       const float q = with_q ? position_q(P, pos, dv[e], x) : 0.0f;
       f(q4, e, x, xt, p, q);
     }
@@ -136,9 +138,9 @@ SK_HD CandidateDraw candidate_draw(const ChainParams& P, const Request& rq, cons
                                    int64_t token, int rank, uint32_t counter) {
   int unused = 0;  // (the statistics pass flagged unusable entries already)
   CandidateDraw c;
-  c.p = prob_of(load_logit(pos.t_row, token, unused), pos.m_t, pos.z_t, pos.thr_t, rq.inv_t);
+  c.p = prob_of(load_logit(pos.t_row, token, unused), pos.m_t, pos.z_t, pos.thr_t, rq.inv_t, token, pos.cut_t);
   if (P.draft_mode == DRAFT_LOGITS) {
-    c.q = prob_of(load_logit(pos.d_row, token, unused), pos.m_q, pos.z_q, pos.thr_q, rq.inv_t);
+    c.q = prob_of(load_logit(pos.d_row, token, unused), pos.m_q, pos.z_q, pos.thr_q, rq.inv_t, token, pos.cut_q);
   } else if (P.draft_mode == DRAFT_PROBS) {
     c.q = load_prob(pos.d_row, token, unused);
   } else {
@@ -289,6 +291,7 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red, TreeWalkSc
     pos.m_t = st[0];
     pos.z_t = st[1];
     pos.thr_t = (P.has_filter && stochastic) ? P.thr[rec_t * 2] : neg_inf();
+    pos.cut_t = (P.cut && P.has_filter && stochastic) ? P.cut[rec_t * 2] : 0;
     pos.inv_t = rq.inv_t;
     flagged |= st[5] > 0.0f || (stochastic && pos.z_t == 0.0f);
     pos.t_row = tree_row<TT>(P.target, b, rep, P.stride_tb, P.stride_tk, P.stride_tg, P.G, 1);
@@ -299,6 +302,7 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red, TreeWalkSc
     pos.m_q = use_q ? P.stats[rec_q * NUM_STATS + 2] : 0.0f;
     pos.z_q = use_q ? P.stats[rec_q * NUM_STATS + 3] : 0.0f;
     pos.thr_q = (P.draft_mode == DRAFT_LOGITS && P.has_filter && use_q) ? P.thr[rec_q * 2 + 1] : neg_inf();
+    pos.cut_q = (P.cut && P.draft_mode == DRAFT_LOGITS && P.has_filter && use_q) ? P.cut[rec_q * 2 + 1] : 0;
     // unusable draft logits / probabilities in the row of this position flag the request
     flagged |= P.draft_mode != DRAFT_NONE && use_q && P.stats[rec_q * NUM_STATS + 6] > 0.0f;
 

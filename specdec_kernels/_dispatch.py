@@ -206,16 +206,18 @@ def cpu_auto_backend() -> str:
 
 
 _CPU_AUTO: str | None = None
-TIES_BY_INDEX_BACKENDS = ("vectorized", "torch")  # those implementing SamplingParams.top_p_ties="by_index"
+TIES_BY_INDEX_BACKENDS = ("vectorized", "torch", "triton", "cpu")  # those implementing top_p_ties="by_index"
 
 
-def ties_backend(sampling, backend: str) -> str:
-    """The backend for top_p_ties='by_index' with top-p active: "auto" runs "vectorized"; backends
-    without the rule raise (they would keep the whole boundary tie group)."""
+def ties_backend(sampling, backend: str, device) -> str:
+    """The backend for top_p_ties='by_index' with top-p active: "auto" runs "triton" on CUDA tensors
+    (the CUDA build does not implement the rule) and picks as usual on CPU tensors ("cpu", or
+    "vectorized" without the CPU build); backends without the rule raise (they would keep the whole
+    boundary tie group)."""
     if not sampling.ties_by_index() or backend in TIES_BY_INDEX_BACKENDS:
         return backend
     if backend == "auto":
-        return "vectorized"
+        return "triton" if device.type == "cuda" else backend
     raise ValueError(
         f"top_p_ties='by_index' is implemented by the backends {TIES_BY_INDEX_BACKENDS} only, got backend="
         f"{backend!r} (use top_p_ties='keep' to keep the whole tie group at the top-p boundary)"
@@ -224,7 +226,7 @@ def ties_backend(sampling, backend: str) -> str:
 
 def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     """Run chain verification (checked VerifyArgs) on the requested backend."""
-    backend = ties_backend(args.sampling, backend)
+    backend = ties_backend(args.sampling, backend, args.target_logits.device)
     overrides = _OVERRIDES.get() or {}
     num_chunks, block_v = overrides.get("num_chunks"), overrides.get("block_v")
     device = args.target_logits.device
@@ -254,7 +256,7 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
 
 def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
     """Run tree / multi-draft verification (checked TreeArgs)."""
-    backend = ties_backend(args.sampling, backend)
+    backend = ties_backend(args.sampling, backend, args.target.device)
     overrides = _OVERRIDES.get() or {}
     block_v, num_chunks = overrides.get("block_v"), overrides.get("num_chunks")
     if backend == "auto" and args.target.device.type == "cpu":

@@ -22,9 +22,10 @@ Value rules (checked for scalars always, for tensors when ``validate=True``):
   - ``"by_index"``: among equal logits the higher token index comes first, so only the tie
     group's highest-index tokens that pass the test stay (4 equal logits, top_p = 0.5: tokens 2
     and 3). This is transformers' ``TopPLogitsWarper`` (ascending ``torch.sort``, drop cumulative
-    mass <= 1 - top_p) when its sort is stable; the count it keeps is the same either way. Only
-    the reference and the vectorized backend implement it; the others raise ValueError when
-    top_p can be < 1 (the rule changes nothing otherwise).
+    mass <= 1 - top_p) when its sort is stable; the count it keeps is the same either way. The
+    reference, the vectorized backend, the Triton kernels and the CPU build implement it (a
+    threshold plus an index cut: x > thr, or x == thr at an index >= the cut); the CUDA build and
+    vocabulary shards raise ValueError when top_p can be < 1 (the rule changes nothing otherwise).
 * ``seed``: an int (per-request keys are mixed from (seed, b)) or a [B] int tensor of keys.
 """
 
@@ -137,8 +138,8 @@ class SamplingParams:
         return isinstance(k, torch.Tensor) or 0 < k < V or isinstance(p, torch.Tensor) or p < 1.0
 
     def ties_by_index(self) -> bool:
-        """The ``"by_index"`` top-p tie rule with top-p possibly active: only the reference and the
-        vectorized backend implement it."""
+        """The ``"by_index"`` top-p tie rule with top-p possibly active (the CUDA build and vocabulary
+        shards refuse it; the Triton kernels compile its index cuts only then)."""
         p, greedy = self.top_p, isinstance(self.temperature, float) and self.temperature == 0.0
         return self.top_p_ties == "by_index" and not greedy and (isinstance(p, torch.Tensor) or p < 1.0)
 
@@ -188,7 +189,7 @@ class SamplingParams:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "top_p_ties":  # the kernels implement "keep" only (ties_by_index() is refused)
+            if f.name == "top_p_ties":  # a constexpr of the launches (BY_INDEX), not a kernel argument
                 continue
             if isinstance(value, torch.Tensor):
                 out[f.name] = (value, 0, True)

@@ -52,8 +52,8 @@ def verify(
         top_k:            int or [B] tensor; 0 = off. top_p: float or [B] tensor in (0, 1]; 1 = off.
         top_p_ties:       the tie group at the top-p boundary: "keep" (default: all of it stays) or
                           "by_index" (the higher token index counts as more probable: transformers'
-                          TopPLogitsWarper; backends "vectorized" and "torch" only, which "auto"
-                          then picks; see ``specdec_kernels._params``).
+                          TopPLogitsWarper; every backend but "cuda", which raises ValueError:
+                          "auto" runs "triton" then on CUDA tensors; see ``specdec_kernels._params``).
         num_draft_tokens: [B] int; request b verifies drafts [0, n_b) and draws its bonus from row n_b.
         Zero sizes:       B = 0 returns empty outputs ([0, G+1], [0], [0]); G = 0 (or n_b = 0) means no
                           drafts: tokens[b, 0] is one bonus token drawn from row 0 (greedy: its argmax),

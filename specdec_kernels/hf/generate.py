@@ -264,8 +264,8 @@ def speculative_generate(
             ``target.generate(do_sample=False)``). Sampled output is exactly target-distributed.
         top_p_ties: the tokens kept from the tie group at the top-p boundary (``sk.verify``):
             "by_index" (default) as ``target.generate``'s TopPLogitsWarper (the higher token index
-            counts as more probable), verified by the "vectorized" backend when top_p < 1 (also on
-            a GPU); "keep" keeps the whole group and runs the fused kernels.
+            counts as more probable; the Triton kernels on a GPU, the CPU build on CPU tensors);
+            "keep" keeps the whole group.
         seed: makes sampling reproducible. eos_token_id / pad_token_id: default from the target's
             generation config. streamer: a transformers streamer (batch size 1).
         vocab_size: real token count when the two models pad their embedding matrices differently

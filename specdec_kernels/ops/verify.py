@@ -35,6 +35,15 @@ import triton.language as tl
 from .._interpreter import multiprocessors, plans_for_interpreter
 from .._types import VerifyOutput
 from .._validation import VerifyArgs
+from ._thresholds import (
+    bisect_threshold,
+    bisect_threshold_ties,
+    chunk_candidates,
+    filter_threshold_ties,
+    select_candidates,
+    select_candidates_ties,
+    tie_index,
+)
 from ._triton_helpers import (
     DRAFT_LOGITS,
     DRAFT_PROBS,
@@ -43,11 +52,9 @@ from ._triton_helpers import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
-    bisect_threshold,
     cdiv,
-    chunk_candidates,
-    filter_threshold,
     inverse_temperature,
+    kept_at,
     lane_argmax_update,
     lane_exp_update,
     lane_softmax_update,
@@ -61,7 +68,6 @@ from ._triton_helpers import (
     race_inv_exp,
     request_seed,
     safe_max,
-    select_candidates,
     uniform_open,
 )
 
@@ -91,13 +97,20 @@ PHASE_WHOLE = tl.constexpr(3)  # grid (row tiles, 1): thresholds of whole rows, 
 # Top-k/top-p thresholds per row (raw-logit units), written by kernel 1 when filtering.
 THR_T = tl.constexpr(0)  # target
 THR_Q = tl.constexpr(1)  # draft (DRAFT_LOGITS)
-NUM_THR = tl.constexpr(2)
+# top_p_ties="by_index" (BY_INDEX): the index cut of each threshold, int32 bits in the fp32 record;
+# entries equal to the threshold stay from that index on (``kept_at``; 0 keeps the whole tie group)
+CUT_T = tl.constexpr(2)  # target
+CUT_Q = tl.constexpr(3)  # draft
+CUT_OF_THR = tl.constexpr(2)  # CUT_T - THR_T == CUT_Q - THR_Q
+NUM_THR_HOST = 4
+NUM_THR = tl.constexpr(NUM_THR_HOST)
 
 
 @triton.jit
 def _row_pass_fast(
-    t_rows, d_rows, row_ok, draft_ok, thr_t, thr_q, inv_t, start_col, end_col, DRAFT_MODE, HAS_FILTER, BLOCK_V
-):
+    t_rows, d_rows, row_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col, DRAFT_MODE, HAS_FILTER,
+    BY_INDEX, BLOCK_V
+):  # fmt: skip
     """One pass over [start_col, end_col) of each row: (max, sum-exp) of the processed target and
     draft logits, greedy argmax, count of unusable draft probabilities. About 12 instructions per
     entry: the running max is NaN-propagating (a row with NaN / +inf entries ends with a max that
@@ -120,13 +133,13 @@ def _row_pass_fast(
         top_idx = tl.where(x > top_t, cols, top_idx)
         top_t = tl.maximum(top_t, x, propagate_nan=tl.PropagateNan.ALL)
         if HAS_FILTER:
-            x = tl.where(x >= thr_t[:, None], x, float("-inf"))
+            x = tl.where(kept_at(x, cols, thr_t[:, None], cut_t[:, None], BY_INDEX), x, float("-inf"))
         m_t, z_t = lane_exp_update(m_t, z_t, x, c)
         if DRAFT_MODE == DRAFT_LOGITS:
             xd = tl.load(d_rows + cols, mask=draft_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
             top_q = tl.maximum(top_q, xd, propagate_nan=tl.PropagateNan.ALL)
             if HAS_FILTER:
-                xd = tl.where(xd >= thr_q[:, None], xd, float("-inf"))
+                xd = tl.where(kept_at(xd, cols, thr_q[:, None], cut_q[:, None], BY_INDEX), xd, float("-inf"))
             m_q, z_q = lane_exp_update(m_q, z_q, xd, c)
         elif DRAFT_MODE == DRAFT_PROBS:  # only counted: unusable entries flag the request
             _qd, qd_bad = load_probs(d_rows + cols, draft_ok[:, None] & in_chunk)
@@ -141,7 +154,10 @@ def _row_pass_fast(
 
 
 @triton.jit
-def _row_pass_exact(t_rows, d_rows, row_ok, draft_ok, thr_t, thr_q, inv_t, start_col, end_col, DRAFT_MODE, BLOCK_V):
+def _row_pass_exact(
+    t_rows, d_rows, row_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col, DRAFT_MODE, BY_INDEX,
+    BLOCK_V,
+):  # fmt: skip
     """The row pass with every entry sanitised (NaN / +inf count as -inf and are counted): for
     the rare rows whose fast pass met such entries."""
     BLOCK_R: tl.constexpr = t_rows.shape[0]
@@ -160,11 +176,12 @@ def _row_pass_exact(t_rows, d_rows, row_ok, draft_ok, thr_t, thr_q, inv_t, start
         x, x_bad = load_logits(t_rows + cols, row_ok[:, None] & in_chunk)
         bad += x_bad.to(tl.int32)
         g_max, g_idx = lane_argmax_update(g_max, g_idx, x, cols)
-        m_t, z_t = lane_softmax_update(m_t, z_t, x, x >= thr_t[:, None], inv_t2)
+        m_t, z_t = lane_softmax_update(m_t, z_t, x, kept_at(x, cols, thr_t[:, None], cut_t[:, None], BY_INDEX), inv_t2)
         if DRAFT_MODE == DRAFT_LOGITS:
             xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk)
             bad_q += xd_bad.to(tl.int32)
-            m_q, z_q = lane_softmax_update(m_q, z_q, xd, xd >= thr_q[:, None], inv_t2)
+            kept_q = kept_at(xd, cols, thr_q[:, None], cut_q[:, None], BY_INDEX)
+            m_q, z_q = lane_softmax_update(m_q, z_q, xd, kept_q, inv_t2)
     row_m_t, row_z_t = lanes_softmax(m_t, z_t, inv_t)
     row_g_max, row_g_idx = lanes_argmax(g_max, g_idx)
     row_m_q, row_z_q = lanes_softmax(m_q, z_q, inv_t)
@@ -184,7 +201,7 @@ def _verify_row_stats_kernel(
     top_p_ptr,  # [B] float: 1 = off (PER_REQ_P), else the scalar `top_p`
     stats_ptr,  # [B*K*(G+1), C, NUM_STATS] fp32 out
     idx_ptr,  # [B*K*(G+1), C, NUM_IDX] int32 out
-    thr_ptr,  # [B*K*(G+1), 2] fp32 out: raw-logit thresholds of target and draft (HAS_FILTER)
+    thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 out: thresholds of target and draft (+ index cuts: BY_INDEX)
     filter_buf_ptr,  # fp32 scratch of the threshold phases: candidates [2R, TC, FILTER_CAP], chunk (m, z)
     filter_int_ptr,  # int32 scratch of the threshold phases: each chunk's candidate bound [2R, TC] (not PHASE_WHOLE)
     use_ptr,  # [B*K*(G+1), 2] int8 (ROW_USE): nonzero where the record's target / draft row is used
@@ -214,6 +231,7 @@ def _verify_row_stats_kernel(
     PER_REQ_P: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
+    BY_INDEX: tl.constexpr,  # top_p_ties="by_index": thresholds carry an index cut (CUT_T, CUT_Q)
     PHASE: tl.constexpr,  # PHASE_STATS, or one of the top-k/top-p threshold phases (see launch_verify)
     FILTER_BLOCK: tl.constexpr,  # threshold chunk width (in registers; chunk_size of the threshold phases)
     FILTER_CAP: tl.constexpr,  # candidate slots per chunk
@@ -256,11 +274,15 @@ def _verify_row_stats_kernel(
     d_rows = draft_ptr + d_base[:, None] + k[:, None] * stride_dk + i[:, None].to(tl.int64) * stride_dg
     thr_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
     thr_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    cut_t = tl.zeros([BLOCK_R], tl.int32)
+    cut_q = tl.zeros([BLOCK_R], tl.int32)
     if HAS_FILTER:
         if PHASE == PHASE_STATS:  # thresholds from the threshold phases
             thr_t = tl.load(thr_ptr + rows * NUM_THR + THR_T, mask=target_ok & ~greedy, other=float("-inf"))
+            cut_t = load_cut(thr_ptr + rows * NUM_THR + CUT_T, target_ok & ~greedy, BY_INDEX)
             if DRAFT_MODE == DRAFT_LOGITS:
                 thr_q = tl.load(thr_ptr + rows * NUM_THR + THR_Q, mask=draft_ok, other=float("-inf"))
+                cut_q = load_cut(thr_ptr + rows * NUM_THR + CUT_Q, draft_ok, BY_INDEX)
         else:
             top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int64)
             top_k = tl.where(top_k >= V, 0, top_k).to(tl.int32)  # k >= V (int64 too) keeps the whole row
@@ -269,12 +291,12 @@ def _verify_row_stats_kernel(
             if PHASE == PHASE_WHOLE:  # the interpreter's plan: BLOCK_R whole rows per program, target then draft
                 _whole_rows(
                     t_rows, rows * 2, target_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
-                    V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS,
+                    V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, BY_INDEX,
                 )  # fmt: skip
                 if DRAFT_MODE == DRAFT_LOGITS:
                     _whole_rows(
                         d_rows, rows * 2 + 1, draft_ok, thr_ptr + rows * NUM_THR + THR_Q, filter_buf_ptr,
-                        V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS,
+                        V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, BY_INDEX,
                     )  # fmt: skip
             else:  # the GPU plan: candidates per chunk, then the selection per row
                 # axis 1: (program of the row) x W + (0: target, 1: draft; W = 2 with draft logits)
@@ -292,7 +314,7 @@ def _verify_row_stats_kernel(
                     _threshold_phase(
                         t_rows, rows * 2, target_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
                         filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
-                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group,
+                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group, BY_INDEX,
                     )  # fmt: skip
                 elif d_shift == t_shift:  # same dtype: one copy of the code, the rows picked by `which`
                     is_d = which == 1
@@ -300,20 +322,20 @@ def _verify_row_stats_kernel(
                         tl.where(is_d, d_rows, t_rows), rows * 2 + which, tl.where(is_d, draft_ok, target_ok & ~greedy),
                         thr_ptr + rows * NUM_THR + which, filter_buf_ptr, filter_int_ptr, RS, num_chunks, part, parts,
                         chunk_size, V, inv_t, top_k, top_p,
-                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group,
+                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group, BY_INDEX,
                     )  # fmt: skip
                 elif which == 0:
                     _threshold_phase(
                         t_rows, rows * 2, target_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
                         filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
-                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group,
+                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group, BY_INDEX,
                     )  # fmt: skip
                 else:  # draft logits of another dtype than the target's
                     d_group: tl.constexpr = _group(draft_ptr.dtype.element_ty)
                     _threshold_phase(
                         d_rows, rows * 2 + 1, draft_ok, thr_ptr + rows * NUM_THR + THR_Q, filter_buf_ptr,
                         filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
-                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, d_shift, d_group,
+                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, d_shift, d_group, BY_INDEX,
                     )  # fmt: skip
     if PHASE == PHASE_STATS:
         _row_stats_pass(
@@ -326,11 +348,14 @@ def _verify_row_stats_kernel(
             draft_ok,
             thr_t,
             thr_q,
+            cut_t,
+            cut_q,
             inv_t,
             chunk * chunk_size,
             tl.minimum(chunk * chunk_size + chunk_size, V),
             DRAFT_MODE,
             HAS_FILTER,
+            BY_INDEX,
             BLOCK_V,
         )
 
@@ -346,11 +371,14 @@ def _row_stats_pass(
     draft_ok,
     thr_t,
     thr_q,
+    cut_t,
+    cut_q,
     inv_t,
     start_col,
     end_col,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
+    BY_INDEX: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Statistics of each row's chunk [start_col, end_col), written to its records rec_ptr /
@@ -360,8 +388,9 @@ def _row_stats_pass(
     # Fast pass: no per-entry sanitising. NaN / +inf entries poison the NaN-propagating running max
     # (which is also the row max and the greedy max); such rows are redone exactly below.
     row_m_t, row_z_t, row_g_idx, row_m_q, row_z_q, bad_q = _row_pass_fast(
-        t_rows, d_rows, target_ok, draft_ok, thr_t, thr_q, inv_t, start_col, end_col, DRAFT_MODE, HAS_FILTER, BLOCK_V
-    )
+        t_rows, d_rows, target_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col, DRAFT_MODE,
+        HAS_FILTER, BY_INDEX, BLOCK_V,
+    )  # fmt: skip
     redo = target_ok & ~(row_m_t < float("inf"))
     if DRAFT_MODE == DRAFT_LOGITS:
         redo = redo | (draft_ok & ~(row_m_q < float("inf")))
@@ -374,10 +403,13 @@ def _row_stats_pass(
             redo & draft_ok,
             thr_t,
             thr_q,
+            cut_t,
+            cut_q,
             inv_t,
             start_col,
             end_col,
             DRAFT_MODE,
+            BY_INDEX,
             BLOCK_V,
         )
         row_m_t = tl.where(redo, e_m_t, row_m_t)
@@ -448,13 +480,18 @@ def _whole_rows(
     BLOCK: tl.constexpr,
     CAP: tl.constexpr,
     NB_BITS: tl.constexpr,
+    BY_INDEX: tl.constexpr,
 ):
     """PHASE_WHOLE: the thresholds of R whole rows in one program (``filter_threshold``: key
     histogram -> pivot, copy of the candidates, selection among them; bisection when they overflow
     CAP). The interpreter's plan: it pays per operation, so many rows per program are cheap."""
     cand = filter_buf_ptr + slot.to(tl.int64) * CAP
-    thr, _fast = filter_threshold(row_ptrs, cand[:, None], ok, V, inv_t, top_k, top_p, BLOCK, CAP, NB_BITS)
+    thr, _fast, need = filter_threshold_ties(
+        row_ptrs, cand[:, None], ok, V, inv_t, top_k, top_p, BLOCK, CAP, NB_BITS, BY_INDEX
+    )
     tl.store(thr_out, thr, mask=ok)
+    if BY_INDEX:
+        store_cut(thr_out + CUT_OF_THR, tie_index(row_ptrs, need, thr, V, BLOCK), ok)
 
 
 @triton.jit
@@ -481,6 +518,7 @@ def _threshold_phase(
     TCP2: tl.constexpr,
     SHIFT: tl.constexpr,
     E: tl.constexpr,
+    BY_INDEX: tl.constexpr,
 ):
     """The top-k/top-p thresholds in two launches: the candidates of each vocabulary chunk, read
     once and kept in registers (PHASE_CANDIDATES, ``chunk_candidates``: a program takes chunks
@@ -502,7 +540,23 @@ def _threshold_phase(
                 _candidate_chunks(row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, True)
             else:
                 _candidate_chunks(row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, False)
-    else:  # PHASE_SELECT
+    elif BY_INDEX:  # PHASE_SELECT with the index cuts
+        thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
+        need = tl.zeros(inv_t.shape, tl.int32)
+        if tl.max(active.to(tl.int32), axis=0) > 0:
+            thr, fast, need = select_candidates_ties(
+                cand, rec, tau, TC, ok, V, inv_t, top_k, top_p, TCP2, CAP, NB, SHIFT, True
+            )
+            slow = active & ~fast
+            if tl.max(slow.to(tl.int32), axis=0) > 0:
+                exact, exact_need = bisect_threshold_ties(
+                    row_ptrs, slow, V, inv_t, top_k, top_p, _fallback_block(BLOCK), True
+                )
+                thr = tl.where(slow, exact, thr)
+                need = tl.where(slow, exact_need, need)
+        tl.store(thr_out, thr, mask=ok)
+        store_cut(thr_out + CUT_OF_THR, tie_index(row_ptrs, need, thr, V, _fallback_block(BLOCK)), ok)
+    else:  # PHASE_SELECT (the keep rule: no tie count carried through the branches)
         thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
         if tl.max(active.to(tl.int32), axis=0) > 0:
             thr, fast = select_candidates(cand, rec, tau, TC, ok, V, inv_t, top_k, top_p, TCP2, CAP, NB, SHIFT)
@@ -612,9 +666,24 @@ def _combine_softmax(m, z, m_c, z_c, inv_t):
 
 
 @triton.jit
-def _prob_of(x, m, z, thr, inv_t):
-    """p(x) of the processed distribution given its statistics (0 for filtered or -inf logits)."""
-    kept = (x >= thr) & (x > float("-inf")) & (z > 0.0)
+def load_cut(ptrs, mask, BY_INDEX: tl.constexpr):
+    """The by_index cuts of threshold records (int32 bits in the fp32 record); 0 without BY_INDEX."""
+    if BY_INDEX:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.int32, bitcast=True)
+    else:
+        return tl.zeros(ptrs.shape, tl.int32)
+
+
+@triton.jit
+def store_cut(ptrs, cut, mask):
+    tl.store(ptrs, cut.to(tl.float32, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _prob_of(x, m, z, thr, inv_t, col, cut, BY_INDEX: tl.constexpr):
+    """p(x) of the processed distribution given its statistics (0 for filtered or -inf logits); x
+    is the entry at column col (``kept_at``)."""
+    kept = kept_at(x, col, thr, cut, BY_INDEX) & (x > float("-inf")) & (z > 0.0)
     p = tl.exp((x - safe_max(m)) * inv_t) / tl.where(z > 0.0, z, 1.0)
     return tl.where(kept, p, 0.0)
 
@@ -626,10 +695,11 @@ def _select_row(vals, rows_i, j):
 
 
 @triton.jit
-def _kept_prob(x, m, c, inv_z, thr):
+def _kept_prob(x, m, c, inv_z, thr, cols, cut, BY_INDEX: tl.constexpr):
     """p(x) from the row statistics: 2^((x - m) c) / z for kept finite x, else 0 (NaN, +inf, -inf
-    and filtered entries). m: safe row max, c = log2(e) / T, inv_z = 1 / z (0 for an empty row)."""
-    kept = (x >= thr) & (x > float("-inf")) & (x < float("inf"))
+    and filtered entries). m: safe row max, c = log2(e) / T, inv_z = 1 / z (0 for an empty row);
+    x at columns cols (``kept_at``)."""
+    kept = kept_at(x, cols, thr, cut, BY_INDEX) & (x > float("-inf")) & (x < float("inf"))
     return tl.where(kept, tl.exp2((x - m) * c) * inv_z, 0.0)
 
 
@@ -649,10 +719,13 @@ def _race_row_j(
     mj_q,
     zj_q,
     thrj_q,
+    cutj_t,
+    cutj_q,
     inv_t,
     start_col,
     end_col,
     DRAFT_MODE: tl.constexpr,
+    BY_INDEX: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """The exponential races over [start_col, end_col) of row j of each request: argmax_x r(x) / E_x
@@ -673,10 +746,11 @@ def _race_row_j(
         lane_ok = need[:, None] & (cols < end_col)
         lane_q = lane_ok & recover[:, None]  # no draft row at the bonus position
         x = tl.load(tj_row + cols, mask=lane_ok, other=float("-inf")).to(tl.float32)
-        p = _kept_prob(x, mj_t[:, None], c, inv_zt, thrj_t[:, None])
+        p = _kept_prob(x, mj_t[:, None], c, inv_zt, thrj_t[:, None], cols, cutj_t[:, None], BY_INDEX)
         if DRAFT_MODE == DRAFT_LOGITS:
             xd = tl.load(dj_row + cols, mask=lane_q, other=float("-inf")).to(tl.float32)
-            residual = tl.maximum(p - _kept_prob(xd, mj_q[:, None], c, inv_zq, thrj_q[:, None]), 0.0)
+            q = _kept_prob(xd, mj_q[:, None], c, inv_zq, thrj_q[:, None], cols, cutj_q[:, None], BY_INDEX)
+            residual = tl.maximum(p - q, 0.0)
         elif DRAFT_MODE == DRAFT_PROBS:
             q, _bad_q = load_probs(dj_row + cols, lane_q)
             residual = tl.maximum(p - q, 0.0)
@@ -708,7 +782,7 @@ def _verify_accept_kernel(
     seed_ptr,  # [B] int (PER_REQ_SEED)
     stats_ptr,  # [B*(G+1), C, NUM_STATS] fp32 (kernel 1)
     idx_ptr,  # [B*(G+1), C, 2] int32 (kernel 1)
-    thr_ptr,  # [B*(G+1), 2] fp32 (kernel 1, HAS_FILTER)
+    thr_ptr,  # [B*(G+1), NUM_THR] fp32 (kernel 1, HAS_FILTER)
     first_reject_ptr,  # [B] int32 out: j = number of accepted drafts
     token_ptr,  # [B] int32 out: greedy or bonus token (when no recovery race is needed)
     nonfinite_ptr,  # [B] bool out
@@ -736,6 +810,7 @@ def _verify_accept_kernel(
     PER_REQ_SEED: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
+    BY_INDEX: tl.constexpr,  # top_p_ties="by_index": thresholds carry an index cut (CUT_T, CUT_Q)
     FLAT: tl.constexpr,
     BLOCK_B: tl.constexpr,
     ROWS: tl.constexpr,  # next power of two >= G + 1
@@ -785,14 +860,15 @@ def _verify_accept_kernel(
         m_q, z_q = _combine_softmax(m_q, z_q, cm_q, cz_q, inv_t2)
     thr_t = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
     thr_q = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
+    cut_t = tl.zeros([BLOCK_B, ROWS], tl.int32)
+    cut_q = tl.zeros([BLOCK_B, ROWS], tl.int32)
     if HAS_FILTER:
         thr_t = tl.load(thr_ptr + rows * NUM_THR + THR_T, mask=row_ok & ~greedy[:, None], other=float("-inf"))
+        cut_t = load_cut(thr_ptr + rows * NUM_THR + CUT_T, row_ok & ~greedy[:, None], BY_INDEX)
         if DRAFT_MODE == DRAFT_LOGITS:
-            thr_q = tl.load(
-                thr_ptr + rows * NUM_THR + THR_Q,
-                mask=row_ok & (i < n_b[:, None]) & ~greedy[:, None],
-                other=float("-inf"),
-            )
+            q_ok = row_ok & (i < n_b[:, None]) & ~greedy[:, None]
+            thr_q = tl.load(thr_ptr + rows * NUM_THR + THR_Q, mask=q_ok, other=float("-inf"))
+            cut_q = load_cut(thr_ptr + rows * NUM_THR + CUT_Q, q_ok, BY_INDEX)
 
     # ---- accept test of every draft, first rejection j
     is_draft = b_ok[:, None] & (i < n_b[:, None])
@@ -802,10 +878,10 @@ def _verify_accept_kernel(
     t_rows = target_ptr + t_base[:, None] + i.to(tl.int64) * stride_tg
     d_rows = draft_ptr + d_base[:, None] + i.to(tl.int64) * stride_dg
     x_t, _bad_t = load_logits(t_rows + tok_safe, is_draft)
-    p_tok = _prob_of(x_t, m_t, z_t, thr_t, inv_t2)
+    p_tok = _prob_of(x_t, m_t, z_t, thr_t, inv_t2, tok_safe, cut_t, BY_INDEX)
     if DRAFT_MODE == DRAFT_LOGITS:
         x_q, _bad_q = load_logits(d_rows + tok_safe, is_draft)
-        q_tok = _prob_of(x_q, m_q, z_q, thr_q, inv_t2)
+        q_tok = _prob_of(x_q, m_q, z_q, thr_q, inv_t2, tok_safe, cut_q, BY_INDEX)
     elif DRAFT_MODE == DRAFT_PROBS:
         q_tok, _bad_qt = load_probs(d_rows + tok_safe, is_draft)
     else:
@@ -844,6 +920,8 @@ def _verify_accept_kernel(
         mj_q = safe_max(_select_row(m_q, i, j))
         zj_q = _select_row(z_q, i, j)
         thrj_q = _select_row(thr_q, i, j)
+        cutj_t = _select_row(cut_t, i, j)
+        cutj_q = _select_row(cut_q, i, j)
         tok_j = _select_row(tok_safe, i, j)
         tj_row = target_ptr + t_base[:, None] + j[:, None].to(tl.int64) * stride_tg
         dj_row = draft_ptr + d_base[:, None] + j[:, None].to(tl.int64) * stride_dg
@@ -862,10 +940,13 @@ def _verify_accept_kernel(
             mj_q,
             zj_q,
             thrj_q,
+            cutj_t,
+            cutj_q,
             inv_t,
             chunk * chunk_size,
             tl.minimum(chunk * chunk_size + chunk_size, V),
             DRAFT_MODE,
+            BY_INDEX,
             BLOCK_V,
         )
     rec = (b * num_chunks + chunk) * NUM_RACES
@@ -1138,13 +1219,14 @@ def launch_verify(
         return VerifyOutput(tokens, num_accepted, nonfinite)
 
     has_filter = args.has_filter
+    by_index = has_filter and args.sampling.ties_by_index()
     plan = _plan(args, num_chunks, block_v)
     C = plan.num_chunks
     rows = B * (G + 1)
     # Workspaces: torch.empty launches nothing.
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
-    thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
+    thr = torch.empty((rows if has_filter else 1, NUM_THR_HOST), dtype=torch.float32, device=dev)
     tplan = threshold_plan(
         args.target_logits, rows, V, threshold_chunks, args.draft_mode == DRAFT_LOGITS, threshold_capacity
     )
@@ -1213,6 +1295,7 @@ def launch_verify(
             PER_REQ_P=per_req_p,
             DRAFT_MODE=args.draft_mode,
             HAS_FILTER=has_filter,
+            BY_INDEX=by_index,
             PHASE=phase,
             **tplan.constexprs,
             PLACEHOLDERS_END=True,
@@ -1265,6 +1348,7 @@ def launch_verify(
         PER_REQ_SEED=per_req_s,
         DRAFT_MODE=args.draft_mode,
         HAS_FILTER=has_filter,
+        BY_INDEX=by_index,
         FLAT=flat,
         BLOCK_B=plan.block_b,
         ROWS=rows_p2,

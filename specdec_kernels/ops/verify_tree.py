@@ -50,6 +50,7 @@ from ._triton_helpers import (
     fast_div,
     first_argmax_update,
     inverse_temperature,
+    kept_at,
     load_logits,
     load_probs,
     log_floored,
@@ -61,12 +62,15 @@ from ._triton_helpers import (
     uniform_open,
 )
 from .verify import (
+    CUT_Q,
+    CUT_T,
     IDX_GREEDY,
     NUM_IDX,
     NUM_IDX_HOST,
     NUM_STATS,
     NUM_STATS_HOST,
     NUM_THR,
+    NUM_THR_HOST,
     PHASE_STATS,
     STAT_BAD_Q,
     STAT_BAD_T,
@@ -79,6 +83,7 @@ from .verify import (
     _prob_of,
     _verify_row_stats_kernel,
     launch_threshold_phases,
+    load_cut,
     merge_chunk_stats,
     threshold_plan,
 )
@@ -153,15 +158,16 @@ def _pick(vals, cols, j):
 
 @triton.jit
 def _position_tiles(
-    t_row, d_row, cols, lane, lane_q, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE: tl.constexpr
-):
+    t_row, d_row, cols, lane, lane_q, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q, DRAFT_MODE: tl.constexpr,
+    BY_INDEX: tl.constexpr,
+):  # fmt: skip
     """(target logits, p, q) on a [BB, BLOCK_V] tile of the position's target and draft rows
     (the draft row is read where lane_q holds)."""
     xt, _bad_t = load_logits(t_row[:, None] + cols, lane)
-    pv = _prob_of(xt, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None])
+    pv = _prob_of(xt, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None], cols, cut_t[:, None], BY_INDEX)
     if DRAFT_MODE == DRAFT_LOGITS:
         xq, _bad_q = load_logits(d_row[:, None] + cols, lane_q)
-        qv = _prob_of(xq, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None])
+        qv = _prob_of(xq, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None], cols, cut_q[:, None], BY_INDEX)
     elif DRAFT_MODE == DRAFT_PROBS:
         qv, _bad_qv = load_probs(d_row[:, None] + cols, lane_q)
     else:
@@ -453,7 +459,7 @@ def _tree_rho_kernel(
     temperature_ptr,  # [B] float (PER_REQ_T)
     pos_ptr,  # [B, N+1, POS_REC] int32 (_tree_positions_kernel)
     stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
-    thr_ptr,  # [B*K*(G+1), 2] fp32 (HAS_FILTER)
+    thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 (HAS_FILTER; index cuts: BY_INDEX)
     brk_ptr,  # [B*(N+1), RB_REC] fp32: the search's record (_tree_rho_step_kernel; this round's points)
     sums_ptr,  # [B*(N+1), C, RHO_P] fp32 out: sum over the chunk of min(rho q, p) per point
     # strides
@@ -478,6 +484,7 @@ def _tree_rho_kernel(
     PER_REQ_T: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
+    BY_INDEX: tl.constexpr,  # top_p_ties="by_index": thresholds carry an index cut (verify.CUT_T)
     RHO_P: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -510,10 +517,14 @@ def _tree_rho_kernel(
         z_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_Z_Q, mask=active, other=0.0)
         thr_t = tl.full([BLOCK_P], float("-inf"), tl.float32)
         thr_q = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        cut_t = tl.zeros([BLOCK_P], tl.int32)
+        cut_q = tl.zeros([BLOCK_P], tl.int32)
         if HAS_FILTER:
             thr_t = tl.load(thr_ptr + rec_t * NUM_THR + THR_T, mask=active, other=float("-inf"))
+            cut_t = load_cut(thr_ptr + rec_t * NUM_THR + CUT_T, active, BY_INDEX)
             if DRAFT_MODE == DRAFT_LOGITS:
                 thr_q = tl.load(thr_ptr + rec_q * NUM_THR + THR_Q, mask=active, other=float("-inf"))
+                cut_q = load_cut(thr_ptr + rec_q * NUM_THR + CUT_Q, active, BY_INDEX)
         t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)[:, None]
         d_row = _row_ptr(draft_ptr, b, first, stride_db, stride_dk, stride_dg, G, 0)[:, None]
         c = (inv_t * LOG2E)[:, None]
@@ -531,6 +542,7 @@ def _tree_rho_kernel(
         m_t, m_q = m_t[:, :, None], m_q[:, :, None]
         inv_zt, inv_zq = inv_zt[:, :, None], inv_zq[:, :, None]
         thr_t, thr_q = thr_t[:, None, None], thr_q[:, None, None]
+        cut_t, cut_q = cut_t[:, None, None], cut_q[:, None, None]
         mc_t, mc_q = m_t * c, m_q * c
         # exponent offsets m c + log2 z (+inf for an empty row: its probabilities are 0)
         off_t = mc_t + tl.where(inv_zt > 0.0, -tl.log2(tl.where(inv_zt > 0.0, inv_zt, 1.0)), float("inf"))
@@ -543,11 +555,11 @@ def _tree_rho_kernel(
             cols = start + vcols
             lane = active[:, None, None] & (cols < end_col)
             x = tl.load(t_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
-            kept_t = (x >= thr_t) & (x > float("-inf")) & (x < float("inf"))
+            kept_t = kept_at(x, cols, thr_t, cut_t, BY_INDEX) & (x > float("-inf")) & (x < float("inf"))
             if DRAFT_MODE == DRAFT_LOGITS:
                 # p = 2^a_t, q = 2^a_q with a = x c - (m c + log2 z); p / q = 2^(a_t - a_q): no division
                 xq = tl.load(d_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
-                kept_q = (xq >= thr_q) & (xq > float("-inf")) & (xq < float("inf"))
+                kept_q = kept_at(xq, cols, thr_q, cut_q, BY_INDEX) & (xq > float("-inf")) & (xq < float("inf"))
                 a_t = x * c - off_t
                 a_q = xq * c - off_q
                 qv = tl.where(kept_q, tl.exp2(a_q), 0.0)
@@ -569,7 +581,7 @@ def _tree_rrs_kernel(
     temperature_ptr,  # [B] float (PER_REQ_T)
     pos_ptr,  # [B, N+1, POS_REC] int32 (_tree_positions_kernel)
     stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
-    thr_ptr,  # [B*K*(G+1), 2] fp32 (HAS_FILTER)
+    thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 (HAS_FILTER; index cuts: BY_INDEX)
     sums_ptr,  # [RRS_MAX - 1, B*(N+1), C] fp32: chunk sums of Z_j (round j at j - 1)
     # strides
     stride_tb,
@@ -593,6 +605,7 @@ def _tree_rrs_kernel(
     PER_REQ_T: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
+    BY_INDEX: tl.constexpr,
     WOR: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -620,10 +633,14 @@ def _tree_rrs_kernel(
         z_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_Z_Q, mask=active, other=0.0)
         thr_t = tl.full([BLOCK_P], float("-inf"), tl.float32)
         thr_q = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        cut_t = tl.zeros([BLOCK_P], tl.int32)
+        cut_q = tl.zeros([BLOCK_P], tl.int32)
         if HAS_FILTER:
             thr_t = tl.load(thr_ptr + rec_t * NUM_THR + THR_T, mask=active, other=float("-inf"))
+            cut_t = load_cut(thr_ptr + rec_t * NUM_THR + CUT_T, active, BY_INDEX)
             if DRAFT_MODE == DRAFT_LOGITS:
                 thr_q = tl.load(thr_ptr + rec_q * NUM_THR + THR_Q, mask=active, other=float("-inf"))
+                cut_q = load_cut(thr_ptr + rec_q * NUM_THR + CUT_Q, active, BY_INDEX)
         t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)
         d_row = _row_ptr(draft_ptr, b, first, stride_db, stride_dk, stride_dg, G, 0)
         # the walk's RRS state after the first rnd rejections, by rank (as in _tree_walk_kernel)
@@ -641,7 +658,7 @@ def _tree_rrs_kernel(
             if WOR:
                 if DRAFT_MODE == DRAFT_LOGITS:
                     xq, _bad = load_logits(d_row + x_j, active)
-                    q_x = _prob_of(xq, m_q, z_q, thr_q, inv_t)
+                    q_x = _prob_of(xq, m_q, z_q, thr_q, inv_t, x_j, cut_q, BY_INDEX)
                 else:
                     q_x, _bad = load_probs(d_row + x_j, active)
                 d_now = tl.sum(tl.where(ranks == j, ds, 0.0), axis=1)
@@ -657,8 +674,9 @@ def _tree_rrs_kernel(
             cols = start + vcols
             lane = active[:, None] & (cols < end_col)
             _x, pv, qv = _position_tiles(
-                t_row, d_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE
-            )
+                t_row, d_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q, DRAFT_MODE,
+                BY_INDEX,
+            )  # fmt: skip
             r = _rrs_residual(pv, qv, steps, zs, xs, ds, cols.to(tl.int64), ranks, WOR)
             acc += tl.where(lane, r, 0.0)
         tl.store(sums_ptr + ((rnd - 1) * P + pos) * num_chunks + chunk, tl.sum(acc, axis=1), mask=active)
@@ -676,7 +694,7 @@ def _tree_walk_kernel(
     seed_ptr,  # [B] int (PER_REQ_SEED)
     stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
     idx_ptr,  # [B*K*(G+1), 1, 2] int32 (row statistics)
-    thr_ptr,  # [B*K*(G+1), 2] fp32 (HAS_FILTER)
+    thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 (HAS_FILTER; index cuts: BY_INDEX)
     out_tokens_ptr,  # [B, D+1] int64 out
     out_nodes_ptr,  # [B, D] int64 out
     out_accepted_ptr,  # [B] int32 out
@@ -718,6 +736,7 @@ def _tree_walk_kernel(
     CHAINS: tl.constexpr,  # parents implicit: K chains of G slots (verify_multi)
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
+    BY_INDEX: tl.constexpr,
     METHOD: tl.constexpr,  # 0 kseq, 1 rrs, 2 rrs_wor
     BLOCK_B: tl.constexpr,
     NP2: tl.constexpr,  # next power of two >= N
@@ -789,12 +808,14 @@ def _tree_walk_kernel(
         bad_t = tl.load(stats_ptr + rec_t * NUM_STATS + STAT_BAD_T, mask=active, other=0.0)
         g_idx = tl.load(idx_ptr + rec_t * NUM_IDX + IDX_GREEDY, mask=active, other=0).to(tl.int64)
         thr_t = tl.full([BLOCK_B], float("-inf"), tl.float32)
+        cut_t = tl.zeros([BLOCK_B], tl.int32)
         if HAS_FILTER:
             thr_t = tl.load(thr_ptr + rec_t * NUM_THR + THR_T, mask=stochastic, other=float("-inf"))
+            cut_t = load_cut(thr_ptr + rec_t * NUM_THR + CUT_T, stochastic, BY_INDEX)
         flagged = flagged | (active & (bad_t > 0.0)) | (stochastic & (z_t == 0.0))
         t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)
         x_c, _bad_c = load_logits(t_row[:, None] + tl.maximum(tok, 0), cand)
-        p_c = _prob_of(x_c, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None])
+        p_c = _prob_of(x_c, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None], tok, cut_t[:, None], BY_INDEX)
 
         # draft distribution of the position: the first candidate's draft row
         first_safe = tl.where(has_cand, first, 0)
@@ -803,14 +824,18 @@ def _tree_walk_kernel(
         m_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_M_Q, mask=stochastic & has_cand, other=0.0)
         z_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_Z_Q, mask=stochastic & has_cand, other=0.0)
         thr_q = tl.full([BLOCK_B], float("-inf"), tl.float32)
+        cut_q = tl.zeros([BLOCK_B], tl.int32)
         if DRAFT_MODE != DRAFT_NONE:  # unusable draft logits / probabilities in the row of this position
             bad_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_BAD_Q, mask=stochastic & has_cand, other=0.0)
             flagged = flagged | (stochastic & has_cand & (bad_q > 0.0))
         if DRAFT_MODE == DRAFT_LOGITS:
             if HAS_FILTER:
                 thr_q = tl.load(thr_ptr + rec_q * NUM_THR + THR_Q, mask=stochastic & has_cand, other=float("-inf"))
+                cut_q = load_cut(thr_ptr + rec_q * NUM_THR + CUT_Q, stochastic & has_cand, BY_INDEX)
             xq_c, _bad_qc = load_logits(d_row[:, None] + tl.maximum(tok, 0), cand)
-            q_c = _prob_of(xq_c, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None])
+            q_c = _prob_of(
+                xq_c, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None], tok, cut_q[:, None], BY_INDEX
+            )
         elif DRAFT_MODE == DRAFT_PROBS:
             q_c, _bad_qc = load_probs(d_row[:, None] + tl.maximum(tok, 0), cand)
         else:
@@ -870,8 +895,9 @@ def _tree_walk_kernel(
                         cols = start + vcols
                         lane = live[:, None] & (cols < V)
                         _x, pv, qv = _position_tiles(
-                            t_row, d_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE
-                        )
+                            t_row, d_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q,
+                            DRAFT_MODE, BY_INDEX,
+                        )  # fmt: skip
                         r = _rrs_residual(pv, qv, steps, zs, xs, ds, cols.to(tl.int64), nodes, METHOD == 2)
                         z_j += tl.sum(tl.where(lane, r, 0.0), axis=1)
                     zs = tl.where(live[:, None] & (nodes == j), z_j[:, None], zs)
@@ -967,7 +993,7 @@ def _tree_race_kernel(
     temperature_ptr,  # [B] float (PER_REQ_T)
     seed_ptr,  # [B] int (PER_REQ_SEED)
     stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
-    thr_ptr,  # [B*K*(G+1), 2] fp32 (HAS_FILTER)
+    thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 (HAS_FILTER; index cuts: BY_INDEX)
     race_i_ptr,  # [B, RACE_I] int32 (walk)
     race_f_ptr,  # [B, RACE_F] fp32 (walk)
     race_zs_ptr,  # [B, NP2] fp32 (walk)
@@ -997,6 +1023,7 @@ def _tree_race_kernel(
     PER_REQ_SEED: tl.constexpr,
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
+    BY_INDEX: tl.constexpr,
     METHOD: tl.constexpr,
     NP2: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -1038,10 +1065,14 @@ def _tree_race_kernel(
         z_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_Z_Q, mask=with_q, other=0.0)
         thr_t = tl.full([BLOCK_B], float("-inf"), tl.float32)
         thr_q = tl.full([BLOCK_B], float("-inf"), tl.float32)
+        cut_t = tl.zeros([BLOCK_B], tl.int32)
+        cut_q = tl.zeros([BLOCK_B], tl.int32)
         if HAS_FILTER:
             thr_t = tl.load(thr_ptr + rec_t * NUM_THR + THR_T, mask=race, other=float("-inf"))
+            cut_t = load_cut(thr_ptr + rec_t * NUM_THR + CUT_T, race, BY_INDEX)
             if DRAFT_MODE == DRAFT_LOGITS:
                 thr_q = tl.load(thr_ptr + rec_q * NUM_THR + THR_Q, mask=with_q, other=float("-inf"))
+                cut_q = load_cut(thr_ptr + rec_q * NUM_THR + CUT_Q, with_q, BY_INDEX)
         t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)
         d_row = _row_ptr(draft_ptr, b, first, stride_db, stride_dk, stride_dg, G, 0)
         counter = rep + 1
@@ -1054,8 +1085,9 @@ def _tree_race_kernel(
             cols = start + vcols
             lane = race[:, None] & (cols < end_col)
             xt, pv, qv = _position_tiles(
-                t_row, d_row, cols, lane, lane & has_cand[:, None], m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, DRAFT_MODE
-            )
+                t_row, d_row, cols, lane, lane & has_cand[:, None], m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t,
+                cut_q, DRAFT_MODE, BY_INDEX,
+            )  # fmt: skip
             if DRAFT_MODE == DRAFT_NONE:
                 gone = (cols < 0) & lane
                 for j in range(0, NP2):
@@ -1161,6 +1193,7 @@ def launch_tree(
     rows = B * K * (G + 1)
     block_r = max(1, min(next_pow2(rows), tile // block_v))
     has_filter = args.has_filter
+    by_index = has_filter and args.sampling.ties_by_index()
     np2 = max(2, next_pow2(N))
     # The walk holds [BLOCK_B, NP2, NP2] tiles (and [BLOCK_B, NP2, BLOCK_V] ones in its rare RRS passes).
     block_b = max(1, min(next_pow2(B), tile // max(block_v * RHO_POINTS, np2 * np2, 1))) if interpreted else 1
@@ -1171,7 +1204,7 @@ def launch_tree(
     C = cdiv(V, chunk_size)
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
-    thr = torch.empty((rows, 2) if has_filter else (1, 2), dtype=torch.float32, device=dev)
+    thr = torch.empty((rows if has_filter else 1, NUM_THR_HOST), dtype=torch.float32, device=dev)
     tplan = threshold_plan(args.target, rows, V, threshold_chunks, args.draft_mode == DRAFT_LOGITS, threshold_capacity)
     filter_buf, filter_int = tplan.scratch(rows, dev) if has_filter else (thr, thr)
     target = args.target
@@ -1254,6 +1287,7 @@ def launch_tree(
             PER_REQ_P=per_req_p,
             DRAFT_MODE=args.draft_mode,
             HAS_FILTER=has_filter,
+            BY_INDEX=by_index,
             PHASE=phase,
             **tplan.constexprs,
             PLACEHOLDERS_END=False,
@@ -1313,6 +1347,7 @@ def launch_tree(
                 PER_REQ_T=per_req_t,
                 DRAFT_MODE=args.draft_mode,
                 HAS_FILTER=has_filter,
+                BY_INDEX=by_index,
                 RHO_P=RHO_POINTS,
                 BLOCK_P=block_p,
                 BLOCK_V=rho_block_v,
@@ -1370,6 +1405,7 @@ def launch_tree(
                 PER_REQ_T=per_req_t,
                 DRAFT_MODE=args.draft_mode,
                 HAS_FILTER=has_filter,
+                BY_INDEX=by_index,
                 WOR=args.method == "rrs_wor",
                 BLOCK_P=block_p,
                 BLOCK_V=block_v,
@@ -1426,6 +1462,7 @@ def launch_tree(
         CHAINS=args.parents is None,
         DRAFT_MODE=args.draft_mode,
         HAS_FILTER=has_filter,
+        BY_INDEX=by_index,
         METHOD=METHODS[args.method],
         BLOCK_B=block_b,
         NP2=np2,
@@ -1474,6 +1511,7 @@ def launch_tree(
             PER_REQ_SEED=per_req_s,
             DRAFT_MODE=args.draft_mode,
             HAS_FILTER=has_filter,
+            BY_INDEX=by_index,
             METHOD=METHODS[args.method],
             NP2=np2,
             BLOCK_B=race_block_b,

@@ -1,4 +1,4 @@
-"""The radix-select top-k / top-p thresholds (ops/_triton_helpers.filter_threshold) against the
+"""The radix-select top-k / top-p thresholds (ops/_thresholds.filter_threshold) against the
 reference's sort-based definition (reference/sampling.filter_threshold), value for value.
 
 Cases that break selection code: ties at the boundary, all-equal rows, runs of -inf, NaN entries,
@@ -10,13 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec_kernels.ops._triton_helpers import (
-    bisect_threshold,
-    chunk_candidates,
-    filter_threshold,
-    inverse_temperature,
-    select_candidates,
-)
+from specdec_kernels.ops._thresholds import bisect_threshold, chunk_candidates, filter_threshold, select_candidates
+from specdec_kernels.ops._triton_helpers import inverse_temperature
 
 from ._inputs import THRESHOLD_SETTINGS, reference_thresholds
 
