@@ -640,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(
             f"specdec {args.command}: error: {exc.name} is not installed (a dependency that a --no-deps install "
-            'skips): pip install "transformers>=4.56" "safetensors>=0.4" "tqdm>=4"',
+            'skips): pip install "transformers>=5.4" "safetensors>=0.4" "tqdm>=4"',
             file=sys.stderr,
         )
         return 2

@@ -832,7 +832,7 @@ def _prefill(model, prompts: list[list[int]], device, static_len: int | None = N
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
         cache = Cache(layers=[StaticLayer(max_cache_len=static_len) for _ in range(layers)])
         if not all(hasattr(layer, "cumulative_length") for layer in cache.layers):
-            raise RuntimeError("cache_implementation='static' needs transformers >= 5 (StaticCache write counters)")
+            raise RuntimeError("cache_implementation='static' needs transformers >= 5.4 (StaticLayer write counters)")
     width = max(len(p) for p in prompts) - 1
     if width <= 0:
         return cache
