@@ -114,7 +114,11 @@ def default_device() -> str:
 
 
 def git_commit() -> str:
-    """Short commit hash of the repo, or "unknown" (no git, no commits yet, not a checkout)."""
+    """Short commit hash of the repo, or "unknown" (no git, no commits yet, not a checkout).
+    ``$SPECDEC_COMMIT`` wins: a copy of a working tree whose git metadata is not its code's (the lent
+    GPU machine's copy carries the landed commit's) is named by whoever made the copy."""
+    if os.environ.get("SPECDEC_COMMIT"):
+        return os.environ["SPECDEC_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

@@ -14,6 +14,8 @@
 #   bash bench/run_gpu.sh all        # every stage above in one lease-sized call (<= 530 s): builds and tests
 #                                    # overlap, timed stages run alone, each under its own time limit;
 #                                    # $OUT/results.tgz (all logs, CSV, JSON) is refreshed after every stage
+# The copy's git metadata may be another commit's: name the code with SPECDEC_COMMIT=<hash> (bench rows
+# record it), e.g. `SPECDEC_COMMIT=$(git rev-parse --short HEAD)` expanded where the command is written.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
