@@ -665,7 +665,8 @@ def timed_row(
 ):
     """Time ``fn`` after one untimed call (compile / autotune, and ``check(out)``: a list of problems);
     ``cap`` = (most warmup, most rep) for a slow provider (a reference that loops in Python). With
-    ``graph`` on CUDA, also ``graph_us``: a CUDA-graph replay of ``fn`` (device time, no host overhead).
+    ``graph`` on CUDA, also ``graph_us``: a CUDA-graph replay of ``fn`` (device time, no host overhead);
+    not under ``--validate``, whose value checks synchronise with the host.
 
     Returns (the measured columns, the first call's output); raises CheckFailed on problems."""
     args = run.args
@@ -675,7 +676,7 @@ def timed_row(
         raise CheckFailed("; ".join(problems))
     warmup, rep = (min(args.warmup, cap[0]), min(args.rep, cap[1])) if cap else (args.warmup, args.rep)
     timing = time_fn(fn, warmup=warmup, rep=rep, device=args.device)
-    if graph and str(args.device).startswith("cuda"):
+    if graph and not getattr(args, "validate", False) and str(args.device).startswith("cuda"):
         timing["graph_us"] = time_cuda_graph_us(fn, rep)
     return {
         **timing,

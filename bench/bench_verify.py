@@ -227,7 +227,7 @@ def run_shape(B: int, G: int, V: int, mode: Mode, run: common.Run) -> list[dict]
         fn = provider_fn(provider, inputs, mode, args.validate)
         cap = (REFERENCE_MAX_WARMUP, REFERENCE_MAX_REP) if provider == "reference" else None
         check = lambda out: output_problems(out, inputs)  # noqa: E731
-        graph = provider in GRAPH_PROVIDERS and not args.validate
+        graph = provider in GRAPH_PROVIDERS
         measured, outputs[provider] = common.timed_row(
             fn, run, bytes_read_once(inputs, mode), check=check, cap=cap, graph=graph
         )

@@ -52,6 +52,12 @@ _SEED_MUL = 0x5851F42D4C957F2D  # odd, < 2**63
 _SEED_STEP = 0x14057B7EF767814F
 
 
+def check_top_p_ties(top_p_ties) -> None:
+    """ValueError unless ``top_p_ties`` is one of ``TOP_P_TIES``."""
+    if not isinstance(top_p_ties, str) or top_p_ties not in TOP_P_TIES:
+        _fail(f"top_p_ties must be one of {TOP_P_TIES}, got {top_p_ties!r}")
+
+
 def _fail(message: str, exc: type[Exception] = ValueError):
     raise exc(message)
 
@@ -117,8 +123,7 @@ class SamplingParams:
     @classmethod
     def check(cls, B: int, device, temperature=1.0, top_k=0, top_p=1.0, seed=None, top_p_ties="keep") -> SamplingParams:
         """Type/shape checks of everything and value checks of the scalars (no host sync)."""
-        if not isinstance(top_p_ties, str) or top_p_ties not in TOP_P_TIES:
-            _fail(f"top_p_ties must be one of {TOP_P_TIES}, got {top_p_ties!r}")
+        check_top_p_ties(top_p_ties)
         temperature = _per_request("temperature", temperature, B, device, float)
         top_k = _per_request("top_k", top_k, B, device, int)
         top_p = _per_request("top_p", top_p, B, device, float)

@@ -95,19 +95,18 @@ def install_gpu_harness(monkeypatch):
     tree_attention = importlib.import_module("specdec_kernels.ops.tree_attention")
     tree_metadata = importlib.import_module("specdec_kernels.ops.tree_metadata")
 
-    def chain_on_cpu(args, kwargs):
-        backend = args[1] if len(args) > 1 else kwargs.get("backend", "auto")
-        return backend == "triton" and args[0].target_logits.device.type == "cpu"
+    def triton_on_cpu(logits_field):  # run_verify / run_tree (checked args, backend)
+        def check(args, kwargs):
+            backend = args[1] if len(args) > 1 else kwargs.get("backend", "auto")
+            return backend == "triton" and getattr(args[0], logits_field).device.type == "cpu"
 
-    def tree_on_cpu(args, kwargs):
-        backend = args[1] if len(args) > 1 else kwargs.get("backend", "auto")
-        return backend == "triton" and args[0].target.device.type == "cpu"
+        return check
 
     def first_on_cpu(args, kwargs):
         return args[0].device.type == "cpu"
 
-    monkeypatch.setattr(_dispatch, "run_verify", _on_cuda(_dispatch.run_verify, chain_on_cpu))
-    monkeypatch.setattr(_dispatch, "run_tree", _on_cuda(_dispatch.run_tree, tree_on_cpu))
+    monkeypatch.setattr(_dispatch, "run_verify", _on_cuda(_dispatch.run_verify, triton_on_cpu("target_logits")))
+    monkeypatch.setattr(_dispatch, "run_tree", _on_cuda(_dispatch.run_tree, triton_on_cpu("target")))
     monkeypatch.setattr(tree_attention, "_launch", _on_cuda(tree_attention._launch, first_on_cpu))
     monkeypatch.setattr(
         tree_metadata, "_tree_metadata_triton", _on_cuda(tree_metadata._tree_metadata_triton, first_on_cpu)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import api as ops
-from .._params import TOP_P_TIES, check_temperature_value
+from .._params import check_temperature_value, check_top_p_ties
 from .._types import MAX_NODES, METHODS
 from . import medusa as _medusa
 from .attention import (
@@ -313,8 +313,7 @@ def speculative_generate(
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     if not (draft_cost in (None, "measured", "shapes") or _is_number(draft_cost) and draft_cost >= 0):
         raise ValueError(f"draft_cost must be 'measured', 'shapes', None or a number >= 0, got {draft_cost!r}")
-    if top_p_ties not in TOP_P_TIES:
-        raise ValueError(f"top_p_ties must be one of {TOP_P_TIES}, got {top_p_ties!r}")
+    check_top_p_ties(top_p_ties)
     if not (isinstance(draft_confidence, (int, float)) and 0.0 <= draft_confidence <= 1.0):
         raise ValueError(f"draft_confidence must be in [0, 1], got {draft_confidence!r}")
     use_medusa = drafter == "medusa"

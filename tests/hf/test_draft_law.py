@@ -49,6 +49,22 @@ def _fixed_logits_model(row: list[float]):
     return model
 
 
+def _first_tokens(row: list[float], T: float, *, seed: int, num_drafts: int = 1):
+    """SAMPLES one-token generations from the prompt [3] with a perfect draft (a copy of the target)."""
+    target = _fixed_logits_model(row)
+    return speculative_generate(
+        target,
+        copy.deepcopy(target),
+        torch.full((SAMPLES, 1), 3),
+        max_new_tokens=1,
+        num_draft_tokens=1,
+        num_drafts=num_drafts,
+        temperature=T,
+        seed=seed,
+        eos_token_id=[],
+    )
+
+
 @pytest.mark.parametrize("T", sorted(NEAR_TIES))
 @pytest.mark.parametrize("K", [1, 2])
 def test_first_token_follows_the_target_at_tiny_temperatures(T, K):
@@ -67,18 +83,7 @@ def test_first_token_follows_the_target_at_tiny_temperatures(T, K):
     assert chi_square_power(expected, biased, SAMPLES) > 0.99
     gen = torch.Generator().manual_seed(7)
     assert chi_square_pvalue(torch.multinomial(biased, SAMPLES, replacement=True, generator=gen), expected) < ALPHA
-    target = _fixed_logits_model(row)
-    out = speculative_generate(
-        target,
-        copy.deepcopy(target),
-        torch.full((SAMPLES, 1), 3),
-        max_new_tokens=1,
-        num_draft_tokens=1,
-        num_drafts=K,
-        temperature=T,
-        seed=11,
-        eos_token_id=[],
-    )
+    out = _first_tokens(row, T, seed=11, num_drafts=K)
     assert out.stats.acceptance_rate > 0.99  # q = p: the first token is the drafter's sample
     assert chi_square_pvalue(out.sequences[:, 1], expected) > ALPHA
 
@@ -113,16 +118,6 @@ def test_output_is_exact_whatever_law_the_drafter_samples(monkeypatch):
     monkeypatch.setattr(generate, "draft_distribution", floored)
     T = 1e-7
     row = _near_tie_row(T)
-    target = _fixed_logits_model(row)
-    out = speculative_generate(
-        target,
-        copy.deepcopy(target),
-        torch.full((SAMPLES, 1), 3),
-        max_new_tokens=1,
-        num_draft_tokens=1,
-        temperature=T,
-        seed=12,
-        eos_token_id=[],
-    )
+    out = _first_tokens(row, T, seed=12)
     assert 0.5 < out.stats.acceptance_rate < 0.9  # drafts from the floored law: rejections ran
     assert chi_square_pvalue(out.sequences[:, 1], _law(row, T)) > ALPHA
