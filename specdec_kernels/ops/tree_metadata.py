@@ -14,10 +14,10 @@ from .._interpreter import plans_for_interpreter, require_triton_device
 from .._params import INT_DTYPES
 from .._types import MAX_NODES, TreeMetadata
 from .._validation import _capturing, _check_tensor, _require
-from ._triton_helpers import cdiv, next_pow2
+from .triton.helpers import cdiv, next_pow2
 
 
-@triton.jit(do_not_specialize=["B"])  # per-call scalars: _triton_helpers
+@triton.jit(do_not_specialize=["B"])  # per-call scalars: triton/helpers.py
 def _tree_metadata_kernel(
     parents_ptr,  # [B, N] int
     num_nodes_ptr,  # [B] int (PER_REQ_N)
