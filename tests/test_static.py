@@ -172,8 +172,8 @@ def test_static_model_captures_the_tree_metadata_launch_a_gpu_call_makes(monkeyp
     """Under plan_as_gpu, tree_attention's metadata takes the Triton launch (CPU tensors would
     otherwise take the PyTorch path and the model would miss a launch of every GPU call)."""
     from specdec_kernels._interpreter import plan_as_gpu
-    from specdec_kernels.ops import tree_metadata as module
 
+    module = sys.modules["specdec_kernels.ops.tree_metadata"]  # the package re-exports the function's name
     paths = []
     monkeypatch.setattr(module, "_tree_metadata_triton", lambda *a: paths.append("triton"))
     monkeypatch.setattr(module, "_tree_metadata_torch", lambda *a: paths.append("torch"))
