@@ -105,14 +105,14 @@ def test_context_dependent_rows_keep_the_target_law_and_beat_token_wise(seed):
 def test_a_variant_without_the_weights_fails_the_law():
     """Power of the exactness check: stopping with h_i = r_i computed from w = 1 (the weights
     dropped) emits another law on the same rows."""
-    b = lambda prefix: (
-        torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
-        if len(prefix) % 2
-        else torch.tensor(  # noqa: E731
-            [0.6, 0.1, 0.3], dtype=torch.float64
-        )
-    )
-    s = lambda prefix: torch.tensor([0.3, 0.3, 0.4], dtype=torch.float64)  # noqa: E731
+    rows = {0: [0.6, 0.1, 0.3], 1: [0.2, 0.5, 0.3]}
+
+    def b(prefix):
+        return torch.tensor(rows[len(prefix) % 2], dtype=torch.float64)
+
+    def s(prefix):
+        return torch.tensor([0.3, 0.3, 0.4], dtype=torch.float64)
+
     law, _ = _exact_law(b, s, 2, 3, weights=lambda p, q: [1.0] * (len(p) + 1))
     want = _target_law(b, 2, 3)
     assert max(abs(law.get(k, 0.0) - want[k]) for k in want) > 1e-3
