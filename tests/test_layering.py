@@ -22,7 +22,7 @@ LAYERS = [
     # 3: the public functions and the package itself
     {"api", ""},
     # 4: applications
-    {"hf", "hf.*", "cli", "demo", "demo.*"},
+    {"hf", "hf.*", "cli", "cli.*", "demo", "demo.*"},
 ]
 
 
