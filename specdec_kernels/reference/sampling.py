@@ -12,7 +12,8 @@ import torch
 from .._types import DRAFT_LOGITS, DRAFT_PROBS
 from .philox import philox4x32, uniform_open
 
-# Third Philox counter word (must match ops/triton/helpers.py).
+# Third Philox counter word: what a random number is for (the Triton kernels take these values;
+# csrc/verify_core.h spells them again, in C++).
 PURPOSE_ACCEPT = 0
 PURPOSE_RECOVER = 1
 PURPOSE_BONUS = 2

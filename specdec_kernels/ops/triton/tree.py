@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ..._interpreter import multiprocessors, plans_for_interpreter
+from ..._params import MIN_TEMPERATURE
 from ..._tree_args import TreeArgs
 from ..._types import METHODS, TreeVerifyOutput
 from ...reference import verify_tree as _ref_tree
@@ -1221,7 +1222,7 @@ def launch_tree(
     parents = args.parents if args.parents is not None else target
     P = B * (N + 1)
     kseq = METHODS[args.method] == 0 and args.draft_mode != DRAFT_NONE
-    sampled = per_req_t or float(t_val) >= 2.0**-126
+    sampled = per_req_t or float(t_val) >= MIN_TEMPERATURE
     use, row_use = stats, False  # the row pass reads every row unless the positions say which are used
     if args.draft_mode != DRAFT_NONE and sampled:
         # the positions a walk can reach and their candidates, from the tree alone
