@@ -27,9 +27,8 @@ import time
 import torch
 
 from ._params import SEED_RANGE
-from ._types import METHODS
+from ._types import MAX_NODES, METHODS
 
-MAX_TREE_NODES = 64  # root + drafts of one verification tree (the kernels' node masks)
 Z_PASS = 4.0  # verify-demo: measured vs theory within 4 standard errors (a false FAIL ~ 1 in 16,000)
 # verify-demo: fewer requests make the measured means too coarse (a handful of 0/1 outcomes) for the
 # normal approximation behind |z| < 4; the batch-1 default of a laptop would test nothing
@@ -62,15 +61,15 @@ def _at_least(argument: str, value, low, what: str = "") -> None:
 def _check_medusa_tree(nodes: int, candidates: int, nodes_arg: str, candidates_arg: str) -> None:
     _at_least(nodes_arg, nodes, 1)
     _at_least(candidates_arg, candidates, 1)
-    if 1 + nodes > MAX_TREE_NODES:
-        raise UsageError(nodes_arg, nodes, f"an integer in [1, {MAX_TREE_NODES - 1}] (tree nodes besides the root)")
+    if 1 + nodes > MAX_NODES:
+        raise UsageError(nodes_arg, nodes, f"an integer in [1, {MAX_NODES - 1}] (tree nodes besides the root)")
 
 
 def _check_drafts(G: int, K: int) -> None:
     _at_least("--num-draft-tokens", G, 1)
     _at_least("--num-drafts", K, 1)
-    if 1 + K * G > MAX_TREE_NODES:
-        raise UsageError("--num-drafts", K, f"1 + num_drafts * num_draft_tokens <= {MAX_TREE_NODES} (G={G})")
+    if 1 + K * G > MAX_NODES:
+        raise UsageError("--num-drafts", K, f"1 + num_drafts * num_draft_tokens <= {MAX_NODES} (G={G})")
 
 
 def _check_temperature(value, *, positive: bool = False) -> None:

@@ -86,6 +86,7 @@ from .row_pass import (
     load_cut,
     merge_chunk_stats,
     prob_of,
+    row_tile_caps,
     threshold_plan,
 )
 
@@ -1189,7 +1190,7 @@ def launch_tree(
     interpreted = plans_for_interpreter(dev)
     # On a GPU 2 rows x 1024 entries per program (8 warps): the row pass keeps per-lane running state
     # (about 60 registers of it at 8 entries per thread; 4 rows x 4 warps spilled).
-    max_block_v, tile = (8192, 1 << 16) if interpreted else (1024, 2048)
+    max_block_v, tile = row_tile_caps(interpreted)
     block_v = max(4, min(next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * K * (G + 1)
     block_r = max(1, min(next_pow2(rows), tile // block_v))
