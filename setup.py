@@ -76,7 +76,7 @@ def _cpu_extensions():
     build = BUILD["cpu"]
     return [
         tools.CppExtension(
-            name="specdec_kernels._csrc_cpu",
+            name="specdec_kernels.ops.csrc._csrc_cpu",
             sources=[os.path.join(CSRC, s) for s in build["sources"]],
             include_dirs=[os.path.abspath(CSRC)],
             extra_compile_args=build["cflags"],
@@ -103,7 +103,7 @@ def _cuda_extensions():
     build = BUILD["cuda"]
     return [
         tools.CUDAExtension(
-            name="specdec_kernels._csrc_cuda",
+            name="specdec_kernels.ops.csrc._csrc_cuda",
             sources=[os.path.join(CSRC, s) for s in build["sources"]],
             include_dirs=[os.path.abspath(CSRC)],
             extra_compile_args={"cxx": build["cflags"], "nvcc": build["cuda_cflags"]},

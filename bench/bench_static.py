@@ -709,7 +709,7 @@ class TreeAttentionModel:
         """The unmasked prefix loop, trips per program of the busiest SM: programs go to the SMs in
         grid order (split slowest); the last split of a split launch holds the tree keys only."""
         name, kw = launch.kernel.fn.__name__, launch.kwargs
-        bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
+        bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False)) | launch.kwargs
         reading = [loop for loop in loops if loop["loads"]]
         if name != "_tree_attention_kernel" or not reading:
             return [], 0.0

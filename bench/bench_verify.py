@@ -169,9 +169,9 @@ def cuda_unavailable(device: str) -> str | None:
     if not str(device).startswith("cuda"):
         return "the CUDA backend needs a GPU device"
     try:
-        from specdec_kernels.ops import _cuda_ext
+        from specdec_kernels.ops import csrc
 
-        _cuda_ext.load_cuda_extension()
+        csrc.load_cuda_extension()
     except (ImportError, RuntimeError) as e:
         return str(e).splitlines()[0][:200]
     return None

@@ -4,7 +4,7 @@ Each of ``--world`` processes holds a contiguous vocabulary shard. Two providers
 
 * ``allgather``: what TP engines do today: all-gather the target (and draft) logits, then verify the
   full rows on every rank (``sk.verify``, backend auto: the CPU build of csrc on CPU tensors);
-* ``sharded``: ``sk.verify(..., process_group=pg)`` on the shards (ops/vocab_parallel.py).
+* ``sharded``: ``sk.verify(..., process_group=pg)`` on the shards (ops/vocab_parallel/).
 
 Bytes: what one rank receives into collective result buffers (all-gather: world x input, all-reduce:
 the buffer), counted by wrapping ``torch.distributed.all_gather`` / ``all_reduce`` /

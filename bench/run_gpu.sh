@@ -79,7 +79,7 @@ case "${1:-}" in
         }
         [ "$1" = all ] && stage 30 env
         # the csrc builds (CUDA and CPU) compile while the test suite runs; the tests wait on their lock
-        ( timeout "${TESTS_S:-150}" "$PY" -c 'import time, specdec_kernels.ops._cuda_ext as e; t=time.time(); e.load_cuda_extension(True); print("cuda ext", time.time()-t); e.load_cpu_core(True); print("both", time.time()-t)' ) >"$local_out/build.log" 2>&1 &
+        ( timeout "${TESTS_S:-150}" "$PY" -c 'import time, specdec_kernels.ops.csrc as e; t=time.time(); e.load_cuda_extension(True); print("cuda ext", time.time()-t); e.load_cpu_core(True); print("both", time.time()-t)' ) >"$local_out/build.log" 2>&1 &
         BUILD=$!
         stage "${TESTS_S:-150}" tests
         wait "$BUILD"; echo "### build rc=$?"; tail -3 "$local_out/build.log"

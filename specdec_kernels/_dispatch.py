@@ -1,7 +1,7 @@
 """The dispatch layer of the verification ops: backend choice and ``torch.library`` registration.
 
 Below it: argument checking (``_validation``, ``_tree_args``, ``_params``), the kernels and their
-launchers (``ops/``), the csrc loader (``ops/_cuda_ext``) and the references (``reference/``). Above
+launchers (``ops/``), the csrc loader (``ops/csrc``) and the references (``reference/``). Above
 it: the public functions (``api``), which check their arguments and call :func:`run_verify` /
 :func:`run_tree` here.
 
@@ -11,7 +11,7 @@ Backends, ``backend="auto" | "triton" | "cuda" | "cpu" | "vectorized" | "torch"`
   they run in Triton's interpreter (slow; tests ask for it explicitly).
 * ``"cuda"``:   the CUDA C++ kernels of ``csrc/`` (chain and tree verification). Needs a GPU and the
   compiled extension: built by ``SPECDEC_BUILD_CUDA=1 pip install --no-build-isolation -e .`` or just in
-  time on first use (see :mod:`specdec_kernels.ops._cuda_ext`). Without them: a RuntimeError that says how to build.
+  time on first use (see :mod:`specdec_kernels.ops.csrc`). Without them: a RuntimeError that says how to build.
 * ``"cpu"``:    the same csrc core compiled for the host (-O3, OpenMP over rows and vocab chunks), for
   CPU tensors; built just in time on first use (about a minute, cached) or by
   ``SPECDEC_BUILD_CPU=1 pip install --no-build-isolation -e .``.
@@ -46,7 +46,7 @@ from ._params import SamplingParams
 from ._tree_args import TreeArgs, validate_sharded_tree_values
 from ._types import BACKENDS, TreeVerifyOutput, VerifyOutput
 from ._validation import VerifyArgs, validate_sharded_verify_values
-from .ops import _cuda_ext, vocab_parallel
+from .ops import csrc, vocab_parallel
 from .ops.triton.chain import launch_verify
 from .ops.triton.tree import launch_tree
 from .ops.vectorized.chain import verify_vectorized
@@ -191,11 +191,11 @@ def cpu_auto_backend() -> str:
     PyTorch path (one warning, the first time, saying which and why)."""
     global _CPU_AUTO
     if _CPU_AUTO is None:
-        if _cuda_ext.cpu_backend_ready():
+        if csrc.cpu_backend_ready():
             _CPU_AUTO = "cpu"
         else:
             _CPU_AUTO = "vectorized"
-            reason = str(_cuda_ext.cpu_failure() or "unknown reason")
+            reason = str(csrc.cpu_failure() or "unknown reason")
             warnings.warn(
                 "specdec_kernels: backend='auto' on CPU tensors uses 'vectorized' (batched PyTorch ops, the "
                 f"same tokens as the CPU build) because the CPU build is unavailable: {reason}",
@@ -234,18 +234,18 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
         backend = cpu_auto_backend()
     # Only the Triton kernels read the flattened layout in place; the others get a padded copy.
     if backend == "cpu":
-        return _cuda_ext.verify_chain_cpu(args.padded(), num_chunks)
+        return csrc.verify_chain_cpu(args.padded(), num_chunks)
     if backend == "torch":
         return reference_verify(args.padded())
     if backend == "vectorized":
         return verify_vectorized(args.padded())
     if backend == "cuda":
-        return _cuda_ext.verify_chain(args.padded(), num_chunks=num_chunks)
+        return csrc.verify_chain(args.padded(), num_chunks=num_chunks)
     require_triton_device(device, "sk.verify")
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
     candidates = {"triton": lambda: launch_verify(args, num_chunks, block_v, *threshold)}
-    if backend == "auto" and device.type == "cuda" and _cuda_ext.cuda_extension_ready():
-        candidates["cuda"] = lambda: _cuda_ext.verify_chain(args.padded(), num_chunks=num_chunks)
+    if backend == "auto" and device.type == "cuda" and csrc.cuda_extension_ready():
+        candidates["cuda"] = lambda: csrc.verify_chain(args.padded(), num_chunks=num_chunks)
     chosen = resolve(backend, device, chain_shape_class(args), candidates)
     return candidates[chosen]()
 
@@ -262,24 +262,24 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
     if backend == "auto" and args.target.device.type == "cpu":
         backend = cpu_auto_backend()
     if backend == "cpu":
-        return _cuda_ext.verify_tree_cpu(args)
+        return csrc.verify_tree_cpu(args)
     if backend == "torch":
         return reference_tree(args)
     if backend == "vectorized":
         return verify_tree_vectorized(args)
     if backend == "cuda":
-        return _cuda_ext.verify_tree(args)
+        return csrc.verify_tree(args)
     require_triton_device(args.target.device, "sk.verify_tree / sk.verify_multi")
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
     candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks, *threshold)}
-    if backend == "auto" and args.target.device.type == "cuda" and _cuda_ext.cuda_extension_ready():
-        candidates["cuda"] = lambda: _cuda_ext.verify_tree(args)
+    if backend == "auto" and args.target.device.type == "cuda" and csrc.cuda_extension_ready():
+        candidates["cuda"] = lambda: csrc.verify_tree(args)
     chosen = resolve(backend, args.target.device, tree_shape_class(args), candidates)
     return candidates[chosen]()
 
 
 # --------------------------------------------------------------------------------------------
-# vocabulary-parallel verification (process_group=): ops/vocab_parallel.py
+# vocabulary-parallel verification (process_group=): ops/vocab_parallel/
 
 SHARDED_BACKENDS = ("auto", "torch")
 _KIND_CHAIN, _KIND_TREE, _KIND_MULTI = 1, 2, 3

@@ -43,6 +43,10 @@ INT_DTYPES = (torch.int32, torch.int64)
 MIN_TEMPERATURE = 2.0**-126
 MAX_FLOAT32 = float(torch.finfo(torch.float32).max)
 
+# Integer seeds are taken modulo SEED_RANGE (``mix_seed``) and random ones drawn below it: the
+# kernels add the batch index to the mixed seed in int64, which cannot overflow from below 2**62.
+SEED_RANGE = 1 << 62
+
 # SamplingParams.top_p_ties: the whole boundary tie group stays, or ties broken by token index
 # (higher index first: transformers' TopPLogitsWarper). The custom ops carry it as its index.
 TOP_P_TIES = ("keep", "by_index")
@@ -63,8 +67,8 @@ def _fail(message: str, exc: type[Exception] = ValueError):
 
 
 def mix_seed(seed: int) -> int:
-    """The scalar seed as the kernels take it (in [0, 2**62))."""
-    return seed % (1 << 62)
+    """The scalar seed as the kernels take it (in [0, SEED_RANGE))."""
+    return seed % SEED_RANGE
 
 
 def per_request_seeds(seed, B: int, device) -> torch.Tensor:

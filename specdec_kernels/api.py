@@ -203,7 +203,7 @@ def verify(
             _check_sharded_ties(args)
         return args
 
-    if process_group is not None:  # vocabulary shards: see ops/vocab_parallel.py
+    if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
         out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate)
     elif torch.compiler.is_compiling():  # one opaque custom op in the graph
         out = _dispatch.call_verify_chain(checked(), backend)
@@ -378,7 +378,7 @@ def _run_tree(
 ) -> TreeVerifyOutput:
     """verify_tree and verify_multi: one check (``check_tree_args``), one dispatch."""
     _check_vocab_size_use(process_group, vocab_size)
-    if process_group is not None:  # vocabulary shards: see ops/vocab_parallel.py
+    if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
 
         def checked():
             _dispatch.check_sharded_backend(backend)

@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parents[1] / "specdec_kernels"
 
 # Lowest first. A module may import its own layer or lower ones.
 LAYERS = [
-    # 0: names, argument checking, sampling parameters, Triton device helpers
-    {"_interpreter", "_types", "_params", "_validation", "_tree_args", "ops.triton.helpers"},
-    # 1: kernels and launchers (one file per op), the csrc loader, the references
-    {"ops", "ops.*", "reference", "reference.*", "_csrc_cuda", "_csrc_cpu"},
+    # 0: names, argument checking, sampling parameters
+    {"_interpreter", "_types", "_params", "_validation", "_tree_args"},
+    # 1: kernels and launchers (one file per op), the csrc loader (its prebuilt modules beside it), the references
+    {"ops", "ops.*", "reference", "reference.*"},
     # 2: backend choice and torch.library registration
     {"_dispatch"},
     # 3: the public functions and the package itself
@@ -45,7 +45,7 @@ def _modules() -> dict[str, Path]:
 
 
 # Compiled extensions (built by setup.py, not .py files), imported like modules.
-EXTENSIONS = {"_csrc_cuda", "_csrc_cpu"}
+EXTENSIONS = {"ops.csrc._csrc_cuda", "ops.csrc._csrc_cpu"}
 
 
 def _resolve(name: str, modules) -> str:

@@ -5,12 +5,13 @@ it cannot be written."""
 import os
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
 import pytest
 
-from specdec_kernels.ops import _cuda_ext
+from specdec_kernels.ops import csrc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,28 +61,28 @@ def test_the_cache_location_honours_the_variables_in_order(monkeypatch, tmp_path
     for variable in ("SPECDEC_BUILD_DIR", "TORCH_EXTENSIONS_DIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert _cuda_ext.cache_root() == tmp_path / "home" / ".cache" / "specdec_kernels"
+    assert csrc.cache_root() == tmp_path / "home" / ".cache" / "specdec_kernels"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert _cuda_ext.cache_root() == tmp_path / "xdg" / "specdec_kernels"
+    assert csrc.cache_root() == tmp_path / "xdg" / "specdec_kernels"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_ext"))
-    assert _cuda_ext.cache_root() == tmp_path / "torch_ext"
+    assert csrc.cache_root() == tmp_path / "torch_ext"
     monkeypatch.setenv("SPECDEC_BUILD_DIR", str(tmp_path / "explicit"))
-    assert _cuda_ext.cache_root() == tmp_path / "explicit"
-    path = _cuda_ext.build_dir("specdec_csrc_cpu_omp", "cpu")
+    assert csrc.cache_root() == tmp_path / "explicit"
+    path = csrc.build_dir("specdec_csrc_cpu_omp", "cpu")
     assert path.parent == tmp_path / "explicit" and path.name.startswith("specdec_csrc_cpu_omp-") and path.is_dir()
-    assert _cuda_ext.build_dir("specdec_csrc_cpu_omp", "cpu") == path  # same sources, same directory
+    assert csrc.build_dir("specdec_csrc_cpu_omp", "cpu") == path  # same sources, same directory
 
 
 def test_a_cache_that_cannot_be_written_falls_back_with_one_warning(monkeypatch, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")  # a directory below a regular file cannot be created, even by root
     monkeypatch.setenv("SPECDEC_BUILD_DIR", str(blocker / "cache"))
-    monkeypatch.setattr(_cuda_ext, "_WARNED_READ_ONLY", False)
-    monkeypatch.setattr(_cuda_ext.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(csrc, "_WARNED_READ_ONLY", False)
+    monkeypatch.setattr(csrc.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = _cuda_ext.build_dir("specdec_csrc_cpu_omp", "cpu")
-        again = _cuda_ext.build_dir("specdec_csrc_cpu_omp", "cpu")
+        first = csrc.build_dir("specdec_csrc_cpu_omp", "cpu")
+        again = csrc.build_dir("specdec_csrc_cpu_omp", "cpu")
     assert first == again and (tmp_path / "tmp") in first.parents and first.is_dir()
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(said) == 1 and "cannot write the build cache" in said[0], said
@@ -99,9 +100,21 @@ def test_a_just_in_time_build_says_so_once_on_stderr(monkeypatch, tmp_path, caps
         return "module"
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    assert _cuda_ext._load("cpu", verbose=False) == "module"
+    assert csrc._load("cpu", verbose=False) == "module"
     err = capsys.readouterr().err
     assert err.startswith("specdec_kernels: building the native CPU backend (once, ~1 min) into ")
     assert str(tmp_path) in err and len(err.splitlines()) == 1
-    assert _cuda_ext._load("cpu", verbose=False) == "module"
+    assert csrc._load("cpu", verbose=False) == "module"
     assert capsys.readouterr().err == ""
+
+
+def test_the_prebuilt_modules_are_found_beside_their_loader(monkeypatch):
+    """setup.py builds the prebuilt modules into the loader's own package (specdec_kernels.ops.csrc),
+    and the loader imports them from there: nothing climbs to the package's __init__."""
+    setup = (ROOT / "setup.py").read_text()
+    for kind in ("cpu", "cuda"):
+        name = f"{csrc.__name__}._csrc_{kind}"
+        assert f'name="{name}"' in setup, name
+        prebuilt = types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, prebuilt)
+        assert csrc._prebuilt(kind) is prebuilt

@@ -74,7 +74,7 @@ def _setting(name, closeness, B, G, V, K, temperature, seed, device):
     p = torch.softmax(target / temperature, -1)
     q = torch.softmax(draft / temperature, -1)
     tokens = torch.multinomial(q.reshape(-1, V), 1, generator=gen).reshape(B, G)
-    seeds = torch.randint(0, 2**62, (B,), generator=gen)
+    seeds = torch.randint(0, SEED_RANGE, (B,), generator=gen)
     alpha = torch.minimum(p[:, :G], q).double().sum(-1)  # [B, G]
     reach = torch.cumprod(alpha, 1)  # [B, G]: P(at least k drafts accepted), k = 1..G
     expected = 1 + reach.sum(1)  # tokens per step, per request

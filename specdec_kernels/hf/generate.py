@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import api as ops
-from .._params import check_temperature_value, check_top_p_ties
+from .._params import SEED_RANGE, check_temperature_value, check_top_p_ties
 from .._types import MAX_NODES, METHODS
 from . import medusa as _medusa
 from .attention import (
@@ -346,7 +346,7 @@ def speculative_generate(
     eos = _as_set(eos_token_id if eos_token_id is not None else getattr(gen_cfg, "eos_token_id", None))
     pad = pad_token_id if pad_token_id is not None else getattr(gen_cfg, "pad_token_id", None)
     pad = pad if pad is not None else (min(eos) if eos else 0)
-    seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,)))
+    seed = seed if seed is not None else int(torch.randint(0, SEED_RANGE, (1,)))
     generator = torch.Generator().manual_seed(seed % 2**63)
     depth = medusa_heads.num_heads if use_medusa else G  # the deepest accepted path
     tree_nodes = G if use_medusa else K * G  # drafts in one verification tree
@@ -602,7 +602,7 @@ class _Session:
             tree_start = self.t_len
             logits = self._target_forward_tree(tree)  # [A, 1 + N, V]
         with self.timer("verify"):
-            seeds = torch.randint(0, 2**62, (A,), generator=self.generator).to(device)
+            seeds = torch.randint(0, SEED_RANGE, (A,), generator=self.generator).to(device)
             draft_kw = {} if tree.probs is None else {"draft_probs": tree.probs}
             out = ops.verify_tree(
                 logits,
@@ -950,7 +950,7 @@ def _verify(logits, drafts, draft_rows, n_drafts, G, K, method, sampling, genera
     over as ``draft_probs`` so that q is the drafter's law by construction; None when greedy."""
     A, N, V = logits.shape
     device = logits.device
-    seeds = torch.randint(0, 2**62, (A,), generator=generator).to(device)
+    seeds = torch.randint(0, SEED_RANGE, (A,), generator=generator).to(device)
     draft_kw = {} if draft_rows is None else {"draft_probs": draft_rows}
     # validate=False: every input here is built by the driver (ids < V, probabilities normalised),
     # and value checks would synchronise with the GPU once per step.

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from .._params import SEED_RANGE
 from .generate import speculative_generate
 
 CUSTOM_GENERATE = str(Path(__file__).resolve().parent / "recipe")
@@ -104,7 +105,7 @@ def generate_with_specdec(
         num_drafts=num_drafts,
         method=method,
         drafter="model" if assistant_model is not None else "prompt_lookup",
-        seed=int(torch.randint(0, 2**62, (1,))),  # from torch's generator: torch.manual_seed reproduces
+        seed=int(torch.randint(0, SEED_RANGE, (1,))),  # from torch's generator: torch.manual_seed reproduces
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
         streamer=streamer,

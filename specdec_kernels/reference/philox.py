@@ -56,33 +56,33 @@ def uniform_open(bits: np.ndarray) -> np.ndarray:
     return ((k + np.float32(0.5)) * np.float32(2.0**-UNIFORM_BITS)).astype(np.float32)
 
 
-# ---- the same generator on torch tensors (any device), for the vocabulary-parallel path ----------
+# ---- the same generator on torch tensors (any device): the vocabulary-parallel path and the ------
+# ---- vectorized backend draw their numbers here ------------------------------------------------
 
 _MASK32_I = 0xFFFFFFFF
 
 
-def _mulhilo32(a: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) 32-bit words of a * c for a 32-bit constant and int64 tensors c in [0, 2**32).
-
-    The product can reach 2**64, past int64; split c into 16-bit halves so nothing overflows."""
-    t_hi = a * (c >> 16)  # < 2**48
-    t_lo = a * (c & 0xFFFF)  # < 2**48
-    s = ((t_hi & 0xFFFF) << 16) + t_lo  # < 2**49
-    return (t_hi >> 16) + (s >> 32), s & _MASK32_I
-
-
 def philox4x32_torch(seed: torch.Tensor, c0, c1, c2, c3, n_rounds: int = 10):
     """:func:`philox4x32` on int64 torch tensors (broadcast; any device): four int64 tensors
-    holding the uint32 words, bit-identical to the NumPy version and to ``tl.philox``."""
+    holding the uint32 words, bit-identical to the NumPy version and to ``tl.philox``.
+
+    A round's products of two 32-bit words reach 2**64, past int64: the multiplication wraps
+    modulo 2**64, which leaves exactly the bits of the unsigned product, and its high word is
+    taken with an (arithmetic) shift and a mask. The keys keep the seed's shape (the key schedule
+    is per seed); the counters are expanded to the broadcast shape once, so a round updates them
+    in place."""
     seed = torch.as_tensor(seed, dtype=torch.int64)
-    k0, k1 = seed & _MASK32_I, (seed >> 32) & _MASK32_I
     dev = seed.device
-    c0, c1, c2, c3 = (torch.as_tensor(v, dtype=torch.int64, device=dev) & _MASK32_I for v in (c0, c1, c2, c3))
-    c0, c1, c2, c3, k0, k1 = torch.broadcast_tensors(c0, c1, c2, c3, k0, k1)
+    k0, k1 = seed & _MASK32_I, (seed >> 32) & _MASK32_I
+    counters = [torch.as_tensor(v, dtype=torch.int64, device=dev) & _MASK32_I for v in (c0, c1, c2, c3)]
+    shape = torch.broadcast_shapes(seed.shape, *(c.shape for c in counters))
+    c0, c1, c2, c3 = (c.expand(shape) for c in counters)
     for _ in range(n_rounds):
-        hi_b, lo_b = _mulhilo32(int(_ROUND_B), c2)
-        hi_a, lo_a = _mulhilo32(int(_ROUND_A), c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        prod_b = c2 * int(_ROUND_B)  # wraps modulo 2**64: the bits of the unsigned product
+        prod_a = c0 * int(_ROUND_A)
+        new_c0 = (prod_b >> 32).bitwise_and_(_MASK32_I).bitwise_xor_(c1).bitwise_xor_(k0)
+        new_c2 = (prod_a >> 32).bitwise_and_(_MASK32_I).bitwise_xor_(c3).bitwise_xor_(k1)
+        c0, c1, c2, c3 = new_c0, prod_b.bitwise_and_(_MASK32_I), new_c2, prod_a.bitwise_and_(_MASK32_I)
         k0 = (k0 + int(_KEY_A)) & _MASK32_I
         k1 = (k1 + int(_KEY_B)) & _MASK32_I
     return c0, c1, c2, c3

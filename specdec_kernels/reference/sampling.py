@@ -12,7 +12,8 @@ import torch
 from .._types import DRAFT_LOGITS, DRAFT_PROBS
 from .philox import philox4x32, uniform_open
 
-# Third Philox counter word (must match ops/triton/helpers.py).
+# Third Philox counter word: what a random number is for (the Triton kernels take these values;
+# csrc/verify_core.h spells them again, in C++).
 PURPOSE_ACCEPT = 0
 PURPOSE_RECOVER = 1
 PURPOSE_BONUS = 2
@@ -25,15 +26,16 @@ def sanitize_logits(row: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return torch.where(bad, torch.full_like(x, float("-inf")), x), bool(bad.any())
 
 
-def sanitize_probs(row: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """float64 view of a draft_probs row with unusable entries -> 0; also whether any was replaced.
+def sanitize_probs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 view of draft_probs rows [..., V] with unusable entries -> 0; also, per row, whether
+    any was replaced (bool [...]; a 0-d tensor for one row).
 
     Unusable: NaN, +inf and negative values (-inf included). Such a q(x) is no probability, so it
     counts as 0 in the accept ratio and in the residual, and the request is flagged (``nonfinite``).
     """
-    q = row.double()
+    q = rows.double()
     bad = ~((q >= 0) & (q < float("inf")))  # NaN fails both comparisons
-    return torch.where(bad, torch.zeros_like(q), q), bool(bad.any())
+    return torch.where(bad, torch.zeros_like(q), q), bad.any(-1)
 
 
 def filter_threshold(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> float:
@@ -106,7 +108,8 @@ def draft_distribution(row, mode: int, temperature: float, top_k: int, top_p: fl
     if mode == DRAFT_LOGITS:
         return processed_probs(row, temperature, top_k, top_p, top_p_ties), sanitize_logits(row)[1]
     if mode == DRAFT_PROBS:
-        return sanitize_probs(row)
+        q, bad = sanitize_probs(row)
+        return q, bool(bad)
     return None, False
 
 
@@ -135,4 +138,5 @@ def exponential_race(log_weights: torch.Tensor, seed: int, row: int, purpose: in
 
 
 def safe_log(w: torch.Tensor) -> torch.Tensor:
+    """log w elementwise, -inf where w <= 0 (no warning, no NaN): the race's log-weights."""
     return torch.where(w > 0, torch.log(torch.where(w > 0, w, torch.ones_like(w))), torch.full_like(w, float("-inf")))

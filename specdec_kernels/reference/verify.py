@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._params import MIN_TEMPERATURE
 from .._types import VerifyOutput
 from .._validation import check_verify_args
 from .sampling import (
@@ -87,7 +88,7 @@ def verify_checked(args) -> VerifyOutput:
 
 def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, seed, V, ties="keep"):
     """(number accepted, emitted token, nonfinite flag) for one request."""
-    greedy = not temperature >= 2.0**-126  # subnormal / NaN temperatures act as greedy, like the kernels
+    greedy = not temperature >= MIN_TEMPERATURE  # subnormal / NaN temperatures act as greedy, like the kernels
     flagged = False
     # A placeholder id (outside [0, V), e.g. vLLM's -1 padding) ends the draft: that position draws
     # the bonus token from p, masking nothing, exactly like a tree node without valid children.

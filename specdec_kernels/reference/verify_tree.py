@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from .._params import MIN_TEMPERATURE
 from .._tree_args import check_tree_args
 from .._types import TreeMetadata, TreeVerifyOutput
 from .sampling import (
@@ -317,7 +318,7 @@ class _Tree:
 
 def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed, ties="keep"):
     """(accepted path nodes, emitted token, nonfinite flag) for one request."""
-    greedy = not temperature >= 2.0**-126  # subnormal / NaN temperatures act as greedy, like the kernels
+    greedy = not temperature >= MIN_TEMPERATURE  # subnormal / NaN temperatures act as greedy, like the kernels
     current = None  # None = root; else the list of nodes spelling the accepted prefix
     accepted_node = None
     path_tokens = 0

@@ -196,7 +196,7 @@ def metadata_kernels():
 def attention_kernels():
     import triton.language as tl
 
-    v = importlib.import_module("specdec_kernels.ops.tree_attention")
+    v = triton_kernels()  # ops/triton/attention.py
     ints = {
         "key_start_ptr": "*i32",
         "prefix_end_ptr": "*i32",

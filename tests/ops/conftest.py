@@ -20,10 +20,10 @@ def cpu_core_or_skip():
     """The CPU build of csrc/, or a skip where no C++ toolchain can build it. CI sets
     SPECDEC_REQUIRE_CPU_BUILD=1 (it has a compiler): there a build that fails is a test failure,
     not a skip - a broken csrc/ must not pass as "no toolchain"."""
-    from specdec_kernels.ops import _cuda_ext
+    from specdec_kernels.ops import csrc
 
     try:
-        return _cuda_ext.load_cpu_core()
+        return csrc.load_cpu_core()
     except Exception as exc:
         if os.environ.get("SPECDEC_REQUIRE_CPU_BUILD") == "1":
             raise

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import specdec_kernels as sk
-from specdec_kernels.ops import _cuda_ext
+from specdec_kernels.ops import csrc
 
 from ._inputs import make_problem
 from ._stats import ALPHA, chi_square_power, chi_square_pvalue
@@ -15,7 +15,7 @@ BACKENDS = ["triton", "cpu", "vectorized", "torch"]
 
 
 def _backend_or_skip(backend):
-    if backend == "cpu" and not _cuda_ext.cpu_backend_ready():
+    if backend == "cpu" and not csrc.cpu_backend_ready():
         pytest.skip("the CPU backend cannot be built here")
     return backend
 
@@ -314,7 +314,7 @@ def test_unusable_draft_probs_count_as_zero_and_flag(layout):
     every = slice(None)
     first = None
     for backend in BACKENDS:
-        if backend == "cpu" and not _cuda_ext.cpu_backend_ready():
+        if backend == "cpu" and not csrc.cpu_backend_ready():
             continue
         kw = {"temperature": temperature, "seed": seeds, "backend": backend}
         out = layout["call"](every, target, probs, **kw)

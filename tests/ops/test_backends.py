@@ -214,10 +214,10 @@ def test_verify_tree_inside_torch_compile(device):
 
 
 def _cuda_ready():
-    from specdec_kernels.ops import _cuda_ext
+    from specdec_kernels.ops import csrc
 
     try:
-        _cuda_ext.load_cuda_extension()
+        csrc.load_cuda_extension()
     except RuntimeError as exc:
         pytest.skip(f"CUDA extension unavailable: {str(exc)[:300]}")
 

@@ -11,7 +11,7 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import _dispatch
-from specdec_kernels.ops import _cuda_ext
+from specdec_kernels.ops import csrc
 from specdec_kernels.reference import verify_multi_reference, verify_reference, verify_tree_reference
 
 from ._inputs import make_problem
@@ -133,8 +133,8 @@ def test_auto_on_cpu_is_the_cpu_backend_never_the_interpreter(monkeypatch):
 
 def test_auto_falls_back_to_the_vectorized_path_without_a_compiler(monkeypatch):
     monkeypatch.setattr(_dispatch, "_CPU_AUTO", None)
-    monkeypatch.setattr(_cuda_ext, "_cpu_core", None)
-    monkeypatch.setattr(_cuda_ext, "_CPU_FAILURE", "building the CPU backend failed: no C++ compiler (test)")
+    monkeypatch.setattr(csrc, "_cpu_core", None)
+    monkeypatch.setattr(csrc, "_CPU_FAILURE", "building the CPU backend failed: no C++ compiler (test)")
     monkeypatch.setattr(_dispatch, "launch_verify", lambda *a, **k: pytest.fail("entered the interpreter"))
     target, tokens, draft = make_problem(2, 3, 64, seed=4)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):

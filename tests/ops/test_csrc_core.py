@@ -27,7 +27,7 @@ def core():
 
 
 def _run_core(core, target, tokens, draft_logits=None, *, num_chunks=1, **kw):
-    from specdec_kernels.ops import _cuda_ext
+    from specdec_kernels.ops import csrc
 
     args = check_verify_args(
         target,
@@ -40,7 +40,7 @@ def _run_core(core, target, tokens, draft_logits=None, *, num_chunks=1, **kw):
         kw.get("num_draft_tokens"),
         kw.get("seed"),
     )
-    return _cuda_ext.run_chain(core, args, num_chunks=num_chunks)
+    return csrc.run_chain(core, args, num_chunks=num_chunks)
 
 
 def _mode_kwargs(mode, draft):
@@ -122,9 +122,9 @@ def test_core_nonfinite_and_invalid_ids(core):
     bad[:, 0] = torch.tensor([25 + V, -4, 3, V])
     for temperature in (0.0, 1.0):
         args = check_verify_args(target, bad, draft, None, temperature, 0, 1.0, None, 3, validate=False)
-        from specdec_kernels.ops import _cuda_ext
+        from specdec_kernels.ops import csrc
 
-        out = _cuda_ext.run_chain(core, args)
+        out = csrc.run_chain(core, args)
         ref = sk.verify(target, bad, draft, temperature=temperature, seed=3, validate=False, backend="triton")
         _assert_same(out, ref)
         # placeholders end the draft at position 0: only rows 0 are used (requests 1 and 2 have NaN there)

@@ -39,7 +39,7 @@ def _draft_kwargs(mode, draft):
 
 
 def _core_tree(core, target, tokens, parents, multi=False, **kw):
-    from specdec_kernels.ops import _cuda_ext
+    from specdec_kernels.ops import csrc
 
     args = check_tree_args(
         target,
@@ -56,7 +56,7 @@ def _core_tree(core, target, tokens, parents, multi=False, **kw):
         kw.get("max_depth"),
         multi=multi,
     )
-    return _cuda_ext.run_tree(core, args)
+    return csrc.run_tree(core, args)
 
 
 @pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])

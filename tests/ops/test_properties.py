@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import specdec_kernels as sk
-from specdec_kernels.ops import _cuda_ext
+from specdec_kernels.ops import csrc
 
 MODES = ["greedy", "ngram", "logits", "probs"]
 
@@ -82,7 +82,7 @@ def _same(x, y):
 
 
 def _cpu_or_skip():
-    if not _cuda_ext.cpu_backend_ready():
+    if not csrc.cpu_backend_ready():
         pytest.skip("the CPU build is not available")
 
 

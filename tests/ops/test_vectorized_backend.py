@@ -20,7 +20,7 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import _dispatch
-from specdec_kernels.ops import _cuda_ext
+from specdec_kernels.ops import csrc
 from specdec_kernels.ops.vectorized.chain import philox, race_noise_at, race_noise_dense
 from specdec_kernels.reference import verify_multi_reference, verify_reference, verify_tree_reference
 from specdec_kernels.reference.philox import philox4x32
@@ -273,8 +273,8 @@ def test_tree_nonfinite_and_placeholders_match_reference(mode):
 
 def _hide_the_compiler(monkeypatch):
     monkeypatch.setattr(_dispatch, "_CPU_AUTO", None)
-    monkeypatch.setattr(_cuda_ext, "_cpu_core", None)
-    monkeypatch.setattr(_cuda_ext, "_CPU_FAILURE", "building the CPU backend failed: no C++ compiler (test)")
+    monkeypatch.setattr(csrc, "_cpu_core", None)
+    monkeypatch.setattr(csrc, "_CPU_FAILURE", "building the CPU backend failed: no C++ compiler (test)")
     monkeypatch.setattr(_dispatch, "launch_verify", lambda *a, **k: pytest.fail("entered the interpreter"))
     monkeypatch.setattr(_dispatch, "reference_verify", lambda *a, **k: pytest.fail("ran the reference loops"))
     monkeypatch.setattr(_dispatch, "reference_tree", lambda *a, **k: pytest.fail("ran the reference loops"))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import specdec_kernels as sk
-from specdec_kernels.ops import _cuda_ext
+from specdec_kernels.ops import csrc
 from specdec_kernels.reference.philox import philox4x32, philox4x32_torch, uniform_open, uniform_open_torch
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
@@ -308,7 +308,7 @@ def run_world(world: int, suite_name: str = "fast") -> list[dict]:
 
 def _cpu_ready() -> bool:
     try:
-        return _cuda_ext.cpu_backend_ready()
+        return csrc.cpu_backend_ready()
     except Exception:  # noqa: BLE001
         return False
 

@@ -83,6 +83,7 @@ from .row_pass import (
     merge_chunk_stats,
     prob_of,
     request_base,
+    row_tile_caps,
     threshold_plan,
 )
 
@@ -461,7 +462,7 @@ def gpu_plan(args: VerifyArgs, sms: int) -> _LaunchPlan:
 def _plan_for(args, num_chunks, block_v, interpreted: bool, sms: int) -> _LaunchPlan:
     B, G, V = args.B, args.G, args.V
     # The interpreter pays per operation, not per element: give it big tiles.
-    max_block_v, tile, max_block_b = (8192, 1 << 16, 4096) if interpreted else (1024, 2048, 2)
+    (max_block_v, tile), max_block_b = row_tile_caps(interpreted), 4096 if interpreted else 2
     block_v = max(4, min(next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * (G + 1)
     # On a GPU at most 2 rows per program: more programs, not wider ones, when blocks shrink.

@@ -28,17 +28,22 @@ import inspect
 import triton
 import triton.language as tl
 
-from ... import _types
+from ... import _params, _types
+from ...reference import sampling as _reference
 
 # Draft modes as kernel constants (values from specdec_kernels._types).
 DRAFT_NONE = tl.constexpr(_types.DRAFT_NONE)
 DRAFT_LOGITS = tl.constexpr(_types.DRAFT_LOGITS)
 DRAFT_PROBS = tl.constexpr(_types.DRAFT_PROBS)
 
-# Purposes: third Philox counter word. Different purposes never share a random number.
-PURPOSE_ACCEPT = tl.constexpr(0)
-PURPOSE_RECOVER = tl.constexpr(1)
-PURPOSE_BONUS = tl.constexpr(2)
+# Purposes: third Philox counter word (values from the reference). Different purposes never share
+# a random number.
+PURPOSE_ACCEPT = tl.constexpr(_reference.PURPOSE_ACCEPT)
+PURPOSE_RECOVER = tl.constexpr(_reference.PURPOSE_RECOVER)
+PURPOSE_BONUS = tl.constexpr(_reference.PURPOSE_BONUS)
+
+# Temperatures below this (or NaN) are greedy (value and reason: specdec_kernels._params).
+MIN_TEMPERATURE = tl.constexpr(_params.MIN_TEMPERATURE)
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -272,7 +277,7 @@ def inverse_temperature(temperature):
     """(greedy, 1 / T) per request; greedy rows (T = 0) get 1 so no division by zero happens."""
     # T below the smallest normal float32 (1/T would overflow; validation rejects it) and NaN act as
     # greedy, the limit T -> 0: never inf or NaN in the softmax.
-    greedy = ~(temperature >= 1.1754943508222875e-38)
+    greedy = ~(temperature >= MIN_TEMPERATURE)
     return greedy, tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
 
 

@@ -696,6 +696,17 @@ class ThresholdPlan:
         )
 
 
+# Row-pass tile caps: (largest BLOCK_V, entries per program tile). On a GPU 2 rows x 1024 entries a
+# program: the row pass keeps per-lane running state in registers (4 rows x 4 warps spilled). The
+# interpreter pays per operation, not per element: it gets big tiles.
+ROW_TILE_CAPS = {"gpu": (1024, 2048), "interpreter": (8192, 1 << 16)}
+
+
+def row_tile_caps(interpreted: bool) -> tuple[int, int]:
+    """(largest BLOCK_V, entries per program tile) of the row pass (``ROW_TILE_CAPS``)."""
+    return ROW_TILE_CAPS["interpreter" if interpreted else "gpu"]
+
+
 SELECT_SLOTS = 2048  # candidate slots of a row in the selection tile (chunks x slots per chunk) on a GPU
 CANDIDATE_BINS = 256  # bins of the candidate histograms: key16 steps below the max
 MIN_GROUPS = 16  # candidate groups per chunk (fewer: the union of the chunks rarely holds top-k 50)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ..._interpreter import multiprocessors, plans_for_interpreter
+from ..._params import MIN_TEMPERATURE
 from ..._tree_args import TreeArgs
 from ..._types import METHODS, TreeVerifyOutput
 from ...reference import verify_tree as _ref_tree
@@ -85,6 +86,7 @@ from .row_pass import (
     load_cut,
     merge_chunk_stats,
     prob_of,
+    row_tile_caps,
     threshold_plan,
 )
 
@@ -1188,7 +1190,7 @@ def launch_tree(
     interpreted = plans_for_interpreter(dev)
     # On a GPU 2 rows x 1024 entries per program (8 warps): the row pass keeps per-lane running state
     # (about 60 registers of it at 8 entries per thread; 4 rows x 4 warps spilled).
-    max_block_v, tile = (8192, 1 << 16) if interpreted else (1024, 2048)
+    max_block_v, tile = row_tile_caps(interpreted)
     block_v = max(4, min(next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * K * (G + 1)
     block_r = max(1, min(next_pow2(rows), tile // block_v))
@@ -1221,7 +1223,7 @@ def launch_tree(
     parents = args.parents if args.parents is not None else target
     P = B * (N + 1)
     kseq = METHODS[args.method] == 0 and args.draft_mode != DRAFT_NONE
-    sampled = per_req_t or float(t_val) >= 2.0**-126
+    sampled = per_req_t or float(t_val) >= MIN_TEMPERATURE
     use, row_use = stats, False  # the row pass reads every row unless the positions say which are used
     if args.draft_mode != DRAFT_NONE and sampled:
         # the positions a walk can reach and their candidates, from the tree alone

@@ -26,9 +26,8 @@ It follows the reference step by step, in float64 where the reference is float64
   when they are few, as after top-k), keys log w(x) - log(-log u_x), lowest index on ties; an
   empty residual falls back to p with the same uniforms.
 
-Philox runs on int64 tensors: a product of two 32-bit words wraps modulo 2**64 and its high and low
-words are taken with a shift and a mask, bit-identical to ``reference/philox.py`` (tested); a few
-counters use the reference's NumPy Philox itself. Plain tensor code (devices follow the inputs),
+Random numbers come from the reference's Philox (``reference/philox.py``): its torch generator on
+int64 tensors, or its NumPy one for a few counters. Plain tensor code (devices follow the inputs),
 but tested on CPU tensors only, and ``auto`` uses it only for CPU tensors. Tree / multi-draft
 verification: ``tree.py``.
 """
@@ -41,16 +40,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..._params import MIN_TEMPERATURE
 from ..._types import DRAFT_LOGITS, DRAFT_PROBS, VerifyOutput
 from ..._validation import VerifyArgs
-from ...reference.philox import philox4x32
+from ...reference.philox import philox4x32, philox4x32_torch, uniform_open_torch
 from ...reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
 
-_MASK32 = 0xFFFFFFFF
-_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
-_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
-_UNIFORM_SHIFT = 9  # 23 random bits: ((bits >> 9) + 0.5) * 2**-23
-_MIN_TEMPERATURE = 2.0**-126  # below (or NaN): greedy, as the reference and the kernels
 _TOP_P_FIRST_WIDTH = 256  # entries of the first partial sort for top-p (doubled until enough)
 _SPARSE_RACE = 0.25  # race only over the positive entries when they are at most this fraction
 _BLOCK = 1 << 18  # entries per block of the float64 passes (a block's buffer stays in cache)
@@ -63,33 +58,14 @@ _NUMPY_PHILOX = 1 << 12  # up to this many counters the reference's NumPy Philox
 
 
 def philox(seed: Tensor, c0: Tensor, c1: Tensor, c2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Philox4x32-10, key = 64-bit ``seed``, counter (c0, c1, c2, 0); int64 tensors that broadcast.
-
-    Returns the four output words as int64 tensors in [0, 2**32)."""
+    """Philox4x32-10 words (int64 in [0, 2**32)) of counters (c0, c1, c2, 0) under the 64-bit
+    ``seed``; int64 tensors that broadcast. The reference's generators: its NumPy one for a few
+    counters on the CPU (less overhead per call), else its torch one (``philox4x32_torch``)."""
     shape = torch.Size(np.broadcast_shapes(seed.shape, c0.shape, c1.shape, c2.shape))
-    if seed.device.type == "cpu" and math.prod(shape) <= _NUMPY_PHILOX:  # few numbers: NumPy has less overhead
+    if seed.device.type == "cpu" and math.prod(shape) <= _NUMPY_PHILOX:
         words = philox4x32(*(v.numpy() for v in (seed, c0, c1, c2)), 0)
         return tuple(torch.from_numpy(w.astype(np.int64)).reshape(shape) for w in words)
-    k0 = seed & _MASK32  # the keys keep the seed's (small) shape: the schedule is per seed
-    k1 = (seed >> 32) & _MASK32
-    c0, c1, c2 = ((c & _MASK32).expand(shape) for c in (c0, c1, c2))
-    c3 = None  # 0
-    for _ in range(10):
-        prod_b = c2 * _ROUND_B  # < 2**64 as unsigned; int64 wraps, the bits are the same
-        prod_a = c0 * _ROUND_A
-        new_c0 = (prod_b >> 32).bitwise_and_(_MASK32).bitwise_xor_(c1).bitwise_xor_(k0)
-        new_c2 = (prod_a >> 32).bitwise_and_(_MASK32).bitwise_xor_(k1)
-        if c3 is not None:
-            new_c2.bitwise_xor_(c3)
-        c0, c1, c2, c3 = new_c0, prod_b.bitwise_and_(_MASK32), new_c2, prod_a.bitwise_and_(_MASK32)
-        k0 = (k0 + _KEY_A) & _MASK32
-        k1 = (k1 + _KEY_B) & _MASK32
-    return c0, c1, c2, c3
-
-
-def uniform_from_bits(bits: Tensor) -> Tensor:
-    """int64 words in [0, 2**32) -> float32 uniforms strictly inside (0, 1)."""
-    return ((bits >> _UNIFORM_SHIFT).to(torch.float32) + 0.5) * 2.0**-23
+    return philox4x32_torch(seed, c0, c1, c2, 0)
 
 
 def race_noise_dense(seed: Tensor, row: Tensor, purpose: Tensor, V: int) -> Tensor:
@@ -102,7 +78,7 @@ def race_noise_dense(seed: Tensor, row: Tensor, purpose: Tensor, V: int) -> Tens
     for start in range(0, Q, per_block):
         quads = torch.arange(start, min(Q, start + per_block), device=seed.device, dtype=torch.int64)
         words = philox(seed[:, None], quads[None, :], row[:, None], purpose[:, None])
-        u = uniform_from_bits(torch.stack(words, -1).reshape(R, -1)).to(torch.float64)
+        u = uniform_open_torch(torch.stack(words, -1).reshape(R, -1)).to(torch.float64)
         out[:, 4 * start : 4 * start + u.shape[1]] = u.log_().neg_().log_()
     return out[:, :V]
 
@@ -114,7 +90,7 @@ def race_noise_at(seed: Tensor, x: Tensor, row: Tensor, purpose: Tensor) -> Tens
     bits = torch.where(lane == 0, words[0], words[1])
     bits = torch.where(lane == 2, words[2], bits)
     bits = torch.where(lane == 3, words[3], bits)
-    return torch.log(-torch.log(uniform_from_bits(bits).to(torch.float64)))
+    return torch.log(-torch.log(uniform_open_torch(bits).to(torch.float64)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,7 +350,7 @@ def verify_vectorized(args: VerifyArgs) -> VerifyOutput:
     x, row_bad, g_max, g_idx = sanitize(args.target_logits, with_index=True)  # [B, G+1, V]
     flag_rows = row_bad | (g_max == float("-inf"))  # nothing to choose from: token 0, flagged
     accept = tok == g_idx[:, :G]  # greedy requests
-    greedy = ~(params["temperature"] >= _MIN_TEMPERATURE)  # NaN / subnormal act as greedy
+    greedy = ~(params["temperature"] >= MIN_TEMPERATURE)  # NaN / subnormal act as greedy
     sampled = (~greedy).nonzero().squeeze(1)
     chain = None
     if sampled.numel() > 0:
@@ -416,7 +392,7 @@ class _SampledChain:
         elif self.mode == DRAFT_PROBS:
             self.draft_bad = unusable_prob_rows(args.draft)[index]
         rows = torch.arange(G, device=x.device, dtype=torch.int64)
-        u = uniform_from_bits(
+        u = uniform_open_torch(
             philox(self.seed[:, None], torch.zeros_like(rows), rows, torch.full_like(rows, PURPOSE_ACCEPT))[0]
         ).to(torch.float64)
         self.accept = torch.zeros((M, G), dtype=torch.bool, device=x.device)

@@ -17,11 +17,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..._params import MIN_TEMPERATURE
 from ..._tree_args import TreeArgs
 from ..._types import DRAFT_LOGITS, DRAFT_PROBS, TreeVerifyOutput
+from ...reference.philox import uniform_open_torch
 from ...reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
 from ...reference.verify_tree import RHO_POINTS, rho_search
-from .chain import _MIN_TEMPERATURE, philox, processed_probs, race, sanitize, uniform_from_bits
+from .chain import philox, processed_probs, race, sanitize
 
 _NEG_INF = float("-inf")
 
@@ -52,7 +54,7 @@ class _Walk:
         self.seed = params["seed"]
         self.t = params["temperature"].to(torch.float64)
         self.top_k, self.top_p = params["top_k"], params["top_p"].to(torch.float64)
-        self.greedy = ~(params["temperature"] >= _MIN_TEMPERATURE)
+        self.greedy = ~(params["temperature"] >= MIN_TEMPERATURE)
         self.filtered = args.has_filter
         self.by_index = args.sampling.ties_by_index()  # top_p_ties="by_index" with top-p active
         self.active = torch.ones(B, dtype=torch.bool, device=dev)
@@ -114,7 +116,7 @@ class _Walk:
         ctok = toks.gather(1, nodes.clamp(max=self.N - 1))
         ranks = torch.arange(nodes.shape[1], device=b.device)
         purpose = torch.full_like(ranks, PURPOSE_ACCEPT)[None, :]
-        u = uniform_from_bits(philox(self.seed[b][:, None], ranks[None, :], r[:, None], purpose)[0]).to(torch.float64)
+        u = uniform_open_torch(philox(self.seed[b][:, None], ranks[None, :], r[:, None], purpose)[0]).to(torch.float64)
         # an earlier candidate with the same token (siblings spelling one token)
         dup = (ctok[:, :, None] == ctok[:, None, :]).tril(-1).any(2)
         q = self._draft_q(b, nodes[:, 0])

@@ -3,7 +3,7 @@
 Two builds of the same sources:
 
 * the CUDA extension (``backend="cuda"``): ``csrc/binding.cpp`` + ``verify_cpu.cpp`` + ``verify_cuda.cu``
-  with ``-DSPECDEC_WITH_CUDA``. Either prebuilt (module ``specdec_kernels._csrc_cuda``) by
+  with ``-DSPECDEC_WITH_CUDA``. Either prebuilt (module ``specdec_kernels.ops.csrc._csrc_cuda``) by
   ``SPECDEC_BUILD_CUDA=1 pip install --no-build-isolation -e .`` or compiled just in time on first use with
   ``torch.utils.cpp_extension.load`` (ninja + nvcc; honours ``TORCH_CUDA_ARCH_LIST`` and ``MAX_JOBS``;
   set ``SPECDEC_NO_JIT=1`` to forbid it).
@@ -12,7 +12,9 @@ Two builds of the same sources:
   (``csrc/verify_core.h``, all ``__host__ __device__``) spread over the cores, so it is both the fast
   CPU backend and the token-for-token test of the CUDA math on machines with no GPU. Built just in
   time on first use (about a minute; ninja) or ahead of time by
-  ``SPECDEC_BUILD_CPU=1 pip install --no-build-isolation -e .``.
+  ``SPECDEC_BUILD_CPU=1 pip install --no-build-isolation -e .`` (module ``specdec_kernels.ops.csrc._csrc_cpu``).
+
+Prebuilt modules live beside this loader (this package), so loading one never imports upward.
 
 Sources and flags of both builds are declared once, in ``csrc/build.json`` (setup.py reads it too).
 With ``SPECDEC_CSRC_SANITIZE=1`` :func:`load_cpu_core` loads a third, just-in-time build instead of the
@@ -45,11 +47,12 @@ from pathlib import Path
 
 import torch
 
-from .._types import METHODS, TreeVerifyOutput, VerifyOutput
-from .._validation import VerifyArgs
+from ..._types import METHODS, TreeVerifyOutput, VerifyOutput
+from ..._validation import VerifyArgs
 
-_PACKAGED_CSRC = Path(__file__).resolve().parents[1] / "csrc"  # a wheel: package data (setup.py's build_py)
-_CHECKOUT_CSRC = Path(__file__).resolve().parents[2] / "csrc"  # a source checkout or an editable install
+_PACKAGE = Path(__file__).resolve().parents[2]  # specdec_kernels/ (this file: specdec_kernels/ops/csrc/__init__.py)
+_PACKAGED_CSRC = _PACKAGE / "csrc"  # a wheel: package data (setup.py's build_py)
+_CHECKOUT_CSRC = _PACKAGE.parent / "csrc"  # a source checkout or an editable install
 CSRC = _PACKAGED_CSRC if (_PACKAGED_CSRC / "build.json").is_file() else _CHECKOUT_CSRC
 
 
@@ -65,7 +68,7 @@ _HOW_TO_BUILD = (
     "on first use (needs nvcc / CUDA_HOME and ninja). Or use backend='triton'."
 )
 
-_cuda_ext = None
+_cuda_core = None
 _cpu_core = None
 
 
@@ -160,13 +163,16 @@ def _load(kind: str, verbose: bool):
     )
 
 
-def _prebuilt_cpu():
+def _prebuilt(kind: str):
+    """The module setup.py built beside this loader (``SPECDEC_BUILD_CPU=1`` / ``SPECDEC_BUILD_CUDA=1``), or None."""
     try:
-        from .. import _csrc_cpu  # built by setup.py with SPECDEC_BUILD_CPU=1
-
-        return _csrc_cpu
+        if kind == "cpu":
+            from . import _csrc_cpu as module
+        else:
+            from . import _csrc_cuda as module
     except ImportError:
         return None
+    return module
 
 
 _CPU_FAILURE: str | None = None
@@ -183,10 +189,10 @@ def load_cpu_core(verbose: bool = False):
     if _CPU_FAILURE is not None:
         raise RuntimeError(_CPU_FAILURE)
     sanitize = os.environ.get("SPECDEC_CSRC_SANITIZE", "0") not in ("", "0")
-    ext = None if sanitize else _prebuilt_cpu()  # the prebuilt module is never the sanitized one
+    ext = None if sanitize else _prebuilt("cpu")  # the prebuilt module is never the sanitized one
     if ext is None:
         if os.environ.get("SPECDEC_NO_JIT", "0") not in ("", "0"):
-            _CPU_FAILURE = "the CPU build specdec_kernels._csrc_cpu is not built and SPECDEC_NO_JIT is set"
+            _CPU_FAILURE = "the CPU build specdec_kernels.ops.csrc._csrc_cpu is not built and SPECDEC_NO_JIT is set"
             raise RuntimeError(_CPU_FAILURE)
         try:
             ext = _load("cpu_sanitize" if sanitize else "cpu", verbose)
@@ -211,45 +217,38 @@ def cpu_backend_ready() -> bool:
         return False
 
 
-def _prebuilt():
-    try:
-        from .. import _csrc_cuda  # built by setup.py with SPECDEC_BUILD_CUDA=1
-
-        return _csrc_cuda
-    except ImportError:
-        return None
-
-
 def cuda_extension_ready() -> bool:
     """The CUDA extension is built or loaded already (nothing would be compiled) and a GPU exists."""
-    return torch.cuda.is_available() and (_cuda_ext is not None or _prebuilt() is not None)
+    return torch.cuda.is_available() and (_cuda_core is not None or _prebuilt("cuda") is not None)
 
 
 def load_cuda_extension(verbose: bool = False):
     """The CUDA extension: prebuilt, or compiled just in time. RuntimeError saying how to build."""
-    global _cuda_ext
-    if _cuda_ext is not None:
-        return _cuda_ext
+    global _cuda_core
+    if _cuda_core is not None:
+        return _cuda_core
     if not torch.cuda.is_available():
         raise RuntimeError("backend='cuda' needs a CUDA GPU, and torch.cuda.is_available() is False. " + _HOW_TO_BUILD)
-    ext = _prebuilt()
+    ext = _prebuilt("cuda")
     if ext is None:
         if os.environ.get("SPECDEC_NO_JIT", "0") not in ("", "0"):
             raise RuntimeError(
-                "the CUDA extension specdec_kernels._csrc_cuda is not built and SPECDEC_NO_JIT is set. " + _HOW_TO_BUILD
+                "the CUDA extension specdec_kernels.ops.csrc._csrc_cuda is not built and SPECDEC_NO_JIT is set. "
+                + _HOW_TO_BUILD
             )
         from torch.utils.cpp_extension import CUDA_HOME
 
         if CUDA_HOME is None or shutil.which("ninja") is None:
             raise RuntimeError(
-                "the CUDA extension specdec_kernels._csrc_cuda is not built and cannot be compiled just in time "
-                f"(CUDA_HOME={CUDA_HOME}, ninja={'found' if shutil.which('ninja') else 'missing'}). " + _HOW_TO_BUILD
+                "the CUDA extension specdec_kernels.ops.csrc._csrc_cuda is not built and cannot be compiled just "
+                f"in time (CUDA_HOME={CUDA_HOME}, ninja={'found' if shutil.which('ninja') else 'missing'}). "
+                + _HOW_TO_BUILD
             )
         try:
             ext = _load("cuda", verbose)
         except Exception as exc:  # compiler errors: keep the log, say how to build
             raise RuntimeError(f"compiling the CUDA extension just in time failed: {exc}\n" + _HOW_TO_BUILD) from exc
-    _cuda_ext = ext
+    _cuda_core = ext
     return ext
 
 
@@ -272,6 +271,22 @@ def _cpu_chunks(args: VerifyArgs) -> int:
     return max(1, min(math.ceil(2 * threads / rows), args.V // 8192))
 
 
+def _sampling_args(args) -> tuple:
+    """The sampling arguments both csrc entry points take, in binding.cpp's order: (temperature
+    tensor, scalar), (top_k tensor, scalar), (top_p tensor, scalar), (seed tensor, scalar), whether
+    any filter is on, whether top-p ties break by index."""
+    (t_t, k_t, p_t), (t, k, p), s_t, s = args.sampling.op_args()
+    return (
+        t_t, float(t), k_t, int(k), p_t, float(p), s_t, int(s),
+        bool(args.has_filter), bool(args.sampling.ties_by_index()),
+    )  # fmt: skip
+
+
+def _stream(device) -> int:
+    """The current CUDA stream's handle on ``device`` (0 on the CPU)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
 def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int | None = None) -> VerifyOutput:
     """Call ``ext.verify_chain`` (CPU core or CUDA extension) on checked arguments."""
     target = args.target_logits
@@ -280,58 +295,34 @@ def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int
     if num_chunks is None:
         num_chunks = _num_chunks(args, threads) if target.device.type == "cuda" else _cpu_chunks(args)
 
-    (t_t, k_t, p_t), (t, k, p), s_t, s = args.sampling.op_args()
-    stream = torch.cuda.current_stream(target.device).cuda_stream if target.device.type == "cuda" else 0
     tokens, accepted, nonfinite = ext.verify_chain(
         target,
         args.draft_tokens,
         args.draft,
         args.draft_mode,
         args.num_draft_tokens,
-        t_t,
-        float(t),
-        k_t,
-        int(k),
-        p_t,
-        float(p),
-        s_t,
-        int(s),
-        bool(args.has_filter),
-        bool(args.sampling.ties_by_index()),
+        *_sampling_args(args),
         int(num_chunks),
         int(threads),
-        stream,
+        _stream(target.device),
     )
     return VerifyOutput(tokens, accepted, nonfinite)
 
 
 def run_tree(ext, args, threads: int = 256):
     """Call ``ext.verify_tree`` (CPU core or CUDA extension) on checked TreeArgs."""
-    target = args.target
-
-    (t_t, k_t, p_t), (t, k, p), s_t, s = args.sampling.op_args()
-    stream = torch.cuda.current_stream(target.device).cuda_stream if target.device.type == "cuda" else 0
     tokens, accepted, nodes, nonfinite = ext.verify_tree(
-        target,
+        args.target,
         args.tokens,
         args.parents,
         args.draft,
         args.draft_mode,
         args.num_nodes,
-        t_t,
-        float(t),
-        k_t,
-        int(k),
-        p_t,
-        float(p),
-        s_t,
-        int(s),
-        bool(args.has_filter),
-        bool(args.sampling.ties_by_index()),
+        *_sampling_args(args),
         METHODS[args.method],
         int(args.max_depth),
         int(threads),
-        stream,
+        _stream(args.target.device),
     )
     return TreeVerifyOutput(tokens, accepted, nodes, nonfinite)
 
