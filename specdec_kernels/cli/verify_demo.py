@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from .._params import SEED_RANGE
 from ._common import at_least, check_sampled_temperature, driver_checks, print_table, resolve_device
 
 Z_PASS = 4.0  # measured vs theory within 4 standard errors (a false FAIL ~ 1 in 16,000)
