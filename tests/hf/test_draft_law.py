@@ -110,12 +110,12 @@ def test_output_is_exact_whatever_law_the_drafter_samples(monkeypatch):
     """The verifier is told the q the drafts were drawn from, so a drafter whose processing differs
     from the target's (here the pre-fix floored temperature, softmax(x / 1e-6)) costs acceptance,
     never exactness: chi-square (alpha 1e-6) of the first token at T = 1e-7, as above."""
-    from specdec_kernels.hf import generate
+    from specdec_kernels.hf import drafting
 
     def floored(logits, temperature, top_k, top_p):
         return torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
 
-    monkeypatch.setattr(generate, "draft_distribution", floored)
+    monkeypatch.setattr(drafting, "draft_distribution", floored)
     T = 1e-7
     row = _near_tie_row(T)
     out = _first_tokens(row, T, seed=12)
