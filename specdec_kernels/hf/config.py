@@ -9,6 +9,8 @@ import torch
 from .._params import check_temperature_value, check_top_p_ties
 from .._types import MAX_NODES, METHODS
 from . import medusa as _medusa
+from .processors import RowProcessor
+from .processors import check_processors as _check_processors
 
 DRAFTERS = ("model", "prompt_lookup", "medusa")
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
@@ -42,10 +44,15 @@ class SpecConfig:
     draft_confidence: float = 0.0  # in effect (0 unless adaptive_draft)
     exact_timing: bool = False
     draft_cost: float | str | None = None
+    row_processor: object = None  # processors.RowProcessor, or None: no logits processor (the fused path)
 
     @property
     def sampling(self) -> dict:
-        """The target's sampling as the verifier takes it (and the draft's law follows)."""
+        """The sampling the verifier applies to the target's rows (and the draft's law follows): the
+        call's temperature / top-k / top-p, or, where a RowProcessor has already applied them with
+        the processors, temperature 1 (0 when greedy) and nothing else."""
+        if self.row_processor is not None:
+            return dict(temperature=0.0 if self.greedy else 1.0, top_k=0, top_p=1.0)
         return dict(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p))
 
     @property
@@ -88,6 +95,14 @@ class SpecConfig:
         cfg.seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,)))
         cfg.adaptive_draft = bool(kw["adaptive_draft"]) and drafter == "model" and K == 1 and not compile_target
         cfg.draft_confidence = draft_confidence if cfg.adaptive_draft else 0.0
+        processors, settings = kw["logits_processor"], kw["generation_config"]
+        _check_processors(processors, cfg)
+        cfg.row_processor = RowProcessor.build(processors, settings, cfg, input_ids, attention_mask)
+        if cfg.row_processor is not None and not cfg.greedy and cfg.top_p < 1.0 and cfg.top_p_ties != "by_index":
+            raise ValueError(
+                "logits processors run generate's TopPLogitsWarper (top_p_ties='by_index'); "
+                f"top_p_ties={cfg.top_p_ties!r} cannot be honoured with them"
+            )
         return cfg
 
 

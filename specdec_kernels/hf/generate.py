@@ -64,6 +64,8 @@ def speculative_generate(
     draft_confidence: float = 0.0,
     exact_timing: bool = False,
     draft_cost: float | str | None = None,
+    logits_processor=None,
+    generation_config=None,
 ) -> SpeculativeOutput:
     """Generate with a draft model (or prompt lookup) and exact verification by the target.
 
@@ -115,6 +117,13 @@ def speculative_generate(
             ``"shapes"`` (a draft forward costs :func:`draft_cost_estimate` target forwards), or that
             relative cost as a number. Default: measured when greedy (the output does not depend on
             the lengths), shapes when sampling (timings would make seeded runs irreproducible).
+        logits_processor: a ``LogitsProcessorList`` of functions of (input_ids, scores), applied as
+            ``generate`` applies it (after ``generation_config``'s processors, before the warpers);
+            each row gets exactly the prefix it follows (``hf/processors.py``). generation_config: a
+            ``GenerationConfig`` whose processor settings (repetition_penalty, no_repeat_ngram_size,
+            min_length, min_new_tokens, bad_words_ids, sequence_bias, suppress_tokens,
+            begin_suppress_tokens, forced_eos_token_id; when sampling min_p, typical_p,
+            epsilon_cutoff, eta_cutoff) apply as in ``generate``; its other fields are not read.
 
     Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
 

@@ -20,6 +20,7 @@ from .cache import commit_paths, select_requests
 from .config import SpecConfig
 from .drafters.base import Drafter, Verified
 from .forwards import forward, prefill
+from .processors import node_paths
 from .stats import PhaseTimer, SpeculativeStats
 
 
@@ -129,7 +130,9 @@ class Session:
         A = len(prompts)
         self.batch = Batch(list(range(A)), torch.arange(A, device=device), lens - 1, config.attention_backend)
         room = min(config.max_new_tokens, 2**20) + drafter.max_tree_nodes + drafter.max_depth + 2
-        self.tokens = Tokens.start(prompts, room, device, keep_history or drafter.keeps_history)
+        self.processor = config.row_processor  # None: no logits processor (the fused path)
+        keep_history = keep_history or drafter.keeps_history or self.processor is not None
+        self.tokens = Tokens.start(prompts, room, device, keep_history)
         drafter.start(self)
 
     def check_room(self, which: str, used: int, new: int) -> None:
@@ -153,6 +156,9 @@ class Session:
         with self.timer("target"):
             tree_start = self.t_len
             logits = self._target_forward(proposal)
+            if self.processor is not None:  # each row with its own path's prefix
+                tokens, parents, _ = proposal.nodes()
+                logits = self.processor(self, logits, node_paths(tokens, parents))
         with self.timer("verify"):
             out, path = proposal.verify(logits, self.config.method, self.sampling, self.generator)
         with self.timer("commit"):

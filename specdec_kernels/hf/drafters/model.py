@@ -80,6 +80,8 @@ class ModelDrafter(Drafter):
         self.fed = (self.length, U)
         session.check_room("draft", self.length, U + (g - 1) * K)
         root_logits, meta0 = self._first_forward(session)
+        if session.processor is not None:  # the root row follows the committed tokens
+            root_logits = session.processor(session, root_logits[:, None], [[[]]] * A)[:, 0]
         gen = gen_for(session.generator, device)
         probs = None if greedy else drafting.draft_distribution(root_logits, **sampling)
         distinct = cfg.method == "rrs_wor" and K > 1
@@ -107,6 +109,8 @@ class ModelDrafter(Drafter):
             )
             logits = forward(self.model, self.cache, tokens[-1], meta, session.V)  # [A, K, V]
             self.length += K
+            if session.processor is not None:  # chain k's row follows its own drafts
+                logits = session.processor(session, logits, torch.stack(tokens, dim=2).tolist())
             probs = None if greedy else drafting.draft_distribution(logits, **sampling)
             tokens.append(drafting.sample_next_tokens(probs, logits, greedy=greedy, generator=gen))
             rows.append(probs)
