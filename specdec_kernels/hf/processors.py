@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-# Settings of a GenerationConfig that the driver applies as generate does, with their "off" test
-# (the conditions of transformers' _get_logits_processor).
+# Settings of a GenerationConfig that the driver applies as generate does (when each is on: ``_on``,
+# the conditions of transformers' _get_logits_processor); the warpers only when sampling.
 PROCESSOR_SETTINGS = (
     "sequence_bias",
     "repetition_penalty",

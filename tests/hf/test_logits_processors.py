@@ -18,7 +18,7 @@ from specdec_kernels.hf import CUSTOM_GENERATE, processors, session, speculative
 from specdec_kernels.hf.drafting import chains_tree_parents  # noqa: E402
 
 from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue  # noqa: E402
-from ._models import tiny_model  # noqa: E402
+from ._models import perfect_draft_run, tiny_model  # noqa: E402
 
 PAD = 2
 NEW = 8
@@ -128,6 +128,26 @@ def test_users_processor_greedy_equals_generate(pair):
         assert torch.equal(out.sequences, expected), drafter
 
 
+def test_medusa_tree_rows_are_processed_with_their_paths(pair):
+    """A Medusa tree: every node's target row follows its own root-to-node path (the heads' q need
+    no processing for exactness: the verifier is told the law the candidates were drawn from)."""
+    from specdec_kernels.hf import MedusaHeads
+
+    target = pair[0]
+    ids, mask = _ragged_prompts(seed=3)
+    torch.manual_seed(0)
+    heads = MedusaHeads(64, 97, num_heads=2)
+    heads.init_from_lm_head(target.get_output_embeddings())
+    kw = dict(max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=[], repetition_penalty=3.0)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    medusa = dict(drafter="medusa", medusa_heads=heads, num_draft_tokens=6, num_drafts=2)
+    settings = GenerationConfig(repetition_penalty=3.0)
+    kw.pop("repetition_penalty")
+    out = speculative_generate(target, None, ids, mask, **medusa, **kw, generation_config=settings)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.accepted > 0  # the tree's rows past the root were used
+
+
 def test_custom_generate_applies_the_settings(pair, free):
     target, draft = pair
     ids, mask = _ragged_prompts()
@@ -170,16 +190,6 @@ SAMPLES = 20_000
 ROW = [1.2, 0.6, 0.0, -0.4]  # context-free logits (V = 4); the prompt is [3]
 
 
-def _fixed_logits_model(row):
-    model = tiny_model("llama", vocab=len(row), layers=1, hidden=16, heads=2, kv_heads=1)
-    head = torch.nn.Linear(16, len(row), bias=True)
-    with torch.no_grad():
-        head.weight.zero_()
-        head.bias.copy_(torch.tensor(row, dtype=torch.float32))
-    model.lm_head = head
-    return model
-
-
 def _generate_law(procs: list, T: float, prefix_of_second=lambda x1: [3, x1]) -> torch.Tensor:
     """Joint law [V * V] of generate's first two tokens from the prompt [3] under ``procs`` then
     temperature T (computed with the processors themselves, in float64)."""
@@ -196,19 +206,11 @@ def _generate_law(procs: list, T: float, prefix_of_second=lambda x1: [3, x1]) ->
 
 
 def _pairs(procs, T, *, K=1, seed=0, **kw) -> torch.Tensor:
-    target = _fixed_logits_model(ROW)
-    out = speculative_generate(
-        target,
-        copy.deepcopy(target),  # a perfect draft: the second token's target row follows an accepted draft
-        torch.full((SAMPLES, 1), 3),
-        max_new_tokens=2,
-        num_draft_tokens=1,
-        num_drafts=K,
-        temperature=T,
-        seed=seed,
-        eos_token_id=[],
-        logits_processor=LogitsProcessorList(procs),
-        **kw,
+    """The first two tokens (as one cell id) of SAMPLES requests; with a perfect draft the second
+    token's target row follows an accepted draft."""
+    procs = LogitsProcessorList(procs)
+    out = perfect_draft_run(
+        ROW, SAMPLES, max_new_tokens=2, num_drafts=K, temperature=T, seed=seed, logits_processor=procs, **kw
     )
     return out.sequences[:, 1] * len(ROW) + out.sequences[:, 2]
 
