@@ -123,7 +123,8 @@ def speculative_generate(
             ``GenerationConfig`` whose processor settings (repetition_penalty, no_repeat_ngram_size,
             min_length, min_new_tokens, bad_words_ids, sequence_bias, suppress_tokens,
             begin_suppress_tokens, forced_eos_token_id; when sampling min_p, typical_p,
-            epsilon_cutoff, eta_cutoff) apply as in ``generate``; its other fields are not read.
+            epsilon_cutoff, eta_cutoff) apply as in ``generate``; any other setting it activates
+            that ``generate`` would act on (beams, watermarking, ...) is a ValueError naming it.
 
     Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
 
@@ -168,6 +169,10 @@ def _config(target, draft, input_ids, attention_mask, settings: dict) -> SpecCon
         raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
     full = {name: p.default for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     full.update(settings)
+    if full["generation_config"] is not None:  # what it sets beyond the processors is an error, never dropped
+        from .integration import _reject_active_settings
+
+        _reject_active_settings(full["generation_config"], input_ids.shape[1], set())
     return SpecConfig.from_arguments(target, draft, input_ids, attention_mask, **full)
 
 

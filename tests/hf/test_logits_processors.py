@@ -165,6 +165,8 @@ def test_unsupported_processors_are_a_clear_error(pair):
     prefix = lp.PrefixConstrainedLogitsProcessor(lambda b, ids: [3], 1)
     with pytest.raises(ValueError, match="PrefixConstrainedLogitsProcessor"):
         speculative_generate(target, draft, ids, mask, logits_processor=LogitsProcessorList([prefix]))
+    with pytest.raises(ValueError, match="forced_bos_token_id"):
+        speculative_generate(target, draft, ids, mask, generation_config=GenerationConfig(forced_bos_token_id=0))
     with pytest.raises(ValueError, match="top_p_ties"):
         speculative_generate(
             target, draft, ids, mask, temperature=0.7, top_p=0.9, top_p_ties="keep", logits_processor=[_Favour()]
