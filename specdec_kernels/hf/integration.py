@@ -17,12 +17,17 @@ tree) and ``specdec_method`` ("kseq", "rrs", "rrs_wor") select multi-draft verif
 is identical to plain ``generate``; sampled output is exactly target-distributed, with top-p
 keeping the tokens ``generate``'s ``TopPLogitsWarper`` keeps (``top_p_ties="by_index"``). Sampling seeds
 are drawn from torch's global generator, so ``torch.manual_seed`` makes a call reproducible.
-Anything our loop cannot honour is a ``ValueError`` naming it rather than silently ignored: beam
-search, a ``logits_processor`` / ``stopping_criteria`` list, and every logits-processor or stopping
-setting that ``generate`` would apply (``repetition_penalty``, ``min_new_tokens``, ``min_p``, ...;
-see :data:`_UNSUPPORTED`), whether passed to the call or inherited from the model's
-``generation_config.json``. A setting at its no-op value (``repetition_penalty=1.0``) is fine, and
-so is a sampling-only one (``min_p``, ``typical_p``, ...) when greedy: ``generate`` ignores it too.
+Logits processors apply as in ``generate``, each verification and draft row with the exact prefix
+it follows (``hf/processors.py``): a ``logits_processor`` list of functions of (input_ids, scores)
+and the settings ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_length``,
+``min_new_tokens``, ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``,
+``begin_suppress_tokens``, ``forced_eos_token_id`` and, when sampling, ``min_p``, ``typical_p``,
+``epsilon_cutoff``, ``eta_cutoff``. Anything our loop cannot honour is a ``ValueError`` naming it
+rather than silently ignored: beam search, a ``stopping_criteria`` list, and every other
+processor or stopping setting that ``generate`` would apply (``encoder_repetition_penalty``,
+``forced_bos_token_id``, watermarking, ``max_time``, ...; see :data:`_UNSUPPORTED`), whether passed
+to the call or inherited from the model's ``generation_config.json``. A setting at its no-op value
+is fine, and so is a sampling-only one when greedy: ``generate`` ignores it too.
 """
 
 from __future__ import annotations
@@ -66,7 +71,6 @@ def generate_with_specdec(
         raise ValueError("speculative generate needs input_ids (a [B, T] prompt, left-padded when ragged)")
     attention_mask = kwargs.pop("attention_mask", None)
     _reject_unsupported(
-        logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,
         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
         negative_prompt_ids=negative_prompt_ids,
@@ -109,6 +113,8 @@ def generate_with_specdec(
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
         streamer=streamer,
+        logits_processor=logits_processor or None,
+        generation_config=config,  # its processor settings (repetition_penalty, min_p, ...) apply as in generate
         **sampling,
     )
     if config.return_dict_in_generate:
@@ -150,40 +156,24 @@ def _positive(value, call) -> bool:
     return value is not None and value > 0
 
 
-def _inside_unit(value, call) -> bool:
-    return value is not None and 0.0 < value < 1.0
-
-
 def _when_sampling(active):
     return lambda value, call: call.sampling and active(value, call)
 
 
 # Every generation-config setting that makes ``generate`` add a logits processor, a stopping
-# criterion or another decoding mode, with when it takes effect (the conditions of transformers'
-# ``_get_logits_processor`` / ``_get_stopping_criteria``) and the value that turns it off. The
-# driver implements none of them: an active one is a ValueError naming it, never a silent change.
-# (``renormalize_logits`` is not here: a log-softmax of the final scores changes no token.)
+# criterion or another decoding mode that the driver does not implement, with when it takes effect
+# (the conditions of transformers' ``_get_logits_processor`` / ``_get_stopping_criteria``) and the
+# value that turns it off: an active one is a ValueError naming it, never a silent change. The
+# processors of ``processors.PROCESSOR_SETTINGS`` / ``WARPER_SETTINGS`` are applied (exactly, row
+# by row). (``renormalize_logits`` is not here: a log-softmax of the final scores changes no token.)
 _UNSUPPORTED = {
-    "repetition_penalty": (_differs(1.0), 1.0),
     "encoder_repetition_penalty": (_differs(1.0), 1.0),  # decoder-only: the prompt is its "encoder input"
-    "no_repeat_ngram_size": (_positive, 0),
     "encoder_no_repeat_ngram_size": (_positive, 0),
-    "bad_words_ids": (lambda v, call: _set(v), None),
-    "sequence_bias": (lambda v, call: _set(v), None),
-    "min_length": (lambda v, call: call.has_eos and v is not None and v > call.prompt_width, 0),
-    "min_new_tokens": (lambda v, call: call.has_eos and _positive(v, call), 0),
     "forced_bos_token_id": (lambda v, call: v is not None, None),
-    "forced_eos_token_id": (lambda v, call: _set(v), None),
     "remove_invalid_values": (lambda v, call: v is True, False),
     "exponential_decay_length_penalty": (lambda v, call: v is not None, None),
-    "suppress_tokens": (lambda v, call: _set(v), None),
-    "begin_suppress_tokens": (lambda v, call: _set(v), None),
     "guidance_scale": (_differs(1.0), 1.0),
     "watermarking_config": (lambda v, call: v is not None, None),
-    "min_p": (_when_sampling(lambda v, call: v is not None), None),
-    "typical_p": (_when_sampling(lambda v, call: v is not None and v < 1.0), 1.0),
-    "epsilon_cutoff": (_when_sampling(_inside_unit), 0.0),
-    "eta_cutoff": (_when_sampling(_inside_unit), 0.0),
     "top_h": (_when_sampling(lambda v, call: v is not None), None),
     # other decoding modes
     "num_beams": (_differs(1), 1),

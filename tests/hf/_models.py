@@ -51,3 +51,28 @@ def tiny_model(
     config._attn_implementation = attn
     torch.manual_seed(seed)
     return model_cls(config).eval()
+
+
+def fixed_logits_model(row: list[float]):
+    """A tiny causal LM whose logits are ``row`` at every position: a zero output layer with the row as bias."""
+    model = tiny_model("llama", vocab=len(row), layers=1, hidden=16, heads=2, kv_heads=1)
+    head = torch.nn.Linear(16, len(row), bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.copy_(torch.tensor(row, dtype=torch.float32))
+    model.lm_head = head
+    return model
+
+
+def perfect_draft_run(row: list[float], samples: int, *, max_new_tokens: int, **kw):
+    """``samples`` generations from the prompt [3] of a fixed-logits target with a perfect draft (a
+    copy of it: every token after the first follows an accepted draft); ``kw`` go to
+    speculative_generate (temperature, seed, num_drafts, ...)."""
+    import copy
+
+    from specdec_kernels.hf import speculative_generate
+
+    target = fixed_logits_model(row)
+    prompts = torch.full((samples, 1), 3)
+    kw = dict(num_draft_tokens=1, eos_token_id=[]) | kw
+    return speculative_generate(target, copy.deepcopy(target), prompts, max_new_tokens=max_new_tokens, **kw)

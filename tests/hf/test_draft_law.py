@@ -7,20 +7,17 @@ target itself) then had every draft accepted and the output followed the floored
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
 from specdec_kernels._params import MIN_TEMPERATURE  # noqa: E402
-from specdec_kernels.hf import speculative_generate  # noqa: E402
 from specdec_kernels.hf.drafting import draft_distribution  # noqa: E402
 from specdec_kernels.reference.sampling import processed_probs  # noqa: E402
 
 from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue  # noqa: E402
-from ._models import tiny_model  # noqa: E402
+from ._models import perfect_draft_run  # noqa: E402
 
 # Near ties at the temperature's scale: logits 1, 1 - s, 1 - 2s (exact in float32) and a far one.
 NEAR_TIES = {1e-7: 2.0**-23, 1e-3: 2.0**-10}
@@ -38,31 +35,9 @@ def _law(row: list[float], T: float) -> torch.Tensor:
     return torch.softmax((x - x.max()) / T, dim=0)
 
 
-def _fixed_logits_model(row: list[float]):
-    """A tiny causal LM whose logits are ``row`` at every position: a zero output layer with the row as bias."""
-    model = tiny_model("llama", vocab=len(row), layers=1, hidden=16, heads=2, kv_heads=1)
-    head = torch.nn.Linear(16, len(row), bias=True)
-    with torch.no_grad():
-        head.weight.zero_()
-        head.bias.copy_(torch.tensor(row, dtype=torch.float32))
-    model.lm_head = head
-    return model
-
-
 def _first_tokens(row: list[float], T: float, *, seed: int, num_drafts: int = 1):
     """SAMPLES one-token generations from the prompt [3] with a perfect draft (a copy of the target)."""
-    target = _fixed_logits_model(row)
-    return speculative_generate(
-        target,
-        copy.deepcopy(target),
-        torch.full((SAMPLES, 1), 3),
-        max_new_tokens=1,
-        num_draft_tokens=1,
-        num_drafts=num_drafts,
-        temperature=T,
-        seed=seed,
-        eos_token_id=[],
-    )
+    return perfect_draft_run(row, SAMPLES, max_new_tokens=1, num_drafts=num_drafts, temperature=T, seed=seed)
 
 
 @pytest.mark.parametrize("T", sorted(NEAR_TIES))
@@ -110,12 +85,12 @@ def test_output_is_exact_whatever_law_the_drafter_samples(monkeypatch):
     """The verifier is told the q the drafts were drawn from, so a drafter whose processing differs
     from the target's (here the pre-fix floored temperature, softmax(x / 1e-6)) costs acceptance,
     never exactness: chi-square (alpha 1e-6) of the first token at T = 1e-7, as above."""
-    from specdec_kernels.hf import generate
+    from specdec_kernels.hf import drafting
 
     def floored(logits, temperature, top_k, top_p):
         return torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
 
-    monkeypatch.setattr(generate, "draft_distribution", floored)
+    monkeypatch.setattr(drafting, "draft_distribution", floored)
     T = 1e-7
     row = _near_tie_row(T)
     out = _first_tokens(row, T, seed=12)

@@ -11,9 +11,9 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from specdec_kernels.hf import speculative_generate, using_tree_attention  # noqa: E402
+from specdec_kernels.hf import speculative_generate  # noqa: E402
 from specdec_kernels.hf.cache import cache_kwargs, cache_length  # noqa: E402
-from specdec_kernels.hf.generate import _Session  # noqa: E402
+from specdec_kernels.hf.generate import open_session  # noqa: E402
 from specdec_kernels.reference.sampling import processed_probs  # noqa: E402
 
 from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue  # noqa: E402
@@ -209,42 +209,28 @@ def test_eos_mid_batch(pair):
     assert (out.sequences[1, ids.shape[1] + 3 :] == PAD).all()
 
 
-@pytest.mark.parametrize("same_draft, static_len", [(False, None), (True, None), (False, 40)])
-def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft, static_len):
+@pytest.mark.parametrize("same_draft, static", [(False, False), (True, False), (False, True)])
+def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft, static):
     """After each step both caches hold exactly the committed tokens (all but the last u) in slots [0, C_b).
 
     same_draft: the draft is the target, every draft is accepted and the draft cache misses its last
-    draft (u = 2), the case that needs two tokens in the next draft forward. static_len: StaticCache
-    buffers of that many slots, which must keep their address (what CUDA graphs replay)."""
+    draft (u = 2), the case that needs two tokens in the next draft forward. static: StaticCache
+    buffers, which must keep their address (what CUDA graphs replay)."""
     target, draft = pair
     draft = copy.deepcopy(target) if same_draft else draft
     ids, mask = _ragged_prompts(seed=5)
-    prompts = [ids[b][mask[b].bool()].tolist() for b in range(3)]
-    sampling = dict(temperature=0.0, top_k=0, top_p=1.0)
-    with torch.no_grad(), using_tree_attention(target), using_tree_attention(draft):
-        session = _Session.start(
-            target,
-            draft,
-            prompts,
-            "cpu",
-            3,
-            2,
-            97,
-            "kseq",
-            sampling,
-            torch.Generator().manual_seed(0),
-            "auto",
-            static_len,
-        )
+    cache = "static" if static else "dynamic"
+    settings = dict(num_draft_tokens=3, num_drafts=2, seed=0, cache_implementation=cache, max_new_tokens=20)
+    with open_session(target, draft, ids, mask, **settings) as session:
         addresses = None
         for _ in range(2):
             result = session.step()
             if same_draft:
-                assert result.accepted == [3, 3, 3] and session.batch.uncached.tolist() == [2, 2, 2]
+                assert result.accepted == [3, 3, 3] and session.drafter.uncached.tolist() == [2, 2, 2]
             batch, tokens = session.batch, session.tokens
             for model, cache, cached in (
                 (target, session.t_cache, batch.target_cached),
-                (draft, session.d_cache, batch.draft_cached),
+                (draft, session.drafter.cache, session.drafter.cached),
             ):
                 assert cache_length(cache) == int(cached.max())
                 for b in range(3):
@@ -257,9 +243,9 @@ def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft, static_len):
                         torch.testing.assert_close(
                             layer.values[b : b + 1, :, :n], fresh_layer.values, atol=1e-5, rtol=1e-5
                         )
-            if static_len is not None:
+            if static:
                 now = [(layer.keys.data_ptr(), layer.keys.shape[2]) for layer in session.t_cache.layers]
-                assert all(length == static_len for _, length in now)
+                assert all(length == session.static_len for _, length in now)
                 assert addresses is None or now == addresses
                 addresses = now
 

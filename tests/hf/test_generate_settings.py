@@ -1,11 +1,12 @@
 """generate(custom_generate=...) never drops a logits-processor, decoding-mode or stopping setting:
-each one that plain ``generate`` would apply is a ValueError naming it, whether passed to the call
-or inherited from the model's generation config; at its no-op value it is accepted."""
+each one that plain ``generate`` would apply and the driver does not implement is a ValueError naming
+it, whether passed to the call or inherited from the model's generation config; at its no-op value
+it is accepted. (The processors the driver applies: tests/hf/test_logits_processors.py.)"""
 
 import pytest
 import torch
 
-from specdec_kernels.hf import CUSTOM_GENERATE, speculative_generate
+from specdec_kernels.hf import CUSTOM_GENERATE
 
 from ._models import tiny_model
 
@@ -15,26 +16,13 @@ PROMPT = torch.tensor([[5, 9, 14, 5, 9, 22]])  # width 6; the tiny models' EOS i
 
 # (setting, a value generate would act on, its no-op value, whether the call samples)
 SETTINGS = [
-    ("repetition_penalty", 5.0, 1.0, False),
     ("encoder_repetition_penalty", 1.5, 1.0, False),
-    ("no_repeat_ngram_size", 2, 0, False),
     ("encoder_no_repeat_ngram_size", 2, 0, False),
-    ("bad_words_ids", [[7]], None, False),
-    ("sequence_bias", {(7,): -10.0}, None, False),
-    ("min_length", 30, 0, False),
-    ("min_new_tokens", 24, 0, False),
     ("forced_bos_token_id", 0, None, False),
-    ("forced_eos_token_id", 1, None, False),
     ("remove_invalid_values", True, False, False),
     ("exponential_decay_length_penalty", (2, 1.5), None, False),
-    ("suppress_tokens", [7], None, False),
-    ("begin_suppress_tokens", [7], None, False),
     ("guidance_scale", 1.5, 1.0, False),
     ("watermarking_config", {"bias": 2.0}, None, False),
-    ("min_p", 0.5, None, True),
-    ("typical_p", 0.5, 1.0, True),
-    ("epsilon_cutoff", 0.01, 0.0, True),
-    ("eta_cutoff", 0.01, 0.0, True),
     ("top_h", 0.5, None, True),
     ("num_beams", 2, 1, False),
     ("num_beam_groups", 2, 1, False),
@@ -53,7 +41,13 @@ SETTINGS = [
 ]
 IDS = [s[0] for s in SETTINGS]
 # warpers: generate applies them only when sampling
-SAMPLING_ONLY = [s for s in SETTINGS if s[0] in ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")]
+SAMPLING_ONLY = [
+    ("min_p", 0.5, None, True),
+    ("typical_p", 0.5, 1.0, True),
+    ("epsilon_cutoff", 0.01, 0.0, True),
+    ("eta_cutoff", 0.01, 0.0, True),
+    ("top_h", 0.5, None, True),
+]
 
 
 def _spec(model, **kw):
@@ -125,13 +119,29 @@ def test_renormalize_logits_changes_no_token(model):
     assert torch.equal(_spec(model, renormalize_logits=True), expected)
 
 
-def test_logits_processor_list_is_a_clear_error(model):
+# Processor settings the driver applies: greedy output equals generate's with them
+APPLIED = [
+    ("repetition_penalty", 5.0),
+    ("no_repeat_ngram_size", 2),
+    ("bad_words_ids", [[7]]),
+    ("sequence_bias", {(7,): -10.0}),
+    ("min_length", 30),
+    ("min_new_tokens", 24),
+    ("forced_eos_token_id", 1),
+    ("suppress_tokens", [7]),
+    ("begin_suppress_tokens", [7]),
+]
+
+
+@pytest.mark.parametrize("name, value", APPLIED, ids=[a[0] for a in APPLIED])
+def test_applied_setting_equals_generate(model, name, value):
+    expected = model.generate(PROMPT, max_new_tokens=3, do_sample=False, **{name: value})
+    assert torch.equal(_spec(model, **{name: value}), expected)
+
+
+def test_logits_processor_list_is_applied(model):
     from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-    with pytest.raises(ValueError, match="logits_processor"):
-        _spec(model, logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(5.0)]))
-
-
-def test_driver_takes_no_logits_processor(model):
-    with pytest.raises(TypeError, match="logits_processor"):
-        speculative_generate(model, None, PROMPT, drafter="prompt_lookup", logits_processor=[])
+    procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(5.0)])
+    expected = model.generate(PROMPT, max_new_tokens=3, do_sample=False, logits_processor=procs)
+    assert torch.equal(_spec(model, logits_processor=procs), expected)

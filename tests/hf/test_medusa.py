@@ -144,24 +144,18 @@ def test_heads_read_the_hidden_state_before_the_root(target, fitted_heads, tempe
     """Before every step the heads' input is the hidden state the target computes at the token before
     the root (the last committed token), taken from the previous verification forward (or the
     prefill): equal to a fresh forward over the committed tokens."""
-    from specdec_kernels.hf import using_tree_attention
-    from specdec_kernels.hf.generate import _lm_head_input, _Session
+    from specdec_kernels.hf.generate import open_session
 
     ids, mask = _ragged_prompts(seed=4)
-    prompts = [ids[b][mask[b].bool()].tolist() for b in range(3)]
-    sampling = dict(temperature=temperature, top_k=0, top_p=1.0)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad(), using_tree_attention(target), _lm_head_input(target) as capture:
-        session = _Session.start(
-            target, None, prompts, "cpu", 12, 3, 97, "rrs_wor", sampling, gen, "auto", medusa=(fitted_heads, capture)
-        )
+    settings = dict(drafter="medusa", medusa_heads=fitted_heads, num_draft_tokens=12, num_drafts=3)
+    with open_session(target, None, ids, mask, temperature=temperature, seed=0, **settings) as session:
         accepted = 0
         for _ in range(3):
             tokens = session.tokens
             for b in range(3):
                 n = int(tokens.length[b])
                 fresh = target.model(input_ids=tokens.seq[b : b + 1, : n - 1]).last_hidden_state[0, -1]
-                torch.testing.assert_close(session.hidden[b], fresh, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(session.drafter.hidden[b], fresh, atol=1e-4, rtol=1e-4)
             accepted += sum(session.step().accepted)
     assert accepted > 0
 

@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from specdec_kernels.hf import generate as driver
+from specdec_kernels.hf import session as driver
 from specdec_kernels.hf import speculative_generate
 
 from ._models import tiny_model
@@ -46,7 +46,7 @@ def syncs_per_step(monkeypatch):
     """Counts the host synchronisations of every driver step (prefill and output excluded); yields
     the list that receives one count per step."""
     counter, per_step = [0, False], []  # syncs, counting on
-    step = driver._Session.step
+    step = driver.Session.step
 
     def counted_step(self, g=None):
         counter[0], counter[1] = 0, True
@@ -56,7 +56,7 @@ def syncs_per_step(monkeypatch):
             counter[1] = False
             per_step.append(counter[0])
 
-    monkeypatch.setattr(driver._Session, "step", counted_step)
+    monkeypatch.setattr(driver.Session, "step", counted_step)
     with _count_syncs(counter):
         yield per_step
 
