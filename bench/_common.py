@@ -315,6 +315,19 @@ def _read_csv(path: Path) -> tuple[list[str], list[dict]]:
         return list(reader.fieldnames or []), list(reader)
 
 
+def replace_commit_rows_csv(path: str | os.PathLike, rows: Sequence[Mapping], columns: Sequence[str]) -> None:
+    """One section per commit: drop the CSV's rows of the commit ``rows`` carry, then append them
+    (a rerun at the same commit replaces its section instead of doubling it)."""
+    path = Path(path)
+    commits = {str(r.get("commit")) for r in rows}
+    if path.exists() and path.stat().st_size > 0:
+        old_columns, old_rows = _read_csv(path)
+        kept = [r for r in old_rows if r.get("commit") not in commits]
+        merged = old_columns + [c for c in columns if c not in old_columns]
+        _write_csv(path, merged, kept, mode="w", header=True)
+    append_rows_csv(path, rows, columns)
+
+
 def append_rows_csv(path: str | os.PathLike, rows: Iterable[Mapping], columns: Sequence[str] | None = None) -> None:
     """Append ``rows`` to the CSV at ``path``; create it (and its folder) with a header if missing.
 

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -50,6 +51,9 @@ from bench._common import environment_metadata, print_table  # noqa: E402
 
 H100 = dict(sms=132, regs=65536, smem=228 * 1024, threads=2048, ctas=32, warps=64, hbm=3.35e12, ghz=1.755)
 BIN = None  # Triton's bundled CUDA tools, found lazily
+# The calls' seed: random-looking, as a user's. Triton would specialise a seed of 1 into a constant
+# (and 16-divisible ones into aligned values), compiling kernels that real calls never run.
+STATIC_SEED = 2**31 + 5
 COLUMNS = [
     "date",
     "commit",
@@ -61,6 +65,7 @@ COLUMNS = [
     "config",
     "regs",
     "spill_bytes",
+    "local_ops",
     "stack",
     "smem",
     "occupancy",
@@ -160,6 +165,7 @@ def compile_sm90(launch: Launch):
         kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         path = Path(tempfile.mkdtemp()) / "k.cubin"
         path.write_bytes(kernel.asm["cubin"])
+        path.with_suffix(".ptx").write_text(kernel.asm["ptx"])
         _COMPILED[key] = (path, kernel.metadata)
     return _COMPILED[key]
 
@@ -171,10 +177,43 @@ def _tool(name: str) -> str:
 
 
 def resources(cubin: Path) -> dict:
+    """Registers, stack frame and spills of a compiled kernel. cuobjdump's LOCAL column is 0 when
+    the spills live in the stack frame, so spills come from ptxas's own report on the kernel's PTX
+    (``ptxas_report``), and ``local_ops`` counts the LDL / STL instructions of the SASS."""
     out = subprocess.run([_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
     line = next(line for line in out.splitlines() if "REG:" in line)
     fields = dict(re.findall(r"([A-Z]+(?:\[0\])?):(\d+)", line))
-    return {"regs": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"])}
+    found = {"regs": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"])}
+    ptx = cubin.with_suffix(".ptx")
+    report = ptxas_report(ptx.read_text()) if ptx.exists() else {}
+    found["spill"] = max(found["local"], report.get("spill_stores", 0), report.get("spill_loads", 0))
+    found["stack"] = max(found["stack"], report.get("stack", 0))
+    found["local_ops"] = local_memory_instructions(cubin)
+    return found
+
+
+def ptxas_report(ptx: str, arch: str = "sm_90a") -> dict:
+    """ptxas -v's figures for the (single) kernel of `ptx`: stack frame, spill stores and loads."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        # Triton's own ptxas command (backends/nvidia/compiler.py make_cubin), where this ptxas knows it
+        flags = [["-lineinfo", "--regAllocOptLevel=2"], []]
+        for ptxas, extra in itertools.product(("ptxas-blackwell", "ptxas"), flags):
+            cmd = [_tool(ptxas), *extra, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(tmp) / "k.o")]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode == 0:
+                return parse_ptxas(done.stdout + done.stderr)
+    return {}
+
+
+def parse_ptxas(text: str) -> dict:
+    """{stack, spill_stores, spill_loads} (bytes) from ptxas -v's output; {} when it printed none."""
+    found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if not found:
+        return {}
+    stack, stores, loads = map(int, found.groups())
+    return {"stack": stack, "spill_stores": stores, "spill_loads": loads}
 
 
 def sass_loops(cubin: Path, innermost: bool = True) -> list[dict]:
@@ -325,7 +364,8 @@ def launch_row(case: dict, launch: Launch) -> dict:
             f"{k}={v}" for k, v in launch.kwargs.items() if k.startswith(("BLOCK", "FILTER", "num_")) and v is not None
         ),
         "regs": res["regs"],
-        "spill_bytes": res["local"],
+        "spill_bytes": res["spill"],
+        "local_ops": res["local_ops"],
         "stack": res["stack"],
         "smem": smem,
         "occupancy": round(occ, 3),
@@ -380,7 +420,7 @@ def capture_chain(case: dict) -> list[Launch]:
         "probs": {"draft_probs": torch.empty(B, G, V, dtype=torch.float32)},
         "none": {},
     }[case["draft"]]
-    kw = dict(temperature=case["temperature"], top_k=case["top_k"], top_p=case["top_p"], seed=1)
+    kw = dict(temperature=case["temperature"], top_k=case["top_k"], top_p=case["top_p"], seed=STATIC_SEED)
     kw["top_p_ties"] = case.get("top_p_ties", "keep")
     with plan_as_gpu(H100["sms"]), captured_launches() as launches:
         sk.verify(target, tokens, **draft, **kw, validate=False, backend="triton")
@@ -594,7 +634,8 @@ def capture_tree(case: dict) -> list[Launch]:
     from specdec_kernels._interpreter import plan_as_gpu
 
     B, V = case["B"], case["V"]
-    kw = dict(temperature=case["temperature"], seed=1, method=case["method"], validate=False, backend="triton")
+    kw = dict(temperature=case["temperature"], seed=STATIC_SEED, method=case["method"], validate=False)
+    kw["backend"] = "triton"
     with plan_as_gpu(H100["sms"]), captured_launches() as launches:
         if case["op"] == "verify_multi":
             K, G = case["K"], case["G"]
@@ -885,18 +926,20 @@ def main(argv=None) -> int:
     rows += run_tree(args.smoke) if args.cases in ("all", "tree") else []
     print("# static model, sm_90 (H100 SXM: 132 SMs, 3.35 TB/s): *estimates*, not measurements")
     print_table(
-        rows, ["case", "kernel", "grid", "regs", "stack", "occupancy", "sass_per_entry", "passes", "estimate_us"]
+        rows, ["case", "kernel", "grid", "regs", "spill_bytes", "stack", "occupancy", "sass_per_entry", "estimate_us"]
     )
     if args.csrc and not args.smoke:
         csrc = csrc_rows(environment_metadata("cpu"))
         print("# csrc (CUDA C++ backend), sm_90: " + (f"{len(csrc)} kernels" if csrc else "nvcc not found"))
         print_table(csrc, ["kernel", "regs", "spill_bytes", "stack", "smem", "occupancy", "limiter"])
         rows += csrc
-    if not args.smoke:
-        from bench._common import append_rows_csv
+    if not args.smoke and args.cases == "all" and args.csrc:
+        from bench._common import replace_commit_rows_csv
 
-        append_rows_csv(args.csv, rows, COLUMNS)
-        print(f"{len(rows)} rows appended to {args.csv}")
+        replace_commit_rows_csv(args.csv, rows, COLUMNS)
+        print(f"{len(rows)} rows: the section of commit {rows[0]['commit']} in {args.csv}")
+    elif not args.smoke:
+        print(f"not written to {args.csv}: a commit's section holds every case (run without --cases / --no-csrc)")
     return 0
 
 

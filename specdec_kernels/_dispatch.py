@@ -7,7 +7,7 @@ it: the public functions (``api``), which check their arguments and call :func:`
 
 Backends, ``backend="auto" | "triton" | "cuda" | "cpu" | "vectorized" | "torch"``:
 
-* ``"triton"``: the fused Triton kernels (``ops/verify.py``, ``ops/verify_tree.py``); on CPU tensors
+* ``"triton"``: the fused Triton kernels (``ops/triton/``); on CPU tensors
   they run in Triton's interpreter (slow; tests ask for it explicitly).
 * ``"cuda"``:   the CUDA C++ kernels of ``csrc/`` (chain and tree verification). Needs a GPU and the
   compiled extension: built by ``SPECDEC_BUILD_CUDA=1 pip install --no-build-isolation -e .`` or just in
@@ -15,8 +15,8 @@ Backends, ``backend="auto" | "triton" | "cuda" | "cpu" | "vectorized" | "torch"`
 * ``"cpu"``:    the same csrc core compiled for the host (-O3, OpenMP over rows and vocab chunks), for
   CPU tensors; built just in time on first use (about a minute, cached) or by
   ``SPECDEC_BUILD_CPU=1 pip install --no-build-isolation -e .``.
-* ``"vectorized"``: batched PyTorch tensor ops (``ops/verify_vectorized.py``, the tree walk in
-  ``ops/verify_tree_vectorized.py``): no compiler needed, no Python loop over requests, the
+* ``"vectorized"``: batched PyTorch tensor ops (``ops/vectorized/chain.py``, the tree walk in
+  ``ops/vectorized/tree.py``): no compiler needed, no Python loop over requests, the
   reference's tokens.
 * ``"torch"``:  the plain-PyTorch references of ``specdec_kernels.reference`` (float64 loops; slow,
   the specification).
@@ -47,10 +47,10 @@ from ._tree_args import TreeArgs, validate_sharded_tree_values
 from ._types import BACKENDS, TreeVerifyOutput, VerifyOutput
 from ._validation import VerifyArgs, validate_sharded_verify_values
 from .ops import _cuda_ext, vocab_parallel
-from .ops.verify import launch_verify
-from .ops.verify_tree import launch_tree
-from .ops.verify_tree_vectorized import verify_tree_vectorized
-from .ops.verify_vectorized import verify_vectorized
+from .ops.triton.chain import launch_verify
+from .ops.triton.tree import launch_tree
+from .ops.vectorized.chain import verify_vectorized
+from .ops.vectorized.tree import verify_tree_vectorized
 from .reference.verify import verify_checked as reference_verify
 from .reference.verify_tree import verify_tree_checked as reference_tree
 

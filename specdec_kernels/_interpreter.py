@@ -32,7 +32,7 @@ def require_triton_device(device, what: str) -> None:
     """ValueError unless the Triton kernels of ``what`` can run on ``device``: CUDA tensors, or any
     tensors while the interpreter is on (no CUDA, or TRITON_INTERPRET=1 set before the import).
     Without it a CPU tensor on a machine with a GPU reached the compiled launcher and failed there."""
-    if device.type == "cuda" or interpreter_requested() or _PLAN_AS_GPU.get() is not None:
+    if device.type == "cuda" or interpreter_requested() or planned_as_gpu():
         return
     raise ValueError(
         f"{what}: the Triton kernels need CUDA tensors, got {device.type} tensors. On {device.type} tensors "
@@ -58,9 +58,14 @@ def plan_as_gpu(sms: int = 132):
         _PLAN_AS_GPU.reset(token)
 
 
+def planned_as_gpu() -> bool:
+    """Whether ``plan_as_gpu`` is active: launchers take the path a CUDA call takes."""
+    return _PLAN_AS_GPU.get() is not None
+
+
 def plans_for_interpreter(device) -> bool:
     """Whether launches on `device` get the interpreter's plan (big tiles, no vocabulary split)."""
-    if _PLAN_AS_GPU.get() is not None:
+    if planned_as_gpu():
         return False
     return interpreter_requested() or device.type != "cuda"
 

@@ -203,3 +203,22 @@ def test_cache_kwargs_follow_the_forward_signature():
 
     assert cache_kwargs(Renamed(), "C") == {"cache": "C"}
     assert cache_kwargs(Older(), "C") == {"past_key_values": "C"}
+
+
+@pytest.mark.parametrize(
+    "flag, value, drivers_words",
+    [("--top-p", "1.5", "--top-p must be in (0, 1]"), ("--seed", "-3", "--seed must be an int in [0, 2**64)")],
+)
+def test_generate_reports_the_drivers_own_check(flag, value, drivers_words, capsys):
+    """One place for each rule: the CLI does not re-check what speculative_generate checks, it names
+    the flag in the driver's message."""
+    assert main(["generate", "--target", "demo", "--prompt", "x", flag, value, "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert drivers_words in captured.err and captured.out == "", captured
+
+
+def test_python_dash_m_is_the_console_script():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "specdec_kernels.cli"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "verify-demo" in done.stdout, done.stderr

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "specdec_kernels"
 # Lowest first. A module may import its own layer or lower ones.
 LAYERS = [
     # 0: names, argument checking, sampling parameters, Triton device helpers
-    {"_interpreter", "_types", "_params", "_validation", "_tree_args", "ops._triton_helpers"},
+    {"_interpreter", "_types", "_params", "_validation", "_tree_args", "ops.triton.helpers"},
     # 1: kernels and launchers (one file per op), the csrc loader, the references
     {"ops", "ops.*", "reference", "reference.*", "_csrc_cuda", "_csrc_cpu"},
     # 2: backend choice and torch.library registration
@@ -22,7 +22,7 @@ LAYERS = [
     # 3: the public functions and the package itself
     {"api", ""},
     # 4: applications
-    {"hf", "hf.*", "cli", "demo", "demo.*"},
+    {"hf", "hf.*", "cli", "cli.*", "demo", "demo.*"},
 ]
 
 

@@ -156,6 +156,34 @@ def _element_size(ptrs) -> int:
     return ptrs.get_element_ty().primitive_bitwidth // 8
 
 
+def test_ptxas_report_is_parsed():
+    """Spills come from ptxas's report (cuobjdump's LOCAL column is 0 when they live in the stack)."""
+    text = "ptxas info    : Used 128 registers, 16 bytes stack frame, 12 bytes spill stores, 8 bytes spill loads"
+    assert bench_static.parse_ptxas(text) == {"stack": 16, "spill_stores": 12, "spill_loads": 8}
+    assert bench_static.parse_ptxas("ptxas fatal   : Unsupported .version") == {}
+
+
+def test_static_calls_use_a_seed_triton_does_not_specialise():
+    """seed=1 (or a multiple of 16) would compile kernels real calls never run."""
+    assert bench_static.STATIC_SEED != 1 and bench_static.STATIC_SEED % 16 != 0
+
+
+def test_static_model_captures_the_tree_metadata_launch_a_gpu_call_makes(monkeypatch):
+    """Under plan_as_gpu, tree_attention's metadata takes the Triton launch (CPU tensors would
+    otherwise take the PyTorch path and the model would miss a launch of every GPU call)."""
+    from specdec_kernels._interpreter import plan_as_gpu
+
+    module = sys.modules["specdec_kernels.ops.tree_metadata"]  # the package re-exports the function's name
+    paths = []
+    monkeypatch.setattr(module, "_tree_metadata_triton", lambda *a: paths.append("triton"))
+    monkeypatch.setattr(module, "_tree_metadata_torch", lambda *a: paths.append("torch"))
+    parents = torch.tensor([[-1, 0, 0, 1]])
+    sk.tree_metadata(parents, validate=False)
+    with plan_as_gpu(132):
+        sk.tree_metadata(parents, validate=False)
+    assert paths == ["torch", "triton"]
+
+
 def test_occupancy_model():
     assert bench_static.occupancy(128, 0, 8) == (0.25, "registers", 2)
     assert bench_static.occupancy(16, 0, 1)[1] == "CTAs"

@@ -43,8 +43,8 @@ from .._interpreter import interpreter_requested, multiprocessors, plans_for_int
 from .._params import FLOAT_DTYPES, INT_DTYPES
 from .._types import MAX_NODES
 from .._validation import _capturing, _require
-from ._triton_helpers import cdiv, next_pow2
 from .tree_metadata import check_parents, tree_metadata
+from .triton.helpers import cdiv, next_pow2
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -158,7 +158,7 @@ def _tree_tile(
     return m_i, l_i, acc, row_bad
 
 
-@triton.jit(do_not_specialize=["S"])  # per-call scalars: _triton_helpers
+@triton.jit(do_not_specialize=["S"])  # per-call scalars: triton/helpers.py
 def _tree_attention_kernel(
     # pointers
     q_ptr,  # [B, Hq, Nq, D] fp32 | fp16 | bf16, last dim contiguous
@@ -315,7 +315,7 @@ def _tree_attention_kernel(
         tl.store(ml_ptrs + 1, l_out, mask=r_ok)
 
 
-@triton.jit(do_not_specialize=["NUM_SPLITS"])  # per-call scalars: _triton_helpers
+@triton.jit(do_not_specialize=["NUM_SPLITS"])  # per-call scalars: triton/helpers.py
 def _tree_attention_combine_kernel(
     part_acc_ptr,  # [B * Hq * Nq, NUM_SPLITS, BLOCK_D] q's dtype: each split's normalised output
     part_ml_ptr,  # [B * Hq * Nq, NUM_SPLITS, 2] fp32: each split's running max (log2 units) and sum

@@ -10,14 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .._interpreter import plans_for_interpreter, require_triton_device
+from .._interpreter import planned_as_gpu, plans_for_interpreter, require_triton_device
 from .._params import INT_DTYPES
 from .._types import MAX_NODES, TreeMetadata
 from .._validation import _capturing, _check_tensor, _require
-from ._triton_helpers import cdiv, next_pow2
+from .triton.helpers import cdiv, next_pow2
 
 
-@triton.jit(do_not_specialize=["B"])  # per-call scalars: _triton_helpers
+@triton.jit(do_not_specialize=["B"])  # per-call scalars: triton/helpers.py
 def _tree_metadata_kernel(
     parents_ptr,  # [B, N] int
     num_nodes_ptr,  # [B] int (PER_REQ_N)
@@ -94,7 +94,9 @@ def tree_metadata(
     if validate and B > 0 and N > 0 and not _capturing(parents.device) and not torch.compiler.is_compiling():
         check_parents(parents, num_nodes)
     # Under torch.compile the PyTorch path is traced into the graph (a Triton launch is not traceable).
-    if backend == "torch" or (backend == "auto" and (parents.device.type != "cuda" or torch.compiler.is_compiling())):
+    # plan_as_gpu (the static model): the launch a CUDA call makes.
+    on_gpu = parents.device.type == "cuda" or planned_as_gpu()
+    if backend == "torch" or (backend == "auto" and (not on_gpu or torch.compiler.is_compiling())):
         return _tree_metadata_torch(parents, num_nodes)
     return _tree_metadata_triton(parents, num_nodes)
 

@@ -12,7 +12,7 @@ import torch
 from .._types import DRAFT_LOGITS, DRAFT_PROBS
 from .philox import philox4x32, uniform_open
 
-# Third Philox counter word (must match ops/_triton_helpers.py).
+# Third Philox counter word (must match ops/triton/helpers.py).
 PURPOSE_ACCEPT = 0
 PURPOSE_RECOVER = 1
 PURPOSE_BONUS = 2

@@ -8,7 +8,9 @@ catches those breaks in CI. Usage: python -m tests.ops._compile_kernels [verify 
 import importlib
 import itertools
 import os
+import pkgutil
 import sys
+from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "0"
 
@@ -35,8 +37,18 @@ def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int = 4) -> Non
         triton_compile(ASTSource(fn, signature, const), target=target, options={"num_warps": num_warps})
 
 
+def triton_kernels() -> SimpleNamespace:
+    """Every module-level name of the Triton backend's modules (specdec_kernels.ops.triton), so
+    the lists below name kernels without caring which module of the backend defines them."""
+    package = importlib.import_module("specdec_kernels.ops.triton")
+    found = {}
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        found.update(vars(importlib.import_module(info.name)))
+    return SimpleNamespace(**found)
+
+
 def verify_kernels():
-    v = importlib.import_module("specdec_kernels.ops.verify")
+    v = triton_kernels()
     ints = {
         "num_draft_ptr": "*i32",
         "top_k_ptr": "*i64",
@@ -114,7 +126,7 @@ def verify_kernels():
 
 
 def tree_kernels():
-    v = importlib.import_module("specdec_kernels.ops.verify_tree")
+    v = triton_kernels()
     types = {
         "target_ptr": "*bf16",
         "tokens_ptr": "*i64",

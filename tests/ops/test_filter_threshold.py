@@ -1,4 +1,4 @@
-"""The radix-select top-k / top-p thresholds (ops/_thresholds.filter_threshold) against the
+"""The radix-select top-k / top-p thresholds (ops/triton/thresholds.filter_threshold) against the
 reference's sort-based definition (reference/sampling.filter_threshold), value for value.
 
 Cases that break selection code: ties at the boundary, all-equal rows, runs of -inf, NaN entries,
@@ -10,8 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec_kernels.ops._thresholds import bisect_threshold, chunk_candidates, filter_threshold, select_candidates
-from specdec_kernels.ops._triton_helpers import inverse_temperature
+from specdec_kernels.ops.triton.helpers import inverse_temperature
+from specdec_kernels.ops.triton.thresholds import (
+    bisect_threshold,
+    chunk_candidates,
+    filter_threshold,
+    select_candidates,
+)
 
 from ._inputs import THRESHOLD_SETTINGS, reference_thresholds
 
@@ -170,7 +175,7 @@ def test_a_wrong_threshold_is_caught():
 
 
 # --------------------------------------------------------------------------------------------
-# The split path of ops/verify.py: candidates per vocabulary chunk (chunk_candidates), then the
+# The split path of ops/triton/row_pass.py: candidates per vocabulary chunk (chunk_candidates), then the
 # selection among them (select_candidates), with the bisection over the row where they do not
 # decide a row - here with tiny chunks, few candidate slots and few bins, so that the union bound,
 # the far bin and the fallback are all exercised.

@@ -15,8 +15,8 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels._dispatch import launch_overrides
 from specdec_kernels._params import TOP_P_TIES, SamplingParams
-from specdec_kernels.ops.verify_vectorized import processed_probs as vectorized_probs
-from specdec_kernels.ops.verify_vectorized import sanitize
+from specdec_kernels.ops.vectorized.chain import processed_probs as vectorized_probs
+from specdec_kernels.ops.vectorized.chain import sanitize
 from specdec_kernels.reference.sampling import filter_threshold, kept_entries, processed_probs
 
 from ._stats import ALPHA, chi_square_power, chi_square_pvalue

@@ -21,7 +21,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import _dispatch
 from specdec_kernels.ops import _cuda_ext
-from specdec_kernels.ops.verify_vectorized import philox, race_noise_at, race_noise_dense
+from specdec_kernels.ops.vectorized.chain import philox, race_noise_at, race_noise_dense
 from specdec_kernels.reference import verify_multi_reference, verify_reference, verify_tree_reference
 from specdec_kernels.reference.philox import philox4x32
 from specdec_kernels.reference.sampling import race_uniforms

@@ -113,7 +113,7 @@ def test_gpu_plan_fills_an_h100(B, V):
     """Launch plan on a GPU with 132 SMs (computed from shapes, no GPU needed): the row pass has
     >= 132 programs and the accept kernel >= 66, also at B = 1 (vocabulary chunks)."""
     from specdec_kernels._validation import check_verify_args
-    from specdec_kernels.ops.verify import gpu_plan
+    from specdec_kernels.ops.triton.chain import gpu_plan
 
     G = 4
     target = torch.empty(B, G + 1, V, device="meta", dtype=torch.bfloat16)

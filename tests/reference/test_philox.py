@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec_kernels.ops._triton_helpers import race_noise, uniform_open
+from specdec_kernels.ops.triton.helpers import race_noise, uniform_open
 from specdec_kernels.reference.philox import philox4x32
 from specdec_kernels.reference.philox import uniform_open as uniform_open_np
 from specdec_kernels.reference.sampling import race_uniforms

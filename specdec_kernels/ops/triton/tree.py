@@ -34,11 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .._interpreter import multiprocessors, plans_for_interpreter
-from .._tree_args import TreeArgs
-from .._types import METHODS, TreeVerifyOutput
-from ..reference import verify_tree as _ref_tree
-from ._triton_helpers import (
+from ..._interpreter import multiprocessors, plans_for_interpreter
+from ..._tree_args import TreeArgs
+from ..._types import METHODS, TreeVerifyOutput
+from ...reference import verify_tree as _ref_tree
+from .helpers import (
     DRAFT_LOGITS,
     DRAFT_NONE,
     DRAFT_PROBS,
@@ -61,7 +61,7 @@ from ._triton_helpers import (
     safe_max,
     uniform_open,
 )
-from .verify import (
+from .row_pass import (
     CUT_Q,
     CUT_T,
     IDX_GREEDY,
@@ -80,11 +80,11 @@ from .verify import (
     STAT_Z_T,
     THR_Q,
     THR_T,
-    _prob_of,
     _verify_row_stats_kernel,
     launch_threshold_phases,
     load_cut,
     merge_chunk_stats,
+    prob_of,
     threshold_plan,
 )
 
@@ -164,10 +164,10 @@ def _position_tiles(
     """(target logits, p, q) on a [BB, BLOCK_V] tile of the position's target and draft rows
     (the draft row is read where lane_q holds)."""
     xt, _bad_t = load_logits(t_row[:, None] + cols, lane)
-    pv = _prob_of(xt, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None], cols, cut_t[:, None], BY_INDEX)
+    pv = prob_of(xt, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None], cols, cut_t[:, None], BY_INDEX)
     if DRAFT_MODE == DRAFT_LOGITS:
         xq, _bad_q = load_logits(d_row[:, None] + cols, lane_q)
-        qv = _prob_of(xq, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None], cols, cut_q[:, None], BY_INDEX)
+        qv = prob_of(xq, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None], cols, cut_q[:, None], BY_INDEX)
     elif DRAFT_MODE == DRAFT_PROBS:
         qv, _bad_qv = load_probs(d_row[:, None] + cols, lane_q)
     else:
@@ -198,7 +198,7 @@ def _rrs_residual(p, q, steps, zs, xs, ds, x_ids, cols, WOR: tl.constexpr):
     return r
 
 
-@triton.jit(do_not_specialize=["B"])  # per-call scalars: _triton_helpers
+@triton.jit(do_not_specialize=["B"])  # per-call scalars: triton/helpers.py
 def _tree_positions_kernel(
     # pointers
     tokens_ptr,  # [B, K, G] int: node tokens (node = chain * G + slot)
@@ -401,7 +401,7 @@ def _rho_active(pos_ptr, temperature_ptr, brk_ptr, pos, in_range, b, rnd, temper
     return k, active
 
 
-@triton.jit(do_not_specialize=["B", "num_chunks", "rnd"])  # per-call scalars: _triton_helpers
+@triton.jit(do_not_specialize=["B", "num_chunks", "rnd"])  # per-call scalars: triton/helpers.py
 def _tree_rho_step_kernel(
     # pointers
     temperature_ptr,  # [B] float (PER_REQ_T)
@@ -451,7 +451,7 @@ def _tree_rho_step_kernel(
         tl.store(rec[:, None] + RB_PTS + pts_i, nxt, mask=active[:, None])
 
 
-@triton.jit(do_not_specialize=["B", "num_chunks", "rnd"])  # per-call scalars: _triton_helpers
+@triton.jit(do_not_specialize=["B", "num_chunks", "rnd"])  # per-call scalars: triton/helpers.py
 def _tree_rho_kernel(
     # pointers
     target_ptr,  # [B, K, G+1, V] raw target logits
@@ -573,7 +573,7 @@ def _tree_rho_kernel(
         tl.store(sums_ptr + (pos[:, None] * num_chunks + chunk) * RHO_P + pts_i, sums, mask=active[:, None])
 
 
-@triton.jit(do_not_specialize=["B", "num_chunks", "rnd"])  # per-call scalars: _triton_helpers
+@triton.jit(do_not_specialize=["B", "num_chunks", "rnd"])  # per-call scalars: triton/helpers.py
 def _tree_rrs_kernel(
     # pointers
     target_ptr,  # [B, K, G+1, V] raw target logits
@@ -658,7 +658,7 @@ def _tree_rrs_kernel(
             if WOR:
                 if DRAFT_MODE == DRAFT_LOGITS:
                     xq, _bad = load_logits(d_row + x_j, active)
-                    q_x = _prob_of(xq, m_q, z_q, thr_q, inv_t, x_j, cut_q, BY_INDEX)
+                    q_x = prob_of(xq, m_q, z_q, thr_q, inv_t, x_j, cut_q, BY_INDEX)
                 else:
                     q_x, _bad = load_probs(d_row + x_j, active)
                 d_now = tl.sum(tl.where(ranks == j, ds, 0.0), axis=1)
@@ -682,7 +682,7 @@ def _tree_rrs_kernel(
         tl.store(sums_ptr + ((rnd - 1) * P + pos) * num_chunks + chunk, tl.sum(acc, axis=1), mask=active)
 
 
-@triton.jit(do_not_specialize=["B", "rrs_chunks", "seed"])  # per-call scalars: _triton_helpers
+@triton.jit(do_not_specialize=["B", "rrs_chunks", "seed"])  # per-call scalars: triton/helpers.py
 def _tree_walk_kernel(
     # pointers
     target_ptr,  # [B, K, G+1, V] raw target logits
@@ -728,7 +728,7 @@ def _tree_walk_kernel(
     rrs_chunks,
     # scalar parameters
     temperature,
-    seed: tl.int64,  # one signature for every seed (see _triton_helpers)
+    seed: tl.int64,  # one signature for every seed (see triton/helpers.py)
     # constexprs
     PER_REQ_N: tl.constexpr,
     PER_REQ_T: tl.constexpr,
@@ -815,7 +815,7 @@ def _tree_walk_kernel(
         flagged = flagged | (active & (bad_t > 0.0)) | (stochastic & (z_t == 0.0))
         t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)
         x_c, _bad_c = load_logits(t_row[:, None] + tl.maximum(tok, 0), cand)
-        p_c = _prob_of(x_c, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None], tok, cut_t[:, None], BY_INDEX)
+        p_c = prob_of(x_c, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None], tok, cut_t[:, None], BY_INDEX)
 
         # draft distribution of the position: the first candidate's draft row
         first_safe = tl.where(has_cand, first, 0)
@@ -833,7 +833,7 @@ def _tree_walk_kernel(
                 thr_q = tl.load(thr_ptr + rec_q * NUM_THR + THR_Q, mask=stochastic & has_cand, other=float("-inf"))
                 cut_q = load_cut(thr_ptr + rec_q * NUM_THR + CUT_Q, stochastic & has_cand, BY_INDEX)
             xq_c, _bad_qc = load_logits(d_row[:, None] + tl.maximum(tok, 0), cand)
-            q_c = _prob_of(
+            q_c = prob_of(
                 xq_c, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None], tok, cut_q[:, None], BY_INDEX
             )
         elif DRAFT_MODE == DRAFT_PROBS:
@@ -985,7 +985,7 @@ def _tree_walk_kernel(
     tl.store(nonfinite_ptr + b, flagged, mask=b_ok)
 
 
-@triton.jit(do_not_specialize=["B", "num_chunks", "seed"])  # per-call scalars: _triton_helpers
+@triton.jit(do_not_specialize=["B", "num_chunks", "seed"])  # per-call scalars: triton/helpers.py
 def _tree_race_kernel(
     # pointers
     target_ptr,  # [B, K, G+1, V] raw target logits
@@ -1017,7 +1017,7 @@ def _tree_race_kernel(
     num_chunks,
     # scalar parameters
     temperature,
-    seed: tl.int64,  # one signature for every seed (see _triton_helpers)
+    seed: tl.int64,  # one signature for every seed (see triton/helpers.py)
     # constexprs
     PER_REQ_T: tl.constexpr,
     PER_REQ_SEED: tl.constexpr,
@@ -1113,7 +1113,7 @@ def _tree_race_kernel(
     tl.store(idx_ptr + rec + 1, p_idx, mask=b_ok)
 
 
-@triton.jit(do_not_specialize=["B", "num_chunks"])  # per-call scalars: _triton_helpers
+@triton.jit(do_not_specialize=["B", "num_chunks"])  # per-call scalars: triton/helpers.py
 def _tree_finalize_kernel(
     race_i_ptr,  # [B, RACE_I] int32 (walk)
     key_ptr,  # [B, C, 2] fp32 (_tree_race_kernel)

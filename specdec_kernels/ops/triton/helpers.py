@@ -28,7 +28,7 @@ import inspect
 import triton
 import triton.language as tl
 
-from .. import _types
+from ... import _types
 
 # Draft modes as kernel constants (values from specdec_kernels._types).
 DRAFT_NONE = tl.constexpr(_types.DRAFT_NONE)

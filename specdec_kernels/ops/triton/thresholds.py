@@ -5,13 +5,13 @@
 each vocabulary chunk, then the selection per row), ``bisect_threshold`` (the fallback: bisection
 on the float order key over the row). The ``*_ties`` variants also count the boundary tie group's
 entries that ``top_p_ties="by_index"`` keeps (``tie_need``), and ``tie_index`` turns that count into
-the index cut (``_triton_helpers.kept_at``). Same thresholds as ``reference.sampling``.
+the index cut (``helpers.kept_at``). Same thresholds as ``reference.sampling``.
 """
 
 import triton
 import triton.language as tl
 
-from ._triton_helpers import (
+from .helpers import (
     LOG2E,
     key_to_float,
     lane_softmax_update,
@@ -274,7 +274,7 @@ def chunk_candidates(
     WITH_Z: tl.constexpr,
 ):
     """The top-k/top-p candidates of one vocabulary chunk [start, end) of one row (end - start <= CW),
-    read once and kept in registers (the threshold phases of ops/verify.py).
+    read once and kept in registers (the threshold phases of row_pass.py).
 
     row_ptr: [1] pointer to the row; cand_ptr: [1] pointer to L fp32 slots (L / E groups of E
     consecutive entries, then -inf); active, inv_t: [1]. The chunk is cut into groups of E entries

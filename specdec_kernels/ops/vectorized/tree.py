@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._tree_args import TreeArgs
-from .._types import DRAFT_LOGITS, DRAFT_PROBS, TreeVerifyOutput
-from ..reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
-from ..reference.verify_tree import RHO_POINTS, rho_search
-from .verify_vectorized import _MIN_TEMPERATURE, philox, processed_probs, race, sanitize, uniform_from_bits
+from ..._tree_args import TreeArgs
+from ..._types import DRAFT_LOGITS, DRAFT_PROBS, TreeVerifyOutput
+from ...reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
+from ...reference.verify_tree import RHO_POINTS, rho_search
+from .chain import _MIN_TEMPERATURE, philox, processed_probs, race, sanitize, uniform_from_bits
 
 _NEG_INF = float("-inf")
 

@@ -30,7 +30,7 @@ Philox runs on int64 tensors: a product of two 32-bit words wraps modulo 2**64 a
 words are taken with a shift and a mask, bit-identical to ``reference/philox.py`` (tested); a few
 counters use the reference's NumPy Philox itself. Plain tensor code (devices follow the inputs),
 but tested on CPU tensors only, and ``auto`` uses it only for CPU tensors. Tree / multi-draft
-verification: ``verify_tree_vectorized.py``.
+verification: ``tree.py``.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._types import DRAFT_LOGITS, DRAFT_PROBS, VerifyOutput
-from .._validation import VerifyArgs
-from ..reference.philox import philox4x32
-from ..reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
+from ..._types import DRAFT_LOGITS, DRAFT_PROBS, VerifyOutput
+from ..._validation import VerifyArgs
+from ...reference.philox import philox4x32
+from ...reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
 
 _MASK32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57

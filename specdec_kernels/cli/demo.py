@@ -1,0 +1,199 @@
+"""``specdec demo`` (no arguments): the embedded byte-level draft/target pair generates Python code
+four ways, side by side: target alone, chain speculative decoding, K-draft SpecTr, and the target's
+own Medusa heads (a token tree, no draft model); it prints tokens/s, acceptance, mean accepted
+length, and whether the greedy outputs equal the target's.
+
+The draft and tree settings are checked by ``speculative_generate`` in the untimed warm-up (the
+first driver calls), and reported naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from ._common import (
+    DRIVER_FLAGS,
+    UsageError,
+    at_least,
+    check_positions,
+    check_sampled_temperature,
+    driver_checks,
+    print_table,
+    quiet_transformers,
+    resolve_device,
+)
+
+# the Medusa rows pass --medusa-nodes / --medusa-candidates as the driver's num_draft_tokens / num_drafts
+MEDUSA_FLAGS = {**DRIVER_FLAGS, "num_draft_tokens": "--medusa-nodes", "num_drafts": "--medusa-candidates"}
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("demo", help="target alone vs speculative decoding on the embedded model pair")
+    p.add_argument("--prompts", type=int, default=3, help="how many of the demo prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--num-drafts", type=int, default=2)
+    p.add_argument("--medusa-nodes", type=int, default=16, help="Medusa rows: tree nodes besides the root")
+    p.add_argument("--medusa-candidates", type=int, default=3, help="Medusa rows: candidates per head")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.7, help="for the sampled rows")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: 2, or 1 on one core)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    return p
+
+
+def validate(args: argparse.Namespace) -> None:
+    """The demo's own limits, before the pair loads (draft and tree sizes: the driver's, in the warm-up)."""
+    from ..demo import DEMO_PROMPTS
+
+    resolve_device(args.device)
+    if not 1 <= args.prompts <= len(DEMO_PROMPTS):
+        raise UsageError("--prompts", args.prompts, f"an integer in [1, {len(DEMO_PROMPTS)}]")
+    at_least("--max-new-tokens", args.max_new_tokens, 1)
+    check_sampled_temperature(args.temperature)  # the target-only rows run before any driver call
+    at_least("--threads", args.threads, 0, " (0 = default)")
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Target alone vs chain speculative decoding vs K-draft SpecTr on the embedded pair, greedy and
+    sampled, one prompt at a time (batch 1, as on a laptop), torch pinned to a fixed thread count."""
+    from tqdm.auto import tqdm
+
+    from ..demo import DEMO_PROMPTS, load_demo_pair, load_medusa_heads
+
+    device = resolve_device(args.device)
+    threads = args.threads or min(2, os.cpu_count() or 1)
+    torch.set_num_threads(threads)  # oversubscribed threads made this demo 4-6x slower under load
+    quiet_transformers()
+    target, draft, tok = load_demo_pair(device=device)
+    heads = load_medusa_heads(device=device)
+    prompts = list(DEMO_PROMPTS[: args.prompts])
+    longest = max(tok([p], return_tensors="pt")["input_ids"].shape[1] for p in prompts)
+    check_positions(args.max_new_tokens, longest, max(args.num_draft_tokens, heads.num_heads), target, draft)
+    new, G, K, T = args.max_new_tokens, args.num_draft_tokens, args.num_drafts, args.temperature
+    where = "CUDA" if device == "cuda" else f"CPU, torch pinned to {threads} thread(s)"
+    print(
+        f"specdec demo: embedded byte-level pair, {len(prompts)} prompts one at a time, {new} new tokens each, {where}"
+    )
+    common = dict(max_new_tokens=new, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, num_draft_tokens=G)
+    N, S = args.medusa_nodes, args.medusa_candidates
+    medusa = dict(drafter="medusa", medusa_heads=heads, num_draft_tokens=N, num_drafts=S)
+    medusa_name = f"Medusa {heads.num_heads} heads, N={N}, s={S}"
+    modes = [  # (name, speculative kwargs or None for the target alone, sampled)
+        ("target only (greedy)", None, False),
+        (f"chain, G<={G} (greedy)", dict(num_drafts=1), False),
+        (f"SpecTr K={K}, G={G} (greedy)", dict(num_drafts=K, method="kseq"), False),
+        (f"{medusa_name} (greedy)", medusa, False),
+        (f"target only (T={T})", None, True),
+        (f"chain, G<={G} (T={T})", dict(num_drafts=1), True),
+        (f"SpecTr K={K}, G={G} (T={T})", dict(num_drafts=K, method="kseq"), True),
+        (f"{medusa_name} (T={T})", medusa, True),
+    ]
+    _warm_up(target, draft, tok, device, G, K, medusa)
+    rows, outputs, baseline = [], {}, {}
+    for name, kwargs, sampled in tqdm(modes, desc="specdec demo", unit="mode", disable=not sys.stderr.isatty()):
+        run = dict(draft=draft, tok=tok, device=device, prompts=prompts, seed=args.seed, temperature=T)
+        totals, seqs = _run_mode(target, kwargs and {**common, **kwargs}, sampled, new, **run)
+        outputs[name] = seqs
+        if kwargs is None:
+            baseline[sampled] = (totals["wall"], seqs)
+        base_wall, base_seqs = baseline[sampled]
+        match = "(baseline)" if kwargs is None else ("n/a (sampled)" if sampled else str(seqs == base_seqs))
+        rows.append(
+            {
+                "mode": name,
+                "tokens": totals["tokens"],
+                "wall s": totals["wall"],
+                "cpu s": totals["cpu"],
+                "tok/s": totals["tokens"] / totals["wall"],
+                "speedup": f"{base_wall / totals['wall']:.2f}x",
+                "accept": f"{totals['accepted'] / totals['proposed']:.2f}" if totals["proposed"] else "-",
+                "target fwd": totals["target_fwd"],
+                "draft fwd": totals["draft_fwd"],
+                "draft time": f"{totals['draft_s'] / totals['wall']:.0%}" if kwargs else "-",
+                "greedy = target": match,
+            }
+        )
+    print()
+    print_table(rows)
+    print(
+        "\nspeedup: wall time of the target alone in the same sampling mode / this mode's (draft forwards, "
+        "or Medusa heads and tree building, included); greedy rows must equal the target's own greedy output. "
+        "accept: accepted drafts / drafts offered (Medusa: / the tree's depth, one path is accepted per step)."
+    )
+    chain = modes[1][0]
+    print(f"\nfirst prompt | {chain} continuation (cut at a byte boundary):")
+    print(_show(prompts[0], tok.decode(outputs[chain][0])))
+    return 0 if all(r["greedy = target"] in ("True", "(baseline)", "n/a (sampled)") for r in rows) else 1
+
+
+def _run_mode(target, kwargs, sampled: bool, new: int, *, draft, tok, device, prompts, seed, temperature):
+    """Every prompt, one at a time, in one mode (``kwargs`` None: the target alone): totals and outputs."""
+    from ..hf import speculative_generate
+
+    totals = dict(tokens=0, wall=0.0, cpu=0.0, target_fwd=0, draft_fwd=0, draft_s=0.0, accepted=0, proposed=0)
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        batch = tok([prompt], return_tensors="pt")
+        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        wall, cpu = time.perf_counter(), time.process_time()
+        if kwargs is None:
+            with torch.no_grad():
+                torch.manual_seed(seed + i)
+                out = target.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    do_sample=sampled,
+                    temperature=temperature if sampled else None,
+                    top_k=0 if sampled else None,
+                    pad_token_id=tok.pad_token_id,
+                    eos_token_id=tok.eos_token_id,
+                )
+            made = out.shape[1] - ids.shape[1]
+            totals["target_fwd"] += made
+        else:
+            sampling = dict(temperature=temperature, seed=seed + i) if sampled else {}
+            model = None if kwargs.get("drafter") == "medusa" else draft
+            result = speculative_generate(target, model, ids, mask, **kwargs, **sampling)
+            out, st = result.sequences, result.stats
+            made = st.new_tokens
+            totals["target_fwd"] += st.target_forwards
+            totals["draft_fwd"] += st.draft_forwards
+            totals["draft_s"] += st.time_s["draft"]
+            totals["accepted"] += st.accepted
+            totals["proposed"] += st.proposed
+        totals["wall"] += time.perf_counter() - wall
+        totals["cpu"] += time.process_time() - cpu
+        totals["tokens"] += made
+        seqs.append(out[0, ids.shape[1] :].tolist())
+    return totals, seqs
+
+
+def _warm_up(target, draft, tok, device, G: int, K: int, medusa: dict) -> None:
+    """One short untimed run of every path (first calls pay for lazy initialisation and, once per
+    machine, the build of the CPU backend)."""
+    from ..hf import speculative_generate
+
+    batch = tok(["def f(x):\n    return "], return_tensors="pt")
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    with torch.no_grad():
+        target.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id
+        )
+    with driver_checks(DRIVER_FLAGS):  # the driver's own checks of --num-draft-tokens / --num-drafts
+        for kwargs in (dict(num_drafts=1), dict(num_drafts=K, temperature=0.7, seed=0)):
+            speculative_generate(target, draft, ids, mask, max_new_tokens=8, num_draft_tokens=G, **kwargs)
+    with driver_checks(MEDUSA_FLAGS):  # ... and of --medusa-nodes / --medusa-candidates
+        for sampling in (dict(), dict(temperature=0.7, seed=0)):
+            speculative_generate(target, None, ids, mask, max_new_tokens=8, **medusa, **sampling)
+
+
+def _show(prompt: str, continuation: str) -> str:
+    """Prompt and continuation, visibly separated: the continuation after a '>>>' marker line."""
+    return f"{prompt.rstrip()}\n{'-' * 20} >>> generated {'-' * 20}\n{continuation}"

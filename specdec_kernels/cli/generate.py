@@ -1,0 +1,198 @@
+"""``specdec generate --target PATH --draft PATH --prompt TEXT``: streams text as it is committed and
+ends with a stats table (local model directories only; ``--target demo`` uses the embedded pair).
+
+The settings the driver receives (draft counts, method, sampling, seed, vocabulary size, compile) are
+checked by ``speculative_generate`` itself and reported here naming the flag (``driver_checks``);
+this module checks only what decides what is loaded (paths, drafter, heads) before loading it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from .._types import METHODS
+from ._common import UsageError, at_least, check_positions, driver_checks, quiet_transformers, resolve_device
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MODELS_HINT = "pass --target demo for the embedded pair, or fetch real models with bench/models.py"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("generate", help="speculative decoding of a prompt with local HF models, streamed")
+    p.add_argument("--target", required=True, help="local HF model directory, or 'demo' for the embedded pair")
+    p.add_argument("--draft", default=None, help="local HF model directory (omit for prompt lookup)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--num-drafts", type=int, default=1)
+    method_help = "tree method (default kseq; rrs_wor with --drafter medusa)"
+    p.add_argument("--method", choices=list(METHODS), default=None, help=method_help)
+    p.add_argument(
+        "--drafter",
+        choices=["model", "prompt_lookup", "medusa"],
+        default=None,
+        help="medusa: the target's Medusa heads (--medusa-heads, or the demo's with --target demo) propose a tree "
+        "of --num-draft-tokens nodes with --num-drafts candidates per head",
+    )
+    p.add_argument("--medusa-heads", default=None, help="directory of MedusaHeads.save_pretrained")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--vocab-size", type=int, default=None, help="real token count if embeddings are padded")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--draft-dtype", choices=list(DTYPES), default=None)
+    p.add_argument(
+        "--cpu-linear",
+        choices=["onednn", "torch"],
+        default="onednn",
+        help="on CPU: linear layers by oneDNN on packed weights (multi-token forwards near one token's cost)",
+    )
+    p.add_argument("--cache", choices=["dynamic", "static"], default="dynamic", help="KV cache of both models")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the target's verification forward (CUDA graphs on GPU; implies --cache static)",
+    )
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    return p
+
+
+def _check_model_path(argument: str, path: str) -> None:
+    if path == "demo":
+        return
+    if not Path(path).is_dir():
+        raise UsageError(argument, path, f"an existing local model directory ({MODELS_HINT})")
+    if not (Path(path) / "config.json").is_file():
+        raise UsageError(argument, path, f"a Hugging Face model directory with config.json ({MODELS_HINT})")
+
+
+def _check_heads_path(path: str) -> None:
+    if not (Path(path) / "config.json").is_file() or not (Path(path) / "model.safetensors").is_file():
+        raise UsageError(
+            "--medusa-heads", path, "a directory with config.json and model.safetensors (MedusaHeads.save_pretrained)"
+        )
+
+
+def validate(args: argparse.Namespace) -> None:
+    """What decides what is loaded, before anything loads (the rest is the driver's check)."""
+    resolve_device(args.device)
+    _check_model_path("--target", args.target)
+    if args.draft is not None:
+        if args.draft == "demo" or args.target == "demo":
+            raise UsageError("--draft", args.draft, "omit --draft with --target demo (the pair ships its draft)")
+        if args.drafter == "medusa":
+            raise UsageError("--draft", args.draft, "omit --draft with --drafter medusa (the heads draft)")
+        _check_model_path("--draft", args.draft)
+    at_least("--max-new-tokens", args.max_new_tokens, 1)
+    if args.vocab_size is not None:  # the driver checks only the upper end (the models' logit columns)
+        at_least("--vocab-size", args.vocab_size, 1)
+    if args.drafter == "medusa" and args.medusa_heads is None and args.target != "demo":
+        raise UsageError("--drafter", "medusa", "--medusa-heads PATH (or --target demo, which ships heads)")
+    if args.medusa_heads is not None:
+        if args.drafter != "medusa":
+            raise UsageError("--medusa-heads", args.medusa_heads, "only with --drafter medusa")
+        _check_heads_path(args.medusa_heads)
+
+
+class PrintStreamer:
+    """Minimal streamer: prints the prompt, then the text of committed tokens as they arrive."""
+
+    def __init__(self, tokenizer, prompt: str, out=None):
+        self.tokenizer, self.prompt, self.out = tokenizer, prompt, out or sys.stdout
+        self.ids: list[int] = []
+        self.shown = 0
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # the driver's first put is the prompt: its text as typed
+            self.prompt_seen = True
+            self.out.write(self.prompt)
+            return
+        self.ids.extend(int(t) for t in value.flatten().tolist())
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return
+        self.out.write(text[self.shown :])
+        self.out.flush()
+        self.shown = len(text)
+
+    def end(self) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _load_pair(target_path: str, draft_path: str | None, device: str, dtype: torch.dtype):
+    quiet_transformers()
+    if target_path == "demo":
+        from ..demo import load_demo_pair
+
+        return load_demo_pair(device=device, dtype=dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(path):
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+
+    tokenizer = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
+    return load(target_path), (load(draft_path) if draft_path else None), tokenizer
+
+
+def _load_heads(args: argparse.Namespace, device: str):
+    if args.medusa_heads is not None:
+        from ..hf.medusa import MedusaHeads
+
+        return MedusaHeads.from_pretrained(args.medusa_heads, dtype=DTYPES[args.dtype], device=device)
+    from ..demo import load_medusa_heads
+
+    return load_medusa_heads(device=device, dtype=DTYPES[args.dtype])
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    from .. import hf
+
+    device = resolve_device(args.device)
+    target, draft, tok = _load_pair(args.target, args.draft, device, DTYPES[args.dtype])
+    if draft is not None and args.draft_dtype:
+        draft = draft.to(DTYPES[args.draft_dtype])  # changes acceptance, never the output's distribution
+    if args.cpu_linear == "onednn" and device == "cpu":
+        from ..hf.cpu_linear import use_onednn_linears
+
+        for model in (target, draft):
+            if model is not None:
+                use_onednn_linears(model)
+    drafter = args.drafter or ("model" if draft is not None else "prompt_lookup")
+    heads = _load_heads(args, device) if drafter == "medusa" else None
+    batch = tok([args.prompt], return_tensors="pt")
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    lookahead = heads.num_heads if heads is not None else args.num_draft_tokens  # the deepest draft
+    check_positions(args.max_new_tokens, ids.shape[1], lookahead, target, draft)
+    with driver_checks():
+        out = hf.speculative_generate(
+            target,
+            draft if drafter == "model" else None,
+            ids,
+            mask,
+            max_new_tokens=args.max_new_tokens,
+            num_draft_tokens=args.num_draft_tokens,
+            num_drafts=args.num_drafts,
+            method=args.method,
+            drafter=drafter,
+            medusa_heads=heads,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            eos_token_id=getattr(tok, "eos_token_id", None),
+            pad_token_id=getattr(tok, "pad_token_id", None),
+            streamer=PrintStreamer(tok, args.prompt),
+            vocab_size=args.vocab_size,
+            cache_implementation="static" if args.compile else args.cache,
+            compile_target=args.compile,
+        )
+    print()
+    print(out.stats.table())
+    return 0

@@ -1,0 +1,166 @@
+"""Grammar constraints with xgrammar (the ``grammar`` extra): masks per position, exact rollback.
+
+A grammar constrains generation as a logits processor does: the target's row at each position is
+masked (disallowed tokens to -inf) before temperature / top-k / top-p - the order ``generate``
+applies a ``logits_processor`` such as ``xgrammar.contrib.hf.LogitsProcessor`` in. The mask of a
+position is a function of the token prefix, so under speculation every row gets the mask of the
+exact prefix it follows: the committed tokens plus the drafts before it on its own path. The draft
+samples under the same masks (a draft row i follows the same prefix as target row i), so the
+drafts are valid by construction and the verifier sees exactly the distribution they came from.
+
+``GrammarState`` keeps one ``xgrammar.GrammarMatcher`` per request at its committed tokens: the
+masks along a path are filled by accepting the path's tokens one by one and rolling them back
+(``rollback``), so the matcher always ends in the state of the committed tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+GRAMMAR_EXTRA = 'pip install -e ".[grammar]"  (or: pip install xgrammar)'
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as err:  # pragma: no cover - the grammar extra is installed in CI
+        raise ImportError(f"grammar= needs xgrammar: {GRAMMAR_EXTRA}") from err
+    return xgrammar
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """An explicit grammar: exactly one of a JSON schema, an EBNF (GBNF) text, or a regex."""
+
+    json_schema: dict | str | None = None
+    ebnf: str | None = None
+    regex: str | None = None
+
+    def __post_init__(self):
+        given = [name for name in ("json_schema", "ebnf", "regex") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"GrammarSpec takes exactly one of json_schema, ebnf, regex; got {given or 'none'}")
+
+
+def as_spec(grammar) -> GrammarSpec | object:
+    """A GrammarSpec from what ``grammar=`` accepts (a compiled grammar is returned as it is):
+    a dict (JSON schema), a string holding a JSON object (JSON schema), a string with a ``::=``
+    rule (EBNF); anything else is ambiguous and raises (wrap it: ``GrammarSpec(regex=...)``)."""
+    xgr = _xgrammar()
+    if isinstance(grammar, GrammarSpec | xgr.CompiledGrammar):
+        return grammar
+    if isinstance(grammar, dict):
+        return GrammarSpec(json_schema=grammar)
+    if isinstance(grammar, str):
+        try:
+            parsed = json.loads(grammar)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            return GrammarSpec(json_schema=grammar)
+        if "::=" in grammar:
+            return GrammarSpec(ebnf=grammar)
+        raise ValueError(
+            "grammar: a string must be a JSON schema (a JSON object) or an EBNF grammar (with '::=' rules); "
+            "for a regex pass GrammarSpec(regex=...)"
+        )
+    raise ValueError(
+        f"grammar must be a JSON schema (dict or str), an EBNF str, a GrammarSpec or an xgrammar.CompiledGrammar, "
+        f"got {type(grammar).__name__}"
+    )
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    """xgrammar's view of the vocabulary: from a Hugging Face tokenizer, or - for a byte-level
+    tokenizer such as the demo pair's (ids 0..255 are bytes, the rest special) - the raw bytes."""
+    xgr = _xgrammar()
+    if getattr(tokenizer, "__class__", type(None)).__name__ == "ByteTokenizer":
+        vocab = [bytes([i]) for i in range(256)] + [b""] * (vocab_size - 256)  # empty: special, never text
+        return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+
+
+def compile_grammar(grammar, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    """An ``xgrammar.CompiledGrammar`` for ``grammar=`` (see ``as_spec``) over the model's vocabulary."""
+    xgr = _xgrammar()
+    spec = as_spec(grammar)
+    if isinstance(spec, xgr.CompiledGrammar):
+        if spec.tokenizer_info.vocab_size != vocab_size:
+            compiled_for = spec.tokenizer_info.vocab_size
+            raise ValueError(f"grammar: compiled for a vocabulary of {compiled_for} ids, the model has {vocab_size}")
+        return spec
+    if tokenizer is None:
+        raise ValueError("grammar= needs the tokenizer (tokenizer=...) to compile the grammar over the vocabulary")
+    compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, stop_token_ids), max_threads=1)
+    if spec.json_schema is not None:
+        schema = spec.json_schema if isinstance(spec.json_schema, str) else json.dumps(spec.json_schema)
+        return compiler.compile_json_schema(schema)
+    if spec.ebnf is not None:
+        return compiler.compile_grammar(spec.ebnf)
+    return compiler.compile_regex(spec.regex)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [..., V] from int32 bitmask words [..., ceil(V / 32)]: bit j of word w = token 32 w + j."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words[..., :, None] >> shifts) & 1
+    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].bool()
+
+
+class GrammarState:
+    """One matcher per request at its committed tokens; masks of any path from there."""
+
+    def __init__(self, compiled, batch: int, vocab_size: int):
+        xgr = _xgrammar()
+        self.V = vocab_size
+        self.matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
+        self._words = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep the requests at positions `rows` (finished requests leave the batch)."""
+        self.matchers = [self.matchers[r] for r in rows]
+
+    def _fill(self, b: int) -> torch.Tensor:
+        matcher = self.matchers[b]
+        if matcher.is_terminated():  # after its stop token: nothing more (the request has ended)
+            return torch.zeros(self.V, dtype=torch.bool)
+        matcher.fill_next_token_bitmask(self._words)
+        return unpack_bitmask(self._words[0], self.V)
+
+    def masks_along(self, b: int, tokens: list[int]) -> tuple[torch.Tensor, int]:
+        """(bool [len(tokens) + 1, V] masks after each prefix of `tokens`, valid): `valid` = how many
+        of the tokens the grammar accepts in a row; masks past them are all False. The matcher ends
+        where it started (the committed tokens)."""
+        masks = torch.zeros((len(tokens) + 1, self.V), dtype=torch.bool)
+        matcher, valid = self.matchers[b], 0
+        masks[0] = self._fill(b)
+        for token in tokens:
+            if matcher.is_terminated() or not (0 <= token < self.V and bool(masks[valid, token])):
+                break
+            if not matcher.accept_token(int(token)):
+                break
+            valid += 1
+            masks[valid] = self._fill(b)
+        if valid:
+            matcher.rollback(valid)
+        return masks, valid
+
+    def commit(self, b: int, tokens: list[int]) -> None:
+        """Advance request b's matcher over its emitted tokens (verified: each is allowed)."""
+        matcher = self.matchers[b]
+        for token in tokens:
+            if matcher.is_terminated():
+                return
+            if not matcher.accept_token(int(token)):
+                raise RuntimeError(f"grammar: emitted token {token} is not allowed (a verification bug)")
+
+    def terminated(self, b: int) -> bool:
+        return self.matchers[b].is_terminated()
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits with disallowed entries -inf (a new tensor): allowed [..., V] bool on any device."""
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

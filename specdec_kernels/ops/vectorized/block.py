@@ -1,0 +1,131 @@
+"""Block verification of chains as batched PyTorch tensor ops (``method="block"``).
+
+The rule of ``reference/block.py`` on all requests at once: the processed target rows p_0 .. p_G
+and draft rows q_0 .. q_{G-1} of the sampled requests as float64 [M, rows, V]; the weights
+w_i = min(w_{i-1} p(x_i) / q(x_i), 1) by a scan over the G positions; the stop probabilities
+h_i = r_i / (r_i + 1 - w_i) with r_i = sum_x max(w_i p_i - q_i, 0) (one pass over each row, which
+the token rule does not need: block verification reads every row's distribution, not only row j);
+tau = the last position whose uniform eta_i <= h_i (h_n = w_n); then the race of row tau over
+max(w_tau p_tau - q_tau, 0) (RECOVER), or over p_n (BONUS) when tau = n. The same uniforms and
+races as the token rule, so the same tokens as the reference for the same seeds. Greedy requests
+are the argmax chain, shared with the token rule (``chain.verify_vectorized``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..._types import DRAFT_LOGITS, DRAFT_PROBS, VerifyOutput
+from ..._validation import VerifyArgs
+from ...reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
+from .chain import (
+    _MIN_TEMPERATURE,
+    philox,
+    processed_probs,
+    race,
+    sanitize,
+    uniform_from_bits,
+    unusable_prob_rows,
+    usable_probs,
+    verify_vectorized,
+)
+
+
+def verify_block_vectorized(args: VerifyArgs) -> VerifyOutput:
+    """Block verification on checked arguments in the padded layout (``VerifyArgs.padded()``)."""
+    out = verify_vectorized(args)  # greedy requests (and every request's flags for rows it reads)
+    G, V = args.G, args.V
+    params = {k: v.to(args.target_logits.device) for k, v in args.per_request_cpu().items()}
+    sampled = (params["temperature"] >= _MIN_TEMPERATURE).nonzero().squeeze(1)
+    if sampled.numel() == 0 or G == 0 or V == 0:
+        return out
+    tokens, accepted, flagged = _block(args, params, sampled)
+    out.tokens[sampled] = tokens
+    out.num_accepted[sampled] = accepted.to(out.num_accepted.dtype)
+    out.nonfinite[sampled] = flagged
+    return out
+
+
+def _distributions(args: VerifyArgs, params: dict, index: Tensor):
+    """(p [M, G+1, V], q [M, G, V] float64 or None for one-hot drafts, [M] flags) of the requests."""
+    G, V = args.G, args.V
+    M = index.numel()
+    t = params["temperature"][index].double()
+    top_k, top_p = params["top_k"][index], params["top_p"][index].double()
+    filtered = args.has_filter
+    by_index = args.sampling.ties_by_index()
+
+    def probs(raw: Tensor, rows: int):
+        x, bad, m, _ = sanitize(raw.reshape(M * rows, V))
+        per_row = [v.repeat_interleave(rows) for v in (t, top_k, top_p)]
+        p = processed_probs(x, m, *per_row, filtered, by_index)
+        return p.view(M, rows, V), bad.view(M, rows)
+
+    p, bad_t = probs(args.target_logits[index], G + 1)
+    bad_q = torch.zeros((M, G), dtype=torch.bool, device=p.device)
+    q = None
+    if args.draft_mode == DRAFT_LOGITS:
+        q, bad_q = probs(args.draft[index], G)
+    elif args.draft_mode == DRAFT_PROBS:
+        q = usable_probs(args.draft[index])
+        bad_q = unusable_prob_rows(args.draft[index])
+    return p, q, bad_t | ~(p > 0).any(-1), bad_q
+
+
+def _block(args: VerifyArgs, params: dict, index: Tensor):
+    """(tokens [M, G+1], accepted [M], flagged [M]) of the sampled requests `index`."""
+    G, V = args.G, args.V
+    dev = args.target_logits.device
+    M = index.numel()
+    drafts = args.draft_tokens[index].to(torch.int64)
+    n = params["num_draft_tokens"][index].clamp(0, G)
+    pos = torch.arange(G + 1, device=dev)
+    usable = (drafts >= 0) & (drafts < V) & (pos[None, :G] < n[:, None])
+    n = usable.to(torch.int64).cumprod(-1).sum(-1)  # a placeholder id ends the draft
+    tok = drafts.clamp(0, V - 1)
+    p, q, bad_t, bad_q = _distributions(args, params, index)
+    if q is None:  # one-hot drafts
+        q = torch.zeros((M, G, V), dtype=torch.float64, device=dev).scatter_(2, tok[:, :, None], 1.0)
+    p_tok = p[:, :G].gather(2, tok[:, :, None]).squeeze(2)
+    q_tok = q.gather(2, tok[:, :, None]).squeeze(2)
+    ratio = torch.where(q_tok > 0, p_tok / q_tok.clamp(min=1e-300), torch.full_like(p_tok, float("inf")))
+    ratio = torch.where(p_tok > 0, ratio, torch.zeros_like(ratio))
+    w = torch.ones((M, G + 1), dtype=torch.float64, device=dev)
+    for i in range(G):
+        w[:, i + 1] = torch.clamp(w[:, i] * ratio[:, i], max=1.0)
+    r = torch.clamp(w[:, :G, None] * p[:, :G] - q, min=0).sum(-1)  # r_i for rows 0 .. G-1
+    h = torch.where(r > 0, r / (r + 1.0 - w[:, :G]), torch.zeros_like(r))
+    stops = torch.cat([h[:, 1:], torch.zeros_like(h[:, :1])], 1)  # stop at position i = 1 .. G
+    last = torch.arange(1, G + 1, device=dev)[None, :] == n[:, None]
+    stops = torch.where(last, w[:, 1:], stops)  # h_n = w_n
+    seed = params["seed"][index]
+    rows = torch.arange(G, device=dev, dtype=torch.int64)
+    bits = philox(seed[:, None], torch.zeros_like(rows), rows, torch.full_like(rows, PURPOSE_ACCEPT))[0]
+    eta = uniform_from_bits(bits).to(torch.float64)  # eta of position i + 1 = the token rule's u_i
+    stop = (eta <= stops) & (pos[None, 1:] <= n[:, None])
+    tau = torch.where(stop, pos[None, 1:], torch.zeros_like(stop, dtype=torch.int64)).amax(-1)
+    token = _race_row(p, q, w, tau, n, seed)
+    out = torch.cat([drafts, drafts.new_full((M, 1), -1)], 1)
+    out = torch.where(pos[None, :] < tau[:, None], out, torch.full_like(out, -1))
+    out = torch.where(pos[None, :] == tau[:, None], token[:, None], out)
+    flagged = (bad_t & (pos[None, :] <= n[:, None])).any(-1) | (bad_q & (pos[None, :G] < n[:, None])).any(-1)
+    return out, tau, flagged
+
+
+def _race_row(p: Tensor, q: Tensor, w: Tensor, tau: Tensor, n: Tensor, seed: Tensor) -> Tensor:
+    """Row tau's token: the race over max(w_tau p_tau - q_tau, 0) (RECOVER), p_n (BONUS) at tau = n;
+    an empty residual falls back to p_tau with the same uniforms."""
+    M = tau.numel()
+    at = torch.arange(M, device=tau.device)
+    p_tau = p[at, tau]
+    recover = tau < n
+    qrow = q[at, tau.clamp(max=max(q.shape[1] - 1, 0))]
+    weight = torch.where(recover[:, None], torch.clamp(w[at, tau][:, None] * p_tau - qrow, min=0), p_tau)
+    purpose = torch.where(recover, PURPOSE_RECOVER, PURPOSE_BONUS).to(torch.int64)
+    best = race(weight.clone(), seed, tau, purpose)
+    redo = (best < 0) & recover
+    if bool(redo.any()):
+        rows = redo.nonzero().squeeze(1)
+        best[rows] = race(p_tau[rows].clone(), seed[rows], tau[rows], purpose[rows])
+    return best.clamp(min=0)
