@@ -45,6 +45,7 @@ class SpecConfig:
     exact_timing: bool = False
     draft_cost: float | str | None = None
     row_processor: object = None  # processors.RowProcessor, or None: no logits processor (the fused path)
+    grammar: list | None = None  # one xgrammar.CompiledGrammar per request (hf/grammar.py), or None
 
     @property
     def sampling(self) -> dict:
@@ -95,6 +96,13 @@ class SpecConfig:
         cfg.seed = seed if seed is not None else int(torch.randint(0, SEED_RANGE, (1,)))
         cfg.adaptive_draft = bool(kw["adaptive_draft"]) and drafter == "model" and K == 1 and not compile_target
         cfg.draft_confidence = draft_confidence if cfg.adaptive_draft else 0.0
+        if kw["grammar"] is not None:
+            from .grammar import compile_grammars
+
+            B = input_ids.shape[0]
+            cfg.grammar = compile_grammars(kw["grammar"], kw["tokenizer"], cfg.vocab_size, sorted(cfg.eos), B)
+        elif kw["tokenizer"] is not None:
+            raise ValueError("tokenizer= is read only with grammar= (to compile the grammar over the vocabulary)")
         processors, settings = kw["logits_processor"], kw["generation_config"]
         _check_processors(processors, cfg)
         cfg.row_processor = RowProcessor.build(processors, settings, cfg, input_ids, attention_mask)

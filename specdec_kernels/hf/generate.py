@@ -66,6 +66,8 @@ def speculative_generate(
     draft_cost: float | str | None = None,
     logits_processor=None,
     generation_config=None,
+    grammar=None,
+    tokenizer=None,
 ) -> SpeculativeOutput:
     """Generate with a draft model (or prompt lookup) and exact verification by the target.
 
@@ -125,6 +127,17 @@ def speculative_generate(
             begin_suppress_tokens, forced_eos_token_id; when sampling min_p, typical_p,
             epsilon_cutoff, eta_cutoff) apply as in ``generate``; any other setting it activates
             that ``generate`` would act on (beams, watermarking, ...) is a ValueError naming it.
+        grammar: constrained generation with xgrammar (the ``grammar`` extra): a JSON schema (dict,
+            or str holding a JSON object), an EBNF str (``::=`` rules), a
+            :class:`~specdec_kernels.hf.grammar.GrammarSpec` (``regex=`` ...), an
+            ``xgrammar.CompiledGrammar``, or a list of these, one per request. Every target and draft
+            row is masked with the grammar state of the exact prefix it follows, where ``generate``
+            applies ``xgrammar.contrib.hf.LogitsProcessor`` (after the processors, before the
+            warpers): the output is distributed exactly as ``generate`` with that processor (greedy:
+            identical). EOS only where the grammar may end; output cut by ``max_new_tokens`` before
+            the grammar completes is a valid prefix, not a complete document. tokenizer: the
+            tokenizer the grammar is compiled over (a Hugging Face tokenizer, or the demo's
+            ``ByteTokenizer``); needed unless ``grammar`` is compiled.
 
     Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
 

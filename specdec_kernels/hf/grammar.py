@@ -38,6 +38,7 @@ class GrammarSpec:
     json_schema: dict | str | None = None
     ebnf: str | None = None
     regex: str | None = None
+    any_whitespace: bool = True  # JSON schemas: xgrammar's default (False: compact JSON only)
 
     def __post_init__(self):
         given = [name for name in ("json_schema", "ebnf", "regex") if getattr(self, name) is not None]
@@ -97,10 +98,19 @@ def compile_grammar(grammar, tokenizer, vocab_size: int, stop_token_ids: list[in
     compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, stop_token_ids), max_threads=1)
     if spec.json_schema is not None:
         schema = spec.json_schema if isinstance(spec.json_schema, str) else json.dumps(spec.json_schema)
-        return compiler.compile_json_schema(schema)
+        return compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace)
     if spec.ebnf is not None:
         return compiler.compile_grammar(spec.ebnf)
     return compiler.compile_regex(spec.regex)
+
+
+def compile_grammars(grammar, tokenizer, vocab_size: int, stop_token_ids: list[int], batch: int) -> list:
+    """One compiled grammar per request: ``grammar`` for all, or a list of ``batch`` grammars."""
+    if isinstance(grammar, list | tuple):
+        if len(grammar) != batch:
+            raise ValueError(f"grammar: a list needs one grammar per request ({batch}), got {len(grammar)}")
+        return [compile_grammar(g, tokenizer, vocab_size, stop_token_ids) for g in grammar]
+    return [compile_grammar(grammar, tokenizer, vocab_size, stop_token_ids)] * batch
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -113,20 +123,22 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class GrammarState:
     """One matcher per request at its committed tokens; masks of any path from there."""
 
-    def __init__(self, compiled, batch: int, vocab_size: int):
+    def __init__(self, compiled: list, vocab_size: int):
+        """compiled: one compiled grammar per request."""
         xgr = _xgrammar()
         self.V = vocab_size
-        self.matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
+        self.matchers = [xgr.GrammarMatcher(c) for c in compiled]
         self._words = xgr.allocate_token_bitmask(1, vocab_size)
-
-    def keep(self, rows: list[int]) -> None:
-        """Keep the requests at positions `rows` (finished requests leave the batch)."""
-        self.matchers = [self.matchers[r] for r in rows]
+        stops = sorted({t for c in compiled for t in c.tokenizer_info.stop_token_ids if 0 <= t < vocab_size})
+        # Rows past a request's stop token (drafts after an EOS) are cut by the commit; they allow
+        # the stop tokens so that they stay distributions.
+        self._after_end = torch.zeros(vocab_size, dtype=torch.bool)
+        self._after_end[stops] = True
 
     def _fill(self, b: int) -> torch.Tensor:
         matcher = self.matchers[b]
-        if matcher.is_terminated():  # after its stop token: nothing more (the request has ended)
-            return torch.zeros(self.V, dtype=torch.bool)
+        if matcher.is_terminated():  # past its stop token: rows the commit cuts at the EOS
+            return self._after_end.clone()
         matcher.fill_next_token_bitmask(self._words)
         return unpack_bitmask(self._words[0], self.V)
 
@@ -161,6 +173,35 @@ class GrammarState:
         return self.matchers[b].is_terminated()
 
 
-def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """logits with disallowed entries -inf (a new tensor): allowed [..., V] bool on any device."""
-    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+class GrammarMasker:
+    """The grammar as a row processor of the session: ``masker(session, logits, paths)`` masks row
+    (a, r) of logits [A, R, V] with the mask of active request a's committed tokens plus
+    ``paths[a][r]`` (disallowed -> -inf); ``commit`` advances the matchers after each step.
+
+    A path the grammar refuses (a draft token it does not allow) leads to a row no verification can
+    reach (that token has probability 0 in its own row): such rows are left as they are."""
+
+    def __init__(self, compiled: list, vocab_size: int):
+        self.state = GrammarState(compiled, vocab_size)
+
+    def masks(self, b: int, paths: list[list[int]]) -> torch.Tensor:
+        """bool [len(paths), V]: the mask after each path (all True where the path is refused)."""
+        known: dict[tuple, torch.Tensor] = {}
+        out = torch.ones((len(paths), self.state.V), dtype=torch.bool)
+        for r in sorted(range(len(paths)), key=lambda r: -len(paths[r])):  # longest first: prefixes reuse
+            path = tuple(paths[r])
+            if path not in known:
+                masks, valid = self.state.masks_along(b, list(path))
+                for i in range(valid + 1):
+                    known.setdefault(path[:i], masks[i])
+            if path in known:
+                out[r] = known[path]
+        return out
+
+    def __call__(self, session, logits: torch.Tensor, paths: list[list[list[int]]]) -> torch.Tensor:
+        allowed = torch.stack([self.masks(b, paths[a]) for a, b in enumerate(session.batch.rows)])
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+    def commit(self, rows: list[int], emitted: list[list[int]]) -> None:
+        for b, tokens in zip(rows, emitted, strict=True):
+            self.state.commit(b, tokens)

@@ -143,8 +143,9 @@ def _on(name: str, value) -> bool:
 class RowProcessor:
     """Applies each request's processor list to rows of logits, each with its own prefix."""
 
-    def __init__(self, lists: dict, keys: list[int], padded: list[list[int]], prompt_lens: list[int]):
+    def __init__(self, lists: dict, keys: list[int], padded: list[list[int]], prompt_lens: list[int], warp=None):
         self.lists = lists  # key -> LogitsProcessorList (requests with the same left padding share one)
+        self.warp = warp  # the warpers (sampling only), after the lists and the session's grammar mask
         self.keys = keys  # [B] request b's key (its pad count)
         self.padded = padded  # [B] the prompt as given (left padding included): what generate's rows start with
         self.prompt_lens = prompt_lens  # [B] real prompt tokens (the history's prompt part)
@@ -155,7 +156,7 @@ class RowProcessor:
         followed (when sampling) by the warpers, with generate's layout of each row's prefix."""
         sampling = not cfg.greedy
         user = list(logits_processor or [])
-        if not user and not _active_settings(generation_config, sampling):
+        if not user and not _active_settings(generation_config, sampling) and not cfg.grammar:
             return None
         from transformers import LogitsProcessorList
 
@@ -166,10 +167,10 @@ class RowProcessor:
         max_length = width + cfg.max_new_tokens
         warp = _warpers(generation_config, cfg.temperature, cfg.top_k, cfg.top_p) if sampling else []
         lists = {
-            pad: LogitsProcessorList(_processors_for(generation_config, pad, width, max_length, eos) + user + warp)
+            pad: LogitsProcessorList(_processors_for(generation_config, pad, width, max_length, eos) + user)
             for pad in sorted(set(pads))
         }
-        return cls(lists, pads, input_ids.tolist(), [width - p for p in pads])
+        return cls(lists, pads, input_ids.tolist(), [width - p for p in pads], LogitsProcessorList(warp))
 
     def prefix(self, session, b: int) -> list[int]:
         """Request b's committed tokens as generate holds them: padded prompt + generated."""
@@ -191,6 +192,12 @@ class RowProcessor:
             r_idx = torch.tensor([m[1] for m in members], device=logits.device)
             ids = torch.tensor([m[2] for m in members], dtype=torch.long, device=logits.device)
             out[a_idx, r_idx] = self.lists[key](ids, out[a_idx, r_idx]).float()
+        if session.grammar is not None:  # where generate applies xgrammar's processor: before the warpers
+            out = session.grammar(session, out, paths)
+        if self.warp:  # row-wise: they read the scores only
+            A, R, V = out.shape
+            out = self.warp(torch.zeros((A * R, 1), dtype=torch.long, device=out.device), out.view(A * R, V))
+            out = out.view(A, R, V).float()
         return out
 
 

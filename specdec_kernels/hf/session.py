@@ -130,7 +130,14 @@ class Session:
         A = len(prompts)
         self.batch = Batch(list(range(A)), torch.arange(A, device=device), lens - 1, config.attention_backend)
         room = min(config.max_new_tokens, 2**20) + drafter.max_tree_nodes + drafter.max_depth + 2
-        self.processor = config.row_processor  # None: no logits processor (the fused path)
+        self.grammar = None
+        if config.grammar is not None:
+            from .grammar import GrammarMasker
+
+            self.grammar = GrammarMasker(config.grammar, self.V)
+        # The rows' processing (None: the fused path): the processors (with the grammar between them
+        # and the warpers), or the grammar's masks alone (the kernels then apply temperature / top-k / top-p).
+        self.processor = config.row_processor if config.row_processor is not None else self.grammar
         keep_history = keep_history or drafter.keeps_history or self.processor is not None
         self.tokens = Tokens.start(prompts, room, device, keep_history)
         drafter.start(self)
@@ -230,6 +237,8 @@ class Session:
             step_tokens = [flat_new[a * (g + 1) : a * (g + 1) + emit_h[a]] for a in range(A)]
             for b, t in zip(batch.rows, step_tokens, strict=True):
                 tokens.history[b].extend(t)
+            if self.grammar is not None:  # the matchers follow the committed tokens
+                self.grammar.commit(batch.rows, step_tokens)
         finished_h = [bool(f) for f in fin_h]
         return StepResult(acc_h, emit_h, finished_h, off_h, step_tokens, g, proposal.draft_forwards)
 

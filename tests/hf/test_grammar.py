@@ -44,7 +44,7 @@ def test_unpack_bitmask_agrees_with_xgrammar_apply():
 
 def test_masks_along_a_path_and_the_rollback_leave_the_committed_state():
     compiled = _compiled()
-    state = GrammarState(compiled, 2, VOCAB_SIZE)
+    state = GrammarState([compiled] * 2, VOCAB_SIZE)
     committed = list(b'{"name": "a')
     state.commit(0, committed)
     path = list(b'b", "n": 1')
@@ -58,13 +58,13 @@ def test_masks_along_a_path_and_the_rollback_leave_the_committed_state():
     assert torch.equal(state.masks_along(1, [])[0][0], _fresh_mask(compiled, []))  # other requests untouched
 
 
-def test_a_finished_grammar_allows_only_the_stop_token():
+def test_a_complete_grammar_allows_only_the_stop_token():
     compiled = _compiled('root ::= "yes" | "no"')
-    state = GrammarState(compiled, 1, VOCAB_SIZE)
+    state = GrammarState([compiled], VOCAB_SIZE)
     masks, valid = state.masks_along(0, list(b"no") + [EOS_ID])
     assert valid == 3
     assert masks[2].nonzero().flatten().tolist() == [EOS_ID]
-    assert not masks[3].any()  # terminated
+    assert masks[3].nonzero().flatten().tolist() == [EOS_ID]  # past the end: the stop token (cut at commit)
 
 
 def test_grammar_specs():
@@ -79,3 +79,155 @@ def test_grammar_specs():
     assert as_spec(compiled) is compiled
     with pytest.raises(ValueError, match="vocabulary"):
         compile_grammar(compiled, ByteTokenizer(), VOCAB_SIZE + 2, [EOS_ID])
+
+
+# ---- the driver: speculative_generate(grammar=...) on the demo pair
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from specdec_kernels.demo import load_demo_pair
+
+    return load_demo_pair()
+
+
+GRAMMARS = [
+    GrammarSpec(json_schema=SCHEMA, any_whitespace=False),
+    'root ::= ("def " | "class ") [a-z_]+ "(" [a-z, ]* "):"',
+    GrammarSpec(regex=r"[0-9]{1,3}(\.[0-9]+)? (apples|pears)"),
+]
+
+
+def _valid_prefix(compiled, tokens) -> bool:
+    matcher = xgr.GrammarMatcher(compiled)
+    return all(matcher.accept_token(t) for t in tokens)
+
+
+@pytest.mark.parametrize(
+    "drafter, K, penalty", [("model", 1, None), ("model", 2, None), ("prompt_lookup", 1, None), ("model", 1, 1.3)]
+)
+def test_greedy_output_equals_generate_with_xgrammars_processor(pair, drafter, K, penalty):
+    """Batch 3, ragged prompts, a different grammar per request (with a repetition penalty: the
+    grammar's mask after generate's processors): token for token what generate produces with
+    xgrammar's transformers processor; every output a valid prefix of its grammar."""
+    from transformers import GenerationConfig
+
+    from specdec_kernels.hf import speculative_generate
+
+    target, draft, tok = pair
+    batch = tok(["x = ", "    ", "total = count_of("])
+    compiled = [compile_grammar(g, tok, VOCAB_SIZE, [EOS_ID]) for g in GRAMMARS]
+    kw = dict(max_new_tokens=24, pad_token_id=EOS_ID, eos_token_id=EOS_ID)
+    settings = {} if penalty is None else dict(repetition_penalty=penalty)
+    processor = [xgr.contrib.hf.LogitsProcessor(compiled)]
+    want = target.generate(**batch, do_sample=False, logits_processor=processor, **settings, **kw)
+    got = speculative_generate(
+        target,
+        draft if drafter == "model" else None,
+        **batch,
+        drafter=drafter,
+        num_drafts=K,
+        num_draft_tokens=4,
+        grammar=compiled,
+        generation_config=GenerationConfig(**settings) if settings else None,
+        **kw,
+    ).sequences
+    width = batch["input_ids"].shape[1]
+    for b in range(3):
+        ours, theirs = got[b, width:].tolist(), want[b, width:].tolist()
+        ours = ours[: ours.index(EOS_ID) + 1] if EOS_ID in ours else ours
+        assert ours == theirs[: len(ours)], (b, tok.decode(ours), tok.decode(theirs))
+        assert _valid_prefix(compiled[b], ours), tok.decode(ours)
+
+
+def test_a_completed_json_document_parses(pair):
+    import json
+
+    from specdec_kernels.hf import speculative_generate
+
+    target, draft, tok = pair
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    batch = tok(["x = "])
+    out = speculative_generate(
+        target,
+        draft,
+        **batch,
+        max_new_tokens=40,
+        grammar=GrammarSpec(json_schema=schema, any_whitespace=False),
+        tokenizer=tok,
+        temperature=0.8,
+        seed=3,
+    )
+    text = out.sequences[0, batch["input_ids"].shape[1] :].tolist()
+    assert EOS_ID in text, tok.decode(text)  # the grammar ends: only the stop token is allowed
+    assert isinstance(json.loads(tok.decode(text[: text.index(EOS_ID)]))["n"], int)
+
+
+def test_bad_grammar_arguments(pair):
+    from specdec_kernels.hf import speculative_generate
+
+    target, draft, tok = pair
+    batch = tok(["x = "])
+    with pytest.raises(ValueError, match="tokenizer"):
+        speculative_generate(target, draft, **batch, max_new_tokens=2, grammar=SCHEMA)
+    with pytest.raises(ValueError, match="one grammar per request"):
+        speculative_generate(target, draft, **batch, max_new_tokens=2, grammar=[SCHEMA, SCHEMA], tokenizer=tok)
+    with pytest.raises(ValueError, match="only with grammar"):
+        speculative_generate(target, draft, **batch, max_new_tokens=2, tokenizer=tok)
+
+
+@pytest.mark.slow
+def test_sampled_first_tokens_follow_the_masked_target(pair):
+    """The first two emitted tokens of 1,200 sampled requests (T = 1, a regex over digits and
+    letters) against the exact law of generate with the grammar: the masked target's softmax for
+    the first, and for the second given the first (pairs pooled by chi-square's rule). Power: the
+    same statistic rejects the law of a verifier that saw unmasked target rows (its first token
+    leaves the grammar), as a driver that masked only the draft rows would emit."""
+    from scipy import stats as sps
+
+    from specdec_kernels.hf import speculative_generate
+
+    from ..ops._stats import ALPHA, chi_square_pvalue
+
+    target, draft, tok = pair
+    spec = GrammarSpec(regex=r"[0-9a-f]{2}[g-z]*")
+    compiled = compile_grammar(spec, tok, VOCAB_SIZE, [EOS_ID])
+    prompt = tok(["color = 0x"])
+    n_calls, B = 6, 200
+    batch = {k: v.expand(B, -1).contiguous() for k, v in prompt.items()}
+    firsts, pairs = [], []
+    for call in range(n_calls):
+        out = speculative_generate(
+            target, draft, **batch, max_new_tokens=2, grammar=compiled, temperature=1.0, seed=call, num_draft_tokens=3
+        )
+        new = out.sequences[:, -2:]
+        firsts.append(new[:, 0])
+        pairs.append(new)
+    first = torch.cat(firsts)
+    with torch.no_grad():
+        logits = target(**prompt).logits[0, -1, :VOCAB_SIZE].double()
+    allowed = _fresh_mask(compiled, [])
+    law = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1)
+    assert chi_square_pvalue(first, law) > ALPHA
+    unmasked = torch.softmax(logits, -1)
+    gen = torch.Generator().manual_seed(0)
+    variant = torch.multinomial(unmasked, first.numel(), replacement=True, generator=gen)
+    assert chi_square_pvalue(variant, law) < ALPHA  # power: a verifier of unmasked rows is seen
+    # the second token given the first: each first token's conditional law, chi-square summed
+    pairs = torch.cat(pairs)
+    statistic, df = 0.0, 0
+    for x in first.unique().tolist():
+        seconds = pairs[pairs[:, 0] == x, 1]
+        if seconds.numel() < 50:
+            continue
+        with torch.no_grad():
+            ids = torch.cat([prompt["input_ids"], torch.tensor([[x]])], 1)
+            row = target(input_ids=ids).logits[0, -1, :VOCAB_SIZE].double()
+        cond = torch.softmax(row.masked_fill(~_fresh_mask(compiled, [x]), float("-inf")), -1)
+        counts = torch.bincount(seconds, minlength=VOCAB_SIZE).double()
+        assert not bool((counts[cond == 0] > 0).any())  # never a token the grammar forbids
+        expected = cond * seconds.numel()
+        big = expected >= 5
+        statistic += float((((counts - expected) ** 2 / expected.clamp_min(1e-12))[big]).sum())
+        df += int(big.sum()) - 1
+    assert df > 0 and sps.chi2.sf(statistic, df) > ALPHA
