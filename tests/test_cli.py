@@ -100,9 +100,30 @@ def test_generate_with_the_demo_medusa_heads(capsys):
     assert out.startswith(prompt) and re.search(r"draft forwards\s+0\n", out)
 
 
+def test_generate_with_a_json_schema_or_a_grammar(capsys, tmp_path):
+    """--json-schema / --grammar: the streamed text is a complete document of the grammar (the
+    demo pair stops at the grammar's end: only EOS is allowed there)."""
+    import json
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    ebnf = tmp_path / "answer.ebnf"
+    ebnf.write_text('root ::= "yes" | "no"')
+    prompt = "x = "
+    for flag, path in (("--json-schema", schema), ("--grammar", ebnf)):
+        argv = ["generate", "--target", "demo", "--prompt", prompt, "--max-new-tokens", "60", "--device", "cpu"]
+        assert main([*argv, flag, str(path)]) == 0
+        text = capsys.readouterr().out[len(prompt) :].split("\n")[0]
+        if flag == "--grammar":
+            assert text in ("yes", "no"), text
+        else:
+            assert isinstance(json.loads(text)["ok"], bool), text
+
+
 @pytest.mark.parametrize(
     "argv, argument",
     [
+        (["generate", "--target", "demo", "--prompt", "x", "--json-schema", "/nonexistent.json"], "--json-schema"),
         (["generate", "--target", "/nonexistent/model", "--prompt", "x"], "--target"),
         (["generate", "--target", "demo", "--draft", "/nonexistent", "--prompt", "x"], "--draft"),
         (["generate", "--target", "demo", "--prompt", "x", "--temperature", "-1"], "--temperature"),

@@ -34,6 +34,7 @@ DRIVER_FLAGS = {
     "seed": "--seed",
     "vocab_size": "--vocab-size",
     "compile_target": "--compile",
+    "grammar": "--json-schema / --grammar",
 }
 
 

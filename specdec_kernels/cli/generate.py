@@ -59,6 +59,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="torch.compile the target's verification forward (CUDA graphs on GPU; implies --cache static)",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema",
+        default=None,
+        help="constrain the output to a JSON schema (file; compact JSON, no free whitespace)",
+    )
+    constraint.add_argument("--grammar", default=None, help="constrain the output to an EBNF grammar (file)")
     return p
 
 
@@ -93,6 +100,9 @@ def validate(args: argparse.Namespace) -> None:
         at_least("--vocab-size", args.vocab_size, 1)
     if args.drafter == "medusa" and args.medusa_heads is None and args.target != "demo":
         raise UsageError("--drafter", "medusa", "--medusa-heads PATH (or --target demo, which ships heads)")
+    for flag, path in (("--json-schema", args.json_schema), ("--grammar", args.grammar)):
+        if path is not None and not Path(path).is_file():
+            raise UsageError(flag, path, "an existing file")
     if args.medusa_heads is not None:
         if args.drafter != "medusa":
             raise UsageError("--medusa-heads", args.medusa_heads, "only with --drafter medusa")
@@ -151,6 +161,24 @@ def _load_heads(args: argparse.Namespace, device: str):
     return load_medusa_heads(device=device, dtype=DTYPES[args.dtype])
 
 
+def _grammar(args: argparse.Namespace):
+    """The grammar= of --json-schema / --grammar (a file's text), or None."""
+    from ..hf.grammar import GrammarSpec
+
+    if args.json_schema is not None:
+        import json
+
+        text = Path(args.json_schema).read_text()
+        try:
+            json.loads(text)
+        except ValueError as exc:
+            raise UsageError("--json-schema", args.json_schema, f"a file holding a JSON schema ({exc})") from exc
+        return GrammarSpec(json_schema=text, any_whitespace=False)
+    if args.grammar is not None:
+        return GrammarSpec(ebnf=Path(args.grammar).read_text())
+    return None
+
+
 def generate_command(args: argparse.Namespace) -> int:
     from .. import hf
 
@@ -170,6 +198,7 @@ def generate_command(args: argparse.Namespace) -> int:
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     lookahead = heads.num_heads if heads is not None else args.num_draft_tokens  # the deepest draft
     check_positions(args.max_new_tokens, ids.shape[1], lookahead, target, draft)
+    grammar = _grammar(args)
     with driver_checks():
         out = hf.speculative_generate(
             target,
@@ -192,6 +221,8 @@ def generate_command(args: argparse.Namespace) -> int:
             vocab_size=args.vocab_size,
             cache_implementation="static" if args.compile else args.cache,
             compile_target=args.compile,
+            grammar=grammar,
+            tokenizer=tok if grammar is not None else None,
         )
     print()
     print(out.stats.table())

@@ -96,12 +96,15 @@ def compile_grammar(grammar, tokenizer, vocab_size: int, stop_token_ids: list[in
     if tokenizer is None:
         raise ValueError("grammar= needs the tokenizer (tokenizer=...) to compile the grammar over the vocabulary")
     compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, stop_token_ids), max_threads=1)
-    if spec.json_schema is not None:
-        schema = spec.json_schema if isinstance(spec.json_schema, str) else json.dumps(spec.json_schema)
-        return compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace)
-    if spec.ebnf is not None:
-        return compiler.compile_grammar(spec.ebnf)
-    return compiler.compile_regex(spec.regex)
+    try:
+        if spec.json_schema is not None:
+            schema = spec.json_schema if isinstance(spec.json_schema, str) else json.dumps(spec.json_schema)
+            return compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace)
+        if spec.ebnf is not None:
+            return compiler.compile_grammar(spec.ebnf)
+        return compiler.compile_regex(spec.regex)
+    except (RuntimeError, ValueError) as err:  # xgrammar's parse errors
+        raise ValueError(f"grammar: xgrammar cannot compile it: {str(err).strip().splitlines()[0]}") from err
 
 
 def compile_grammars(grammar, tokenizer, vocab_size: int, stop_token_ids: list[int], batch: int) -> list:
