@@ -106,6 +106,11 @@ class SmokeTokenizer:
 
     pad_token_id, eos_token_id, bos_token_id = SMOKE_PAD, SMOKE_EOS, SMOKE_BOS
 
+    @property
+    def raw_vocab(self) -> list[bytes]:
+        """For --json-schema (xgrammar): id 3 + k stands for the printable byte 32 + k."""
+        return [b"", b"", b""] + [bytes([32 + k]) for k in range(SMOKE_VOCAB - 3)]
+
     def encode(self, text: str) -> list[int]:
         return [3 + b % (SMOKE_VOCAB - 3) for b in text.encode("utf-8")]
 

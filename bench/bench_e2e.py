@@ -76,6 +76,7 @@ Usage
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -114,12 +115,13 @@ CSV_COLUMNS = (
     "batch_size max_new_tokens rep new_tokens wall_s cpu_s tokens_per_s speedup_vs_target "
     "cpu_speedup_vs_target speedup_vs_hf_assisted acceptance_rate mean_accepted_length target_forwards "
     "draft_forwards time_draft time_target time_verify time_commit time_other drafts_per_step "
-    "greedy_equal greedy_equal_prompts seed warmup cache compiled triton_interpret cuda python"
+    "greedy_equal greedy_equal_prompts grammar grammar_valid grammar_complete seed warmup cache compiled "
+    "triton_interpret cuda python"
 ).split()
 TABLE_COLUMNS = (
     "temperature prompt_set mode G K new_tokens wall_s cpu_s tokens_per_s speedup_vs_target cpu_speedup_vs_target "
     "speedup_vs_hf_assisted acceptance_rate mean_accepted_length target_forwards time_draft time_other greedy_equal "
-    "status"
+    "grammar_valid status"
 ).split()
 
 
@@ -196,6 +198,10 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
             kwargs["assistant_model"] = pair.draft
         elif mode == "hf_prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = args.G
+        if args.compiled_grammar is not None:  # xgrammar's transformers processor (one per call: it keeps state)
+            from xgrammar.contrib.hf import LogitsProcessor
+
+            kwargs["logits_processor"] = [LogitsProcessor(args.compiled_grammar)]
         torch.manual_seed(seed)
         with torch.no_grad():
             seqs, wall, cpu = timed(lambda: pair.target.generate(**kwargs), args.device)
@@ -225,6 +231,7 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
             vocab_size=pair.vocab_size,
             cache_implementation=args.cache,
             compile_target=args.compile,
+            grammar=args.compiled_grammar,
             **({} if args.draft_confidence is None else {"draft_confidence": args.draft_confidence}),
         ),
         args.device,
@@ -232,9 +239,12 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
     return Result(new_tokens_per_row(out.sequences, width, eos), wall, out.stats, cpu)
 
 
-def mode_unavailable(mode: str, pair: Pair, batch_size: int) -> str | None:
+def mode_unavailable(mode: str, pair: Pair, batch_size: int, json_schema: str | None = None) -> str | None:
     if mode in DRAFT_MODES and pair.draft is None:
         return "no draft model (--draft)"
+    if json_schema and mode in ("hf_assisted", "hf_prompt_lookup"):
+        # measured: its __call__ asserts on the candidate tokens assisted decoding hands it
+        return "xgrammar's transformers processor accepts one token per call; assisted generation passes several"
     if mode in ("hf_assisted", "hf_prompt_lookup") and batch_size != 1:
         return "Hugging Face assisted generation supports batch size 1 only"
     return None
@@ -266,7 +276,19 @@ class Totals:
     has_stats: bool = False
     compared: int = 0
     equal: int = 0
+    rows: int = 0
+    grammar_valid: int = 0  # rows whose tokens the grammar accepts (a valid prefix)
+    grammar_complete: int = 0  # rows that reached the grammar's end (its stop token)
     status: str = "ok"
+
+    def check_grammar(self, compiled, new_tokens: list[list[int]]) -> None:
+        import xgrammar
+
+        for tokens in new_tokens:
+            matcher = xgrammar.GrammarMatcher(compiled)
+            self.rows += 1
+            self.grammar_valid += all(matcher.accept_token(t) for t in tokens)
+            self.grammar_complete += matcher.is_terminated()
 
     def add(self, result: Result) -> None:
         self.new_tokens += sum(len(r) for r in result.new_tokens)
@@ -335,6 +357,8 @@ def measure_set(
                     t.status = "error"
                     continue
                 t.add(result)
+                if args.compiled_grammar is not None:
+                    t.check_grammar(args.compiled_grammar, result.new_tokens)
                 reference = references.get((bi, rep))
                 if mode == "target_only":
                     references[(bi, rep)] = result.new_tokens
@@ -413,6 +437,12 @@ def make_rows(
             row.update(
                 greedy_equal="yes" if t.equal == t.compared else "no", greedy_equal_prompts=f"{t.equal}/{t.compared}"
             )
+        if t.rows:
+            row.update(
+                grammar=Path(args.json_schema).name,
+                grammar_valid=f"{t.grammar_valid}/{t.rows}",
+                grammar_complete=f"{t.grammar_complete}/{t.rows}",
+            )
         rows.append(row)
     fill_speedups(rows, {r["mode"]: r for r in rows if r.get("tokens_per_s")})
     return rows
@@ -431,9 +461,25 @@ def fill_speedups(rows: list[dict], by_mode: dict[str, dict]) -> None:
             r["cpu_speedup_vs_target"] = (r["new_tokens"] / r["cpu_s"]) / (base["new_tokens"] / base["cpu_s"])
 
 
+def compile_schema(pair: Pair, args) -> None:
+    """args.compiled_grammar: --json-schema compiled over the pair's vocabulary (compact JSON), or None."""
+    args.compiled_grammar = None
+    if args.json_schema is None:
+        return
+    from specdec_kernels.hf.grammar import GrammarSpec, compile_grammar
+
+    spec = GrammarSpec(json_schema=Path(args.json_schema).read_text(), any_whitespace=False)
+    vocab = pair.vocab_size or pair.target.config.vocab_size
+    args.compiled_grammar = compile_grammar(spec, pair.tokenizer, vocab, sorted(set(pair.eos_token_id)))
+
+
 def run_pair(pair: Pair, sets: dict[str, list[str]], run: common.Run) -> list[dict]:
     args, meta = run.args, run.meta
-    skipped = {m: why for m in args.modes if (why := mode_unavailable(m, pair, args.batch_size))}
+    compile_schema(pair, args)
+    unavailable = functools.partial(
+        mode_unavailable, pair=pair, batch_size=args.batch_size, json_schema=args.json_schema
+    )
+    skipped = {m: why for m in args.modes if (why := unavailable(m))}
     for mode, why in skipped.items():
         print(f"[skip] {mode}: {why}", file=sys.stderr)
     modes = [m for m in args.modes if m not in skipped]
@@ -556,6 +602,11 @@ def parse_args(argv=None):
         help="fixed number of assistant tokens for hf_assisted (default: HF's own schedule)",
     )
     p.add_argument("--temperature", type=float, nargs="+", help="0 = greedy (default: 0); e.g. --temperature 0 0.7")
+    p.add_argument(
+        "--json-schema",
+        help="constrain every mode to this JSON schema (file; compact JSON): xgrammar's processor in generate, "
+        "grammar= in ours; rows count outputs the grammar accepts (grammar_valid) and completes",
+    )
     p.add_argument("--top-k", type=int, default=0, help="sampled runs: top-k (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampled runs: top-p (1 = off)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (hf_assisted: 1 only)")

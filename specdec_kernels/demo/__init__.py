@@ -82,6 +82,11 @@ class ByteTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    @property
+    def raw_vocab(self) -> list[bytes]:
+        """The bytes of every id (b"" for BOS / EOS): what grammar engines (xgrammar) match text with."""
+        return [bytes([i]) for i in range(256)] + [b"", b""]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
         return [self.bos_token_id, *ids] if add_special_tokens else ids

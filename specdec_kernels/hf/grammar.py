@@ -75,13 +75,15 @@ def as_spec(grammar) -> GrammarSpec | object:
 
 
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]):
-    """xgrammar's view of the vocabulary: from a Hugging Face tokenizer, or - for a byte-level
-    tokenizer such as the demo pair's (ids 0..255 are bytes, the rest special) - the raw bytes."""
+    """xgrammar's view of the vocabulary: a tokenizer's ``raw_vocab`` (the bytes of every id, b""
+    for special ids; the demo pair's ``ByteTokenizer`` has one) or a Hugging Face tokenizer's."""
     xgr = _xgrammar()
-    if getattr(tokenizer, "__class__", type(None)).__name__ == "ByteTokenizer":
-        vocab = [bytes([i]) for i in range(256)] + [b""] * (vocab_size - 256)  # empty: special, never text
+    raw = getattr(tokenizer, "raw_vocab", None)
+    if raw is not None:
+        vocab = list(raw) + [b""] * max(0, vocab_size - len(raw))  # ids past it: special, never text
         return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    # no EOS known: xgrammar reads the tokenizer's own
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
 
 
 def compile_grammar(grammar, tokenizer, vocab_size: int, stop_token_ids: list[int]):
