@@ -319,21 +319,9 @@ def _row_stats_pass(
     bad_t = tl.zeros([BLOCK_R], tl.int32)
     if tl.max(redo.to(tl.int32), axis=0) > 0:
         e_m_t, e_z_t, e_g_max, e_g_idx, e_bad_t, e_m_q, e_z_q, e_bad_q = _row_pass_exact(
-            t_rows,
-            d_rows,
-            redo & target_ok,
-            redo & draft_ok,
-            thr_t,
-            thr_q,
-            cut_t,
-            cut_q,
-            inv_t,
-            start_col,
-            end_col,
-            DRAFT_MODE,
-            BY_INDEX,
-            BLOCK_V,
-        )
+            t_rows, d_rows, redo & target_ok, redo & draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col,
+            DRAFT_MODE, BY_INDEX, BLOCK_V,
+        )  # fmt: skip
         row_m_t = tl.where(redo, e_m_t, row_m_t)
         row_z_t = tl.where(redo, e_z_t, row_z_t)
         row_g_idx = tl.where(redo, e_g_idx, row_g_idx)

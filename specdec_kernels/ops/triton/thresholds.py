@@ -265,7 +265,7 @@ def chunk_candidates(
     WITH_Z: tl.constexpr,
 ):
     """The top-k/top-p candidates of one vocabulary chunk [start, end) of one row (end - start <= CW),
-    read once and kept in registers (the threshold phases of row_pass.py).
+    read once and kept in registers (the threshold phases of threshold_phases.py).
 
     row_ptr: [1] pointer to the row; cand_ptr: [1] pointer to L fp32 slots (L / E groups of E
     consecutive entries, then -inf); active, inv_t: [1]. The chunk is cut into groups of E entries
