@@ -279,6 +279,7 @@ def _loop_model(launch: Launch, loops: list[dict], total: int = 0) -> tuple[list
     `total`: SASS instructions of the whole kernel (the selection's code outside its loops)."""
     kw, name = launch.kwargs, launch.kernel.fn.__name__
     bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
+    bound.update(launch.kwargs)  # the launchers pass arguments by keyword
     reading = [loop for loop in loops if loop["loads"]]
     tensors = 2 if kw.get("DRAFT_MODE") in (1, 2) else 1  # logit rows read per row / request
     phase = kw.get("PHASE", 0)

@@ -404,21 +404,11 @@ def _verify_chain_fake(target_logits, draft_tokens, draft, draft_mode, st, ss, s
 
 def call_verify_chain(args: VerifyArgs, backend: str) -> VerifyOutput:
     """Run the custom op on checked arguments."""
-    tensors, scalars, seed_t, seed = args.sampling.op_args(with_ties=True)
+    sampling = args.sampling.op_args(with_ties=True)  # (tensors, scalars, seed tensor, seed int)
     tokens, accepted, nonfinite = verify_chain_op(
-        args.target_logits,
-        args.draft_tokens,
-        args.draft,
-        args.draft_mode,
-        tensors,
-        scalars,
-        seed_t,
-        seed,
-        args.num_draft_tokens,
-        args.cu,
-        args.max_drafts,
-        backend,
-    )
+        args.target_logits, args.draft_tokens, args.draft, args.draft_mode, *sampling, args.num_draft_tokens, args.cu,
+        args.max_drafts, backend,
+    )  # fmt: skip
     return VerifyOutput(tokens, accepted, nonfinite)
 
 
@@ -462,20 +452,9 @@ def _verify_tree_fake(
 
 def call_verify_tree(args: TreeArgs, backend: str) -> TreeVerifyOutput:
     """Run the custom op on checked arguments."""
-    tensors, scalars, seed_t, seed = args.sampling.op_args(with_ties=True)
+    sampling = args.sampling.op_args(with_ties=True)  # (tensors, scalars, seed tensor, seed int)
     tokens, accepted, nodes, nonfinite = verify_tree_op(
-        args.target,
-        args.tokens,
-        args.parents,
-        args.draft,
-        args.draft_mode,
-        tensors,
-        scalars,
-        seed_t,
-        seed,
-        args.num_nodes,
-        args.method,
-        args.max_depth,
-        backend,
-    )
+        args.target, args.tokens, args.parents, args.draft, args.draft_mode, *sampling, args.num_nodes, args.method,
+        args.max_depth, backend,
+    )  # fmt: skip
     return TreeVerifyOutput(tokens, accepted, nodes, nonfinite)

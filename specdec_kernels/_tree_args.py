@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._params import FLOAT_DTYPES, INT_DTYPES, SamplingParams
+from ._params import INT_DTYPES, SamplingParams
 from ._types import DRAFT_NONE, MAX_DEPTH, MAX_NODES, METHODS
 from ._validation import (
     _capturing,
@@ -24,6 +24,7 @@ from ._validation import (
     _last_dim_contiguous,
     _require,
     check_counts,
+    check_target,
     counts_cpu,
 )
 
@@ -77,28 +78,13 @@ def node_depths(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
 
 
 def check_tree_args(
-    target_logits,
-    tokens,
-    parents,
-    draft_logits,
-    draft_probs,
-    temperature,
-    top_k,
-    top_p,
-    seed,
-    num_nodes,
-    method,
-    max_depth,
-    *,
-    validate: bool = True,
-    multi: bool = False,
-    top_p_ties: str = "keep",
-) -> TreeArgs:
-    _require(isinstance(target_logits, torch.Tensor), "target_logits must be a torch.Tensor", TypeError)
-    device = target_logits.device
+    target_logits, tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p, seed, num_nodes, method,
+    max_depth, *, validate: bool = True, multi: bool = False, top_p_ties: str = "keep",
+) -> TreeArgs:  # fmt: skip
+    """Checked arguments of ``sk.verify_tree`` (parents) and ``sk.verify_multi`` (``multi``: K chains)."""
+    device = check_target(target_logits, 4 if multi else 3)
     tok_name = "draft_tokens" if multi else "tree_tokens"
     if multi:
-        _check_tensor("target_logits", target_logits, 4, FLOAT_DTYPES, device)
         B, K, G1, V = target_logits.shape
         G = G1 - 1
         # G = 0 (no drafts) is one bonus token per request from the root row [0, 0]; K = 0 has no
@@ -118,7 +104,6 @@ def check_tree_args(
         draft, mode = _check_draft(draft_logits, draft_probs, (B, K, G), V, device)
         target = target_logits
     else:
-        _check_tensor("target_logits", target_logits, 3, FLOAT_DTYPES, device)
         B, N1, V = target_logits.shape
         N = N1 - 1
         _require(N >= 0, "target_logits must have N+1 >= 1 rows")

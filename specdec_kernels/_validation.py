@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._params import FLOAT_DTYPES, INT_DTYPES, SamplingParams
+from ._params import FLOAT_DTYPES, INT_DTYPES, MAX_FLOAT32, MIN_TEMPERATURE, SamplingParams
 from ._types import DRAFT_LOGITS, DRAFT_NONE, DRAFT_PROBS
 
 
@@ -107,23 +107,19 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if t.numel() else t.new_empty(t.shape)
 
 
-def check_verify_args(
-    target_logits,
-    draft_tokens,
-    draft_logits,
-    draft_probs,
-    temperature,
-    top_k,
-    top_p,
-    num_draft_tokens,
-    seed,
-    *,
-    validate: bool = True,
-    top_p_ties: str = "keep",
-) -> VerifyArgs:
+def check_target(target_logits, ndim: int):
+    """The device of target_logits, which must be a float tensor of `ndim` dimensions."""
     _require(isinstance(target_logits, torch.Tensor), "target_logits must be a torch.Tensor", TypeError)
-    device = target_logits.device
-    _check_tensor("target_logits", target_logits, 3, FLOAT_DTYPES, device)
+    _check_tensor("target_logits", target_logits, ndim, FLOAT_DTYPES, target_logits.device)
+    return target_logits.device
+
+
+def check_verify_args(
+    target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, num_draft_tokens, seed, *,
+    validate: bool = True, top_p_ties: str = "keep",
+) -> VerifyArgs:  # fmt: skip
+    """Checked arguments of the padded layout (``[B, G+1, V]`` target rows; see ``sk.verify``)."""
+    device = check_target(target_logits, 3)
     B, G1, V = target_logits.shape
     if G1 < 1:
         raise ValueError(f"target_logits must have G+1 >= 1 rows per request, got shape {tuple(target_logits.shape)}")
@@ -152,25 +148,44 @@ def check_verify_args(
     return args
 
 
+def check_verify_call(
+    target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, num_draft_tokens, seed, *,
+    cu_num_draft_tokens=None, max_num_draft_tokens=None, target_probs=None, logits_scaled: bool = False,
+    validate: bool = True, top_p_ties: str = "keep", sharded: bool = False,
+) -> VerifyArgs:  # fmt: skip
+    """The checked arguments of an ``sk.verify`` call, padded or flattened (``cu_num_draft_tokens``):
+    the target as logits (``target_input``), the temperature of pre-scaled logits
+    (``unit_temperature``), the layout's checks; `sharded` (vocabulary shards): values are checked
+    after the shards exchange their layout, and the by_index tie rule is refused."""
+    target_logits = target_input(target_logits, target_probs)
+    if logits_scaled:
+        temperature = unit_temperature(temperature)
+    sampling = (temperature, top_k, top_p)
+    options = dict(validate=validate and not sharded, top_p_ties=top_p_ties)
+    if cu_num_draft_tokens is not None:
+        if num_draft_tokens is not None:
+            raise ValueError("pass num_draft_tokens or cu_num_draft_tokens, not both (cu implies the counts)")
+        layout = (cu_num_draft_tokens, max_num_draft_tokens, seed)
+        args = check_flat_verify_args(
+            target_logits, draft_tokens, draft_logits, draft_probs, *sampling, *layout, **options
+        )
+    else:
+        if max_num_draft_tokens is not None:
+            raise ValueError("max_num_draft_tokens belongs to the flattened layout (cu_num_draft_tokens=)")
+        args = check_verify_args(
+            target_logits, draft_tokens, draft_logits, draft_probs, *sampling, num_draft_tokens, seed, **options
+        )
+    if sharded:
+        check_sharded_ties(args)
+    return args
+
+
 def check_flat_verify_args(
-    target_logits,
-    draft_tokens,
-    draft_logits,
-    draft_probs,
-    temperature,
-    top_k,
-    top_p,
-    cu_num_draft_tokens,
-    max_num_draft_tokens,
-    seed,
-    *,
-    validate: bool = True,
-    top_p_ties: str = "keep",
-) -> VerifyArgs:
+    target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, cu_num_draft_tokens,
+    max_num_draft_tokens, seed, *, validate: bool = True, top_p_ties: str = "keep",
+) -> VerifyArgs:  # fmt: skip
     """Checked arguments of the flattened ragged layout (``cu_num_draft_tokens``; see ``sk.verify``)."""
-    _require(isinstance(target_logits, torch.Tensor), "target_logits must be a torch.Tensor", TypeError)
-    device = target_logits.device
-    _check_tensor("target_logits", target_logits, 2, FLOAT_DTYPES, device)
+    device = check_target(target_logits, 2)
     _check_tensor("draft_tokens", draft_tokens, 1, INT_DTYPES, device)
     _check_tensor("cu_num_draft_tokens", cu_num_draft_tokens, 1, INT_DTYPES, device)
     T, V = target_logits.shape
@@ -279,3 +294,47 @@ def validate_sharded_verify_values(args: VerifyArgs, V: int) -> None:
     checked against the full vocabulary V (the sum of the shards)."""
     if args.B > 0:
         _validate_values(args.padded(), V)
+
+
+def check_vocab_size_use(process_group, vocab_size) -> None:
+    if vocab_size is not None and process_group is None:
+        raise ValueError("vocab_size= describes vocabulary shards: it needs process_group=")
+
+
+def check_sharded_ties(args) -> None:
+    if args.sampling.ties_by_index():
+        raise ValueError("top_p_ties='by_index' is not implemented for vocabulary shards (process_group=) yet")
+
+
+def check_out_dtype(out_dtype) -> None:
+    if out_dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"out_dtype must be torch.int64 or torch.int32 (as engines hold token ids), got {out_dtype!r}")
+
+
+def target_input(target_logits, target_probs):
+    """The target as logits: target_logits as given, or log(target_probs) (0 -> -inf; NaN, +inf
+    and negative entries become NaN / +inf, which the kernels flag as non-finite)."""
+    if target_probs is None:
+        if target_logits is None:
+            raise TypeError("pass target_logits or target_probs")
+        return target_logits
+    if target_logits is not None:
+        raise ValueError("pass target_logits or target_probs, not both")
+    if not isinstance(target_probs, torch.Tensor):
+        raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
+    if not target_probs.is_floating_point():
+        raise TypeError(f"target_probs has dtype {target_probs.dtype}; it must be a float tensor")
+    p = target_probs.float()
+    return torch.where(p < 0, torch.full_like(p, float("nan")), torch.log(p))
+
+
+def unit_temperature(temperature):
+    """Temperature for logits already divided by it: 1 for sampled requests, 0 (greedy) kept, and
+    unusable values (NaN, inf, negative, subnormal) kept as given so the usual checks report them."""
+    if isinstance(temperature, torch.Tensor):
+        usable = (temperature >= MIN_TEMPERATURE) & (temperature <= MAX_FLOAT32)
+        return torch.where(usable, torch.ones_like(temperature), temperature)
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        if MIN_TEMPERATURE <= temperature <= MAX_FLOAT32:
+            return 1.0
+    return temperature

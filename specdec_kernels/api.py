@@ -3,6 +3,54 @@
 Each checks its arguments (``_validation`` / ``_tree_args``; errors name the argument) and hands the
 checked arguments to the dispatch layer (``_dispatch``), which picks the backend. While
 ``torch.compile`` traces a caller, the call becomes one opaque ``torch.library`` custom op instead.
+
+Parts of ``sk.verify``'s contract that its docstring refers to this module's docstring for:
+
+Inputs engines already hold:
+    target_probs:     instead of target_logits (pass None for it): fp32 | fp16 | bf16
+                      probabilities, as FlashInfer's callers hold them. They are used as the
+                      logits log(p) (one elementwise pass before the kernels), so temperature=1
+                      samples from p as given, 0 is greedy, and top-k / top-p still apply. NaN,
+                      +inf or negative entries flag the request, like non-finite logits.
+    logits_scaled:    True when target_logits (and draft_logits) are already divided by the
+                      temperature, as vLLM holds them: the kernels then scale by 1, and
+                      ``temperature`` only tells greedy (0) from sampled (> 0) requests.
+                      top-p masses are computed on the logits as given.
+
+out_dtype: torch.int64 (default) or torch.int32 for ``tokens`` (and ``accepted_nodes`` of the tree
+    ops), as vLLM / SGLang / FlashInfer hold ids. Engine conventions: vLLM's num_sampled =
+    num_accepted + 1 (tokens[b, :num_accepted + 1] are the output ids); SGLang's accept_index is
+    ``accepted_nodes`` (verify_tree) and its predicts the emitted tokens; FlashInfer's
+    chain_speculative_sampling output = ``tokens`` with -1 padding.
+
+Vocabulary parallel (the LM head sharded over the vocabulary, as tensor-parallel engines hold it):
+    process_group:    a torch.distributed process group (NCCL on GPU, gloo on CPU). Each rank passes
+                      its contiguous vocabulary shard in rank order (sizes may differ): target_logits
+                      [B, G+1, V_r] and draft_logits / draft_probs [B, G, V_r] (or target_probs).
+                      draft_tokens (global ids in [0, V)), num_draft_tokens, temperature, top_k,
+                      top_p and seed are the same on every rank; seed=None uses rank 0's draw.
+                      Every rank returns the tokens, num_accepted and nonfinite of the unsharded
+                      call with the same seed (float sums run in another order across shards:
+                      equal except at measure-zero ties). backend: "auto" or "torch" (a
+                      vectorised PyTorch shard implementation, any device; it synchronises
+                      with the host, so it cannot be captured in a CUDA graph).
+    vocab_size:       V; checked against the sum of the shard sizes, which one tiny all-gather
+                      always exchanges (it also makes an argument error raise on every rank
+                      instead of leaving the others waiting in a collective).
+    Math: instead of all-gathering B (G+1) V logits, ranks exchange O(B (G+1)) numbers per
+    collective: per row the max and first argmax (all-gather of per-rank pairs); the softmax
+    normaliser with the owner's w(x_i) folded in (all-reduce: p(x_i) = w(x_i) / Z as unsharded);
+    the exact top-k / top-p thresholds (top-k <= 256: one all-gather of every rank's k largest
+    values, on which top-p is computed as unsharded; else radix select over the 32-bit order
+    keys of the logits, 4 all-reduces of [rows, 256] histograms: counts for top-k, softmax mass
+    for top-p; ties kept as the reference keeps them); and the race winner at the emitting row:
+    the race key of entry x uses Philox(seed; x // 4, row, purpose) with the global index x, so
+    each shard draws the unsharded call's numbers, and the winner is the (max key, lowest index)
+    over ranks (all-gather). NaN logits in one rank's shard flag the request on every rank.
+    Example (rank r of w ranks, an even split):
+        >>> lo, hi = r * V // w, (r + 1) * V // w
+        >>> out = sk.verify(target_logits[..., lo:hi], draft_tokens, draft_logits[..., lo:hi],
+        ...                 temperature=0.8, seed=seeds, process_group=dist.group.WORLD)
 """
 
 from __future__ import annotations
@@ -10,10 +58,15 @@ from __future__ import annotations
 import torch
 
 from . import _dispatch
-from ._params import MAX_FLOAT32, MIN_TEMPERATURE
 from ._tree_args import check_tree_args
 from ._types import TreeVerifyOutput, VerifyOutput
-from ._validation import VerifyArgs, check_flat_verify_args, check_verify_args
+from ._validation import (
+    VerifyArgs,
+    check_out_dtype,
+    check_sharded_ties,
+    check_verify_call,
+    check_vocab_size_use,
+)
 
 
 def verify(
@@ -89,16 +142,7 @@ def verify(
     request's draft ends there and that position draws the bonus token from p (nothing masked, not
     flagged), as ``verify_multi`` / ``verify_tree`` do for a node without valid children.
 
-    Inputs engines already hold:
-        target_probs:     instead of target_logits (pass None for it): fp32 | fp16 | bf16
-                          probabilities, as FlashInfer's callers hold them. They are used as the
-                          logits log(p) (one elementwise pass before the kernels), so temperature=1
-                          samples from p as given, 0 is greedy, and top-k / top-p still apply. NaN,
-                          +inf or negative entries flag the request, like non-finite logits.
-        logits_scaled:    True when target_logits (and draft_logits) are already divided by the
-                          temperature, as vLLM holds them: the kernels then scale by 1, and
-                          ``temperature`` only tells greedy (0) from sampled (> 0) requests.
-                          top-p masses are computed on the logits as given.
+    Inputs engines already hold (target_probs=, logits_scaled=): see this module's docstring.
 
     Flattened ragged layout (vLLM / SGLang hold rows this way; read in place, no padding copy):
         cu_num_draft_tokens: [B+1] int32 | int64 offsets, cu[0] = 0: request b has the
@@ -112,40 +156,9 @@ def verify(
         Triton kernels read the flattened rows in place; the cpu / cuda / torch backends gather a
         padded copy first.
 
-    out_dtype: torch.int64 (default) or torch.int32 for ``tokens`` (and ``accepted_nodes`` of the tree
-        ops), as vLLM / SGLang / FlashInfer hold ids. Engine conventions: vLLM's num_sampled =
-        num_accepted + 1 (tokens[b, :num_accepted + 1] are the output ids); SGLang's accept_index is
-        ``accepted_nodes`` (verify_tree) and its predicts the emitted tokens; FlashInfer's
-        chain_speculative_sampling output = ``tokens`` with -1 padding.
+    out_dtype: torch.int64 (default) or torch.int32 for ``tokens``; engine conventions: this module's docstring.
 
-    Vocabulary parallel (the LM head sharded over the vocabulary, as tensor-parallel engines hold it):
-        process_group:    a torch.distributed process group (NCCL on GPU, gloo on CPU). Each rank passes
-                          its contiguous vocabulary shard in rank order (sizes may differ): target_logits
-                          [B, G+1, V_r] and draft_logits / draft_probs [B, G, V_r] (or target_probs).
-                          draft_tokens (global ids in [0, V)), num_draft_tokens, temperature, top_k,
-                          top_p and seed are the same on every rank; seed=None uses rank 0's draw.
-                          Every rank returns the tokens, num_accepted and nonfinite of the unsharded
-                          call with the same seed (float sums run in another order across shards:
-                          equal except at measure-zero ties). backend: "auto" or "torch" (a
-                          vectorised PyTorch shard implementation, any device; it synchronises
-                          with the host, so it cannot be captured in a CUDA graph).
-        vocab_size:       V; checked against the sum of the shard sizes, which one tiny all-gather
-                          always exchanges (it also makes an argument error raise on every rank
-                          instead of leaving the others waiting in a collective).
-        Math: instead of all-gathering B (G+1) V logits, ranks exchange O(B (G+1)) numbers per
-        collective: per row the max and first argmax (all-gather of per-rank pairs); the softmax
-        normaliser with the owner's w(x_i) folded in (all-reduce: p(x_i) = w(x_i) / Z as unsharded);
-        the exact top-k / top-p thresholds (top-k <= 256: one all-gather of every rank's k largest
-        values, on which top-p is computed as unsharded; else radix select over the 32-bit order
-        keys of the logits, 4 all-reduces of [rows, 256] histograms: counts for top-k, softmax mass
-        for top-p; ties kept as the reference keeps them); and the race winner at the emitting row:
-        the race key of entry x uses Philox(seed; x // 4, row, purpose) with the global index x, so
-        each shard draws the unsharded call's numbers, and the winner is the (max key, lowest index)
-        over ranks (all-gather). NaN logits in one rank's shard flag the request on every rank.
-        Example (rank r of w ranks, an even split):
-            >>> lo, hi = r * V // w, (r + 1) * V // w
-            >>> out = sk.verify(target_logits[..., lo:hi], draft_tokens, draft_logits[..., lo:hi],
-            ...                 temperature=0.8, seed=seeds, process_group=dist.group.WORLD)
+    Vocabulary parallel (process_group=, vocab_size=): see this module's docstring.
 
     Returns:
         VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool).
@@ -154,54 +167,20 @@ def verify(
         >>> out = sk.verify(target_logits, draft_tokens, draft_logits, temperature=0.7, seed=seeds)
         >>> n = out.num_accepted  # commit out.tokens[b, : n[b] + 1]
     """
-    _check_vocab_size_use(process_group, vocab_size)
+    check_vocab_size_use(process_group, vocab_size)
 
     def checked() -> VerifyArgs:
-        nonlocal target_logits, temperature
         if process_group is None:
             _dispatch.check_backend(backend)
         else:
             _dispatch.check_sharded_backend(backend)
-        _check_out_dtype(out_dtype)
-        target_logits = _target_input(target_logits, target_probs)
-        if logits_scaled:
-            temperature = _unit_temperature(temperature)
-        if cu_num_draft_tokens is not None:
-            if num_draft_tokens is not None:
-                raise ValueError("pass num_draft_tokens or cu_num_draft_tokens, not both (cu implies the counts)")
-            args = check_flat_verify_args(
-                target_logits,
-                draft_tokens,
-                draft_logits,
-                draft_probs,
-                temperature,
-                top_k,
-                top_p,
-                cu_num_draft_tokens,
-                max_num_draft_tokens,
-                seed,
-                validate=validate and process_group is None,
-                top_p_ties=top_p_ties,
-            )
-        else:
-            if max_num_draft_tokens is not None:
-                raise ValueError("max_num_draft_tokens belongs to the flattened layout (cu_num_draft_tokens=)")
-            args = check_verify_args(
-                target_logits,
-                draft_tokens,
-                draft_logits,
-                draft_probs,
-                temperature,
-                top_k,
-                top_p,
-                num_draft_tokens,
-                seed,
-                validate=validate and process_group is None,
-                top_p_ties=top_p_ties,
-            )
-        if process_group is not None:
-            _check_sharded_ties(args)
-        return args
+        check_out_dtype(out_dtype)
+        return check_verify_call(
+            target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, num_draft_tokens, seed,
+            cu_num_draft_tokens=cu_num_draft_tokens, max_num_draft_tokens=max_num_draft_tokens,
+            target_probs=target_probs, logits_scaled=logits_scaled, validate=validate, top_p_ties=top_p_ties,
+            sharded=process_group is not None,
+        )  # fmt: skip
 
     if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
         out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate)
@@ -278,26 +257,9 @@ def verify_tree(
         >>> out = sk.verify_tree(logits, tokens, parents, draft_logits, temperature=0.8, seed=seeds)
         >>> keep = out.accepted_nodes[b, : out.num_accepted[b]]  # KV rows to keep, in order
     """
-    return _run_tree(
-        backend,
-        target_logits,
-        tree_tokens,
-        parents,
-        draft_logits,
-        draft_probs,
-        temperature,
-        top_k,
-        top_p,
-        seed,
-        num_nodes,
-        method,
-        max_depth,
-        validate=validate,
-        out_dtype=out_dtype,
-        process_group=process_group,
-        vocab_size=vocab_size,
-        top_p_ties=top_p_ties,
-    )
+    tree = (target_logits, tree_tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p, seed)
+    options = dict(out_dtype=out_dtype, process_group=process_group, vocab_size=vocab_size, top_p_ties=top_p_ties)
+    return _run_tree(backend, *tree, num_nodes, method, max_depth, validate=validate, **options)
 
 
 def verify_multi(
@@ -343,27 +305,10 @@ def verify_multi(
         >>> out = sk.verify_multi(logits[..., lo:hi], drafts, draft_logits[..., lo:hi], seed=seeds,
         ...                       process_group=dist.group.WORLD)  # this rank's shard [lo, hi)
     """
-    return _run_tree(
-        backend,
-        target_logits,
-        draft_tokens,
-        None,  # chains: implicit parents
-        draft_logits,
-        draft_probs,
-        temperature,
-        top_k,
-        top_p,
-        seed,
-        None,
-        method,
-        None,
-        validate=validate,
-        multi=True,
-        out_dtype=out_dtype,
-        process_group=process_group,
-        vocab_size=vocab_size,
-        top_p_ties=top_p_ties,
-    )
+    # chains: no parents (implicit), num_nodes or max_depth
+    chains = (target_logits, draft_tokens, None, draft_logits, draft_probs, temperature, top_k, top_p, seed)
+    options = dict(out_dtype=out_dtype, process_group=process_group, vocab_size=vocab_size, top_p_ties=top_p_ties)
+    return _run_tree(backend, *chains, None, method, None, validate=validate, multi=True, **options)
 
 
 def _run_tree(
@@ -377,20 +322,20 @@ def _run_tree(
     top_p_ties="keep",
 ) -> TreeVerifyOutput:
     """verify_tree and verify_multi: one check (``check_tree_args``), one dispatch."""
-    _check_vocab_size_use(process_group, vocab_size)
+    check_vocab_size_use(process_group, vocab_size)
     if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
 
         def checked():
             _dispatch.check_sharded_backend(backend)
-            _check_out_dtype(out_dtype)
+            check_out_dtype(out_dtype)
             args = check_tree_args(*tree_args, validate=False, multi=multi, top_p_ties=top_p_ties)
-            _check_sharded_ties(args)
+            check_sharded_ties(args)
             return args, tree_args[-1] is None and not multi  # max_depth not given: the deepest tree
 
         out = _dispatch.run_tree_sharded(checked, process_group, vocab_size, validate, multi)
     else:
         backend = _dispatch.check_backend(backend)
-        _check_out_dtype(out_dtype)
+        check_out_dtype(out_dtype)
         args = check_tree_args(*tree_args, validate=validate, multi=multi, top_p_ties=top_p_ties)
         if torch.compiler.is_compiling():  # one opaque custom op in the graph
             out = _dispatch.call_verify_tree(args, backend)
@@ -399,47 +344,3 @@ def _run_tree(
     if out_dtype == torch.int64:
         return out
     return TreeVerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.accepted_nodes.to(out_dtype), out.nonfinite)
-
-
-def _check_vocab_size_use(process_group, vocab_size) -> None:
-    if vocab_size is not None and process_group is None:
-        raise ValueError("vocab_size= describes vocabulary shards: it needs process_group=")
-
-
-def _check_sharded_ties(args) -> None:
-    if args.sampling.ties_by_index():
-        raise ValueError("top_p_ties='by_index' is not implemented for vocabulary shards (process_group=) yet")
-
-
-def _check_out_dtype(out_dtype) -> None:
-    if out_dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"out_dtype must be torch.int64 or torch.int32 (as engines hold token ids), got {out_dtype!r}")
-
-
-def _target_input(target_logits, target_probs):
-    """The target as logits: target_logits as given, or log(target_probs) (0 -> -inf; NaN, +inf
-    and negative entries become NaN / +inf, which the kernels flag as non-finite)."""
-    if target_probs is None:
-        if target_logits is None:
-            raise TypeError("pass target_logits or target_probs")
-        return target_logits
-    if target_logits is not None:
-        raise ValueError("pass target_logits or target_probs, not both")
-    if not isinstance(target_probs, torch.Tensor):
-        raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
-    if not target_probs.is_floating_point():
-        raise TypeError(f"target_probs has dtype {target_probs.dtype}; it must be a float tensor")
-    p = target_probs.float()
-    return torch.where(p < 0, torch.full_like(p, float("nan")), torch.log(p))
-
-
-def _unit_temperature(temperature):
-    """Temperature for logits already divided by it: 1 for sampled requests, 0 (greedy) kept, and
-    unusable values (NaN, inf, negative, subnormal) kept as given so the usual checks report them."""
-    if isinstance(temperature, torch.Tensor):
-        usable = (temperature >= MIN_TEMPERATURE) & (temperature <= MAX_FLOAT32)
-        return torch.where(usable, torch.ones_like(temperature), temperature)
-    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
-        if MIN_TEMPERATURE <= temperature <= MAX_FLOAT32:
-            return 1.0
-    return temperature

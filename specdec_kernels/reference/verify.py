@@ -41,18 +41,9 @@ def verify_reference(
 ) -> VerifyOutput:
     """Same contract as :func:`specdec_kernels.verify`; see its docstring."""
     args = check_verify_args(
-        target_logits,
-        draft_tokens,
-        draft_logits,
-        draft_probs,
-        temperature,
-        top_k,
-        top_p,
-        num_draft_tokens,
-        seed,
-        validate=validate,
-        top_p_ties=top_p_ties,
-    )
+        target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, num_draft_tokens, seed,
+        validate=validate, top_p_ties=top_p_ties,
+    )  # fmt: skip
     return verify_checked(args)
 
 

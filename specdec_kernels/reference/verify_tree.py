@@ -202,21 +202,9 @@ def verify_tree_reference(
 ):
     """Same contract as :func:`specdec_kernels.verify_tree`; see its docstring."""
     args = check_tree_args(
-        target_logits,
-        tree_tokens,
-        parents,
-        draft_logits,
-        draft_probs,
-        temperature,
-        top_k,
-        top_p,
-        seed,
-        num_nodes,
-        method,
-        max_depth,
-        validate=validate,
-        top_p_ties=top_p_ties,
-    )
+        target_logits, tree_tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p, seed, num_nodes,
+        method, max_depth, validate=validate, top_p_ties=top_p_ties,
+    )  # fmt: skip
     return verify_tree_checked(args)
 
 
@@ -236,22 +224,9 @@ def verify_multi_reference(
 ):
     """Same contract as :func:`specdec_kernels.verify_multi`; see its docstring."""
     args = check_tree_args(
-        target_logits,
-        draft_tokens,
-        None,
-        draft_logits,
-        draft_probs,
-        temperature,
-        top_k,
-        top_p,
-        seed,
-        None,
-        method,
-        None,
-        validate=validate,
-        multi=True,
-        top_p_ties=top_p_ties,
-    )
+        target_logits, draft_tokens, None, draft_logits, draft_probs, temperature, top_k, top_p, seed, None, method,
+        None, validate=validate, multi=True, top_p_ties=top_p_ties,
+    )  # fmt: skip
     return verify_tree_checked(args)
 
 

@@ -175,7 +175,7 @@ def test_a_wrong_threshold_is_caught():
 
 
 # --------------------------------------------------------------------------------------------
-# The split path of ops/triton/row_pass.py: candidates per vocabulary chunk (chunk_candidates), then the
+# The split path of ops/triton/threshold_phases.py: candidates per vocabulary chunk (chunk_candidates), then the
 # selection among them (select_candidates), with the bisection over the row where they do not
 # decide a row - here with tiny chunks, few candidate slots and few bins, so that the union bound,
 # the far bin and the fallback are all exercised.

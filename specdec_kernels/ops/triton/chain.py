@@ -25,8 +25,8 @@ synchronisation, no Python loop over requests:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -55,17 +55,12 @@ from .helpers import (
     safe_max,
     uniform_open,
 )
-from .row_pass import (
-    CUT_Q,
-    CUT_T,
+from .launch import TileSettings, chunks_to_fill, tile_settings, vocab_chunks
+from .records import (
     IDX_GREEDY,
     NUM_IDX,
-    NUM_IDX_HOST,
     NUM_STATS,
-    NUM_STATS_HOST,
     NUM_THR,
-    NUM_THR_HOST,
-    PHASE_STATS,
     STAT_BAD_Q,
     STAT_BAD_T,
     STAT_GMAX,
@@ -73,17 +68,17 @@ from .row_pass import (
     STAT_M_T,
     STAT_Z_Q,
     STAT_Z_T,
-    THR_Q,
-    THR_T,
-    _verify_row_stats_kernel,
+    load_thresholds,
+)
+from .row_pass import (
+    RowPassLayout,
+    RowPassPlan,
+    RowStats,
     combine_softmax,
     drafted,
-    launch_threshold_phases,
-    load_cut,
-    merge_chunk_stats,
+    launch_row_stats,
     prob_of,
     request_base,
-    row_tile_caps,
     threshold_plan,
 )
 
@@ -110,35 +105,29 @@ def _kept_prob(x, m, c, inv_z, thr, cols, cut, BY_INDEX: tl.constexpr):
 
 @triton.jit
 def _race_row_j(
-    tj_row,
-    dj_row,
-    need,
-    recover,
-    seed,
-    j,
-    purpose,
-    tok_j,
-    mj_t,
-    zj_t,
-    thrj_t,
-    mj_q,
-    zj_q,
-    thrj_q,
-    cutj_t,
-    cutj_q,
-    inv_t,
-    start_col,
-    end_col,
-    DRAFT_MODE: tl.constexpr,
-    BY_INDEX: tl.constexpr,
+    target_ptr, draft_ptr, t_base, d_base, stride_tg, stride_dg, i, j, need, recover, seed, tok, m_t, z_t, thr_t, cut_t,
+    m_q, z_q, thr_q, cut_q, inv_t, start_col, end_col, DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr,
     BLOCK_V: tl.constexpr,
-):
+):  # fmt: skip
     """The exponential races over [start_col, end_col) of row j of each request: argmax_x r(x) / E_x
     with E_x ~ Exp(1) (the same winner as argmax log r(x) - log E_x, without the logs) over the
     residual r = max(p - q, 0) (over p at the bonus position) and over p itself (the fallback when
-    the residual is empty). Per-lane running winners, reduced once at the end.
+    the residual is empty). Per-lane running winners, reduced once at the end. Row j's statistics
+    and draft id are picked from the [BLOCK_B, ROWS] tiles (m_t ... cut_q, tok; columns i).
     Returns (residual key, index, p key, index) per request; -inf keys when nothing qualifies."""
     BLOCK_B: tl.constexpr = need.shape[0]
+    purpose = tl.where(recover, PURPOSE_RECOVER, PURPOSE_BONUS)
+    tok_j = _select_row(tok, i, j)
+    thrj_t = _select_row(thr_t, i, j)[:, None]
+    thrj_q = _select_row(thr_q, i, j)[:, None]
+    cutj_t = _select_row(cut_t, i, j)[:, None]
+    cutj_q = _select_row(cut_q, i, j)[:, None]
+    mj_t = safe_max(_select_row(m_t, i, j))[:, None]
+    mj_q = safe_max(_select_row(m_q, i, j))[:, None]
+    zj_t = _select_row(z_t, i, j)
+    zj_q = _select_row(z_q, i, j)
+    tj_row = target_ptr + t_base[:, None] + j[:, None].to(tl.int64) * stride_tg
+    dj_row = draft_ptr + d_base[:, None] + j[:, None].to(tl.int64) * stride_dg
     c = (inv_t * LOG2E)[:, None]
     inv_zt = tl.where(zj_t > 0.0, 1.0 / tl.where(zj_t > 0.0, zj_t, 1.0), 0.0)[:, None]
     inv_zq = tl.where(zj_q > 0.0, 1.0 / tl.where(zj_q > 0.0, zj_q, 1.0), 0.0)[:, None]
@@ -151,10 +140,10 @@ def _race_row_j(
         lane_ok = need[:, None] & (cols < end_col)
         lane_q = lane_ok & recover[:, None]  # no draft row at the bonus position
         x = tl.load(tj_row + cols, mask=lane_ok, other=float("-inf")).to(tl.float32)
-        p = _kept_prob(x, mj_t[:, None], c, inv_zt, thrj_t[:, None], cols, cutj_t[:, None], BY_INDEX)
+        p = _kept_prob(x, mj_t, c, inv_zt, thrj_t, cols, cutj_t, BY_INDEX)
         if DRAFT_MODE == DRAFT_LOGITS:
             xd = tl.load(dj_row + cols, mask=lane_q, other=float("-inf")).to(tl.float32)
-            q = _kept_prob(xd, mj_q[:, None], c, inv_zq, thrj_q[:, None], cols, cutj_q[:, None], BY_INDEX)
+            q = _kept_prob(xd, mj_q, c, inv_zq, thrj_q, cols, cutj_q, BY_INDEX)
             residual = tl.maximum(p - q, 0.0)
         elif DRAFT_MODE == DRAFT_PROBS:
             q, _bad_q = load_probs(dj_row + cols, lane_q)
@@ -173,6 +162,66 @@ def _race_row_j(
     key_r, at_r = lanes_argmax(best_r, idx_r)
     key_p, at_p = lanes_argmax(best_p, idx_p)
     return key_r, at_r, key_p, at_p
+
+
+@triton.jit
+def _row_records(stats_ptr, idx_ptr, rows, row_ok, stat_chunks, inv_t):
+    """(m_t, z_t, m_q, z_q, greedy max, greedy index, count of non-finite entries) of each row
+    (rows, row_ok, inv_t: [BLOCK_B, ROWS] tiles) from its stat_chunks chunk records, combined."""
+    m_t = tl.full(rows.shape, float("-inf"), tl.float32)
+    z_t = tl.zeros(rows.shape, tl.float32)
+    m_q = tl.full(rows.shape, float("-inf"), tl.float32)
+    z_q = tl.zeros(rows.shape, tl.float32)
+    g_max = tl.full(rows.shape, float("-inf"), tl.float32)
+    g_idx = tl.zeros(rows.shape, tl.int32)
+    bad = tl.zeros(rows.shape, tl.float32)
+    for c in range(0, stat_chunks):
+        rec = (rows * stat_chunks + c) * NUM_STATS
+        irec = (rows * stat_chunks + c) * NUM_IDX
+        cm_t = tl.load(stats_ptr + rec + STAT_M_T, mask=row_ok, other=float("-inf"))
+        cz_t = tl.load(stats_ptr + rec + STAT_Z_T, mask=row_ok, other=0.0)
+        cm_q = tl.load(stats_ptr + rec + STAT_M_Q, mask=row_ok, other=float("-inf"))
+        cz_q = tl.load(stats_ptr + rec + STAT_Z_Q, mask=row_ok, other=0.0)
+        c_gmax = tl.load(stats_ptr + rec + STAT_GMAX, mask=row_ok, other=float("-inf"))
+        bad += tl.load(stats_ptr + rec + STAT_BAD_T, mask=row_ok, other=0.0) + tl.load(
+            stats_ptr + rec + STAT_BAD_Q, mask=row_ok, other=0.0
+        )
+        c_gidx = tl.load(idx_ptr + irec + IDX_GREEDY, mask=row_ok, other=0)
+        take = c_gmax > g_max  # strict: the earlier chunk keeps ties (lowest index)
+        g_max = tl.where(take, c_gmax, g_max)
+        g_idx = tl.where(take, c_gidx, g_idx)
+        m_t, z_t = combine_softmax(m_t, z_t, cm_t, cz_t, inv_t)
+        m_q, z_q = combine_softmax(m_q, z_q, cm_q, cz_q, inv_t)
+    return m_t, z_t, m_q, z_q, g_max, g_idx, bad
+
+
+@triton.jit
+def _first_rejection(
+    t_rows, d_rows, x_rows, i, n_b, b_ok, greedy, seed, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, g_idx, inv_t,
+    V, DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """The accept test of every draft i < n_b (columns i of [BLOCK_B, ROWS] tiles; t_rows / d_rows
+    point at the rows): (j = the first rejected draft, n_b when none is; the draft ids, 0 where
+    out of range). Sampled: accept iff u * q(x) <= p(x) and p(x) > 0; greedy: iff x = argmax."""
+    is_draft = b_ok[:, None] & (i < n_b[:, None])
+    tok = tl.load(x_rows[:, None] + i, mask=is_draft, other=0).to(tl.int64)
+    tok_ok = (tok >= 0) & (tok < V)  # out-of-range ids (validate=False) are rejected, never loaded
+    tok_safe = tl.where(tok_ok, tok, 0)
+    x_t, _bad_t = load_logits(t_rows + tok_safe, is_draft)
+    p_tok = prob_of(x_t, m_t, z_t, thr_t, inv_t, tok_safe, cut_t, BY_INDEX)
+    if DRAFT_MODE == DRAFT_LOGITS:
+        x_q, _bad_q = load_logits(d_rows + tok_safe, is_draft)
+        q_tok = prob_of(x_q, m_q, z_q, thr_q, inv_t, tok_safe, cut_q, BY_INDEX)
+    elif DRAFT_MODE == DRAFT_PROBS:
+        q_tok, _bad_qt = load_probs(d_rows + tok_safe, is_draft)
+    else:
+        q_tok = tl.full(is_draft.shape, 1.0, tl.float32)
+    u = uniform_open(seed[:, None], i * 0, i, PURPOSE_ACCEPT)
+    accept_sampled = (u * q_tok <= p_tok) & (p_tok > 0.0)  # u > 0: p = 0 is never accepted
+    accept_greedy = tok == g_idx.to(tl.int64)
+    accept = tl.where(greedy[:, None], accept_greedy, accept_sampled) & tok_ok
+    j = tl.min(tl.where(is_draft & ~accept, i, ROWS), axis=1)
+    return tl.minimum(j, n_b), tok_safe
 
 
 @triton.jit(do_not_specialize=["B", "num_chunks", "stat_chunks", "seed"])  # per-call scalars: triton/helpers.py
@@ -221,6 +270,8 @@ def _verify_accept_kernel(
     ROWS: tl.constexpr,  # next power of two >= G + 1
     BLOCK_V: tl.constexpr,
 ):
+    """Combine each row's records, test every draft, and race over row j of each sampled request
+    (this program's vocabulary chunk): ``_row_records``, ``_first_rejection``, ``_race_row_j``."""
     pid_b = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
@@ -234,69 +285,24 @@ def _verify_accept_kernel(
     greedy, inv_t = inverse_temperature(temperature)
     seed = request_seed(seed_ptr, seed, b, b_ok, PER_REQ_SEED)
 
-    # ---- combine the chunk statistics of every row i <= n_b: [BLOCK_B, ROWS] tiles
+    # ---- the records of every row i <= n_b: [BLOCK_B, ROWS] tiles
     i = tl.arange(0, ROWS)[None, :]
     row_ok = b_ok[:, None] & (i <= n_b[:, None])
     rows = b[:, None] * (G + 1) + i
     inv_t2 = inv_t[:, None] + tl.zeros([BLOCK_B, ROWS], tl.float32)
-    m_t = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
-    z_t = tl.zeros([BLOCK_B, ROWS], tl.float32)
-    m_q = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
-    z_q = tl.zeros([BLOCK_B, ROWS], tl.float32)
-    g_max = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
-    g_idx = tl.zeros([BLOCK_B, ROWS], tl.int32)
-    bad = tl.zeros([BLOCK_B, ROWS], tl.float32)
-    for c in range(0, stat_chunks):
-        rec = (rows * stat_chunks + c) * NUM_STATS
-        irec = (rows * stat_chunks + c) * NUM_IDX
-        cm_t = tl.load(stats_ptr + rec + STAT_M_T, mask=row_ok, other=float("-inf"))
-        cz_t = tl.load(stats_ptr + rec + STAT_Z_T, mask=row_ok, other=0.0)
-        cm_q = tl.load(stats_ptr + rec + STAT_M_Q, mask=row_ok, other=float("-inf"))
-        cz_q = tl.load(stats_ptr + rec + STAT_Z_Q, mask=row_ok, other=0.0)
-        c_gmax = tl.load(stats_ptr + rec + STAT_GMAX, mask=row_ok, other=float("-inf"))
-        bad += tl.load(stats_ptr + rec + STAT_BAD_T, mask=row_ok, other=0.0) + tl.load(
-            stats_ptr + rec + STAT_BAD_Q, mask=row_ok, other=0.0
-        )
-        c_gidx = tl.load(idx_ptr + irec + IDX_GREEDY, mask=row_ok, other=0)
-        take = c_gmax > g_max  # strict: the earlier chunk keeps ties (lowest index)
-        g_max = tl.where(take, c_gmax, g_max)
-        g_idx = tl.where(take, c_gidx, g_idx)
-        m_t, z_t = combine_softmax(m_t, z_t, cm_t, cz_t, inv_t2)
-        m_q, z_q = combine_softmax(m_q, z_q, cm_q, cz_q, inv_t2)
-    thr_t = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
-    thr_q = tl.full([BLOCK_B, ROWS], float("-inf"), tl.float32)
-    cut_t = tl.zeros([BLOCK_B, ROWS], tl.int32)
-    cut_q = tl.zeros([BLOCK_B, ROWS], tl.int32)
-    if HAS_FILTER:
-        thr_t = tl.load(thr_ptr + rows * NUM_THR + THR_T, mask=row_ok & ~greedy[:, None], other=float("-inf"))
-        cut_t = load_cut(thr_ptr + rows * NUM_THR + CUT_T, row_ok & ~greedy[:, None], BY_INDEX)
-        if DRAFT_MODE == DRAFT_LOGITS:
-            q_ok = row_ok & (i < n_b[:, None]) & ~greedy[:, None]
-            thr_q = tl.load(thr_ptr + rows * NUM_THR + THR_Q, mask=q_ok, other=float("-inf"))
-            cut_q = load_cut(thr_ptr + rows * NUM_THR + CUT_Q, q_ok, BY_INDEX)
+    m_t, z_t, m_q, z_q, g_max, g_idx, bad = _row_records(stats_ptr, idx_ptr, rows, row_ok, stat_chunks, inv_t2)
+    sampled = row_ok & ~greedy[:, None]
+    thr_t, cut_t, thr_q, cut_q = load_thresholds(
+        thr_ptr + rows * NUM_THR, sampled, sampled & (i < n_b[:, None]), HAS_FILTER, DRAFT_MODE, BY_INDEX
+    )
 
     # ---- accept test of every draft, first rejection j
-    is_draft = b_ok[:, None] & (i < n_b[:, None])
-    tok = tl.load(x_rows[:, None] + i, mask=is_draft, other=0).to(tl.int64)
-    tok_ok = (tok >= 0) & (tok < V)  # out-of-range ids (validate=False) are rejected, never loaded
-    tok_safe = tl.where(tok_ok, tok, 0)
     t_rows = target_ptr + t_base[:, None] + i.to(tl.int64) * stride_tg
     d_rows = draft_ptr + d_base[:, None] + i.to(tl.int64) * stride_dg
-    x_t, _bad_t = load_logits(t_rows + tok_safe, is_draft)
-    p_tok = prob_of(x_t, m_t, z_t, thr_t, inv_t2, tok_safe, cut_t, BY_INDEX)
-    if DRAFT_MODE == DRAFT_LOGITS:
-        x_q, _bad_q = load_logits(d_rows + tok_safe, is_draft)
-        q_tok = prob_of(x_q, m_q, z_q, thr_q, inv_t2, tok_safe, cut_q, BY_INDEX)
-    elif DRAFT_MODE == DRAFT_PROBS:
-        q_tok, _bad_qt = load_probs(d_rows + tok_safe, is_draft)
-    else:
-        q_tok = tl.full([BLOCK_B, ROWS], 1.0, tl.float32)
-    u = uniform_open(seed[:, None], i * 0, i, PURPOSE_ACCEPT)
-    accept_sampled = (u * q_tok <= p_tok) & (p_tok > 0.0)  # u > 0: p = 0 is never accepted
-    accept_greedy = tok == g_idx.to(tl.int64)
-    accept = tl.where(greedy[:, None], accept_greedy, accept_sampled) & tok_ok
-    j = tl.min(tl.where(is_draft & ~accept, i, ROWS), axis=1)
-    j = tl.minimum(j, n_b)
+    j, tok = _first_rejection(
+        t_rows, d_rows, x_rows, i, n_b, b_ok, greedy, seed, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, g_idx,
+        inv_t2, V, DRAFT_MODE, BY_INDEX, ROWS,
+    )  # fmt: skip
 
     # ---- outputs that need no second pass: the greedy token; the nonfinite flag
     used = row_ok & (i <= j[:, None])
@@ -312,48 +318,16 @@ def _verify_accept_kernel(
     # ---- the emitted token of a sampled request: an exponential race over row j, this program's
     # chunk - over the residual max(p - q, 0) after a rejection (j < n_b), over p for the bonus token
     need = b_ok & ~greedy
-    recover = j < n_b
-    purpose = tl.where(recover, PURPOSE_RECOVER, PURPOSE_BONUS)
     res_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
     res_idx = tl.zeros([BLOCK_B], tl.int32)
     p_key = tl.full([BLOCK_B], float("-inf"), tl.float32)
     p_idx = tl.zeros([BLOCK_B], tl.int32)
     if tl.max(need.to(tl.int32), axis=0) > 0:
-        mj_t = safe_max(_select_row(m_t, i, j))
-        zj_t = _select_row(z_t, i, j)
-        thrj_t = _select_row(thr_t, i, j)
-        mj_q = safe_max(_select_row(m_q, i, j))
-        zj_q = _select_row(z_q, i, j)
-        thrj_q = _select_row(thr_q, i, j)
-        cutj_t = _select_row(cut_t, i, j)
-        cutj_q = _select_row(cut_q, i, j)
-        tok_j = _select_row(tok_safe, i, j)
-        tj_row = target_ptr + t_base[:, None] + j[:, None].to(tl.int64) * stride_tg
-        dj_row = draft_ptr + d_base[:, None] + j[:, None].to(tl.int64) * stride_dg
         res_key, res_idx, p_key, p_idx = _race_row_j(
-            tj_row,
-            dj_row,
-            need,
-            recover,
-            seed,
-            j,
-            purpose,
-            tok_j,
-            mj_t,
-            zj_t,
-            thrj_t,
-            mj_q,
-            zj_q,
-            thrj_q,
-            cutj_t,
-            cutj_q,
-            inv_t,
-            chunk * chunk_size,
-            tl.minimum(chunk * chunk_size + chunk_size, V),
-            DRAFT_MODE,
-            BY_INDEX,
-            BLOCK_V,
-        )
+            target_ptr, draft_ptr, t_base, d_base, stride_tg, stride_dg, i, j, need, j < n_b, seed, tok, m_t, z_t,
+            thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, chunk * chunk_size,
+            tl.minimum(chunk * chunk_size + chunk_size, V), DRAFT_MODE, BY_INDEX, BLOCK_V,
+        )  # fmt: skip
     rec = (b * num_chunks + chunk) * NUM_RACES
     tl.store(race_key_ptr + rec + RACE_RESIDUAL, res_key, mask=b_ok)
     tl.store(race_key_ptr + rec + RACE_TARGET, p_key, mask=b_ok)
@@ -425,27 +399,33 @@ def _verify_finalize_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# launcher
+# launcher: a plan (``ChainPlan``), the row pass (``row_pass.launch_row_stats``), then kernels 2 and 3
 
 
 @dataclass(frozen=True)
-class _LaunchPlan:
-    block_v: int
-    block_r: int  # rows per program in kernel 1
+class ChainPlan:
+    """The launch plan of a chain verification: the row pass's tiles (BLOCK_V and warps also serve
+    the accept kernel), requests per accept program, and the vocabulary chunks (the row pass's and
+    the accept kernel's races: one program per (request tile, chunk))."""
+
+    tiles: TileSettings
     block_b: int  # requests per program in kernels 2 and 3
     num_chunks: int
     chunk_size: int
-    num_warps: int
+
+    block_v = property(lambda self: self.tiles.block_v)
+    block_r = property(lambda self: self.tiles.block_r)  # rows per program in kernel 1
+    num_warps = property(lambda self: self.tiles.num_warps)
 
 
-def _plan(args: VerifyArgs, num_chunks: int | None, block_v: int | None) -> _LaunchPlan:
+def _plan(args: VerifyArgs, num_chunks: int | None, block_v: int | None) -> ChainPlan:
     interpreted = plans_for_interpreter(args.target_logits.device)
     if interpreted or num_chunks is not None or block_v is not None:
         return _plan_for(args, num_chunks, block_v, interpreted, sms=0)
     return gpu_plan(args, multiprocessors(args.target_logits.device))
 
 
-def gpu_plan(args: VerifyArgs, sms: int) -> _LaunchPlan:
+def gpu_plan(args: VerifyArgs, sms: int) -> ChainPlan:
     """The launch plan of a call on a GPU with `sms` SMs (a pure function of shapes; with top-k /
     top-p the threshold phases before it have their own grids, ``threshold_plan``).
 
@@ -459,23 +439,33 @@ def gpu_plan(args: VerifyArgs, sms: int) -> _LaunchPlan:
     return plan
 
 
-def _plan_for(args, num_chunks, block_v, interpreted: bool, sms: int) -> _LaunchPlan:
+def _plan_for(args, num_chunks, block_v, interpreted: bool, sms: int) -> ChainPlan:
     B, G, V = args.B, args.G, args.V
-    # The interpreter pays per operation, not per element: give it big tiles.
-    (max_block_v, tile), max_block_b = row_tile_caps(interpreted), 4096 if interpreted else 2
-    block_v = max(4, min(next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * (G + 1)
     # On a GPU at most 2 rows per program: more programs, not wider ones, when blocks shrink.
-    block_r = max(1, min(next_pow2(rows), tile // block_v, 1 << 30 if interpreted else 2))
-    block_b = max(1, min(next_pow2(B), tile // block_v, max_block_b))
-    blocks = cdiv(V, block_v)
+    tiles = tile_settings(V, rows, interpreted, block_v, None if interpreted else 2)
+    block_b = max(1, min(next_pow2(B), tiles.tile // tiles.block_v, 4096 if interpreted else 2))
     if num_chunks is None:
-        num_chunks = 1 if interpreted else min(blocks, max(1, math.ceil(4 * sms / cdiv(rows, block_r))), 256)
-    num_chunks = max(1, min(int(num_chunks), blocks))
-    chunk_size = cdiv(blocks, num_chunks) * block_v
-    num_chunks = cdiv(V, chunk_size)
-    num_warps = 8 if block_r * block_v >= 2048 else 4
-    return _LaunchPlan(block_v, block_r, block_b, num_chunks, chunk_size, num_warps)
+        num_chunks = 1 if interpreted else chunks_to_fill(sms, cdiv(rows, tiles.block_r), 256)
+    return ChainPlan(tiles, block_b, *vocab_chunks(V, tiles.block_v, num_chunks))
+
+
+def _row_layout(args: VerifyArgs) -> RowPassLayout:
+    """The rows of a chain call for the row pass (one chain per request: K = 1)."""
+    target, draft, flat = args.target_logits, args.draft, args.cu is not None
+    draft_tokens = args.draft_tokens
+    if draft_tokens.numel() == 0:  # G = 0 (or no drafts at all): a valid pointer, never read
+        draft_tokens = torch.zeros(1, dtype=torch.int64, device=target.device)
+
+    def strides(t):  # flattened layout: every "request stride" is a row stride; the kernels add cu[b] (+ b) rows
+        if t is None:
+            return (0, 0, 0)
+        return (t.stride(0), 0, t.stride(0) if flat else t.stride(1))
+
+    return RowPassLayout(
+        target, draft, args.draft_mode, args.B, 1, args.G, args.V, strides(target), strides(draft),
+        counts=args.num_draft_tokens, draft_tokens=draft_tokens, cu=args.cu,
+    )  # fmt: skip
 
 
 def launch_verify(
@@ -491,170 +481,121 @@ def launch_verify(
     use them to split small vocabularies and to force the bisection fallback)."""
     B, G, V = args.B, args.G, args.V
     dev = args.target_logits.device
-    tokens = torch.empty((B, G + 1), dtype=torch.int64, device=dev)
-    num_accepted = torch.empty((B,), dtype=torch.int32, device=dev)
-    nonfinite = torch.empty((B,), dtype=torch.bool, device=dev)
-    if B == 0:
-        return VerifyOutput(tokens, num_accepted, nonfinite)
-
-    has_filter = args.has_filter
-    by_index = has_filter and args.sampling.ties_by_index()
-    plan = _plan(args, num_chunks, block_v)
-    C = plan.num_chunks
-    rows = B * (G + 1)
-    # Workspaces: torch.empty launches nothing.
-    stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
-    idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
-    thr = torch.empty((rows if has_filter else 1, NUM_THR_HOST), dtype=torch.float32, device=dev)
-    tplan = threshold_plan(
-        args.target_logits, rows, V, threshold_chunks, args.draft_mode == DRAFT_LOGITS, threshold_capacity
+    out = VerifyOutput(
+        torch.empty((B, G + 1), dtype=torch.int64, device=dev),
+        torch.empty((B,), dtype=torch.int32, device=dev),
+        torch.empty((B,), dtype=torch.bool, device=dev),
     )
-    filter_buf, filter_int = tplan.scratch(rows, dev) if has_filter else (thr, thr)
-    first_reject = torch.empty((B,), dtype=torch.int32, device=dev)
-    direct_token = torch.empty((B,), dtype=torch.int32, device=dev)
-    race_key = torch.empty((B, C, 2), dtype=torch.float32, device=dev)
-    race_idx = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
+    if B == 0:
+        return out
+    plan = _plan(args, num_chunks, block_v)
+    layout = _row_layout(args)
+    logits = args.draft_mode == DRAFT_LOGITS
+    tplan = threshold_plan(args.target_logits, layout.rows, V, threshold_chunks, logits, threshold_capacity)
+    records = launch_row_stats(layout, args.sampling, RowPassPlan(plan.tiles, plan.num_chunks, plan.chunk_size, tplan))
+    races = _launch_accept(args, layout, plan, records, out.nonfinite)
+    _launch_finalize(args, layout, races, out)
+    return out
 
-    target = args.target_logits
-    draft = args.draft if args.draft is not None else target  # never read in mode 0
-    flat = args.cu is not None
-    draft_tokens = args.draft_tokens if args.draft_tokens.numel() > 0 else torch.zeros(1, dtype=torch.int64, device=dev)
-    cu = args.cu if flat else draft_tokens  # never read unless FLAT
-    # Flattened layout: every "request stride" is a row stride; the kernels add cu[b] (+ b) rows.
-    stride_tb, stride_tg = (target.stride(0), target.stride(0)) if flat else (target.stride(0), target.stride(1))
-    if args.draft is None:
-        stride_db = stride_dg = 0
-    else:
-        stride_db, stride_dg = (draft.stride(0), draft.stride(0)) if flat else (draft.stride(0), draft.stride(1))
-    stride_xb = draft_tokens.stride(0)
-    rows_p2 = next_pow2(G + 1)
-    per_req_n = args.num_draft_tokens is not None
-    n_ptr = args.num_draft_tokens if per_req_n else target
-    params = args.sampling.kernel_args(target)
+
+class _Races(NamedTuple):
+    """Kernel 2's outputs that kernel 3 reads."""
+
+    first_reject: torch.Tensor  # [B] int32: j
+    direct_token: torch.Tensor  # [B] int32: the greedy token
+    key: torch.Tensor  # [B, C, NUM_RACES] fp32: best key per chunk
+    idx: torch.Tensor  # [B, C, NUM_RACES] int32
+
+
+def _launch_accept(args: VerifyArgs, layout: RowPassLayout, plan: ChainPlan, records: RowStats, nonfinite) -> _Races:
+    B, C, dev = args.B, plan.num_chunks, layout.target.device
+    races = _Races(
+        torch.empty((B,), dtype=torch.int32, device=dev),
+        torch.empty((B,), dtype=torch.int32, device=dev),
+        torch.empty((B, C, NUM_RACES.value), dtype=torch.float32, device=dev),
+        torch.empty((B, C, NUM_RACES.value), dtype=torch.int32, device=dev),
+    )
+    params = args.sampling.kernel_args(layout.target)
     t_ptr, t_val, per_req_t = params["temperature"]
-    k_ptr, k_val, per_req_k = params["top_k"]
-    p_ptr, p_val, per_req_p = params["top_p"]
     s_ptr, s_val, per_req_s = params["seed"]
-
-    def row_pass(phase: int, block_r: int, grid_chunks: int, chunks: int, chunk_size: int, num_warps: int) -> None:
-        _verify_row_stats_kernel[(cdiv(rows, block_r), grid_chunks)](
-            target,
-            draft,
-            draft_tokens,
-            cu,
-            n_ptr,
-            t_ptr,
-            k_ptr,
-            p_ptr,
-            stats,
-            idx,
-            thr,
-            filter_buf,
-            filter_int,
-            filter_int,  # row use: unused (chains read every row they have)
-            stride_tb,
-            0,
-            stride_tg,
-            stride_db,
-            0,
-            stride_dg,
-            stride_xb,
-            B,
-            1,
-            G,
-            V,
-            chunk_size,
-            chunks,
-            float(t_val),
-            int(k_val),
-            float(p_val),
-            PER_REQ_N=per_req_n,
-            PER_REQ_T=per_req_t,
-            PER_REQ_K=per_req_k,
-            PER_REQ_P=per_req_p,
-            DRAFT_MODE=args.draft_mode,
-            HAS_FILTER=has_filter,
-            BY_INDEX=by_index,
-            PHASE=phase,
-            **tplan.constexprs,
-            PLACEHOLDERS_END=True,
-            GP2=next_pow2(max(G, 1)),
-            FLAT=flat,
-            ROW_USE=False,
-            BLOCK_R=block_r,
-            BLOCK_V=plan.block_v,
-            num_warps=num_warps,
-        )
-
-    if has_filter:  # thresholds first (candidates per chunk, selection per row), then the statistics pass
-        launch_threshold_phases(row_pass, tplan)
-    row_pass(PHASE_STATS.value, plan.block_r, C, C, plan.chunk_size, plan.num_warps)
-    stat_chunks = C
-    if C > 1:  # merge the chunks once, not once per accept program (each would loop over all C)
-        stats, idx = merge_chunk_stats(stats, idx, rows, G + 1, t_ptr, t_val, per_req_t)
-        stat_chunks = 1
+    has_filter = args.has_filter
     _verify_accept_kernel[(cdiv(B, plan.block_b), C)](
-        target,
-        draft,
-        draft_tokens,
-        cu,
-        n_ptr,
-        t_ptr,
-        s_ptr,
-        stats,
-        idx,
-        thr,
-        first_reject,
-        direct_token,
-        nonfinite,
-        race_key,
-        race_idx,
-        stride_tb,
-        stride_tg,
-        stride_db,
-        stride_dg,
-        stride_xb,
-        B,
-        G,
-        V,
-        plan.chunk_size,
-        C,
-        stat_chunks,
-        float(t_val),
-        s_val,
-        PER_REQ_N=per_req_n,
+        # pointers
+        target_ptr=layout.target,  # [B, G+1, V] (flattened: [N+B, V])
+        draft_ptr=layout.draft if layout.draft is not None else layout.target,  # [B, G, V]; unused in mode 0
+        draft_tokens_ptr=layout.draft_tokens,  # [B, G] (flattened: [N])
+        cu_ptr=layout.cu if layout.cu is not None else layout.draft_tokens,  # [B+1] (FLAT)
+        num_draft_ptr=layout.counts if layout.counts is not None else layout.target,  # [B] (PER_REQ_N)
+        temperature_ptr=t_ptr,  # [B] (PER_REQ_T)
+        seed_ptr=s_ptr,  # [B] (PER_REQ_SEED)
+        stats_ptr=records.stats,  # [B*(G+1), 1, NUM_STATS]
+        idx_ptr=records.idx,  # [B*(G+1), 1, NUM_IDX]
+        thr_ptr=records.thr,  # [B*(G+1), NUM_THR]
+        first_reject_ptr=races.first_reject,  # [B] out
+        token_ptr=races.direct_token,  # [B] out
+        nonfinite_ptr=nonfinite,  # [B] out
+        race_key_ptr=races.key,  # [B, C, NUM_RACES] out
+        race_idx_ptr=races.idx,  # [B, C, NUM_RACES] out
+        # strides
+        stride_tb=layout.target_strides[0],
+        stride_tg=layout.target_strides[2],
+        stride_db=layout.draft_strides[0],
+        stride_dg=layout.draft_strides[2],
+        stride_xb=layout.draft_tokens.stride(0),
+        # sizes
+        B=B,
+        G=args.G,
+        V=args.V,
+        chunk_size=plan.chunk_size,
+        num_chunks=C,
+        stat_chunks=records.stats.shape[1],
+        # scalars
+        temperature=float(t_val),
+        seed=s_val,
+        # constexprs
+        PER_REQ_N=layout.counts is not None,
         PER_REQ_T=per_req_t,
         PER_REQ_SEED=per_req_s,
         DRAFT_MODE=args.draft_mode,
         HAS_FILTER=has_filter,
-        BY_INDEX=by_index,
-        FLAT=flat,
+        BY_INDEX=has_filter and args.sampling.ties_by_index(),
+        FLAT=layout.cu is not None,
         BLOCK_B=plan.block_b,
-        ROWS=rows_p2,
+        ROWS=next_pow2(args.G + 1),
         BLOCK_V=plan.block_v,
         num_warps=plan.num_warps,
     )
-    block_b3 = min(next_pow2(B), 128)
-    _verify_finalize_kernel[(cdiv(B, block_b3),)](
-        draft_tokens,
-        cu,
-        t_ptr,
-        first_reject,
-        direct_token,
-        race_key,
-        race_idx,
-        tokens,
-        num_accepted,
-        stride_xb,
-        tokens.stride(0),
-        B,
-        G,
-        V,
-        C,
-        float(t_val),
+    return races
+
+
+def _launch_finalize(args: VerifyArgs, layout: RowPassLayout, races: _Races, out: VerifyOutput) -> None:
+    B = args.B
+    t_ptr, t_val, per_req_t = args.sampling.kernel_args(layout.target)["temperature"]
+    block_b = min(next_pow2(B), 128)
+    _verify_finalize_kernel[(cdiv(B, block_b),)](
+        # pointers
+        draft_tokens_ptr=layout.draft_tokens,  # [B, G] (flattened: [N])
+        cu_ptr=layout.cu if layout.cu is not None else layout.draft_tokens,  # [B+1] (FLAT)
+        temperature_ptr=t_ptr,  # [B] (PER_REQ_T)
+        first_reject_ptr=races.first_reject,  # [B]
+        token_ptr=races.direct_token,  # [B]
+        race_key_ptr=races.key,  # [B, C, NUM_RACES]
+        race_idx_ptr=races.idx,  # [B, C, NUM_RACES]
+        out_tokens_ptr=out.tokens,  # [B, G+1] out
+        out_accepted_ptr=out.num_accepted,  # [B] out
+        # strides
+        stride_xb=layout.draft_tokens.stride(0),
+        stride_ob=out.tokens.stride(0),
+        # sizes
+        B=B,
+        G=args.G,
+        V=args.V,
+        num_chunks=races.key.shape[1],
+        # scalars
+        temperature=float(t_val),
+        # constexprs
         PER_REQ_T=per_req_t,
-        FLAT=flat,
-        BLOCK_B=block_b3,
-        ROWS=rows_p2,
+        FLAT=layout.cu is not None,
+        BLOCK_B=block_b,
+        ROWS=next_pow2(args.G + 1),
     )
-    return VerifyOutput(tokens, num_accepted, nonfinite)

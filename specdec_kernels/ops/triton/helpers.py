@@ -86,6 +86,20 @@ def uniform_open(seed, c0, c1, c2):
 
 
 @triton.jit
+def race_uniforms(seed, start, c1, c2, BLOCK_V: tl.constexpr):
+    """Uniforms in (0, 1) of the vocabulary entries x in [start, start + BLOCK_V): one Philox call
+    serves four entries, entry x uses word x % 4 of Philox(seed; x // 4, c1, c2, 0) (start a
+    multiple of 4). seed, c1: [R, 1]; result [R, BLOCK_V]."""
+    quad = start // 4 + tl.arange(0, BLOCK_V // 4)[None, :]
+    zero = tl.zeros_like(c1 + quad).to(tl.int32)
+    c0 = (zero + quad).to(tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, c0, (zero + c1).to(tl.uint32), (zero + c2).to(tl.uint32), c0 * 0)
+    bits = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))  # word x % 4 at column x
+    u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+    return u
+
+
+@triton.jit
 def race_noise(seed, start, c1, c2, BLOCK_V: tl.constexpr):
     """-log(E_x), E_x ~ Exp(1), for the vocabulary entries x in [start, start + BLOCK_V).
 
@@ -94,12 +108,7 @@ def race_noise(seed, start, c1, c2, BLOCK_V: tl.constexpr):
     word x % 4 of Philox(seed; x // 4, c1, c2, 0) (start must be a multiple of 4). Philox is the
     arithmetic-heavy part of a race, so this quarters the work. seed, c1: [R, 1]; result [R, BLOCK_V].
     """
-    quad = start // 4 + tl.arange(0, BLOCK_V // 4)[None, :]
-    zero = tl.zeros_like(c1 + quad).to(tl.int32)
-    c0 = (zero + quad).to(tl.uint32)
-    w0, w1, w2, w3 = tl.philox(seed, c0, (zero + c1).to(tl.uint32), (zero + c2).to(tl.uint32), c0 * 0)
-    bits = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))  # word x % 4 at column x
-    u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+    u = race_uniforms(seed, start, c1, c2, BLOCK_V)
     return -tl.log(-tl.log(u))
 
 
@@ -107,12 +116,7 @@ def race_noise(seed, start, c1, c2, BLOCK_V: tl.constexpr):
 def race_inv_exp(seed, start, c1, c2, BLOCK_V: tl.constexpr):
     """1 / E_x, E_x = -log(u_x) ~ Exp(1), with the uniforms of ``race_noise``: argmax r(x) / E_x
     is the winner of argmax log r(x) + race_noise, without two logs per entry."""
-    quad = start // 4 + tl.arange(0, BLOCK_V // 4)[None, :]
-    zero = tl.zeros_like(c1 + quad).to(tl.int32)
-    c0 = (zero + quad).to(tl.uint32)
-    w0, w1, w2, w3 = tl.philox(seed, c0, (zero + c1).to(tl.uint32), (zero + c2).to(tl.uint32), c0 * 0)
-    bits = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))  # word x % 4 at column x
-    u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+    u = race_uniforms(seed, start, c1, c2, BLOCK_V)
     return fast_div(tl.full(u.shape, -1.0, tl.float32), tl.log(u))  # 1/E itself needs no correct rounding
 
 

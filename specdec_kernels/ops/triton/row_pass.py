@@ -1,19 +1,23 @@
 """The row pass both chain and tree verification run: per-(row, vocabulary chunk) statistics of the
-processed target and draft rows (online max / sum-exp, greedy argmax, NaN/+inf counts), the top-k / top-p
-threshold phases before it, the chunk-merging kernel, and the device functions that turn the statistics
-into probabilities (``prob_of``). Launch plans: ``threshold_plan`` and ``merge_chunk_stats``; the chain
-(``chain.py``) and the tree (``tree.py``) launch the row pass with their own grids."""
+processed target and draft rows (online max / sum-exp, greedy argmax, NaN/+inf counts), with the
+top-k / top-p threshold phases before it (``threshold_phases``), the chunk-merging kernel, and the
+device functions that turn the statistics into probabilities (``prob_of``).
+
+Launch: ``launch_row_stats(layout, sampling, plan)`` with a ``RowPassLayout`` (where the rows are)
+and a ``RowPassPlan`` (``row_pass_plan``: tiles from ``launch.tile_settings``, vocabulary chunks,
+the threshold phases' plan); it returns whole-row records (``RowStats``) that the chain's accept
+kernel and the tree walk read. The record layouts are in ``records``."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..._interpreter import multiprocessors, plans_for_interpreter
+from ..._params import SamplingParams
 from .helpers import (
     DRAFT_LOGITS,
     DRAFT_PROBS,
@@ -34,45 +38,43 @@ from .helpers import (
     per_request,
     safe_max,
 )
-from .thresholds import (
-    bisect_threshold,
-    bisect_threshold_ties,
-    chunk_candidates,
-    filter_threshold_ties,
-    select_candidates,
-    select_candidates_ties,
-    tie_index,
+from .launch import TileSettings, vocab_chunks
+from .records import (  # noqa: F401 (re-exported: the chain and tree kernels read these records)
+    CUT_OF_THR,
+    CUT_Q,
+    CUT_T,
+    IDX_GREEDY,
+    NUM_IDX,
+    NUM_IDX_HOST,
+    NUM_STATS,
+    NUM_STATS_HOST,
+    NUM_THR,
+    NUM_THR_HOST,
+    PHASE_CANDIDATES,
+    PHASE_SELECT,
+    PHASE_STATS,
+    PHASE_WHOLE,
+    STAT_BAD_Q,
+    STAT_BAD_T,
+    STAT_GMAX,
+    STAT_M_Q,
+    STAT_M_T,
+    STAT_Z_Q,
+    STAT_Z_T,
+    THR_Q,
+    THR_T,
+    load_cut,
+    load_thresholds,
+    store_cut,
 )
-
-# Row statistics written by kernel 1: one fp32 record of NUM_STATS values per (row, chunk) ...
-STAT_M_T = tl.constexpr(0)  # running max of the target's processed logits
-STAT_Z_T = tl.constexpr(1)  # sum-exp of the target relative to STAT_M_T
-STAT_M_Q = tl.constexpr(2)  # the same two for the draft (DRAFT_LOGITS)
-STAT_Z_Q = tl.constexpr(3)
-STAT_GMAX = tl.constexpr(4)  # greedy max (raw logit)
-STAT_BAD_T = tl.constexpr(5)  # count of NaN/+inf target logits
-STAT_BAD_Q = tl.constexpr(6)  # count of NaN/+inf draft logits (NaN/+inf/negative draft probs)
-NUM_STATS_HOST = 7
-NUM_STATS = tl.constexpr(NUM_STATS_HOST)
-# ... and one int32 record of NUM_IDX indices.
-IDX_GREEDY = tl.constexpr(0)  # greedy argmax (lowest index on ties)
-NUM_IDX_HOST = 1
-NUM_IDX = tl.constexpr(NUM_IDX_HOST)
-# Launches of the row-stats kernel: the statistics pass, and the top-k/top-p threshold phases.
-PHASE_STATS = tl.constexpr(0)  # grid (row tiles, chunks): statistics, thresholds read from thr_ptr
-PHASE_CANDIDATES = tl.constexpr(1)  # grid (rows, W x programs per row): candidates of each chunk
-PHASE_SELECT = tl.constexpr(2)  # grid (rows, W): thresholds among the candidates (W = 2: target, draft)
-PHASE_WHOLE = tl.constexpr(3)  # grid (row tiles, 1): thresholds of whole rows, BLOCK_R per program (interpreter)
-# Top-k/top-p thresholds per row (raw-logit units), written by kernel 1 when filtering.
-THR_T = tl.constexpr(0)  # target
-THR_Q = tl.constexpr(1)  # draft (DRAFT_LOGITS)
-# top_p_ties="by_index" (BY_INDEX): the index cut of each threshold, int32 bits in the fp32 record;
-# entries equal to the threshold stay from that index on (``kept_at``; 0 keeps the whole tie group)
-CUT_T = tl.constexpr(2)  # target
-CUT_Q = tl.constexpr(3)  # draft
-CUT_OF_THR = tl.constexpr(2)  # CUT_T - THR_T == CUT_Q - THR_Q
-NUM_THR_HOST = 4
-NUM_THR = tl.constexpr(NUM_THR_HOST)
+from .threshold_phases import (  # noqa: F401 (launch_threshold_phases, threshold_plan: re-exported for tree.py)
+    ThresholdPlan,
+    candidate_group,
+    key_shift,
+    launch_threshold_phases,
+    threshold_phases,
+    threshold_plan,
+)
 
 
 @triton.jit
@@ -201,7 +203,7 @@ def _verify_row_stats_kernel(
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
     BY_INDEX: tl.constexpr,  # top_p_ties="by_index": thresholds carry an index cut (CUT_T, CUT_Q)
-    PHASE: tl.constexpr,  # PHASE_STATS, or one of the top-k/top-p threshold phases (see launch_verify)
+    PHASE: tl.constexpr,  # PHASE_STATS, or one of the top-k/top-p threshold phases (``threshold_phases``)
     FILTER_BLOCK: tl.constexpr,  # threshold chunk width (in registers; chunk_size of the threshold phases)
     FILTER_CAP: tl.constexpr,  # candidate slots per chunk
     FILTER_BINS: tl.constexpr,  # bins of the candidate histograms (key16 steps below the max); PHASE_WHOLE: log2
@@ -214,11 +216,52 @@ def _verify_row_stats_kernel(
     BLOCK_V: tl.constexpr,
 ):
     """One pass over each row's chunk: (max, sum-exp) of the processed target and draft logits, the
-    greedy argmax and the count of non-finite logits. The hot loop keeps per-lane running values
-    (elementwise work only, one exp per logit); lanes are reduced once, after the loop."""
-    pid_r = tl.program_id(0).to(tl.int64)
+    greedy argmax and the count of non-finite logits (PHASE_STATS, ``_row_stats_pass``); or one of
+    the top-k/top-p threshold phases before it (``threshold_phases``)."""
+    rows, b, k, i, row_ok, target_ok, draft_ok, greedy, inv_t = _row_tile(
+        cu_ptr, num_draft_ptr, draft_tokens_ptr, temperature_ptr, use_ptr, stride_xb, B, K, G, V, temperature,
+        PER_REQ_N, PER_REQ_T, PLACEHOLDERS_END, GP2, FLAT, ROW_USE, BLOCK_R,
+    )  # fmt: skip
+    t_base = request_base(cu_ptr, b, rows < B * K * (G + 1), stride_tb, 1, FLAT)  # + b: each request's bonus row
+    d_base = request_base(cu_ptr, b, rows < B * K * (G + 1), stride_db, 0, FLAT)
+    t_rows = target_ptr + t_base[:, None] + k[:, None] * stride_tk + i[:, None].to(tl.int64) * stride_tg
+    d_rows = draft_ptr + d_base[:, None] + k[:, None] * stride_dk + i[:, None].to(tl.int64) * stride_dg
     chunk = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)  # flattened (b * K + k) * (G+1) + i
+    if PHASE == PHASE_STATS:  # thresholds (when filtering) from the threshold phases
+        thr_t, cut_t, thr_q, cut_q = load_thresholds(
+            thr_ptr + rows * NUM_THR, target_ok & ~greedy, draft_ok, HAS_FILTER, DRAFT_MODE, BY_INDEX
+        )
+        _row_stats_pass(
+            t_rows, d_rows, stats_ptr + (rows * num_chunks + chunk) * NUM_STATS,
+            idx_ptr + (rows * num_chunks + chunk) * NUM_IDX, row_ok, target_ok, draft_ok, thr_t, thr_q, cut_t, cut_q,
+            inv_t, chunk * chunk_size, tl.minimum(chunk * chunk_size + chunk_size, V), DRAFT_MODE, HAS_FILTER,
+            BY_INDEX, BLOCK_V,
+        )  # fmt: skip
+    elif HAS_FILTER:
+        top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int64)
+        top_k = tl.where(top_k >= V, 0, top_k).to(tl.int32)  # k >= V (int64 too) keeps the whole row
+        top_p = per_request(top_p_ptr, top_p, b, row_ok, PER_REQ_P).to(tl.float32)
+        t_shift: tl.constexpr = key_shift(target_ptr.dtype.element_ty)
+        t_group: tl.constexpr = candidate_group(target_ptr.dtype.element_ty)
+        d_shift: tl.constexpr = key_shift(draft_ptr.dtype.element_ty)
+        d_group: tl.constexpr = candidate_group(draft_ptr.dtype.element_ty)
+        threshold_phases(
+            t_rows, d_rows, rows, target_ok & ~greedy, draft_ok, thr_ptr + rows * NUM_THR, filter_buf_ptr,
+            filter_int_ptr, B * K * (G + 1) * 2, num_chunks, chunk_size, V, inv_t, top_k, top_p, PHASE, DRAFT_MODE,
+            FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group, d_shift, d_group, BY_INDEX,
+        )  # fmt: skip
+
+
+@triton.jit
+def _row_tile(
+    cu_ptr, num_draft_ptr, draft_tokens_ptr, temperature_ptr, use_ptr, stride_xb, B, K, G, V, temperature,
+    PER_REQ_N: tl.constexpr, PER_REQ_T: tl.constexpr, PLACEHOLDERS_END: tl.constexpr, GP2: tl.constexpr,
+    FLAT: tl.constexpr, ROW_USE: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """The BLOCK_R rows of this program (flattened (b * K + k) * (G+1) + i) and which of them are
+    read: (rows, b, k, i, row_ok: the record is written, target_ok / draft_ok: the target / draft row
+    is read, greedy, 1 / T)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     bk = rows // (G + 1)
     b = bk // K
     k = bk % K
@@ -236,97 +279,7 @@ def _verify_row_stats_kernel(
     if ROW_USE:  # a tree's duplicate and non-first sibling rows: no position takes p or q from them
         target_ok = row_ok & (tl.load(use_ptr + rows * 2, mask=row_ok, other=0) != 0)
         draft_ok = draft_ok & (tl.load(use_ptr + rows * 2 + 1, mask=draft_ok, other=0) != 0)
-
-    t_base = request_base(cu_ptr, b, in_batch, stride_tb, 1, FLAT)  # + b: each request's bonus row
-    d_base = request_base(cu_ptr, b, in_batch, stride_db, 0, FLAT)
-    t_rows = target_ptr + t_base[:, None] + k[:, None] * stride_tk + i[:, None].to(tl.int64) * stride_tg
-    d_rows = draft_ptr + d_base[:, None] + k[:, None] * stride_dk + i[:, None].to(tl.int64) * stride_dg
-    thr_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    thr_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    cut_t = tl.zeros([BLOCK_R], tl.int32)
-    cut_q = tl.zeros([BLOCK_R], tl.int32)
-    if HAS_FILTER:
-        if PHASE == PHASE_STATS:  # thresholds from the threshold phases
-            thr_t = tl.load(thr_ptr + rows * NUM_THR + THR_T, mask=target_ok & ~greedy, other=float("-inf"))
-            cut_t = load_cut(thr_ptr + rows * NUM_THR + CUT_T, target_ok & ~greedy, BY_INDEX)
-            if DRAFT_MODE == DRAFT_LOGITS:
-                thr_q = tl.load(thr_ptr + rows * NUM_THR + THR_Q, mask=draft_ok, other=float("-inf"))
-                cut_q = load_cut(thr_ptr + rows * NUM_THR + CUT_Q, draft_ok, BY_INDEX)
-        else:
-            top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int64)
-            top_k = tl.where(top_k >= V, 0, top_k).to(tl.int32)  # k >= V (int64 too) keeps the whole row
-            top_p = per_request(top_p_ptr, top_p, b, row_ok, PER_REQ_P).to(tl.float32)
-            RS = B * K * (G + 1) * 2
-            if PHASE == PHASE_WHOLE:  # the interpreter's plan: BLOCK_R whole rows per program, target then draft
-                _whole_rows(
-                    t_rows, rows * 2, target_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
-                    V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, BY_INDEX,
-                )  # fmt: skip
-                if DRAFT_MODE == DRAFT_LOGITS:
-                    _whole_rows(
-                        d_rows, rows * 2 + 1, draft_ok, thr_ptr + rows * NUM_THR + THR_Q, filter_buf_ptr,
-                        V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, BY_INDEX,
-                    )  # fmt: skip
-            else:  # the GPU plan: candidates per chunk, then the selection per row
-                # axis 1: (program of the row) x W + (0: target, 1: draft; W = 2 with draft logits)
-                part = chunk
-                parts = tl.num_programs(1)
-                which = chunk * 0
-                if DRAFT_MODE == DRAFT_LOGITS:
-                    which = chunk % 2
-                    part = chunk // 2
-                    parts = parts // 2
-                t_shift: tl.constexpr = _key_shift(target_ptr.dtype.element_ty)
-                t_group: tl.constexpr = _group(target_ptr.dtype.element_ty)
-                d_shift: tl.constexpr = _key_shift(draft_ptr.dtype.element_ty)
-                if DRAFT_MODE != DRAFT_LOGITS:
-                    _threshold_phase(
-                        t_rows, rows * 2, target_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
-                        filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
-                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group, BY_INDEX,
-                    )  # fmt: skip
-                elif d_shift == t_shift:  # same dtype: one copy of the code, the rows picked by `which`
-                    is_d = which == 1
-                    _threshold_phase(
-                        tl.where(is_d, d_rows, t_rows), rows * 2 + which, tl.where(is_d, draft_ok, target_ok & ~greedy),
-                        thr_ptr + rows * NUM_THR + which, filter_buf_ptr, filter_int_ptr, RS, num_chunks, part, parts,
-                        chunk_size, V, inv_t, top_k, top_p,
-                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group, BY_INDEX,
-                    )  # fmt: skip
-                elif which == 0:
-                    _threshold_phase(
-                        t_rows, rows * 2, target_ok & ~greedy, thr_ptr + rows * NUM_THR + THR_T, filter_buf_ptr,
-                        filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
-                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group, BY_INDEX,
-                    )  # fmt: skip
-                else:  # draft logits of another dtype than the target's
-                    d_group: tl.constexpr = _group(draft_ptr.dtype.element_ty)
-                    _threshold_phase(
-                        d_rows, rows * 2 + 1, draft_ok, thr_ptr + rows * NUM_THR + THR_Q, filter_buf_ptr,
-                        filter_int_ptr, RS, num_chunks, part, parts, chunk_size, V, inv_t, top_k, top_p,
-                        PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, d_shift, d_group, BY_INDEX,
-                    )  # fmt: skip
-    if PHASE == PHASE_STATS:
-        _row_stats_pass(
-            t_rows,
-            d_rows,
-            stats_ptr + (rows * num_chunks + chunk) * NUM_STATS,
-            idx_ptr + (rows * num_chunks + chunk) * NUM_IDX,
-            row_ok,
-            target_ok,
-            draft_ok,
-            thr_t,
-            thr_q,
-            cut_t,
-            cut_q,
-            inv_t,
-            chunk * chunk_size,
-            tl.minimum(chunk * chunk_size + chunk_size, V),
-            DRAFT_MODE,
-            HAS_FILTER,
-            BY_INDEX,
-            BLOCK_V,
-        )
+    return rows, b, k, i, row_ok, target_ok, draft_ok, greedy, inv_t
 
 
 @triton.jit
@@ -366,21 +319,9 @@ def _row_stats_pass(
     bad_t = tl.zeros([BLOCK_R], tl.int32)
     if tl.max(redo.to(tl.int32), axis=0) > 0:
         e_m_t, e_z_t, e_g_max, e_g_idx, e_bad_t, e_m_q, e_z_q, e_bad_q = _row_pass_exact(
-            t_rows,
-            d_rows,
-            redo & target_ok,
-            redo & draft_ok,
-            thr_t,
-            thr_q,
-            cut_t,
-            cut_q,
-            inv_t,
-            start_col,
-            end_col,
-            DRAFT_MODE,
-            BY_INDEX,
-            BLOCK_V,
-        )
+            t_rows, d_rows, redo & target_ok, redo & draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col,
+            DRAFT_MODE, BY_INDEX, BLOCK_V,
+        )  # fmt: skip
         row_m_t = tl.where(redo, e_m_t, row_m_t)
         row_z_t = tl.where(redo, e_z_t, row_z_t)
         row_g_idx = tl.where(redo, e_g_idx, row_g_idx)
@@ -400,140 +341,6 @@ def _row_stats_pass(
     tl.store(rec_ptr + STAT_Z_Q, row_z_q, mask=row_ok)
     tl.store(rec_ptr + STAT_BAD_Q, bad_q.to(tl.float32), mask=row_ok)
     tl.store(idx_rec_ptr + IDX_GREEDY, row_g_idx, mask=row_ok)
-
-
-@triton.constexpr_function
-def _key_shift(ty):
-    """Low bits of the float32 order key that are the same for every value of dtype ty (bf16: 16,
-    fp16: 13, fp32: 0): the selections bisect only the others."""
-    return 16 if ty == tl.bfloat16 else (13 if ty == tl.float16 else 0)
-
-
-@triton.jit
-def _candidate_chunks(
-    row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E: tl.constexpr, WITH_Z: tl.constexpr
-):
-    """Chunks part, part + parts, ... of one row: candidates, (max, sum-exp) and bound of each."""
-    for c in range(part, TC, parts):
-        start = c * CW
-        m, z, bound = chunk_candidates(
-            row, cand + c * CAP, active, start, tl.minimum(start + CW, V), inv_t, BLOCK, CAP, NB, E, WITH_Z
-        )
-        tl.store(rec + c * 2, m, mask=active)
-        tl.store(rec + c * 2 + 1, z, mask=active)
-        tl.store(tau + c, bound, mask=active)
-
-
-@triton.constexpr_function
-def _group(ty):
-    """Entries of one 16-byte vector of dtype ty: the candidate groups (bf16 / fp16: 8, fp32: 4)."""
-    return 128 // ty.primitive_bitwidth
-
-
-@triton.constexpr_function
-def _fallback_block(block):
-    return min(block, 2048)
-
-
-@triton.jit
-def _whole_rows(
-    row_ptrs,  # [R, 1] pointers to the rows (target or draft)
-    slot,  # [R] scratch slot of each row: 2 * row (+ 1 for the draft)
-    ok,  # [R] rows that sample (greedy rows never filter)
-    thr_out,  # [R] pointers: where the thresholds go
-    filter_buf_ptr,  # fp32 scratch: candidates [2R, CAP]
-    V,
-    inv_t,
-    top_k,
-    top_p,
-    BLOCK: tl.constexpr,
-    CAP: tl.constexpr,
-    NB_BITS: tl.constexpr,
-    BY_INDEX: tl.constexpr,
-):
-    """PHASE_WHOLE: the thresholds of R whole rows in one program (``filter_threshold``: key
-    histogram -> pivot, copy of the candidates, selection among them; bisection when they overflow
-    CAP). The interpreter's plan: it pays per operation, so many rows per program are cheap."""
-    cand = filter_buf_ptr + slot.to(tl.int64) * CAP
-    thr, _fast, need = filter_threshold_ties(
-        row_ptrs, cand[:, None], ok, V, inv_t, top_k, top_p, BLOCK, CAP, NB_BITS, BY_INDEX
-    )
-    tl.store(thr_out, thr, mask=ok)
-    if BY_INDEX:
-        store_cut(thr_out + CUT_OF_THR, tie_index(row_ptrs, need, thr, V, BLOCK), ok)
-
-
-@triton.jit
-def _threshold_phase(
-    row_ptrs,  # [R, 1] pointers to the rows (target or draft)
-    slot,  # [R] scratch slot of each row: 2 * row (+ 1 for the draft)
-    ok,  # [R] rows that sample (greedy rows never filter)
-    thr_out,  # [R] pointers: where the thresholds go
-    filter_buf_ptr,
-    filter_int_ptr,
-    RS,  # scratch slots in all: 2 * rows
-    TC,  # threshold chunks
-    part,  # this program's share of the row (PHASE_CANDIDATES)
-    parts,  # programs per row (PHASE_CANDIDATES)
-    CW,  # chunk width (== FILTER_BLOCK)
-    V,
-    inv_t,
-    top_k,
-    top_p,
-    PHASE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    CAP: tl.constexpr,
-    NB: tl.constexpr,
-    TCP2: tl.constexpr,
-    SHIFT: tl.constexpr,
-    E: tl.constexpr,
-    BY_INDEX: tl.constexpr,
-):
-    """The top-k/top-p thresholds in two launches: the candidates of each vocabulary chunk, read
-    once and kept in registers (PHASE_CANDIDATES, ``chunk_candidates``: a program takes chunks
-    part, part + parts, ... of one row), then the exact selection among them per row
-    (PHASE_SELECT, ``select_candidates``), with the bisection over the row for rows the candidates
-    do not decide (``bisect_threshold``). Scratch (``ThresholdPlan.scratch``): fp32 candidates
-    [RS, TC, CAP] and (max, sum-exp) [RS, TC, 2]; int32 candidate bounds [RS, TC]."""
-    use_k = ok & (top_k > 0) & (top_k < V)
-    use_p = ok & (top_p < 1.0)
-    active = use_k | use_p
-    s64 = slot.to(tl.int64)
-    cand = filter_buf_ptr + s64 * TC * CAP
-    rec = filter_buf_ptr + RS * TC * CAP + s64 * TC * 2
-    tau = filter_int_ptr + s64 * TC
-    if PHASE == PHASE_CANDIDATES:
-        if tl.max(active.to(tl.int32), axis=0) > 0:
-            row = tl.reshape(row_ptrs, [1])
-            if tl.max((use_p & ~use_k).to(tl.int32), axis=0) > 0:  # top-p alone: the row's sum-exp too
-                _candidate_chunks(row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, True)
-            else:
-                _candidate_chunks(row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, False)
-    elif BY_INDEX:  # PHASE_SELECT with the index cuts
-        thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
-        need = tl.zeros(inv_t.shape, tl.int32)
-        if tl.max(active.to(tl.int32), axis=0) > 0:
-            thr, fast, need = select_candidates_ties(
-                cand, rec, tau, TC, ok, V, inv_t, top_k, top_p, TCP2, CAP, NB, SHIFT, True
-            )
-            slow = active & ~fast
-            if tl.max(slow.to(tl.int32), axis=0) > 0:
-                exact, exact_need = bisect_threshold_ties(
-                    row_ptrs, slow, V, inv_t, top_k, top_p, _fallback_block(BLOCK), True
-                )
-                thr = tl.where(slow, exact, thr)
-                need = tl.where(slow, exact_need, need)
-        tl.store(thr_out, thr, mask=ok)
-        store_cut(thr_out + CUT_OF_THR, tie_index(row_ptrs, need, thr, V, _fallback_block(BLOCK)), ok)
-    else:  # PHASE_SELECT (the keep rule: no tie count carried through the branches)
-        thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
-        if tl.max(active.to(tl.int32), axis=0) > 0:
-            thr, fast = select_candidates(cand, rec, tau, TC, ok, V, inv_t, top_k, top_p, TCP2, CAP, NB, SHIFT)
-            slow = active & ~fast
-            if tl.max(slow.to(tl.int32), axis=0) > 0:
-                exact = bisect_threshold(row_ptrs, slow, V, inv_t, top_k, top_p, _fallback_block(BLOCK))
-                thr = tl.where(slow, exact, thr)
-        tl.store(thr_out, thr, mask=ok)
 
 
 @triton.jit(do_not_specialize=["R", "num_chunks"])  # per-call scalars: triton/helpers.py
@@ -635,20 +442,6 @@ def combine_softmax(m, z, m_c, z_c, inv_t):
 
 
 @triton.jit
-def load_cut(ptrs, mask, BY_INDEX: tl.constexpr):
-    """The by_index cuts of threshold records (int32 bits in the fp32 record); 0 without BY_INDEX."""
-    if BY_INDEX:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.int32, bitcast=True)
-    else:
-        return tl.zeros(ptrs.shape, tl.int32)
-
-
-@triton.jit
-def store_cut(ptrs, cut, mask):
-    tl.store(ptrs, cut.to(tl.float32, bitcast=True), mask=mask)
-
-
-@triton.jit
 def prob_of(x, m, z, thr, inv_t, col, cut, BY_INDEX: tl.constexpr):
     """p(x) of the processed distribution given its statistics (0 for filtered or -inf logits); x
     is the entry at column col (``kept_at``)."""
@@ -657,138 +450,170 @@ def prob_of(x, m, z, thr, inv_t, col, cut, BY_INDEX: tl.constexpr):
     return tl.where(kept, p, 0.0)
 
 
-def launch_threshold_phases(row_pass, tplan: ThresholdPlan) -> None:
-    """The threshold launches of the row-stats kernel; row_pass(phase, block_r, grid_chunks,
-    num_chunks, chunk_size, num_warps) launches it with the call's other arguments (one row per
-    program; axis 1 interleaves target and draft when draft logits are filtered too), or the
-    interpreter's one whole-row launch (PHASE_WHOLE, ``tplan.block_r`` rows per program)."""
-    if tplan.block_r:
-        row_pass(PHASE_WHOLE.value, tplan.block_r, 1, 1, tplan.chunk_size, tplan.warps)
-        return
-    w = tplan.slots
-    row_pass(PHASE_CANDIDATES.value, 1, w * tplan.programs, tplan.chunks, tplan.chunk_size, tplan.warps)
-    row_pass(PHASE_SELECT.value, 1, w, tplan.chunks, tplan.chunk_size, tplan.select_warps)
-
-
-@dataclass(frozen=True)
-class ThresholdPlan:
-    """The top-k/top-p threshold launches: vocabulary chunks of chunk_size entries (each one tile in
-    registers), programs per row (each takes every programs-th chunk), target/draft slots per row,
-    warps, and the kernel's FILTER_* constexprs. block_r > 0: the interpreter's whole-row plan
-    instead (one PHASE_WHOLE launch, block_r rows per program, one chunk of chunk_size >= V)."""
-
-    chunks: int
-    chunk_size: int
-    programs: int
-    slots: int
-    warps: int
-    select_warps: int
-    constexprs: dict
-    block_r: int = 0
-
-    def scratch(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fp32, int32) scratch of the phases (layout in ``_threshold_phase``)."""
-        slots, tc = 2 * rows, self.chunks
-        floats = slots * tc * (self.constexprs["FILTER_CAP"] + 2)
-        return (
-            torch.empty(floats, dtype=torch.float32, device=device),
-            torch.empty(slots * tc, dtype=torch.int32, device=device),
-        )
-
-
-# Row-pass tile caps: (largest BLOCK_V, entries per program tile). On a GPU 2 rows x 1024 entries a
-# program: the row pass keeps per-lane running state in registers (4 rows x 4 warps spilled). The
-# interpreter pays per operation, not per element: it gets big tiles.
-ROW_TILE_CAPS = {"gpu": (1024, 2048), "interpreter": (8192, 1 << 16)}
-
-
-def row_tile_caps(interpreted: bool) -> tuple[int, int]:
-    """(largest BLOCK_V, entries per program tile) of the row pass (``ROW_TILE_CAPS``)."""
-    return ROW_TILE_CAPS["interpreter" if interpreted else "gpu"]
-
-
-SELECT_SLOTS = 2048  # candidate slots of a row in the selection tile (chunks x slots per chunk) on a GPU
-CANDIDATE_BINS = 256  # bins of the candidate histograms: key16 steps below the max
-MIN_GROUPS = 16  # candidate groups per chunk (fewer: the union of the chunks rarely holds top-k 50)
-
-
-def threshold_plan(
-    target: torch.Tensor,
-    rows: int,
-    V: int,
-    chunks: int | None = None,
-    draft_logits: bool = True,
-    capacity: int | None = None,
-) -> ThresholdPlan:
-    """Threshold launches for `rows` rows (target, and draft when `draft_logits`): every row is split
-    into chunks that are read once, each kept in registers (at most 32 entries per thread) while its
-    candidates are picked; the chunk width balances the programs over the SMs (the busiest SM's
-    entries, plus a per-program overhead) while the selection tile (chunks x slots per chunk =
-    `capacity`) keeps at least MIN_GROUPS groups of 8 per chunk. `chunks` forces a split (tests),
-    `capacity` the selection tile.
-
-    The Triton interpreter gets another plan unless a test forces `chunks` or `capacity`: one
-    PHASE_WHOLE launch over up to 64 whole rows per program (``filter_threshold``). It pays per
-    operation, not per byte, and the two launches' one row per program with serial in-register
-    bisections run ~40x slower there (hours for the slow suite's 40,000-sample statistical tests).
-    The plan only changes how the work is split: both compute the thresholds of
-    ``reference.sampling.filter_threshold``, a deterministic function of the row (no random
-    numbers), and the fast tests check both against the reference, thresholds and tokens: the
-    default interpreter plan everywhere, the two launches with interpreter-sized constexprs under
-    ``launch_overrides(threshold_chunks=..., threshold_capacity=...)``."""
-    slots = 2 if draft_logits else 1
-    interpreted = plans_for_interpreter(target.device)
-    if interpreted and chunks is None and capacity is None:
-        # the interpreter pays per operation: many rows and whole rows of candidates are cheap
-        block_r = max(1, min(next_pow2(rows), 64))
-        # ... but every operation costs its tile's width: no tile or candidate buffer wider than a row
-        row = max(16, next_pow2(V))
-        block = max(16, min(4096, (1 << 16) // block_r, row))
-        constexprs = dict(FILTER_BLOCK=block, FILTER_CAP=min(4096, row), FILTER_BINS=10, FILTER_CHUNKS=1)
-        warps = 8 if block_r > 1 else 4
-        return ThresholdPlan(1, cdiv(V, block) * block, 1, slots, warps, warps, constexprs, block_r)
-    if interpreted:  # a forced split or capacity (tests): the GPU's two launches, interpreter-sized
-        # whole rows (up to 64k entries) per chunk unless split, big tiles
-        capacity = capacity or 4096
-        width = max(16, min(next_pow2(cdiv(V, chunks or 1)), 1 << 16))
-        warps = 4
-    else:
-        capacity = capacity or SELECT_SLOTS
-        sms = multiprocessors(target.device)
-        best = None
-        for width in (1024, 2048, 4096, 8192, 16384):
-            tc = cdiv(V, width)
-            if next_pow2(tc) * 8 * MIN_GROUPS > capacity and width < 16384:
-                continue
-            cost = math.ceil(rows * slots * tc / sms) * (width + 1024)
-            if best is None or cost < best[0]:
-                best = (cost, width)
-        width = best[1] if chunks is None else next_pow2(cdiv(V, chunks))
-        warps = max(4, min(8, width // 1024))
-        capacity = min(capacity, next_pow2(cdiv(V, width)) * 8 * MIN_GROUPS)  # no bigger tile than needed
-    tc = cdiv(V, width)
-    tcp2 = next_pow2(tc)
-    cap = max(8, capacity // tcp2)
-    constexprs = dict(FILTER_BLOCK=width, FILTER_CAP=cap, FILTER_BINS=CANDIDATE_BINS, FILTER_CHUNKS=tcp2)
-    return ThresholdPlan(tc, width, tc, slots, warps, 2, constexprs)
-
-
 def merge_chunk_stats(stats, idx, rows: int, rows_per_request: int, t_ptr, t_val, per_req_t: bool):
     """Whole-row records [rows, 1, ...] from the row pass's per-chunk ones (one small launch)."""
     whole = torch.empty((rows, 1, NUM_STATS_HOST), dtype=torch.float32, device=stats.device)
     whole_idx = torch.empty((rows, 1, NUM_IDX_HOST), dtype=torch.int32, device=stats.device)
     block = min(next_pow2(rows), 128)
     _combine_row_stats_kernel[(cdiv(rows, block),)](
-        stats,
-        idx,
-        whole,
-        whole_idx,
-        t_ptr,
-        rows,
-        rows_per_request,
-        stats.shape[1],
-        float(t_val),
+        # pointers
+        stats_ptr=stats,  # [rows, C, NUM_STATS]
+        idx_ptr=idx,  # [rows, C, NUM_IDX]
+        out_stats_ptr=whole,  # [rows, 1, NUM_STATS]
+        out_idx_ptr=whole_idx,  # [rows, 1, NUM_IDX]
+        temperature_ptr=t_ptr,  # [B] (per_req_t)
+        # sizes
+        R=rows,
+        ROWS_PER_REQUEST=rows_per_request,
+        num_chunks=stats.shape[1],
+        # scalars
+        temperature=float(t_val),
+        # constexprs
         PER_REQ_T=per_req_t,
         BLOCK_R=block,
     )
     return whole, whole_idx
+
+
+@dataclass(frozen=True)
+class RowPassLayout:
+    """Where the row pass finds a call's rows: request b, chain k, row i of the target is at
+    ``target + b * strides[0] + k * strides[1] + i * strides[2]`` (the draft's likewise, rows 0 .. G-1).
+    Flattened layout (``cu``): the strides are row strides and request b starts at row cu[b] (+ b
+    for the target: each request's bonus row)."""
+
+    target: torch.Tensor  # [B, K, G+1, V] / [B, G+1, V] / flattened [N + B, V] fp32/fp16/bf16 raw logits
+    draft: torch.Tensor | None  # draft logits / probs, the target's rows but the bonus row; None: DRAFT_NONE
+    draft_mode: int  # DRAFT_NONE, DRAFT_LOGITS, DRAFT_PROBS
+    B: int
+    K: int  # chains per request (1 for verify; trees are K chains of G slots)
+    G: int
+    V: int
+    target_strides: tuple[int, int, int]  # (request, chain, row), in elements
+    draft_strides: tuple[int, int, int]  # (0, 0, 0) without a draft tensor
+    counts: torch.Tensor | None = None  # [B] int: rows 0 .. n_b of request b hold data (drafts, nodes); None: G
+    draft_tokens: torch.Tensor | None = None  # [B, G] (flattened: [N]) ids; a placeholder ends the chain (K = 1)
+    cu: torch.Tensor | None = None  # [B+1] int64 offsets of the flattened layout (K = 1)
+    use: torch.Tensor | None = None  # [rows, 2] int8: records whose target / draft row is read (trees)
+
+    @property
+    def rows(self) -> int:
+        return self.B * self.K * (self.G + 1)
+
+
+@dataclass(frozen=True)
+class RowPassPlan:
+    """Tiles, vocabulary chunks of the statistics pass, and the threshold phases' plan."""
+
+    tiles: TileSettings
+    num_chunks: int
+    chunk_size: int  # a multiple of tiles.block_v
+    thresholds: ThresholdPlan
+
+
+def row_pass_plan(
+    layout: RowPassLayout,
+    tiles: TileSettings,
+    num_chunks: int,
+    threshold_chunks: int | None = None,
+    threshold_capacity: int | None = None,
+) -> RowPassPlan:
+    """The row pass over about `num_chunks` vocabulary chunks per row (``vocab_chunks``);
+    threshold_chunks / threshold_capacity force the threshold phases' split (tests, ``threshold_plan``)."""
+    chunks, chunk_size = vocab_chunks(layout.V, tiles.block_v, num_chunks)
+    logits = layout.draft_mode == DRAFT_LOGITS
+    tplan = threshold_plan(layout.target, layout.rows, layout.V, threshold_chunks, logits, threshold_capacity)
+    return RowPassPlan(tiles, chunks, chunk_size, tplan)
+
+
+class RowStats(NamedTuple):
+    """The row pass's output: one whole-row record per (request, chain, row)."""
+
+    stats: torch.Tensor  # [rows, 1, NUM_STATS] fp32
+    idx: torch.Tensor  # [rows, 1, NUM_IDX] int32
+    thr: torch.Tensor  # [rows, NUM_THR] fp32 thresholds (a [1, NUM_THR] placeholder without top-k / top-p)
+
+
+def launch_row_stats(layout: RowPassLayout, sampling: SamplingParams, plan: RowPassPlan) -> RowStats:
+    """The row pass of a call: with top-k / top-p the threshold phases first (candidates per chunk,
+    selection per row; ``launch_threshold_phases``), then the statistics pass over ``plan.num_chunks``
+    chunks per row, merged into whole-row records when there are several."""
+    rows, V, dev = layout.rows, layout.V, layout.target.device
+    has_filter = sampling.has_filter(V)
+    C, tplan = plan.num_chunks, plan.thresholds
+    stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
+    idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
+    thr = torch.empty((rows if has_filter else 1, NUM_THR_HOST), dtype=torch.float32, device=dev)
+    filter_buf, filter_int = tplan.scratch(rows, dev) if has_filter else (thr, thr)
+    params = sampling.kernel_args(layout.target)
+    t_ptr, t_val, per_req_t = params["temperature"]
+    k_ptr, k_val, per_req_k = params["top_k"]
+    p_ptr, p_val, per_req_p = params["top_p"]
+    unused = layout.target  # pointer arguments whose constexpr switch is off are never read
+    constexprs = dict(
+        PER_REQ_N=layout.counts is not None,
+        PER_REQ_T=per_req_t,
+        PER_REQ_K=per_req_k,
+        PER_REQ_P=per_req_p,
+        DRAFT_MODE=layout.draft_mode,
+        HAS_FILTER=has_filter,
+        BY_INDEX=has_filter and sampling.ties_by_index(),
+        **tplan.constexprs,
+        PLACEHOLDERS_END=layout.draft_tokens is not None,
+        GP2=next_pow2(max(layout.G, 1)) if layout.draft_tokens is not None else 1,
+        FLAT=layout.cu is not None,
+        ROW_USE=layout.use is not None,
+        BLOCK_V=plan.tiles.block_v,
+    )
+
+    def row_pass(phase: int, block_r: int, grid_chunks: int, chunks: int, chunk_size: int, num_warps: int) -> None:
+        _verify_row_stats_kernel[(cdiv(rows, block_r), grid_chunks)](
+            # pointers
+            target_ptr=layout.target,  # [B, (K,) G+1, V]
+            draft_ptr=layout.draft if layout.draft is not None else unused,  # [B, (K,) G, V]
+            draft_tokens_ptr=layout.draft_tokens if layout.draft_tokens is not None else unused,  # [B, G]
+            cu_ptr=layout.cu if layout.cu is not None else unused,  # [B+1]
+            num_draft_ptr=layout.counts if layout.counts is not None else unused,  # [B]
+            temperature_ptr=t_ptr,  # [B]
+            top_k_ptr=k_ptr,  # [B]
+            top_p_ptr=p_ptr,  # [B]
+            stats_ptr=stats,  # [rows, C, NUM_STATS] out
+            idx_ptr=idx,  # [rows, C, NUM_IDX] out
+            thr_ptr=thr,  # [rows, NUM_THR] out
+            filter_buf_ptr=filter_buf,  # fp32 scratch of the threshold phases
+            filter_int_ptr=filter_int,  # int32 scratch of the threshold phases
+            use_ptr=layout.use if layout.use is not None else filter_int,  # [rows, 2]
+            # strides
+            stride_tb=layout.target_strides[0],
+            stride_tk=layout.target_strides[1],
+            stride_tg=layout.target_strides[2],
+            stride_db=layout.draft_strides[0],
+            stride_dk=layout.draft_strides[1],
+            stride_dg=layout.draft_strides[2],
+            stride_xb=layout.draft_tokens.stride(0) if layout.draft_tokens is not None else 0,
+            # sizes
+            B=layout.B,
+            K=layout.K,
+            G=layout.G,
+            V=V,
+            chunk_size=chunk_size,
+            num_chunks=chunks,
+            # scalars
+            temperature=float(t_val),
+            top_k=int(k_val),
+            top_p=float(p_val),
+            # constexprs
+            PHASE=phase,
+            BLOCK_R=block_r,
+            **constexprs,
+            num_warps=num_warps,
+        )
+
+    if has_filter:  # thresholds first (candidates per chunk, selection per row), then the statistics pass
+        launch_threshold_phases(row_pass, tplan)
+    tiles = plan.tiles
+    row_pass(PHASE_STATS.value, tiles.block_r, C, C, plan.chunk_size, tiles.num_warps)
+    if C > 1:  # merge the chunks once, not once per consumer program (each would loop over all C)
+        rows_per_request = layout.K * (layout.G + 1)
+        stats, idx = merge_chunk_stats(stats, idx, rows, rows_per_request, t_ptr, t_val, per_req_t)
+    return RowStats(stats, idx, thr)

@@ -199,18 +199,9 @@ def filter_threshold(
 
 @triton.jit
 def filter_threshold_ties(
-    row_ptrs,
-    buf_ptrs,
-    row_ok,
-    V,
-    inv_t,
-    top_k,
-    top_p,
-    BLOCK: tl.constexpr,
-    CAP: tl.constexpr,
-    NB_BITS: tl.constexpr,
-    TIES: tl.constexpr,
-):
+    row_ptrs, buf_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK: tl.constexpr, CAP: tl.constexpr,
+    NB_BITS: tl.constexpr, TIES: tl.constexpr,
+):  # fmt: skip
     """Raw-logit threshold per row implementing top-k then top-p (keep x >= threshold).
 
     row_ptrs: [R, 1] pointers to the start of each row; buf_ptrs: [R, 1] pointers to a CAP-entry
@@ -274,7 +265,7 @@ def chunk_candidates(
     WITH_Z: tl.constexpr,
 ):
     """The top-k/top-p candidates of one vocabulary chunk [start, end) of one row (end - start <= CW),
-    read once and kept in registers (the threshold phases of row_pass.py).
+    read once and kept in registers (the threshold phases of threshold_phases.py).
 
     row_ptr: [1] pointer to the row; cand_ptr: [1] pointer to L fp32 slots (L / E groups of E
     consecutive entries, then -inf); active, inv_t: [1]. The chunk is cut into groups of E entries
@@ -341,20 +332,9 @@ def _bisect_mass(keys, weights, goal, lo, hi):
 
 @triton.jit
 def select_candidates(
-    cand_ptr,
-    rec_ptr,
-    tau_ptr,
-    TC,
-    ok,
-    V,
-    inv_t,
-    top_k,
-    top_p,
-    TCP2: tl.constexpr,
-    L: tl.constexpr,
-    NB: tl.constexpr,
-    SHIFT: tl.constexpr,
-):
+    cand_ptr, rec_ptr, tau_ptr, TC, ok, V, inv_t, top_k, top_p, TCP2: tl.constexpr, L: tl.constexpr,
+    NB: tl.constexpr, SHIFT: tl.constexpr,
+):  # fmt: skip
     """``select_candidates_ties`` without the tie count: (threshold, fast)."""
     thr, fast, _need = select_candidates_ties(
         cand_ptr, rec_ptr, tau_ptr, TC, ok, V, inv_t, top_k, top_p, TCP2, L, NB, SHIFT, False

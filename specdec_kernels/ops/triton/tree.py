@@ -62,6 +62,7 @@ from .helpers import (
     safe_max,
     uniform_open,
 )
+from .launch import tile_settings
 from .row_pass import (
     CUT_Q,
     CUT_T,
@@ -86,7 +87,6 @@ from .row_pass import (
     load_cut,
     merge_chunk_stats,
     prob_of,
-    row_tile_caps,
     threshold_plan,
 )
 
@@ -1188,12 +1188,9 @@ def launch_tree(
         return TreeVerifyOutput(tokens, num_accepted, nodes, nonfinite)
 
     interpreted = plans_for_interpreter(dev)
-    # On a GPU 2 rows x 1024 entries per program (8 warps): the row pass keeps per-lane running state
-    # (about 60 registers of it at 8 entries per thread; 4 rows x 4 warps spilled).
-    max_block_v, tile = row_tile_caps(interpreted)
-    block_v = max(4, min(next_pow2(V), block_v or max_block_v))  # races take 4 entries per Philox call
     rows = B * K * (G + 1)
-    block_r = max(1, min(next_pow2(rows), tile // block_v))
+    tiles = tile_settings(V, rows, interpreted, block_v)  # the row pass's tiles (launch.py)
+    block_v, block_r, tile = tiles.block_v, tiles.block_r, tiles.tile
     has_filter = args.has_filter
     by_index = has_filter and args.sampling.ties_by_index()
     np2 = max(2, next_pow2(N))
