@@ -1,0 +1,96 @@
+"""The accept rule on a tie, pinned in every backend: a draft is accepted when u * q(x) == p(x).
+
+The documented rule is ``u * q(x) <= p(x)`` (u from Philox, never 0). Ties are rare but real: in
+float32 a product rounds onto p often enough to matter (sweeping 6,001 consecutive float32 values of
+one logit of a 2-token row gives ~10 exact ties), and a backend that tests ``<`` instead of ``<=``
+drops those tokens where the others keep them. Each backend is checked on a row crafted so that the
+equality holds exactly in its own arithmetic:
+
+* float32 backends (triton, the C++ core "cpu", cuda): target logits [0, 0] give p = 1 / 2 exactly
+  (exp(0) = 1, z = 2); the draft probability q0 is the float32 with fl32(u * q0) == 0.5 for the
+  request's u. Its exact product is just below 1/2, so the float64 backends accept it too (no tie
+  there, and no disagreement between backends).
+* float64 backends (the reference "torch", "vectorized"): one-hot drafts (q = 1) on target logits
+  [0, a, b, c] whose float64 softmax gives p(0) == u exactly.
+
+The seeds and rows were found offline: for the float32 row, seeds whose u is in (0.55, 0.95) and the
+float32 neighbours of 0.5 / u; for the float64 row, a below log(1/u - 1), then b and c taking up the
+remainder, the float32 values of c swept until ``processed_probs`` gave p(0) == u. The tests assert
+those equalities first, so a change of the generator or of the softmax shows as a broken premise,
+not as a silent pass.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import specdec_kernels as sk
+from specdec_kernels.reference.sampling import PURPOSE_ACCEPT, processed_probs, uniforms
+
+from ._stats import backend_device
+
+FLOAT32_BACKENDS = ["triton", "cpu", "cuda"]
+FLOAT64_BACKENDS = ["torch", "vectorized"]
+
+# float32 tie: seed -> q0 with fl32(u * q0) == 0.5 (u of the seed's first draft)
+F32_SEED, F32_Q0 = 20, 0.651020884513855
+# float64 tie: p(0) of softmax([0, a, b, c]) == u of the seed's first draft, in float64
+F64_SEED, F64_ROW = 29, (0.0, -1.8418903350830078, -18.51570701599121, -32.80497360229492)
+
+
+def _u(seed):
+    return uniforms(seed, 0, 0, PURPOSE_ACCEPT)  # float32: the first draft's (row 0) accept uniform
+
+
+def _float32_tie():
+    u, q0 = np.float32(_u(F32_SEED)), np.float32(F32_Q0)
+    assert np.float32(u * q0) == np.float32(0.5) and float(u) * float(q0) < 0.5, "premise: a float32 tie"
+    target = torch.zeros(2)
+    draft = torch.tensor([F32_Q0, 1.0 - F32_Q0], dtype=torch.float32)
+    return F32_SEED, target, {"draft_probs": draft}
+
+
+def _float64_tie():
+    target = torch.tensor(F64_ROW, dtype=torch.float32)
+    assert float(processed_probs(target, 1.0, 0, 1.0)[0]) == float(_u(F64_SEED)), "premise: a float64 tie"
+    return F64_SEED, target, {}
+
+
+def _tie(backend, device):
+    device = backend_device(backend, device) if backend != "torch" else "cpu"
+    seed, target, draft = _float32_tie() if backend in FLOAT32_BACKENDS else _float64_tie()
+    return device, seed, target, draft
+
+
+@pytest.mark.parametrize("backend", FLOAT32_BACKENDS + FLOAT64_BACKENDS)
+def test_chain_accepts_on_a_tie(backend, device):
+    device, seed, target, draft = _tie(backend, device)
+    kw = {name: row.expand(1, 1, -1).contiguous().to(device) for name, row in draft.items()}
+    out = sk.verify(
+        target.expand(1, 2, -1).contiguous().to(device),
+        torch.zeros(1, 1, dtype=torch.int64, device=device),
+        seed=torch.tensor([seed], device=device),
+        backend=backend,
+        **kw,
+    )
+    assert out.num_accepted.tolist() == [1], "u * q == p must accept the draft"
+    assert out.tokens[0, 0].item() == 0
+
+
+@pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
+@pytest.mark.parametrize("backend", FLOAT32_BACKENDS + FLOAT64_BACKENDS)
+def test_tree_accepts_on_a_tie(backend, method, device):
+    """A root with one child (K-SEQ's rho is 1 for one candidate): the same tie as the chain's."""
+    device, seed, target, draft = _tie(backend, device)
+    kw = {name: row.expand(1, 1, -1).contiguous().to(device) for name, row in draft.items()}
+    out = sk.verify_tree(
+        target.expand(1, 2, -1).contiguous().to(device),
+        torch.zeros(1, 1, dtype=torch.int64, device=device),
+        torch.full((1, 1), -1, dtype=torch.int64, device=device),
+        seed=torch.tensor([seed], device=device),
+        method=method,
+        backend=backend,
+        **kw,
+    )
+    assert out.num_accepted.tolist() == [1], "u * q == p must accept the node"
+    assert out.accepted_nodes[0, 0].item() == 0
