@@ -94,3 +94,51 @@ def test_tree_accepts_on_a_tie(backend, method, device):
     )
     assert out.num_accepted.tolist() == [1], "u * q == p must accept the node"
     assert out.accepted_nodes[0, 0].item() == 0
+
+
+# ---- K-SEQ: the upper end of the rho bracket decides. The search returns rho = hi >= rho* (exact);
+# a backend using the lower end (rho < rho*) accepts slightly more often (up to RHO_TOL = 5e-5 of
+# acceptance), which no sampling test can see. Here u falls between the acceptance thresholds of
+# rho* and of the search's rho: p(x) / (rho q(x)) < u <= p(x) / (rho* q(x)), so every backend must
+# reject node 0 where a lower-end (or rho*) backend accepts it. Found offline: of 400 rows (V = 16,
+# k = 2, torch seeds 0..399) the one with the widest bracket (rho / rho* - 1 = 1.2e-4 in the reference
+# and the C++ core), its token with the largest p / q below rho*, and the first seeds whose u lies in
+# the middle of that window (KSEQ_REJECT_SEED) and just below it (KSEQ_ACCEPT_SEED, accepted by all).
+KSEQ_ROW_SEED, KSEQ_TOKEN, KSEQ_REJECT_SEED, KSEQ_ACCEPT_SEED = 348, 14, 17593, 5639
+
+
+def _kseq_window_row():
+    from specdec_kernels.reference.verify_tree import solve_rho
+
+    from ._stats import exact_rho
+
+    gen = torch.Generator().manual_seed(KSEQ_ROW_SEED)
+    target = torch.randn(16, generator=gen) * 2
+    q = torch.softmax(torch.randn(16, generator=gen).double() * 2, 0).float()
+    p = torch.softmax(target.double(), 0)
+    ratio = float(p[KSEQ_TOKEN] / q[KSEQ_TOKEN].double())
+    lower, upper = ratio / solve_rho(p, q.double(), 2)[0], ratio / exact_rho(p, q.double(), 2)[0]
+    width = upper - lower
+    u_reject, u_accept = float(_u(KSEQ_REJECT_SEED)), float(_u(KSEQ_ACCEPT_SEED))
+    assert lower + 0.3 * width < u_reject < upper - 0.3 * width, "premise: u between the two thresholds"
+    assert u_accept < lower - 0.2 * width, "premise: u below both thresholds"
+    return target, q
+
+
+@pytest.mark.parametrize("backend", FLOAT32_BACKENDS + FLOAT64_BACKENDS)
+def test_kseq_uses_the_upper_end_of_the_rho_bracket(backend, device):
+    device = backend_device(backend, device) if backend != "torch" else "cpu"
+    target, q = _kseq_window_row()
+    seeds = torch.tensor([KSEQ_REJECT_SEED, KSEQ_ACCEPT_SEED], device=device)
+    out = sk.verify_tree(
+        target.expand(2, 3, -1).contiguous().to(device),  # the root's row and its two children's
+        torch.tensor([[KSEQ_TOKEN, 4]] * 2, device=device),
+        torch.full((2, 2), -1, dtype=torch.int64, device=device),
+        draft_probs=q.expand(2, 2, -1).contiguous().to(device),
+        seed=seeds,
+        method="kseq",
+        backend=backend,
+    )
+    first = out.accepted_nodes[:, 0].tolist()
+    assert first[0] != 0, "u * rho * q > p with rho = the bracket's upper end: node 0 must be rejected"
+    assert first[1] == 0, "u below both thresholds: node 0 must be accepted"
