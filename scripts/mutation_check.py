@@ -242,7 +242,7 @@ def _pytest(copy: Path, tests: list[str], slow: bool, keyword: str | None, jobs:
 
 def check(mutant: Mutant, copy: Path, jobs: int, fast_only: bool, cache: Path) -> str:
     path, offset = locate(mutant, copy)
-    original = path.read_text()
+    original, stamp = path.read_text(), path.stat()
     path.write_text(original[:offset] + mutant.replacement + original[offset + len(mutant.pattern) :])
     env = dict(os.environ, SPECDEC_BUILD_DIR=str(cache), SPECDEC_REQUIRE_CPU_BUILD="1", SPECDEC_TEST_THREADS="1")
     env.pop("PYTHONPATH", None)
@@ -251,8 +251,9 @@ def check(mutant: Mutant, copy: Path, jobs: int, fast_only: bool, cache: Path) -
         killer = _pytest(copy, fast, False, None, jobs, env)
         if killer is None and not fast_only:
             killer = _pytest(copy, slow, True, SLOW_FILTER.get(mutant.group), jobs, env)
-    finally:
+    finally:  # the original text and time stamp: the unmutated native build stays up to date
         path.write_text(original)
+        os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     return f"KILLED by {killer}" if killer else "SURVIVED"
 
 

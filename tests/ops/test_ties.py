@@ -10,8 +10,8 @@ equality holds exactly in its own arithmetic:
   (exp(0) = 1, z = 2); the draft probability q0 is the float32 with fl32(u * q0) == 0.5 for the
   request's u. Its exact product is just below 1/2, so the float64 backends accept it too (no tie
   there, and no disagreement between backends).
-* float64 backends (the reference "torch", "vectorized"): one-hot drafts (q = 1) on target logits
-  [0, a, b, c] whose float64 softmax gives p(0) == u exactly.
+* float64 backends (the reference "torch", "vectorized", the vocabulary-parallel path): one-hot
+  drafts (q = 1) on target logits [0, a, b, c] whose float64 softmax gives p(0) == u exactly.
 
 The seeds and rows were found offline: for the float32 row, seeds whose u is in (0.55, 0.95) and the
 float32 neighbours of 0.5 / u; for the float64 row, a below log(1/u - 1), then b and c taking up the
@@ -30,7 +30,8 @@ from specdec_kernels.reference.sampling import PURPOSE_ACCEPT, processed_probs, 
 from ._stats import backend_device
 
 FLOAT32_BACKENDS = ["triton", "cpu", "cuda"]
-FLOAT64_BACKENDS = ["torch", "vectorized"]
+# "vocab_parallel": the sharded path (process_group=, ops/vocab_parallel.py) on a one-rank gloo group
+FLOAT64_BACKENDS = ["torch", "vectorized", "vocab_parallel"]
 
 # float32 tie: seed -> q0 with fl32(u * q0) == 0.5 (u of the seed's first draft)
 F32_SEED, F32_Q0 = 20, 0.651020884513855
@@ -56,21 +57,47 @@ def _float64_tie():
     return F64_SEED, target, {}
 
 
-def _tie(backend, device):
-    device = backend_device(backend, device) if backend != "torch" else "cpu"
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A gloo process group of this process alone (the sharded path with the whole vocabulary)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs gloo")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+def _call_kw(backend, device, request):
+    """(device, backend keyword arguments) of a backend name of this file."""
+    if backend == "vocab_parallel":
+        return "cpu", {"backend": "torch", "process_group": request.getfixturevalue("one_rank_group")}
+    return (backend_device(backend, device) if backend != "torch" else "cpu"), {"backend": backend}
+
+
+def _tie(backend, device, request):
+    device, kw = _call_kw(backend, device, request)
     seed, target, draft = _float32_tie() if backend in FLOAT32_BACKENDS else _float64_tie()
-    return device, seed, target, draft
+    return device, kw, seed, target, draft
 
 
 @pytest.mark.parametrize("backend", FLOAT32_BACKENDS + FLOAT64_BACKENDS)
-def test_chain_accepts_on_a_tie(backend, device):
-    device, seed, target, draft = _tie(backend, device)
+def test_chain_accepts_on_a_tie(backend, device, request):
+    device, backend_kw, seed, target, draft = _tie(backend, device, request)
     kw = {name: row.expand(1, 1, -1).contiguous().to(device) for name, row in draft.items()}
     out = sk.verify(
         target.expand(1, 2, -1).contiguous().to(device),
         torch.zeros(1, 1, dtype=torch.int64, device=device),
         seed=torch.tensor([seed], device=device),
-        backend=backend,
+        **backend_kw,
         **kw,
     )
     assert out.num_accepted.tolist() == [1], "u * q == p must accept the draft"
@@ -79,9 +106,9 @@ def test_chain_accepts_on_a_tie(backend, device):
 
 @pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
 @pytest.mark.parametrize("backend", FLOAT32_BACKENDS + FLOAT64_BACKENDS)
-def test_tree_accepts_on_a_tie(backend, method, device):
+def test_tree_accepts_on_a_tie(backend, method, device, request):
     """A root with one child (K-SEQ's rho is 1 for one candidate): the same tie as the chain's."""
-    device, seed, target, draft = _tie(backend, device)
+    device, backend_kw, seed, target, draft = _tie(backend, device, request)
     kw = {name: row.expand(1, 1, -1).contiguous().to(device) for name, row in draft.items()}
     out = sk.verify_tree(
         target.expand(1, 2, -1).contiguous().to(device),
@@ -89,11 +116,43 @@ def test_tree_accepts_on_a_tie(backend, method, device):
         torch.full((1, 1), -1, dtype=torch.int64, device=device),
         seed=torch.tensor([seed], device=device),
         method=method,
-        backend=backend,
+        **backend_kw,
         **kw,
     )
     assert out.num_accepted.tolist() == [1], "u * q == p must accept the node"
     assert out.accepted_nodes[0, 0].item() == 0
+
+
+# float32 one-hot tie of the C++ core (q = 1: u == p): target logits [0, a] give p(0) = 1 / (1 + expf(a))
+# in the core (libm's expf, one float32 addition and division); a was swept over float32 values near
+# log(1 / u - 1) until that equals u. The premise is computed with the same libm expf (ctypes).
+CORE_ONE_HOT_SEED, CORE_ONE_HOT_A = 1, -2.0933918952941895
+
+
+def _core_one_hot_tie():
+    import ctypes
+    import ctypes.util
+
+    libm = ctypes.util.find_library("m")
+    if libm is None:
+        pytest.skip("no libm to compute the core's expf with")
+    expf = ctypes.CDLL(libm).expf
+    expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    f32 = np.float32
+    p0 = f32(1.0) / (f32(1.0) + f32(expf(CORE_ONE_HOT_A)))
+    assert p0 == _u(CORE_ONE_HOT_SEED), "premise: the core's p(0) equals u"
+    return torch.tensor([0.0, CORE_ONE_HOT_A]).expand(1, 2, -1).contiguous()
+
+
+@pytest.mark.parametrize("method", [None, "kseq", "rrs", "rrs_wor"])
+def test_core_one_hot_accepts_on_a_tie(method, device):
+    backend_device("cpu", device)
+    target, token, seed = _core_one_hot_tie(), torch.zeros(1, 1, dtype=torch.int64), torch.tensor([CORE_ONE_HOT_SEED])
+    if method is None:
+        out = sk.verify(target, token, seed=seed, backend="cpu")
+    else:
+        out = sk.verify_tree(target, token, torch.full((1, 1), -1), seed=seed, method=method, backend="cpu")
+    assert out.num_accepted.tolist() == [1], "u == p must accept the one-hot draft"
 
 
 # ---- K-SEQ: the upper end of the rho bracket decides. The search returns rho = hi >= rho* (exact);
@@ -126,8 +185,8 @@ def _kseq_window_row():
 
 
 @pytest.mark.parametrize("backend", FLOAT32_BACKENDS + FLOAT64_BACKENDS)
-def test_kseq_uses_the_upper_end_of_the_rho_bracket(backend, device):
-    device = backend_device(backend, device) if backend != "torch" else "cpu"
+def test_kseq_uses_the_upper_end_of_the_rho_bracket(backend, device, request):
+    device, backend_kw = _call_kw(backend, device, request)
     target, q = _kseq_window_row()
     seeds = torch.tensor([KSEQ_REJECT_SEED, KSEQ_ACCEPT_SEED], device=device)
     out = sk.verify_tree(
@@ -137,7 +196,7 @@ def test_kseq_uses_the_upper_end_of_the_rho_bracket(backend, device):
         draft_probs=q.expand(2, 2, -1).contiguous().to(device),
         seed=seeds,
         method="kseq",
-        backend=backend,
+        **backend_kw,
     )
     first = out.accepted_nodes[:, 0].tolist()
     assert first[0] != 0, "u * rho * q > p with rho = the bracket's upper end: node 0 must be rejected"
