@@ -39,13 +39,14 @@ CPP_SUFFIXES = (".h", ".cpp", ".cu")
 
 # Test groups: the tests a developer runs for a file (fast), then the statistical ones (slow).
 TIES = "tests/ops/test_ties.py"
+TREE = "tests/ops/test_verify_tree.py"  # the kernels against the reference, node for node
 STATS = ["tests/ops/test_verify_stats.py", "tests/ops/test_verify_tree_stats.py"]
 GROUPS = {
     "reference": (
-        [TIES, "tests/reference", "tests/ops/test_verify_tree_stats.py", "tests/ops/test_verify.py"],
+        [TIES, "tests/reference", "tests/ops/test_verify_tree_stats.py", "tests/ops/test_verify.py", TREE],
         STATS,
     ),
-    "triton": ([TIES, "tests/ops/test_verify.py", "tests/ops/test_verify_tree.py"], STATS),
+    "triton": ([TIES, "tests/ops/test_verify.py", TREE], STATS),
     "core": ([TIES, "tests/ops/test_csrc_tree_core.py", "tests/ops/test_csrc_core.py"], STATS),
     "vectorized": ([TIES, "tests/ops/test_vectorized_backend.py"], STATS),
     "vocab_parallel": (["tests/ops/test_vocab_parallel.py"], ["tests/ops/test_vocab_parallel.py"]),
