@@ -57,25 +57,6 @@ def _float64_tie():
     return F64_SEED, target, {}
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A gloo process group of this process alone (the sharded path with the whole vocabulary)."""
-    import tempfile
-
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("needs gloo")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
-
-
 def _call_kw(backend, device, request):
     """(device, backend keyword arguments) of a backend name of this file."""
     if backend == "vocab_parallel":
