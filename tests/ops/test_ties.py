@@ -10,8 +10,9 @@ equality holds exactly in its own arithmetic:
   (exp(0) = 1, z = 2); the draft probability q0 is the float32 with fl32(u * q0) == 0.5 for the
   request's u. Its exact product is just below 1/2, so the float64 backends accept it too (no tie
   there, and no disagreement between backends).
-* float64 backends (the reference "torch", "vectorized", the vocabulary-parallel path): one-hot
-  drafts (q = 1) on target logits [0, a, b, c] whose float64 softmax gives p(0) == u exactly.
+* float64 backends (the reference "torch", "vectorized", the vocabulary-parallel path): target
+  logits [0, a, b, c] whose float64 softmax gives p(0) == u * q0 exactly, for one-hot drafts (q0 = 1)
+  and for draft probabilities with q0 = 3/4.
 
 The seeds and rows were found offline: for the float32 row, seeds whose u is in (0.55, 0.95) and the
 float32 neighbours of 0.5 / u; for the float64 row, a below log(1/u - 1), then b and c taking up the
@@ -35,8 +36,10 @@ FLOAT64_BACKENDS = ["torch", "vectorized", "vocab_parallel"]
 
 # float32 tie: seed -> q0 with fl32(u * q0) == 0.5 (u of the seed's first draft)
 F32_SEED, F32_Q0 = 20, 0.651020884513855
-# float64 tie: p(0) of softmax([0, a, b, c]) == u of the seed's first draft, in float64
+# float64 ties: p(0) of softmax([0, a, b, c]) == u * q0 of the seed's first draft, in float64, for a
+# one-hot draft (q0 = 1) and for draft probabilities [0.75, 0.25, 0, 0] (u * 0.75 is exact in float64)
 F64_SEED, F64_ROW = 29, (0.0, -1.8418903350830078, -18.51570701599121, -32.80497360229492)
+F64_Q_ROW, F64_Q = (0.0, -0.6075384616851807, -19.055957794189453, -32.80357360839844), (0.75, 0.25, 0.0, 0.0)
 
 
 def _u(seed):
@@ -51,10 +54,11 @@ def _float32_tie():
     return F32_SEED, target, {"draft_probs": draft}
 
 
-def _float64_tie():
-    target = torch.tensor(F64_ROW, dtype=torch.float32)
-    assert float(processed_probs(target, 1.0, 0, 1.0)[0]) == float(_u(F64_SEED)), "premise: a float64 tie"
-    return F64_SEED, target, {}
+def _float64_tie(one_hot: bool):
+    target = torch.tensor(F64_ROW if one_hot else F64_Q_ROW, dtype=torch.float32)
+    q0 = 1.0 if one_hot else F64_Q[0]
+    assert float(processed_probs(target, 1.0, 0, 1.0)[0]) == float(_u(F64_SEED)) * q0, "premise: a float64 tie"
+    return F64_SEED, target, ({} if one_hot else {"draft_probs": torch.tensor(F64_Q, dtype=torch.float32)})
 
 
 def _call_kw(backend, device, request):
@@ -64,15 +68,24 @@ def _call_kw(backend, device, request):
     return (backend_device(backend, device) if backend != "torch" else "cpu"), {"backend": backend}
 
 
-def _tie(backend, device, request):
+def _tie(backend, drafts, device, request):
     device, kw = _call_kw(backend, device, request)
-    seed, target, draft = _float32_tie() if backend in FLOAT32_BACKENDS else _float64_tie()
+    seed, target, draft = _float32_tie() if backend in FLOAT32_BACKENDS else _float64_tie(drafts == "one-hot")
     return device, kw, seed, target, draft
 
 
-@pytest.mark.parametrize("backend", FLOAT32_BACKENDS + FLOAT64_BACKENDS)
-def test_chain_accepts_on_a_tie(backend, device, request):
-    device, backend_kw, seed, target, draft = _tie(backend, device, request)
+# float32 one-hot ties depend on the platform's exp: the C++ core's alone (below, with libm's expf)
+TIE_CASES = [
+    (b, d)
+    for b in FLOAT32_BACKENDS + FLOAT64_BACKENDS
+    for d in ("probs", "one-hot")
+    if b in FLOAT64_BACKENDS or d == "probs"
+]
+
+
+@pytest.mark.parametrize("backend, drafts", TIE_CASES)
+def test_chain_accepts_on_a_tie(backend, drafts, device, request):
+    device, backend_kw, seed, target, draft = _tie(backend, drafts, device, request)
     kw = {name: row.expand(1, 1, -1).contiguous().to(device) for name, row in draft.items()}
     out = sk.verify(
         target.expand(1, 2, -1).contiguous().to(device),
@@ -86,10 +99,10 @@ def test_chain_accepts_on_a_tie(backend, device, request):
 
 
 @pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
-@pytest.mark.parametrize("backend", FLOAT32_BACKENDS + FLOAT64_BACKENDS)
-def test_tree_accepts_on_a_tie(backend, method, device, request):
+@pytest.mark.parametrize("backend, drafts", TIE_CASES)
+def test_tree_accepts_on_a_tie(backend, drafts, method, device, request):
     """A root with one child (K-SEQ's rho is 1 for one candidate): the same tie as the chain's."""
-    device, backend_kw, seed, target, draft = _tie(backend, device, request)
+    device, backend_kw, seed, target, draft = _tie(backend, drafts, device, request)
     kw = {name: row.expand(1, 1, -1).contiguous().to(device) for name, row in draft.items()}
     out = sk.verify_tree(
         target.expand(1, 2, -1).contiguous().to(device),
