@@ -49,7 +49,7 @@ GROUPS = {
     "triton": ([TIES, "tests/ops/test_verify.py", TREE], STATS),
     "core": ([TIES, "tests/ops/test_csrc_tree_core.py", "tests/ops/test_csrc_core.py"], STATS),
     "vectorized": ([TIES, "tests/ops/test_vectorized_backend.py"], STATS),
-    "vocab_parallel": (["tests/ops/test_vocab_parallel.py"], ["tests/ops/test_vocab_parallel.py"]),
+    "vocab_parallel": ([TIES, "tests/ops/test_vocab_parallel.py"], ["tests/ops/test_vocab_parallel.py"]),
     "driver": (
         ["tests/hf/test_generate.py", "tests/hf/test_draft_law.py", "tests/hf/test_medusa.py"],
         ["tests/hf/test_draft_law.py", "tests/hf/test_generate.py"],
