@@ -288,6 +288,32 @@ double filter_threshold_program(at::Tensor row, double temperature, int64_t top_
   return thr;
 }
 
+
+// K-SEQ's rho search (kseq_rho, verify_tree_core.h) run by one host thread on one tree position:
+// target logits [V] (temperature 1, no filter) and draft probabilities [V], k candidates ->
+// (rho, beta(rho)). Lets the tests check the core's rho >= rho* without a GPU (as the reference's).
+std::vector<double> kseq_rho_program(at::Tensor target_row, at::Tensor draft_probs, int64_t k) {
+  TORCH_CHECK(target_row.device().is_cpu() && target_row.dim() == 1 && draft_probs.sizes() == target_row.sizes() &&
+                  draft_probs.device().is_cpu() && target_row.size(0) >= 1 && k >= 2,
+              "specdec: kseq_rho_program takes 1-D CPU rows of one size V >= 1 and k >= 2");
+  const at::Tensor t = target_row.to(at::kFloat).contiguous(), q = draft_probs.to(at::kFloat).contiguous();
+  sk::ChainParams P{};
+  P.V = t.size(0);
+  P.draft_mode = sk::DRAFT_PROBS;
+  sk::Position<float, float> pos{};
+  pos.t_row = t.data_ptr<float>();
+  pos.d_row = q.data_ptr<float>();
+  pos.m_t = sk::neg_inf();
+  for (int64_t x = 0; x < P.V; ++x) pos.m_t = std::max(pos.m_t, pos.t_row[x]);
+  for (int64_t x = 0; x < P.V; ++x) pos.z_t += expf(pos.t_row[x] - pos.m_t);
+  pos.thr_t = pos.thr_q = sk::neg_inf();
+  pos.inv_t = 1.0f;
+  sk::SeqReducer red;
+  float rho = 1.0f, beta = 0.0f;
+  sk::kseq_rho(P, red, pos, int(k), rho, beta);
+  return {rho, beta};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -296,6 +322,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("verify_tree", &verify_tree, "Tree / multi-draft verification (see csrc/binding.cpp)");
   m.def("cpu_threads", &sk::cpu_threads, "OpenMP threads of the CPU programs");
   m.def("filter_threshold_program", &filter_threshold_program, "The GPU programs' top-k/top-p threshold, on the CPU");
+  m.def("kseq_rho_program", &kseq_rho_program, "The core's K-SEQ rho search on one position, on the CPU");
 #ifdef SPECDEC_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

@@ -109,6 +109,20 @@ def simulate_chain(
     return tokens, first.int()
 
 
+def exact_rho(p: torch.Tensor, q: torch.Tensor, k: int) -> tuple[float, float]:
+    """K-SEQ's rho* (the root of 1 - (1 - beta)^k = rho beta, beta(rho) = sum_x min(q, p / rho)) and
+    beta(rho*), solved in float64 to 1e-14 (scipy's brentq): what the rho searches are tested against."""
+    from scipy.optimize import brentq
+
+    p, q = p.double(), q.double()
+    beta = lambda rho: float(torch.minimum(q, p / rho).sum())  # noqa: E731
+    f = lambda rho: 1 - (1 - beta(rho)) ** k - rho * beta(rho)  # noqa: E731
+    if f(1.0) <= 0:
+        return 1.0, beta(1.0)
+    rho = brentq(f, 1.0, float(k), xtol=1e-14)
+    return rho, beta(rho)
+
+
 def chi_square_power(expected: torch.Tensor, alternative: torch.Tensor, n: int) -> float:
     """Probability that ``chi_square_pvalue`` (pooling as it does) rejects at ALPHA when n samples
     come from ``alternative`` instead of ``expected`` (noncentral chi-square approximation)."""
@@ -125,3 +139,32 @@ def chi_square_power(expected: torch.Tensor, alternative: torch.Tensor, n: int) 
     noncentrality = float(n * ((alt - exp) ** 2 / exp).sum())
     crit = stats.chi2.ppf(1 - ALPHA, df)
     return float(stats.ncx2.sf(crit, df, noncentrality))
+
+
+# Every backend that samples: the statistical tests run each one (``backend="auto"`` on CPU tensors
+# is "cpu", the C++ core; tests/ops/conftest.py points auto at Triton, so auto alone would skip it).
+SAMPLED_BACKENDS = ["triton", "cpu", "vectorized", "cuda"]
+
+
+def backend_device(backend: str, device: str) -> str:
+    """The device a backend's statistical test runs on (skips a backend this machine lacks):
+    triton on the test device (its interpreter without a GPU), cpu and vectorized on CPU tensors,
+    cuda on the GPU with the csrc extension."""
+    import pytest
+
+    if backend == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+        from specdec_kernels.ops import _cuda_ext
+
+        try:
+            _cuda_ext.load_cuda_extension()
+        except RuntimeError as exc:
+            pytest.skip(f"CUDA extension unavailable: {str(exc)[:300]}")
+        return "cuda"
+    if backend == "cpu":
+        from .conftest import cpu_core_or_skip
+
+        cpu_core_or_skip()
+        return "cpu"
+    return device if backend == "triton" else "cpu"

@@ -16,6 +16,26 @@ def auto_means_triton_on_cpu(monkeypatch):
         monkeypatch.setattr(_dispatch, "_CPU_AUTO", "triton")
 
 
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A gloo process group of this process alone: the vocabulary-parallel path (process_group=)
+    with the whole vocabulary on one rank."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs gloo")
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    with tempfile.NamedTemporaryFile() as store:
+        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
 def cpu_core_or_skip():
     """The CPU build of csrc/, or a skip where no C++ toolchain can build it. CI sets
     SPECDEC_REQUIRE_CPU_BUILD=1 (it has a compiler): there a build that fails is a test failure,

@@ -6,6 +6,8 @@ distributions over a small vocabulary and test, at ALPHA = 1e-6 each:
   2. given the first draft was accepted, the next emitted token follows p_1 (chi-square);
   3. P(first draft accepted) = sum_x min(p_0(x), q_0(x)) (exact binomial test); for one-hot drafts
      E[p_0(x_0)].
+Every sampling backend is tested (triton, the C++ core "cpu", vectorized; cuda on a GPU), each at the
+full N: the C++ core and the vectorized path take about a second here.
 Power: the same statistics are run on a wrong variant (tests/ops/_stats.py) and must reject it;
 `min_detectable_tv` states the TV bias the first-token test detects with 99% power.
 """
@@ -16,7 +18,16 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels.reference.sampling import processed_probs
 
-from ._stats import ALPHA, binomial_pvalue, chi_square_pvalue, min_detectable_tv, sample_rows, simulate_chain
+from ._stats import (
+    ALPHA,
+    SAMPLED_BACKENDS,
+    backend_device,
+    binomial_pvalue,
+    chi_square_pvalue,
+    min_detectable_tv,
+    sample_rows,
+    simulate_chain,
+)
 
 N = 40_000
 V = 12
@@ -55,6 +66,7 @@ def _assert_some_fail(pvals, variant):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", SAMPLED_BACKENDS)
 @pytest.mark.parametrize(
     "mode, temperature, top_k, top_p, wrong, problem",
     [
@@ -66,7 +78,8 @@ def _assert_some_fail(pvals, variant):
         ("probs", 1.6, 0, 0.9, "residual_abs", 6),
     ],
 )
-def test_verify_is_target_distributed(mode, temperature, top_k, top_p, wrong, problem, device):
+def test_verify_is_target_distributed(mode, temperature, top_k, top_p, wrong, problem, backend, device):
+    device = backend_device(backend, device)
     target_logits, draft_logits = _distributions(seed=problem)
     p = _processed(target_logits, temperature, top_k, top_p)
     q = _processed(draft_logits, temperature, top_k, top_p)
@@ -92,7 +105,7 @@ def test_verify_is_target_distributed(mode, temperature, top_k, top_p, wrong, pr
         kw["draft_logits"] = draft_logits.expand(N, G, V).contiguous().to(device)
     elif mode == "probs":
         kw["draft_probs"] = q.float().expand(N, G, V).contiguous().to(device)
-    out = sk.verify(target_logits.expand(N, G + 1, V).contiguous().to(device), drafts.to(device), **kw)
+    out = sk.verify(target_logits.expand(N, G + 1, V).contiguous().to(device), drafts.to(device), **kw, backend=backend)
     tokens, accepted = out.tokens.cpu(), out.num_accepted.cpu()
     assert not out.nonfinite.any()
     _assert_all_pass(_check_exact(tokens, accepted, p, accept_prob))

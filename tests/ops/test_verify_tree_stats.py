@@ -7,6 +7,8 @@ Each of N = 40,000 requests gets a freshly sampled tree: k = 3 children of the r
   2. the first two tokens ~ p0(a) p1(b | a) (chi-square, 64 cells): when only one token was emitted,
      the second is drawn from p1(. | a) as the next decoding step would;
   3. K-SEQ: P(first draft accepted) = 1 - (1 - beta(rho*))^k, rho* solved here in float64 (binomial).
+Every sampling backend is tested (triton, the C++ core "cpu", vectorized; cuda on a GPU) at the full N
+(Triton not on the Medusa-like case, NOT_TRITON: it returns the core's tokens node for node).
 Power: the first-token test must reject wrong variants of each method (a wrong rho, a chain residual,
 an RRS that does not renormalise, RRS-WOR that keeps q, one-hot that keeps rejected tokens),
 simulated on the same distributions and sample size.
@@ -14,12 +16,11 @@ simulated on the same distributions and sample size.
 
 import pytest
 import torch
-from scipy.optimize import brentq
 
 import specdec_kernels as sk
 from specdec_kernels.reference.sampling import processed_probs
 
-from ._stats import ALPHA, binomial_pvalue, chi_square_pvalue
+from ._stats import ALPHA, SAMPLED_BACKENDS, backend_device, binomial_pvalue, chi_square_pvalue, exact_rho
 
 N_SAMPLES = 40_000
 V = 8
@@ -85,15 +86,6 @@ def _build(model, mode, method, temperature, top_k, top_p, gen):
     return tokens, target, draft, q0
 
 
-def _exact_rho(p, q, k):
-    beta = lambda rho: float(torch.minimum(q, p / rho).sum())  # noqa: E731
-    f = lambda rho: 1 - (1 - beta(rho)) ** k - rho * beta(rho)  # noqa: E731
-    if f(1.0) <= 0:
-        return 1.0, beta(1.0)
-    rho = brentq(f, 1.0, float(k), xtol=1e-14)
-    return rho, beta(rho)
-
-
 def _simulate_root(p, q, toks, method, variant, gen):
     """First emitted token of a (possibly wrong) method at the root, vectorised over samples."""
     n, k = toks.shape
@@ -101,7 +93,7 @@ def _simulate_root(p, q, toks, method, variant, gen):
     out = torch.full((n,), -1, dtype=torch.int64)
     undecided = torch.ones(n, dtype=torch.bool)
     if method == "kseq":
-        rho, beta = _exact_rho(p, q, k) if variant != "rho_one" else (1.0, float(torch.minimum(p, q).sum()))
+        rho, beta = exact_rho(p, q, k) if variant != "rho_one" else (1.0, float(torch.minimum(p, q).sum()))
         for j in range(k):
             x = toks[:, j]
             acc = undecided & (u[:, j] * rho * q[x] <= p[x])
@@ -147,12 +139,24 @@ CASES = [
     ("logits", "rrs", 1.0, 0, 1.0, ["no_renormalise"]),
     ("logits", "rrs_wor", 1.0, 0, 1.0, ["keep_q"]),
     ("onehot", "kseq", 1.0, 0, 1.0, ["keep_rejected"]),
+    # the Medusa drafter's setting: children sampled without replacement, their exact law as draft_probs
+    ("probs", "rrs_wor", 0.9, 0, 1.0, ["keep_q"]),
+]
+# Cases sampled with every backend but Triton: the interpreter needs minutes for one at N_SAMPLES, and
+# Triton returns the C++ core's tokens node for node (test_csrc_tree_core.py), which runs them here.
+NOT_TRITON = {("probs", "rrs_wor")}
+BACKEND_CASES = [
+    (*case, backend)
+    for case in CASES
+    for backend in SAMPLED_BACKENDS
+    if backend != "triton" or case[:2] not in NOT_TRITON
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, method, temperature, top_k, top_p, wrong", CASES)
-def test_tree_is_target_distributed(mode, method, temperature, top_k, top_p, wrong, device):
+@pytest.mark.parametrize("mode, method, temperature, top_k, top_p, wrong, backend", BACKEND_CASES)
+def test_tree_is_target_distributed(mode, method, temperature, top_k, top_p, wrong, backend, device):
+    device = backend_device(backend, device)
     model = _model(seed=len(method) * 10 + len(mode))
     gen = torch.Generator().manual_seed(99)
     tokens, target, draft, q0 = _build(model, mode, method, temperature, top_k, top_p, gen)
@@ -175,6 +179,7 @@ def test_tree_is_target_distributed(mode, method, temperature, top_k, top_p, wro
         top_k=top_k,
         top_p=top_p,
         seed=torch.arange(N_SAMPLES, device=device) * 3 + 7,
+        backend=backend,
         **{k: v.to(device) for k, v in kw.items()},
     )
     toks, accepted = out.tokens.cpu(), out.num_accepted.cpu()
@@ -186,7 +191,7 @@ def test_tree_is_target_distributed(mode, method, temperature, top_k, top_p, wro
         "(first, second) ~ p0 p1": chi_square_pvalue(first * V + second, (p0[:, None] * p1).flatten()),
     }
     if method == "kseq" and mode != "onehot":
-        rho, beta = _exact_rho(p0, q0, K_ROOT)
+        rho, beta = exact_rho(p0, q0, K_ROOT)
         pvals["P(accept)"] = binomial_pvalue(int((accepted >= 1).sum()), N_SAMPLES, 1 - (1 - beta) ** K_ROOT)
     failed = {k: v for k, v in pvals.items() if v < ALPHA}
     assert not failed, f"exactness rejected at alpha={ALPHA}: {failed}"
@@ -206,7 +211,7 @@ def test_kseq_accepts_at_least_as_often_as_one_draft(device):
     model = _model(seed=5)
     p0 = _probs(model["t0"], 1.0, 0, 1.0)
     q0 = _probs(model["d0"], 1.0, 0, 1.0)
-    rho, beta = _exact_rho(p0, q0, K_ROOT)
+    rho, beta = exact_rho(p0, q0, K_ROOT)
     assert 1 - (1 - beta) ** K_ROOT >= float(torch.minimum(p0, q0).sum())
     n, gen = 4000, torch.Generator().manual_seed(3)
     root = torch.multinomial(q0.expand(n, V), K_ROOT, replacement=True, generator=gen)
@@ -238,7 +243,7 @@ def test_kseq_rho_rule_loses_under_1e4_acceptance():
         p = torch.softmax(s / T, 0)
         q = torch.softmax((s + torch.randn(V_, generator=gen, dtype=torch.float64) * sigma) / T, 0)
         for k in (2, 3, 4, 8, 13):
-            rho_star, beta_star = _exact_rho(p, q, k)
+            rho_star, beta_star = exact_rho(p, q, k)
             rho, beta = solve_rho(p, q, k)
             assert rho >= rho_star - 1e-12
             worst = max(worst, abs((1 - (1 - beta_star) ** k) - (1 - (1 - beta) ** k)))

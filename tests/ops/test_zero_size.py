@@ -13,11 +13,8 @@ SIGFPE on a tree without nodes (a division by G = 0), which kills the test worke
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import specdec_kernels as sk
 from specdec_kernels import _dispatch
@@ -275,21 +272,8 @@ def test_tree_attention_zero_size(case, impl):
 
 
 # --------------------------------------------------------------------------------------------
-# vocabulary-parallel entry points (process_group=): one rank of gloo, in this process
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("needs gloo")
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    with tempfile.NamedTemporaryFile() as store:
-        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
+# vocabulary-parallel entry points (process_group=): one rank of gloo, in this process (one_rank_group:
+# conftest.py)
 
 
 SHARDED_CASES = [c for c in VERIFY_CASES + TREE_CASES if not c.startswith("flat")]  # no flattened layout

@@ -1,0 +1,306 @@
+"""Mutation check: do the tests catch one-line bugs in the sampling paths? (Not run in CI: long.)
+
+Each mutant is (function name, pattern, replacement): the function is found by NAME anywhere in
+specdec_kernels/ or csrc/ (no paths or line numbers, so files may move), the pattern must occur
+exactly once in its body, and the mutant is applied to a scratch copy of the working tree (tracked
+and untracked, not ignored files). The tests covering that code run there: the fast ones first, then
+the slow statistical ones (``-m slow``), each run stopping at its first failure. A mutant is KILLED
+(with the killing test's id) or SURVIVED. csrc mutants rebuild the native CPU core: its build cache
+is keyed by a hash of the sources (specdec_kernels/ops/_cuda_ext.py), so each mutant gets its own
+build (about a minute) and the unmutated one is reused; a mutant that does not compile is killed by
+the build. Equivalent mutants (no input can tell them apart) are listed with the reason, not run.
+
+    python scripts/mutation_check.py                 # every mutant (an hour or more on 2 cores)
+    python scripts/mutation_check.py --list          # the mutants, located (no tests run)
+    python scripts/mutation_check.py core-tie ref-rho-lo --fast-only
+    python scripts/mutation_check.py --jobs 2        # pytest -n 2 in each run
+
+Run it before any change to a sampling path; CONTRIBUTING.md ("Mutation check") has the kill rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SEARCH_DIRS = ("specdec_kernels", "csrc")
+PY_SUFFIXES = (".py",)
+CPP_SUFFIXES = (".h", ".cpp", ".cu")
+
+# Test groups: the tests a developer runs for a file (fast), then the statistical ones (slow).
+TIES = "tests/ops/test_ties.py"
+TREE = "tests/ops/test_verify_tree.py"  # the kernels against the reference, node for node
+STATS = ["tests/ops/test_verify_stats.py", "tests/ops/test_verify_tree_stats.py"]
+GROUPS = {
+    "reference": (
+        [TIES, "tests/reference", "tests/ops/test_verify_tree_stats.py", "tests/ops/test_verify.py", TREE],
+        STATS,
+    ),
+    "triton": ([TIES, "tests/ops/test_verify.py", TREE], STATS),
+    "core": ([TIES, "tests/ops/test_csrc_tree_core.py", "tests/ops/test_csrc_core.py"], STATS),
+    "vectorized": ([TIES, "tests/ops/test_vectorized_backend.py"], STATS),
+    "vocab_parallel": ([TIES, "tests/ops/test_vocab_parallel.py"], ["tests/ops/test_vocab_parallel.py"]),
+    "driver": (
+        ["tests/hf/test_generate.py", "tests/hf/test_draft_law.py", "tests/hf/test_medusa.py"],
+        ["tests/hf/test_draft_law.py", "tests/hf/test_generate.py"],
+    ),
+}
+# -k filters of the slow statistical tests per group (only the mutated backend's parametrisations)
+SLOW_FILTER = {"triton": "triton", "core": "cpu", "vectorized": "vectorized", "reference": "not triton"}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    group: str  # key of GROUPS
+    function: str  # def / C++ function whose body holds the pattern
+    pattern: str
+    replacement: str
+    equivalent: str = ""  # why no input can tell it apart (then it is listed, not run)
+
+
+MUTANTS = [
+    # ---- reference (specdec_kernels/reference)
+    Mutant("ref-tie", "reference", "_verify_request", "u * q_tok <= p_tok", "u * q_tok < p_tok"),
+    Mutant("ref-residual-abs", "reference", "_verify_request", "torch.clamp(p - q, min=0)", "torch.abs(p - q)"),
+    Mutant("ref-rho-lo", "reference", "rho_search", "_lo, _glo, hi, ghi = state", "hi, ghi, _lo, _glo = state"),
+    Mutant("ref-kseq-scale", "reference", "kseq_scale", "(1.0 - (1.0 - beta) ** k) / beta", "float(k)"),
+    Mutant("ref-uniform-half", "reference", "uniform_open", "np.float32(0.5)", "np.float32(0.25)"),
+    # ---- Triton kernels (specdec_kernels/ops)
+    Mutant("triton-tie", "triton", "_verify_accept_kernel", "(u * q_tok <= p_tok)", "(u * q_tok < p_tok)"),
+    Mutant("triton-rho-lo", "triton", "_tree_walk_kernel", "hi = tl.load(rec + RB_HI", "hi = tl.load(rec + RB_LO"),
+    Mutant("triton-rrs-tie", "triton", "_tree_walk_kernel", "(u_j * q_j <= p_j)", "(u_j * q_j < p_j)"),
+    Mutant(
+        "triton-kseq-tie",
+        "triton",
+        "_tree_walk_kernel",
+        "u * rho[:, None] * q_c <= p_c",
+        "u * rho[:, None] * q_c < p_c",
+    ),
+    Mutant("triton-p-zero", "triton", "_verify_accept_kernel", " & (p_tok > 0.0)  #", "  #"),
+    # ---- C++ core (csrc)
+    Mutant("core-tie", "core", "accept_program", "accept = (u * q <= p)", "accept = (u * q < p)"),
+    Mutant("core-rho-lo", "core", "kseq_rho", "rho = hi;", "rho = lo;"),
+    Mutant("core-kseq-tie", "core", "tree_walk_program", "c.u * rho * c.q <= c.p", "c.u * rho * c.q < c.p"),
+    Mutant("core-rrs-tie", "core", "tree_walk_program", "c.u * q_j <= p_j", "c.u * q_j < p_j"),
+    Mutant("core-onehot-tie", "core", "tree_walk_program", "c.u <= p_j", "c.u < p_j"),
+    Mutant("core-kseq-f", "core", "kseq_f", "- g;", "- 0.5f * g;"),
+    # ---- vectorized backend (specdec_kernels/ops)
+    Mutant("vec-tie", "vectorized", "__init__", "u[testing, i] * q_tok <= p_tok", "u[testing, i] * q_tok < p_tok"),
+    Mutant("vec-kseq-tie", "vectorized", "_choose_kseq", "u[:, j] * rho * qx <= px", "u[:, j] * rho * qx < px"),
+    Mutant("vec-rrs-tie", "vectorized", "_choose_rrs", "u[rows, j] * qx <= px", "u[rows, j] * qx < px"),
+    Mutant("vec-onehot-tie", "vectorized", "_choose_one_hot", "(u[:, j] <= pj)", "(u[:, j] < pj)"),
+    Mutant(
+        "vec-rho-one",
+        "vectorized",
+        "_choose_kseq",
+        "rho, beta = _solve_rho(p, q, k)",
+        "rho, beta = _solve_rho(p, q, k * 0 + 1)",
+    ),
+    # ---- vocabulary-parallel (specdec_kernels/ops/vocab_parallel)
+    Mutant("vp-tie", "vocab_parallel", "verify_chain_sharded", "(u * q_tok <= p_tok)", "(u * q_tok < p_tok)"),
+    Mutant("vp-rho-one", "vocab_parallel", "_kseq", "hi[b] if multi[b] else 1.0", "1.0"),
+    Mutant(
+        "vp-greedy",
+        "vocab_parallel",
+        "verify_chain_sharded",
+        "acc_greedy = ids == argmax",
+        "acc_greedy = ids != argmax",
+    ),
+    # ---- Hugging Face driver (specdec_kernels/hf)
+    Mutant("driver-path", "driver", "_verify", "slots <= out.num_accepted", "slots < out.num_accepted"),
+    Mutant("driver-no-q", "driver", "_verify", 'else {"draft_probs": draft_rows}', "else {}"),
+    # ---- equivalent mutants (listed, not run)
+    Mutant(
+        "ref-uniform-div",
+        "reference",
+        "uniform_open",
+        "* np.float32(2.0**-UNIFORM_BITS)",
+        "/ np.float32(2.0**UNIFORM_BITS)",
+        equivalent="multiplying by 2^-23 and dividing by 2^23 are both exact in float32: same bits",
+    ),
+    Mutant(
+        "core-kseq-f-clamp",
+        "core",
+        "kseq_f",
+        "om > 0.0f ? om : 0.0f",
+        "om >= 0.0f ? om : 0.0f",
+        equivalent="the two differ only at om == 0, where both give 0",
+    ),
+]
+
+
+def _sources():
+    for top in SEARCH_DIRS:
+        for path in sorted((ROOT / top).rglob("*")):
+            if path.suffix in PY_SUFFIXES + CPP_SUFFIXES and path.is_file():
+                yield path
+
+
+def _py_span(text: str, name: str) -> list[tuple[int, int]]:
+    """Character spans of every def / async def called name (nested ones included)."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    return [
+        (starts[node.lineno - 1], starts[node.end_lineno])
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name
+    ]
+
+
+def _cpp_span(text: str, name: str) -> list[tuple[int, int]]:
+    """Character spans of C++ function definitions called name: the name, its (...) and a {...} body."""
+    spans = []
+    for match in re.finditer(rf"\b{re.escape(name)}\s*\(", text):
+        depth, i = 0, match.end() - 1
+        while i < len(text):  # the parameter list
+            depth += text[i] == "("
+            depth -= text[i] == ")"
+            i += 1
+            if depth == 0:
+                break
+        rest = re.match(r"[\s\w:&*]*\{", text[i:])  # const / noexcept ... then the body
+        if not rest:
+            continue  # a call or a declaration
+        j, depth = i + rest.end() - 1, 0
+        while j < len(text):
+            depth += text[j] == "{"
+            depth -= text[j] == "}"
+            j += 1
+            if depth == 0:
+                break
+        line_start = text.rfind("\n", 0, match.start()) + 1
+        spans.append((line_start, j))
+    return spans
+
+
+def locate(mutant: Mutant, root: Path = ROOT) -> tuple[Path, int]:
+    """(file, offset of the pattern) of the mutant, or ValueError saying what was not found."""
+    hits, defined = [], []
+    for path in _sources():
+        path = root / path.relative_to(ROOT)
+        text = path.read_text()
+        if mutant.function not in text:
+            continue
+        spans = _py_span(text, mutant.function) if path.suffix in PY_SUFFIXES else _cpp_span(text, mutant.function)
+        for start, end in spans:
+            defined.append(path)
+            body = text[start:end]
+            at = body.find(mutant.pattern)
+            while at >= 0:
+                hits.append((path, start + at))
+                at = body.find(mutant.pattern, at + 1)
+    if not defined:
+        raise ValueError(f"{mutant.name}: no function named {mutant.function!r} under {', '.join(SEARCH_DIRS)}")
+    if len(hits) != 1:
+        where = ", ".join(str(p.relative_to(root)) for p in sorted(set(defined)))
+        raise ValueError(f"{mutant.name}: {mutant.pattern!r} occurs {len(hits)} times in {mutant.function} ({where})")
+    return hits[0]
+
+
+def scratch_copy() -> Path:
+    """A copy of the working tree (tracked and untracked files that git does not ignore)."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    dest = Path(tempfile.mkdtemp(prefix="specdec-mutation-"))
+    for name in filter(None, files):
+        src = ROOT / name.decode()
+        if src.is_file():
+            (dest / name.decode()).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name.decode())
+    return dest
+
+
+def _pytest(copy: Path, tests: list[str], slow: bool, keyword: str | None, jobs: int, env: dict) -> str | None:
+    """The id of the first failing test, or None when all pass (or none was collected)."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", "-n", str(jobs)]
+    cmd += ["-m", "slow" if slow else "not slow"] + (["-k", keyword] if keyword else []) + tests
+    run = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
+    if run.returncode in (0, 5):  # passed / nothing collected
+        return None
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", run.stdout, re.M)
+    return failed[0] if failed else f"pytest exit {run.returncode}: {run.stdout[-300:]}"
+
+
+def check(mutant: Mutant, copy: Path, jobs: int, fast_only: bool, cache: Path) -> str:
+    path, offset = locate(mutant, copy)
+    original, stamp = path.read_text(), path.stat()
+    path.write_text(original[:offset] + mutant.replacement + original[offset + len(mutant.pattern) :])
+    env = dict(os.environ, SPECDEC_BUILD_DIR=str(cache), SPECDEC_REQUIRE_CPU_BUILD="1", SPECDEC_TEST_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    try:
+        fast, slow = GROUPS[mutant.group]
+        killer = _pytest(copy, fast, False, None, jobs, env)
+        if killer is None and not fast_only:
+            killer = _pytest(copy, slow, True, SLOW_FILTER.get(mutant.group), jobs, env)
+    finally:  # the original text and time stamp: the unmutated native build stays up to date
+        path.write_text(original)
+        os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    return f"KILLED by {killer}" if killer else "SURVIVED"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="locate and list the mutants, run nothing")
+    parser.add_argument("--fast-only", action="store_true", help="skip the slow statistical tests")
+    parser.add_argument("--jobs", type=int, default=0, help="pytest -n (default 0: one process)")
+    parser.add_argument("--cache", default=str(ROOT / "build" / "mutation_cache"), help="native build cache")
+    args = parser.parse_args(argv)
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"unknown mutants: {sorted(unknown)}")
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    lost = []
+    for m in chosen:
+        try:
+            path, offset = locate(m)
+        except ValueError as exc:  # moved or rewritten code: say which mutant needs updating
+            lost.append(m.name)
+            print(f"NOT FOUND {exc}")
+            continue
+        line = path.read_text().count("\n", 0, offset) + 1
+        tag = f"EQUIVALENT: {m.equivalent}" if m.equivalent else m.group
+        print(f"{m.name:20s} {path.relative_to(ROOT)}:{line} {m.function}: {m.pattern!r} -> {m.replacement!r} [{tag}]")
+    if args.list or lost:
+        return 1 if lost else 0
+    copy = scratch_copy()
+    results = {}
+    try:
+        for m in chosen:
+            if m.equivalent:
+                continue
+            start = time.time()
+            results[m.name] = check(m, copy, args.jobs, args.fast_only, Path(args.cache))
+            print(f"{m.name:20s} {results[m.name]}  ({time.time() - start:.0f} s)", flush=True)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    killed = sum(r.startswith("KILLED") for r in results.values())
+    print(
+        f"\nkilled {killed} of {len(results)} non-equivalent mutants; equivalent (not run): "
+        f"{', '.join(m.name for m in chosen if m.equivalent) or 'none'}"
+    )
+    return 0 if killed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
