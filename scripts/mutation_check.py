@@ -6,7 +6,7 @@ exactly once in its body, and the mutant is applied to a scratch copy of the wor
 and untracked, not ignored files). The tests covering that code run there: the fast ones first, then
 the slow statistical ones (``-m slow``), each run stopping at its first failure. A mutant is KILLED
 (with the killing test's id) or SURVIVED. csrc mutants rebuild the native CPU core: its build cache
-is keyed by a hash of the sources (specdec_kernels/ops/_cuda_ext.py), so each mutant gets its own
+is keyed by a hash of the sources (specdec_kernels/ops/csrc/__init__.py), so each mutant gets its own
 build (about a minute) and the unmutated one is reused; a mutant that does not compile is killed by
 the build. Equivalent mutants (no input can tell them apart) are listed with the reason, not run.
 

@@ -155,10 +155,10 @@ def backend_device(backend: str, device: str) -> str:
     if backend == "cuda":
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU")
-        from specdec_kernels.ops import _cuda_ext
+        from specdec_kernels.ops import csrc
 
         try:
-            _cuda_ext.load_cuda_extension()
+            csrc.load_cuda_extension()
         except RuntimeError as exc:
             pytest.skip(f"CUDA extension unavailable: {str(exc)[:300]}")
         return "cuda"
