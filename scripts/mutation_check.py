@@ -77,7 +77,7 @@ MUTANTS = [
     Mutant("ref-kseq-scale", "reference", "kseq_scale", "(1.0 - (1.0 - beta) ** k) / beta", "float(k)"),
     Mutant("ref-uniform-half", "reference", "uniform_open", "np.float32(0.5)", "np.float32(0.25)"),
     # ---- Triton kernels (specdec_kernels/ops)
-    Mutant("triton-tie", "triton", "_verify_accept_kernel", "(u * q_tok <= p_tok)", "(u * q_tok < p_tok)"),
+    Mutant("triton-tie", "triton", "_first_rejection", "(u * q_tok <= p_tok)", "(u * q_tok < p_tok)"),
     Mutant("triton-rho-lo", "triton", "_tree_walk_kernel", "hi = tl.load(rec + RB_HI", "hi = tl.load(rec + RB_LO"),
     Mutant("triton-rrs-tie", "triton", "_tree_walk_kernel", "(u_j * q_j <= p_j)", "(u_j * q_j < p_j)"),
     Mutant(
@@ -87,7 +87,7 @@ MUTANTS = [
         "u * rho[:, None] * q_c <= p_c",
         "u * rho[:, None] * q_c < p_c",
     ),
-    Mutant("triton-p-zero", "triton", "_verify_accept_kernel", " & (p_tok > 0.0)  #", "  #"),
+    Mutant("triton-p-zero", "triton", "_first_rejection", " & (p_tok > 0.0)  #", "  #"),
     # ---- C++ core (csrc)
     Mutant("core-tie", "core", "accept_program", "accept = (u * q <= p)", "accept = (u * q < p)"),
     Mutant("core-rho-lo", "core", "kseq_rho", "rho = hi;", "rho = lo;"),
@@ -118,8 +118,14 @@ MUTANTS = [
         "acc_greedy = ids != argmax",
     ),
     # ---- Hugging Face driver (specdec_kernels/hf)
-    Mutant("driver-path", "driver", "_verify", "slots <= out.num_accepted", "slots < out.num_accepted"),
-    Mutant("driver-no-q", "driver", "_verify", 'else {"draft_probs": draft_rows}', "else {}"),
+    Mutant("driver-path", "driver", "verify", "slots <= out.num_accepted", "slots < out.num_accepted"),
+    Mutant(
+        "driver-no-q",
+        "driver",
+        "verify",
+        '{"draft_probs": self.probs}\n        # validate=False',
+        "{}\n        # validate=False",
+    ),
     # ---- equivalent mutants (listed, not run)
     Mutant(
         "ref-uniform-div",
