@@ -89,10 +89,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import _common` whe
 import _common as common  # noqa: E402
 from _e2e_inputs import PROSE_PROMPTS, Pair, encode, load_pair, prompt_sets  # noqa: E402
 
-MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup", "hf_prompt_lookup")
+MODES = (
+    "target_only",
+    "hf_assisted",
+    "ours_k1",
+    "ours_block",
+    "ours_k2",
+    "ours_k4",
+    "ours_prompt_lookup",
+    "hf_prompt_lookup",
+)
 DEFAULT_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup")
-SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_prompt_lookup")
-DRAFT_MODES = ("hf_assisted", "ours_k1", "ours_k2", "ours_k4")  # need a draft model
+SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_prompt_lookup")
+DRAFT_MODES = ("hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_k4")  # need a draft model
 PROMPT_SETS = ("code", "prose")
 
 AXES = {
@@ -170,6 +179,8 @@ def mode_settings(mode: str, args) -> dict:
         return {"G": args.G, "K": 1, "method": "hf"}
     if mode == "ours_prompt_lookup":
         return {"G": args.G, "K": 1, "method": None, "drafter": "prompt_lookup"}
+    if mode == "ours_block":  # the draft model's chain under block verification
+        return {"G": args.G, "K": 1, "method": "block", "drafter": "model", "verification": "block"}
     K = int(mode.removeprefix("ours_k"))
     return {"G": args.G, "K": K, "method": args.method if K > 1 else None, "drafter": "model"}
 
@@ -220,7 +231,8 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
             max_new_tokens=max_new,
             num_draft_tokens=s["G"],
             num_drafts=s["K"],
-            method=s["method"] or "kseq",
+            method=s["method"] if s["K"] > 1 else "kseq",
+            verification=s.get("verification", "token"),
             drafter=s["drafter"],
             temperature=temperature,
             top_k=args.top_k,

@@ -49,6 +49,7 @@ from ._validation import VerifyArgs, validate_sharded_verify_values
 from .ops import csrc, vocab_parallel
 from .ops.triton.chain import launch_verify
 from .ops.triton.tree import launch_tree
+from .ops.vectorized.block import verify_block_vectorized
 from .ops.vectorized.chain import verify_vectorized
 from .ops.vectorized.tree import verify_tree_vectorized
 from .reference.verify import verify_checked as reference_verify
@@ -248,6 +249,36 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
         candidates["cuda"] = lambda: csrc.verify_chain(args.padded(), num_chunks=num_chunks)
     chosen = resolve(backend, device, chain_shape_class(args), candidates)
     return candidates[chosen]()
+
+
+VERIFY_METHODS = ("token", "block")  # chain verification rules (sk.verify's method=)
+BLOCK_BACKENDS = ("auto", "vectorized", "torch")  # where method="block" is implemented (auto: vectorized)
+
+
+def check_verify_method(method, backend: str, sharded: bool) -> None:
+    """ValueError for a method sk.verify does not know, or block verification where it is not
+    implemented yet (the Triton, CUDA and CPU kernels; vocabulary shards; torch.compile graphs)."""
+    if method not in VERIFY_METHODS:
+        raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
+    if method == "token":
+        return
+    if sharded:
+        raise ValueError("method='block' is not implemented for vocabulary shards (process_group=) yet")
+    if backend not in BLOCK_BACKENDS:
+        raise ValueError(
+            f"method='block' is not implemented in the {backend!r} backend yet: use backend 'auto' "
+            "(the vectorized backend), 'vectorized' or 'torch'"
+        )
+    if torch.compiler.is_compiling():
+        raise ValueError("method='block' is not available inside torch.compile graphs yet")
+
+
+def run_verify_block(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
+    """Block verification (``reference/block.py``) of checked VerifyArgs: the reference for
+    backend="torch", the batched tensor ops (``ops/vectorized/block.py``) otherwise."""
+    if backend == "torch":
+        return reference_verify(args.padded(), method="block")
+    return verify_block_vectorized(args.padded())
 
 
 # --------------------------------------------------------------------------------------------

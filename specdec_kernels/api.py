@@ -51,6 +51,19 @@ Vocabulary parallel (the LM head sharded over the vocabulary, as tensor-parallel
         >>> lo, hi = r * V // w, (r + 1) * V // w
         >>> out = sk.verify(target_logits[..., lo:hi], draft_tokens, draft_logits[..., lo:hi],
         ...                 temperature=0.8, seed=seeds, process_group=dist.group.WORLD)
+
+Non-finite inputs and placeholders:
+    Non-finite logits: NaN and +inf are treated as -inf (never accepted or sampled) and the
+    request is flagged in ``nonfinite``; a row with no finite logit emits token 0, flagged.
+    Unusable draft probabilities: a NaN, +inf or negative (-inf included) entry of draft_probs is
+    no probability; it counts as q(x) = 0 in the accept test and in the residual max(p - q, 0)
+    (so a draft whose own q(x) is unusable is accepted whenever p(x) > 0), and the request is
+    flagged. Flags follow the rows a request uses, as for non-finite draft logits: draft rows
+    0 .. j (up to its first rejection) of sampled requests; greedy requests never read q.
+    Every backend applies this rule and returns the same tokens.
+    With validate=False a draft id outside [0, V) (an engine's -1 padding) is a placeholder: the
+    request's draft ends there and that position draws the bonus token from p (nothing masked, not
+    flagged), as ``verify_multi`` / ``verify_tree`` do for a node without valid children.
 """
 
 from __future__ import annotations
@@ -90,6 +103,7 @@ def verify(
     out_dtype: torch.dtype = torch.int64,
     process_group=None,
     vocab_size: int | None = None,
+    method: str = "token",
 ) -> VerifyOutput:
     """Verify one draft chain per request; the emitted tokens are exactly target-distributed.
 
@@ -130,17 +144,7 @@ def verify(
         y ~ p_{n_b}. Greedy: accept while x_i == argmax(row i) (lowest index on ties); emit the argmax.
         Sampling uses the exponential race argmax_x log r(x) - log E_x, E_x ~ Exp(1).
 
-    Non-finite logits: NaN and +inf are treated as -inf (never accepted or sampled) and the
-    request is flagged in ``nonfinite``; a row with no finite logit emits token 0, flagged.
-    Unusable draft probabilities: a NaN, +inf or negative (-inf included) entry of draft_probs is
-    no probability; it counts as q(x) = 0 in the accept test and in the residual max(p - q, 0)
-    (so a draft whose own q(x) is unusable is accepted whenever p(x) > 0), and the request is
-    flagged. Flags follow the rows a request uses, as for non-finite draft logits: draft rows
-    0 .. j (up to its first rejection) of sampled requests; greedy requests never read q.
-    Every backend applies this rule and returns the same tokens.
-    With validate=False a draft id outside [0, V) (an engine's -1 padding) is a placeholder: the
-    request's draft ends there and that position draws the bonus token from p (nothing masked, not
-    flagged), as ``verify_multi`` / ``verify_tree`` do for a node without valid children.
+    Non-finite logits, unusable draft probabilities, placeholder ids: this module's docstring.
 
     Inputs engines already hold (target_probs=, logits_scaled=): see this module's docstring.
 
@@ -158,6 +162,9 @@ def verify(
 
     out_dtype: torch.int64 (default) or torch.int32 for ``tokens``; engine conventions: this module's docstring.
 
+    method: "token" (the rule above) or "block" (Sun et al. 2024, ``reference/block.py``: exact, never
+    fewer accepted drafts in expectation; backends auto = vectorized, vectorized, torch so far).
+
     Vocabulary parallel (process_group=, vocab_size=): see this module's docstring.
 
     Returns:
@@ -168,6 +175,7 @@ def verify(
         >>> n = out.num_accepted  # commit out.tokens[b, : n[b] + 1]
     """
     check_vocab_size_use(process_group, vocab_size)
+    _dispatch.check_verify_method(method, backend, process_group is not None)
 
     def checked() -> VerifyArgs:
         if process_group is None:
@@ -182,7 +190,9 @@ def verify(
             sharded=process_group is not None,
         )  # fmt: skip
 
-    if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
+    if method == "block":
+        out = _dispatch.run_verify_block(checked(), backend)
+    elif process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
         out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate)
     elif torch.compiler.is_compiling():  # one opaque custom op in the graph
         out = _dispatch.call_verify_chain(checked(), backend)

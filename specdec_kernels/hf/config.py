@@ -46,6 +46,7 @@ class SpecConfig:
     draft_cost: float | str | None = None
     row_processor: object = None  # processors.RowProcessor, or None: no logits processor (the fused path)
     grammar: list | None = None  # one xgrammar.CompiledGrammar per request (hf/grammar.py), or None
+    verification: str = "token"  # the chains' rule (sk.verify's method): "token" or "block"
 
     @property
     def sampling(self) -> dict:
@@ -96,6 +97,7 @@ class SpecConfig:
         cfg.seed = seed if seed is not None else int(torch.randint(0, SEED_RANGE, (1,)))
         cfg.adaptive_draft = bool(kw["adaptive_draft"]) and drafter == "model" and K == 1 and not compile_target
         cfg.draft_confidence = draft_confidence if cfg.adaptive_draft else 0.0
+        cfg.verification = _check_verification(kw["verification"], cfg)
         if kw["grammar"] is not None:
             from .grammar import compile_grammars
 
@@ -130,6 +132,19 @@ _PASSED = (
 
 def _passed(kw: dict) -> dict:
     return {name: kw[name] for name in _PASSED}
+
+
+VERIFICATIONS = ("token", "block")
+
+
+def _check_verification(verification, cfg: SpecConfig) -> str:
+    """verification=: block verification decides a chain's accepted prefix jointly (sk.verify's
+    method="block"); trees (K > 1 chains, Medusa) have their own methods."""
+    if verification not in VERIFICATIONS:
+        raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
+    if verification == "block" and (cfg.num_drafts > 1 or cfg.drafter == "medusa"):
+        raise ValueError("verification='block' verifies chains: num_drafts=1 and a chain drafter (not medusa)")
+    return verification
 
 
 def is_number(x) -> bool:

@@ -68,6 +68,7 @@ def speculative_generate(
     generation_config=None,
     grammar=None,
     tokenizer=None,
+    verification: str = "token",
 ) -> SpeculativeOutput:
     """Generate with a draft model (or prompt lookup) and exact verification by the target.
 
@@ -107,12 +108,9 @@ def speculative_generate(
             ``cache_implementation="static"`` (and fixes the draft length: one graph per shape).
         adaptive_draft: chains (K = 1, draft model) choose the drafts per step (at most
             ``num_draft_tokens``) from the running acceptance and the measured draft/target cost.
-        draft_confidence: with ``adaptive_draft``, each request's chain ends at the first draft whose
-            distribution's most likely token has probability below this (that draft included; a
-            property of the draft's distribution, not of its sample, so sampled output stays exact).
-            On the CPU, drafting stops once every request's chain has ended. 0 (default) = off: on
-            the demo pair a distilled draft is accepted often even where unsure, and the cut cost
-            10-20% tokens/s.
+        draft_confidence: with ``adaptive_draft``, a request's chain ends at the first draft whose most
+            likely token has probability below this (a property of q, not of its sample: still exact).
+            0 (default) = off: on the demo pair the cut cost 10-20% tokens/s.
         exact_timing: synchronise the GPU around each phase of ``stats.time_s`` (slower; CPU: no-op).
         draft_cost: the cost model of ``adaptive_draft`` (``hf/draft_length.py``): ``"measured"``
             (the steps' own wall times per draft length, remembered per model pair for the process),
@@ -127,17 +125,11 @@ def speculative_generate(
             begin_suppress_tokens, forced_eos_token_id; when sampling min_p, typical_p,
             epsilon_cutoff, eta_cutoff) apply as in ``generate``; any other setting it activates
             that ``generate`` would act on (beams, watermarking, ...) is a ValueError naming it.
-        grammar: constrained generation with xgrammar (the ``grammar`` extra): a JSON schema (dict,
-            or str holding a JSON object), an EBNF str (``::=`` rules), a
-            :class:`~specdec_kernels.hf.grammar.GrammarSpec` (``regex=`` ...), an
-            ``xgrammar.CompiledGrammar``, or a list of these, one per request. Every target and draft
-            row is masked with the grammar state of the exact prefix it follows, where ``generate``
-            applies ``xgrammar.contrib.hf.LogitsProcessor`` (after the processors, before the
-            warpers): the output is distributed exactly as ``generate`` with that processor (greedy:
-            identical). EOS only where the grammar may end; output cut by ``max_new_tokens`` before
-            the grammar completes is a valid prefix, not a complete document. tokenizer: the
-            tokenizer the grammar is compiled over (a Hugging Face tokenizer, or the demo's
-            ``ByteTokenizer``); needed unless ``grammar`` is compiled.
+        grammar: xgrammar constraints (``hf/grammar.py``; docs/hf_driver.md): a JSON schema, an EBNF
+            str, a ``GrammarSpec``, a compiled grammar, or one per request; exactly ``generate``'s law
+            with xgrammar's processor. tokenizer: what the grammar is compiled over.
+        verification: the chains' rule, "token" (draft by draft) or "block" (``sk.verify(method="block")``:
+            the accepted prefix decided jointly, never fewer accepted drafts in expectation).
 
     Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
 

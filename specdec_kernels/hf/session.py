@@ -167,7 +167,9 @@ class Session:
                 tokens, parents, _ = proposal.nodes()
                 logits = self.processor(self, logits, node_paths(tokens, parents))
         with self.timer("verify"):
-            out, path = proposal.verify(logits, self.config.method, self.sampling, self.generator)
+            out, path = proposal.verify(
+                logits, self.config.method, self.sampling, self.generator, self.config.verification
+            )
         with self.timer("commit"):
             return self._commit(proposal, out, path, tree_start)
 

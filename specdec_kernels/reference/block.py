@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from .._params import MIN_TEMPERATURE
 from .sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
@@ -65,7 +66,7 @@ def block_tau(w: list[float], h: list[float], eta: list[float]) -> int:
 def verify_request_block(target, drafts, draft, mode, temperature, top_k, top_p, n, seed, V, ties="keep"):
     """(number accepted, emitted token, nonfinite flag) for one request under block verification;
     the arguments of ``reference.verify._verify_request``."""
-    greedy = not temperature >= 2.0**-126
+    greedy = not temperature >= MIN_TEMPERATURE  # (NaN included)
     n = next((i for i in range(n) if not 0 <= drafts[i] < V), n)
     if greedy:
         from .verify import _verify_request  # the argmax chain: the same for both rules

@@ -47,8 +47,13 @@ def verify_reference(
     return verify_checked(args)
 
 
-def verify_checked(args) -> VerifyOutput:
-    """The reference on checked arguments (``_validation.VerifyArgs``); the torch backend."""
+def verify_checked(args, method: str = "token") -> VerifyOutput:
+    """The reference on checked arguments (``_validation.VerifyArgs``); the torch backend.
+    method="block": the block rule of ``reference/block.py`` for every request."""
+    if method == "block":
+        from .block import verify_request_block as request_rule
+    else:
+        request_rule = _verify_request
     B, G, V = args.B, args.G, args.V
     cpu = {k: v.cpu() for k, v in vars(args).items() if isinstance(v, torch.Tensor)}
     cpu.update(args.per_request_cpu())
@@ -56,7 +61,7 @@ def verify_checked(args) -> VerifyOutput:
     num_accepted = torch.zeros(B, dtype=torch.int32)
     nonfinite = torch.zeros(B, dtype=torch.bool)
     for b in range(B):
-        accepted, token, flagged = _verify_request(
+        accepted, token, flagged = request_rule(
             target=cpu["target_logits"][b],
             drafts=cpu["draft_tokens"][b].tolist(),
             draft=cpu["draft"][b] if args.draft is not None else None,

@@ -62,9 +62,10 @@ class ChainProposal:
         parents = chains_tree_parents(K, g, self.drafts.device).expand(A, 1 + K * g)
         return self.drafts.reshape(A, K * g), parents, None if self.n_drafts is None else 1 + self.n_drafts
 
-    def verify(self, logits: torch.Tensor, method: str, sampling: dict, generator):
+    def verify(self, logits: torch.Tensor, method: str, sampling: dict, generator, chain_rule: str = "token"):
         """The fused verification of the target's logits [A, 1 + K*g, V]; returns (out, path), path
-        [A, g] the accepted nodes' forward indices (1 + chain*g + slot), -1 padding."""
+        [A, g] the accepted nodes' forward indices (1 + chain*g + slot), -1 padding. chain_rule: K = 1's
+        rule (``sk.verify``'s method: "token" or "block")."""
         A, N, V = logits.shape
         A, K, G = self.drafts.shape
         device = logits.device
@@ -81,6 +82,7 @@ class ChainProposal:
                 num_draft_tokens=self.n_drafts,
                 seed=seeds,
                 validate=False,
+                method=chain_rule,
                 **sampling,
             )
             slots = torch.arange(1, G + 1, device=device).expand(A, G)
@@ -116,8 +118,9 @@ class TreeProposal:
         root = torch.full_like(self.parents[:, :1], -1)
         return self.tokens, torch.cat([root, self.parents.clamp_min(-1) + 1], dim=1), 1 + self.num_nodes
 
-    def verify(self, logits: torch.Tensor, method: str, sampling: dict, generator):
-        """``sk.verify_tree`` of the target's logits [A, 1 + N, V]; (out, path) as for chains."""
+    def verify(self, logits: torch.Tensor, method: str, sampling: dict, generator, chain_rule: str = "token"):
+        """``sk.verify_tree`` of the target's logits [A, 1 + N, V]; (out, path) as for chains (a tree
+        has no chain rule: ``SpecConfig`` refuses verification="block" for trees)."""
         seeds = _seeds(logits.shape[0], generator, logits.device)
         draft_kw = {} if self.probs is None else {"draft_probs": self.probs}
         out = ops.verify_tree(

@@ -16,16 +16,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..._params import MIN_TEMPERATURE
 from ..._types import DRAFT_LOGITS, DRAFT_PROBS, VerifyOutput
 from ..._validation import VerifyArgs
+from ...reference.philox import uniform_open_torch
 from ...reference.sampling import PURPOSE_ACCEPT, PURPOSE_BONUS, PURPOSE_RECOVER
 from .chain import (
-    _MIN_TEMPERATURE,
     philox,
     processed_probs,
     race,
     sanitize,
-    uniform_from_bits,
     unusable_prob_rows,
     usable_probs,
     verify_vectorized,
@@ -37,7 +37,7 @@ def verify_block_vectorized(args: VerifyArgs) -> VerifyOutput:
     out = verify_vectorized(args)  # greedy requests (and every request's flags for rows it reads)
     G, V = args.G, args.V
     params = {k: v.to(args.target_logits.device) for k, v in args.per_request_cpu().items()}
-    sampled = (params["temperature"] >= _MIN_TEMPERATURE).nonzero().squeeze(1)
+    sampled = (params["temperature"] >= MIN_TEMPERATURE).nonzero().squeeze(1)
     if sampled.numel() == 0 or G == 0 or V == 0:
         return out
     tokens, accepted, flagged = _block(args, params, sampled)
@@ -102,7 +102,7 @@ def _block(args: VerifyArgs, params: dict, index: Tensor):
     seed = params["seed"][index]
     rows = torch.arange(G, device=dev, dtype=torch.int64)
     bits = philox(seed[:, None], torch.zeros_like(rows), rows, torch.full_like(rows, PURPOSE_ACCEPT))[0]
-    eta = uniform_from_bits(bits).to(torch.float64)  # eta of position i + 1 = the token rule's u_i
+    eta = uniform_open_torch(bits).to(torch.float64)  # eta of position i + 1 = the token rule's u_i
     stop = (eta <= stops) & (pos[None, 1:] <= n[:, None])
     tau = torch.where(stop, pos[None, 1:], torch.zeros_like(stop, dtype=torch.int64)).amax(-1)
     token = _race_row(p, q, w, tau, n, seed)
