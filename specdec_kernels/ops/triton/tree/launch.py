@@ -195,10 +195,10 @@ def _launch_rho(plan: TreePlan, pos: torch.Tensor, stats: torch.Tensor, thr: tor
     dev, P, C = plan.args.target.device, plan.P, plan.rho_chunks
     brk = torch.empty((P, RB_REC_HOST), dtype=torch.float32, device=dev)
     sums = torch.empty((P, C, RHO_POINTS), dtype=torch.float32, device=dev)
-    temperature = _sampling_args(plan, "temperature")
+    rows, temperature = _row_args(plan), _sampling_args(plan, "temperature")
     for rnd in range(RHO_ROUNDS):
         _tree_rho_kernel[(cdiv(P, plan.rho_block_p), C)](
-            **_row_args(plan),
+            **rows,
             **temperature,
             pos_ptr=pos,
             stats_ptr=stats,
@@ -235,10 +235,11 @@ def _launch_rrs(plan: TreePlan, pos: torch.Tensor, stats: torch.Tensor, thr: tor
     vocabulary: [RRS_MAX - 1, P, chunks] chunk sums."""
     C = plan.rrs_chunks
     rrs = torch.empty((RRS_MAX_HOST - 1, plan.P, C), dtype=torch.float32, device=plan.args.target.device)
+    rows, temperature = _row_args(plan), _sampling_args(plan, "temperature")
     for rnd in range(1, plan.rrs_rounds + 1):
         _tree_rrs_kernel[(cdiv(plan.P, plan.rrs_block_p), C)](
-            **_row_args(plan),
-            **_sampling_args(plan, "temperature"),
+            **rows,
+            **temperature,
             pos_ptr=pos,
             stats_ptr=stats,
             thr_ptr=thr,

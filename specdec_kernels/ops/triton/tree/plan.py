@@ -109,7 +109,7 @@ def plan_tree(
     sms = 0 if interpreted else multiprocessors(dev)
     # Row pass: split rows so that a small batch still fills the GPU (~4 programs per SM). Filtered
     # rows are split too: their thresholds come from the threshold phases.
-    row_gpu = min(MAX_GPU_CHUNKS, max(1, -(-4 * sms // cdiv(rows, block_r)))) if sms else None
+    row_gpu = min(MAX_GPU_CHUNKS, max(1, cdiv(4 * sms, cdiv(rows, block_r)))) if sms else None
     row_chunks, row_chunk = vocab_split(V, block_v, num_chunks, row_gpu)
     # the rho and RRS rounds: a few positions per request have siblings, fill the GPU with chunks
     per_request = min(MAX_GPU_CHUNKS, cdiv(4 * sms, B)) if sms else None
