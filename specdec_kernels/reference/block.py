@@ -28,17 +28,7 @@ from __future__ import annotations
 import torch
 
 from .._params import MIN_TEMPERATURE
-from .sampling import (
-    PURPOSE_ACCEPT,
-    PURPOSE_BONUS,
-    PURPOSE_RECOVER,
-    draft_distribution,
-    exponential_race,
-    processed_probs,
-    safe_log,
-    sanitize_logits,
-    uniforms,
-)
+from . import sampling as spec  # the chain rule's processing and random numbers
 
 
 def block_weights(p_tok: list[float], q_tok: list[float]) -> list[float]:
@@ -75,12 +65,12 @@ def verify_request_block(target, drafts, draft, mode, temperature, top_k, top_p,
     flagged = False
     ps, qs = [], []
     for i in range(n + 1):
-        flagged |= sanitize_logits(target[i])[1]
-        p = processed_probs(target[i], temperature, top_k, top_p, ties)
+        flagged |= spec.sanitize_logits(target[i])[1]
+        p = spec.processed_probs(target[i], temperature, top_k, top_p, ties)
         flagged |= not bool((p > 0).any())
         ps.append(p)
         if i < n:
-            q, bad_q = draft_distribution(
+            q, bad_q = spec.draft_distribution(
                 draft[i] if draft is not None else None, mode, temperature, top_k, top_p, ties
             )
             flagged |= bad_q
@@ -90,13 +80,13 @@ def verify_request_block(target, drafts, draft, mode, temperature, top_k, top_p,
             qs.append(q)
     w = block_weights([float(ps[i][drafts[i]]) for i in range(n)], [float(qs[i][drafts[i]]) for i in range(n)])
     h = [stop_probability(w[i], ps[i], qs[i]) for i in range(1, n)]
-    eta = [float(uniforms(seed, 0, i, PURPOSE_ACCEPT)) for i in range(n)]
+    eta = [float(spec.uniforms(seed, 0, i, spec.PURPOSE_ACCEPT)) for i in range(n)]
     tau = block_tau(w, h, eta)
     if tau == n:
-        token = exponential_race(safe_log(ps[n]), seed, n, PURPOSE_BONUS)
+        token = spec.exponential_race(spec.safe_log(ps[n]), seed, n, spec.PURPOSE_BONUS)
         return n, max(token, 0), flagged
     residual = torch.clamp(w[tau] * ps[tau] - qs[tau], min=0)
-    token = exponential_race(safe_log(residual), seed, tau, PURPOSE_RECOVER)
+    token = spec.exponential_race(spec.safe_log(residual), seed, tau, spec.PURPOSE_RECOVER)
     if token < 0:  # empty residual (rounding): fall back to p, as the token rule does
-        token = max(exponential_race(safe_log(ps[tau]), seed, tau, PURPOSE_RECOVER), 0)
+        token = max(spec.exponential_race(spec.safe_log(ps[tau]), seed, tau, spec.PURPOSE_RECOVER), 0)
     return tau, token, flagged
