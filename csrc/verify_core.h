@@ -219,22 +219,27 @@ SK_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
 #endif
 }
 
+// Philox4x32-10's round multipliers and key increments (Salmon et al. 2011; tl.philox's).
+constexpr uint32_t PHILOX_M0 = 0xD2511F53u, PHILOX_M1 = 0xCD9E8D57u;
+constexpr uint32_t PHILOX_W0 = 0x9E3779B9u, PHILOX_W1 = 0xBB67AE85u;
+constexpr int PHILOX_ROUNDS = 10;
+
 // Philox4x32-10 with key = seed (k0 low word, k1 high word); bit-identical to tl.philox.
 SK_HD Philox4 philox(int64_t seed, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
   uint32_t k0 = uint32_t(uint64_t(seed));
   uint32_t k1 = uint32_t(uint64_t(seed) >> 32);
   SK_UNROLL
-  for (int r = 0; r < 10; ++r) {
-    const uint32_t hi_b = mulhi32(0xCD9E8D57u, c2), lo_b = 0xCD9E8D57u * c2;
-    const uint32_t hi_a = mulhi32(0xD2511F53u, c0), lo_a = 0xD2511F53u * c0;
+  for (int r = 0; r < PHILOX_ROUNDS; ++r) {
+    const uint32_t hi_b = mulhi32(PHILOX_M1, c2), lo_b = PHILOX_M1 * c2;
+    const uint32_t hi_a = mulhi32(PHILOX_M0, c0), lo_a = PHILOX_M0 * c0;
     const uint32_t n0 = hi_b ^ c1 ^ k0;
     const uint32_t n2 = hi_a ^ c3 ^ k1;
     c1 = lo_b;
     c3 = lo_a;
     c0 = n0;
     c2 = n2;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
+    k0 += PHILOX_W0;
+    k1 += PHILOX_W1;
   }
   return Philox4{{c0, c1, c2, c3}};
 }
@@ -589,26 +594,48 @@ SK_HD Request load_request(const ChainParams& P, int64_t b) {
 // modes 1 and 2: unusable draft probabilities are counted like non-finite logits); thresholds first.
 // Rows are (b * K + k) * (G + 1) + i; rows with i > n (past the bonus row / a ragged tree's last
 // node) are skipped.
+// Request b, chain k, position i of row (b * K + k) * (G + 1) + i, and its target / draft rows.
+template <class TT, class TD>
+struct RowRef {
+  int64_t b, i;
+  const TT* t;
+  const TD* d;
+};
+
+template <class TT, class TD>
+SK_HD RowRef<TT, TD> row_ref(const ChainParams& P, int64_t row) {
+  const int64_t bk = row / (P.G + 1), i = row % (P.G + 1);
+  const int64_t b = bk / P.K, k = bk % P.K;
+  return {b, i, static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg,
+          static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg};
+}
+
+// The thresholds (and by-index cuts) of a row computed before the row pass.
+SK_HD void given_thresholds(const ChainParams& P, int64_t row, float& thr_t, float& thr_q, int32_t& cut_t,
+                            int32_t& cut_q) {
+  thr_t = P.thr[row * 2 + 0];
+  thr_q = P.thr[row * 2 + 1];
+  if (P.cut) {
+    cut_t = P.cut[row * 2 + 0];
+    cut_q = P.cut[row * 2 + 1];
+  }
+}
+
 template <class R, class TT, class TD>
 SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R& red,
                              ThresholdScratch* scratch = nullptr) {
-  const int64_t bk = row / (P.G + 1), i = row % (P.G + 1);
-  const int64_t b = bk / P.K, k = bk % P.K;
+  const RowRef<TT, TD> ref = row_ref<TT, TD>(P, row);
+  const int64_t b = ref.b, i = ref.i;
   const Request rq = load_request(P, b);
   if (i > rq.n) return;
-  const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
-  const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg;
+  const TT* t_row = ref.t;
+  const TD* d_row = ref.d;
   const bool draft_row = P.draft_mode != DRAFT_NONE && i < rq.n && i < P.G && !rq.greedy;
   float thr_t = neg_inf(), thr_q = neg_inf();
   int32_t cut_t = 0, cut_q = 0;
   if (P.has_filter && !rq.greedy) {
     if (P.thresholds_given) {  // computed beforehand (the CPU build: by selection, any chunking)
-      thr_t = P.thr[row * 2 + 0];
-      thr_q = P.thr[row * 2 + 1];
-      if (P.cut) {
-        cut_t = P.cut[row * 2 + 0];
-        cut_q = P.cut[row * 2 + 1];
-      }
+      given_thresholds(P, row, thr_t, thr_q, cut_t, cut_q);
     } else {  // launched with one chunk and a scratch: the program owns the whole row
       thr_t = filter_threshold(red, *scratch, t_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
       if (draft_row && P.draft_mode == DRAFT_LOGITS)

@@ -198,24 +198,17 @@ SK_AVX2 float sum_exp(const T* row, int64_t start, int64_t end, float m, float i
 // max (and argmax, non-finite counts), then the sum of exp over the kept entries.
 template <class TT, class TD>
 SK_AVX2 void sampled_row_stats(const ChainParams& P, int64_t row, int64_t chunk) {
-  const int64_t bk = row / (P.G + 1), i = row % (P.G + 1);
-  const int64_t b = bk / P.K, k = bk % P.K;
-  const Request rq = load_request(P, b);
+  const RowRef<TT, TD> ref = row_ref<TT, TD>(P, row);
+  const int64_t i = ref.i;
+  const Request rq = load_request(P, ref.b);
   if (i > rq.n) return;
-  const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
-  const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg;
+  const TT* t_row = ref.t;
+  const TD* d_row = ref.d;
   const bool draft_row = P.draft_mode != DRAFT_NONE && i < rq.n && i < P.G;
   const bool draft_logits = draft_row && P.draft_mode == DRAFT_LOGITS;
   float thr_t = neg_inf(), thr_q = neg_inf();
   int32_t cut_t = 0, cut_q = 0;
-  if (P.has_filter) {
-    thr_t = P.thr[row * 2 + 0];
-    thr_q = P.thr[row * 2 + 1];
-    if (P.cut) {
-      cut_t = P.cut[row * 2 + 0];
-      cut_q = P.cut[row * 2 + 1];
-    }
-  }
+  if (P.has_filter) given_thresholds(P, row, thr_t, thr_q, cut_t, cut_q);
   const int64_t start = chunk * P.chunk_size, end = chunk_end(P, chunk);
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
   __m256 mt = ninf, mq = ninf;
@@ -261,19 +254,14 @@ SK_AVX2 inline void philox8(int64_t seed, uint32_t q0, uint32_t c1_, uint32_t c2
   __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(int32_t(q0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256i c1 = _mm256_set1_epi32(int32_t(c1_)), c2 = _mm256_set1_epi32(int32_t(c2_)), c3 = _mm256_setzero_si256();
   uint32_t k0 = uint32_t(uint64_t(seed)), k1 = uint32_t(uint64_t(seed) >> 32);
-  const __m256i mb = _mm256_set1_epi32(int32_t(0xCD9E8D57u)), ma = _mm256_set1_epi32(int32_t(0xD2511F53u));
-  for (int r = 0; r < 10; ++r) {
+  const __m256i mb = _mm256_set1_epi32(int32_t(PHILOX_M1)), ma = _mm256_set1_epi32(int32_t(PHILOX_M0));
+  for (int r = 0; r < PHILOX_ROUNDS; ++r, k0 += PHILOX_W0, k1 += PHILOX_W1) {  // philox()'s round
     __m256i hi_b, lo_b, hi_a, lo_a;
     mulhilo8(c2, mb, hi_b, lo_b);
     mulhilo8(c0, ma, hi_a, lo_a);
-    const __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi_b, c1), _mm256_set1_epi32(int32_t(k0)));
-    const __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi_a, c3), _mm256_set1_epi32(int32_t(k1)));
-    c1 = lo_b;
-    c3 = lo_a;
-    c0 = n0;
-    c2 = n2;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
+    c0 = _mm256_xor_si256(_mm256_xor_si256(hi_b, c1), _mm256_set1_epi32(int32_t(k0)));
+    c2 = _mm256_xor_si256(_mm256_xor_si256(hi_a, c3), _mm256_set1_epi32(int32_t(k1)));
+    c1 = lo_b, c3 = lo_a;
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(words[0]), c0);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(words[1]), c1);
