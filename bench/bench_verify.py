@@ -68,8 +68,8 @@ REFERENCE_MAX_WARMUP, REFERENCE_MAX_REP = 1, 3
 LOGIT_SCALE, DRAFT_NOISE = 3.0, 1.0
 
 CSV_COLUMNS = common.csv_columns(
-    "provider mode B G V dtype median_us graph_us p20_us p80_us cpu_us GBps floor_us frac_of_floor speedup_vs_eager "
-    "copy_GBps bytes_read_once mean_accepted"
+    "provider mode B G V dtype threads median_us graph_us p20_us p80_us cpu_us GBps floor_us frac_of_floor "
+    "speedup_vs_eager copy_GBps bytes_read_once mean_accepted"
 )
 TABLE_COLUMNS = (
     "provider mode B G V dtype median_us graph_us p20_us p80_us cpu_us GBps floor_us frac_of_floor speedup_vs_eager "
@@ -232,7 +232,9 @@ def run_shape(B: int, G: int, V: int, mode: Mode, run: common.Run) -> list[dict]
             fn, run, bytes_read_once(inputs, mode), check=check, cap=cap, graph=graph
         )
         mean_accepted = float(outputs[provider][1].float().mean().item())
-        shape = dict(provider=provider, mode=mode.name, B=B, G=G, V=V, dtype=args.dtype)
+        shape = dict(
+            provider=provider, mode=mode.name, B=B, G=G, V=V, dtype=args.dtype, threads=torch.get_num_threads()
+        )
         return {**run.meta, **shape, **measured, "mean_accepted": mean_accepted}
 
     rows = common.run_providers(args.providers, label, run, measure, skip=skip)

@@ -219,22 +219,27 @@ SK_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
 #endif
 }
 
+// Philox4x32-10's round multipliers and key increments (Salmon et al. 2011; tl.philox's).
+constexpr uint32_t PHILOX_M0 = 0xD2511F53u, PHILOX_M1 = 0xCD9E8D57u;
+constexpr uint32_t PHILOX_W0 = 0x9E3779B9u, PHILOX_W1 = 0xBB67AE85u;
+constexpr int PHILOX_ROUNDS = 10;
+
 // Philox4x32-10 with key = seed (k0 low word, k1 high word); bit-identical to tl.philox.
 SK_HD Philox4 philox(int64_t seed, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
   uint32_t k0 = uint32_t(uint64_t(seed));
   uint32_t k1 = uint32_t(uint64_t(seed) >> 32);
   SK_UNROLL
-  for (int r = 0; r < 10; ++r) {
-    const uint32_t hi_b = mulhi32(0xCD9E8D57u, c2), lo_b = 0xCD9E8D57u * c2;
-    const uint32_t hi_a = mulhi32(0xD2511F53u, c0), lo_a = 0xD2511F53u * c0;
+  for (int r = 0; r < PHILOX_ROUNDS; ++r) {
+    const uint32_t hi_b = mulhi32(PHILOX_M1, c2), lo_b = PHILOX_M1 * c2;
+    const uint32_t hi_a = mulhi32(PHILOX_M0, c0), lo_a = PHILOX_M0 * c0;
     const uint32_t n0 = hi_b ^ c1 ^ k0;
     const uint32_t n2 = hi_a ^ c3 ^ k1;
     c1 = lo_b;
     c3 = lo_a;
     c0 = n0;
     c2 = n2;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
+    k0 += PHILOX_W0;
+    k1 += PHILOX_W1;
   }
   return Philox4{{c0, c1, c2, c3}};
 }
@@ -589,26 +594,48 @@ SK_HD Request load_request(const ChainParams& P, int64_t b) {
 // modes 1 and 2: unusable draft probabilities are counted like non-finite logits); thresholds first.
 // Rows are (b * K + k) * (G + 1) + i; rows with i > n (past the bonus row / a ragged tree's last
 // node) are skipped.
+// Request b, chain k, position i of row (b * K + k) * (G + 1) + i, and its target / draft rows.
+template <class TT, class TD>
+struct RowRef {
+  int64_t b, i;
+  const TT* t;
+  const TD* d;
+};
+
+template <class TT, class TD>
+SK_HD RowRef<TT, TD> row_ref(const ChainParams& P, int64_t row) {
+  const int64_t bk = row / (P.G + 1), i = row % (P.G + 1);
+  const int64_t b = bk / P.K, k = bk % P.K;
+  return {b, i, static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg,
+          static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg};
+}
+
+// The thresholds (and by-index cuts) of a row computed before the row pass.
+SK_HD void given_thresholds(const ChainParams& P, int64_t row, float& thr_t, float& thr_q, int32_t& cut_t,
+                            int32_t& cut_q) {
+  thr_t = P.thr[row * 2 + 0];
+  thr_q = P.thr[row * 2 + 1];
+  if (P.cut) {
+    cut_t = P.cut[row * 2 + 0];
+    cut_q = P.cut[row * 2 + 1];
+  }
+}
+
 template <class R, class TT, class TD>
 SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R& red,
                              ThresholdScratch* scratch = nullptr) {
-  const int64_t bk = row / (P.G + 1), i = row % (P.G + 1);
-  const int64_t b = bk / P.K, k = bk % P.K;
+  const RowRef<TT, TD> ref = row_ref<TT, TD>(P, row);
+  const int64_t b = ref.b, i = ref.i;
   const Request rq = load_request(P, b);
   if (i > rq.n) return;
-  const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
-  const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg;
+  const TT* t_row = ref.t;
+  const TD* d_row = ref.d;
   const bool draft_row = P.draft_mode != DRAFT_NONE && i < rq.n && i < P.G && !rq.greedy;
   float thr_t = neg_inf(), thr_q = neg_inf();
   int32_t cut_t = 0, cut_q = 0;
   if (P.has_filter && !rq.greedy) {
     if (P.thresholds_given) {  // computed beforehand (the CPU build: by selection, any chunking)
-      thr_t = P.thr[row * 2 + 0];
-      thr_q = P.thr[row * 2 + 1];
-      if (P.cut) {
-        cut_t = P.cut[row * 2 + 0];
-        cut_q = P.cut[row * 2 + 1];
-      }
+      given_thresholds(P, row, thr_t, thr_q, cut_t, cut_q);
     } else {  // launched with one chunk and a scratch: the program owns the whole row
       thr_t = filter_threshold(red, *scratch, t_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
       if (draft_row && P.draft_mode == DRAFT_LOGITS)
@@ -724,27 +751,33 @@ SK_HD void finalize_request(const ChainParams& P, int64_t b) {
   P.out_nonfinite[b] = P.flagged[b] != 0;
 }
 
-// Program 2 (request, chunk): merge the row statistics, run the accept tests in order up to the
-// first rejection j, then this chunk's part of the race over row j: the residual max(p - q, 0)
-// (purpose RECOVER) when a draft was rejected, p itself (purpose BONUS) when all were accepted.
-// With one chunk the program also finalizes the request (no third launch).
-template <class R, class TT, class TD>
-SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red) {
-  const Request rq = load_request(P, b);
-  const int64_t G1 = P.G + 1;
-  int unused = 0;
-  bool flagged = false;
+// Where the accept tests of request b stopped: j (the first rejection, or n when every draft
+// was accepted), row j's merged statistics, and the draft token at j (0 when out of range).
+struct AcceptWalk {
   int64_t j = 0;
   RowStats s;
   int64_t tok_j = 0;
-  for (;; ++j) {
-    s = combine_row(P, b * G1 + j, rq);
+};
+
+// The accept tests of program 2, in order up to the first rejection; chunk 0's thread 0 records
+// j, the greedy token and the flag.
+template <class R, class TT, class TD>
+SK_HD AcceptWalk accept_walk(const ChainParams& P, const Request& rq, int64_t b, int64_t chunk, R& red) {
+  const int64_t G1 = P.G + 1;
+  int unused = 0;
+  bool flagged = false;
+  AcceptWalk w;
+  for (;; ++w.j) {
+    const int64_t j = w.j;
+    w.s = combine_row(P, b * G1 + j, rq);
+    const RowStats& s = w.s;
     // every row used up to j; a row with nothing to sample (greedy or not) flags the request
     flagged |= s.bad > 0.0f || (rq.greedy ? s.g_max == neg_inf() : s.t.z == 0.0f);
     if (j == rq.n) break;
     const int64_t tok = P.draft_tokens[b * P.stride_xb + j];
     const bool tok_ok = tok >= 0 && tok < P.V;
-    tok_j = tok_ok ? tok : 0;
+    w.tok_j = tok_ok ? tok : 0;
+    const int64_t tok_j = w.tok_j;
     bool accept;
     if (rq.greedy) {
       accept = tok == s.g_idx;
@@ -764,53 +797,62 @@ SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red
     if (!(accept && tok_ok)) break;
   }
   if (red.rank() == 0 && chunk == 0) {
-    P.first_reject[b] = int32_t(j);
-    P.direct[b] = s.g_idx;
+    P.first_reject[b] = int32_t(w.j);
+    P.direct[b] = w.s.g_idx;
     P.flagged[b] = flagged ? 1 : 0;
   }
+  return w;
+}
 
-  // ---- this chunk of the race over row j
-  Argmax res, pk;
-  if (!rq.greedy) {
-    const bool recover = j < rq.n;
-    const uint32_t purpose = recover ? PURPOSE_RECOVER : PURPOSE_BONUS;
-    const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + j * P.stride_tg;
-    const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg;
-    const float log_z = logf(s.t.z > 0.0f ? s.t.z : 1.0f);
-    const float m_ref = safe_max(s.t.m);
-    const int64_t start = chunk * P.chunk_size;
-    const int64_t end = start + P.chunk_size < P.V ? start + P.chunk_size : P.V;
-    const bool draft_logits = recover && P.draft_mode == DRAFT_LOGITS;
-    SK_FOR_QUADS(red, start, end, q4) {
-      const Philox4 words = philox(rq.seed, uint32_t(q4), uint32_t(j), purpose, 0);
-      float tv[4], dv[4];
-      load_quad(t_row, q4 * 4, end, tv);
-      if (draft_logits) load_quad(d_row, q4 * 4, end, dv);
-      for (int e = 0; e < 4 && q4 * 4 + e < end; ++e) {
-        const int64_t x = q4 * 4 + e;
-        const float xt = sanitize_logit(tv[e], unused);
-        const float p = prob_of(xt, s.t.m, s.t.z, s.thr_t, rq.inv_t, x, s.cut_t);
-        if (!(p > 0.0f)) continue;
-        const float noise = race_noise_from_uniform(uniform_from_bits(words.w[e]));
-        pk.add((xt - m_ref) * rq.inv_t - log_z + noise, x);
-        if (recover) {
-          float w;
-          if (P.draft_mode == DRAFT_LOGITS) {
-            const float q = prob_of(sanitize_logit(dv[e], unused), s.q.m, s.q.z, s.thr_q, rq.inv_t, x, s.cut_q);
-            w = p - q > 0.0f ? p - q : 0.0f;
-          } else if (P.draft_mode == DRAFT_PROBS) {
-            const float q = load_prob(d_row, x, unused);
-            w = p - q > 0.0f ? p - q : 0.0f;
-          } else {
-            w = x == tok_j ? 0.0f : p;
-          }
-          if (w > 0.0f) res.add(logf(w > 1e-38f ? w : 1e-38f) + noise, x);
+// The race over row j's entries [start, end) (start % 4 == 0, end the chunk's end): the residual
+// max(p - q, 0) (purpose RECOVER) when a draft was rejected, p itself (purpose BONUS) into `pk`.
+template <class R, class TT, class TD>
+SK_HD void race_range(const ChainParams& P, const Request& rq, int64_t b, const AcceptWalk& aw, int64_t start,
+                      int64_t end, R& red, Argmax& res, Argmax& pk) {
+  const int64_t j = aw.j;
+  const RowStats& s = aw.s;
+  int unused = 0;
+  const bool recover = j < rq.n;
+  const uint32_t purpose = recover ? PURPOSE_RECOVER : PURPOSE_BONUS;
+  const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + j * P.stride_tg;
+  const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg;
+  const float log_z = logf(s.t.z > 0.0f ? s.t.z : 1.0f);
+  const float m_ref = safe_max(s.t.m);
+  const bool draft_logits = recover && P.draft_mode == DRAFT_LOGITS;
+  SK_FOR_QUADS(red, start, end, q4) {
+    const Philox4 words = philox(rq.seed, uint32_t(q4), uint32_t(j), purpose, 0);
+    float tv[4], dv[4];
+    load_quad(t_row, q4 * 4, end, tv);
+    if (draft_logits) load_quad(d_row, q4 * 4, end, dv);
+    for (int e = 0; e < 4 && q4 * 4 + e < end; ++e) {
+      const int64_t x = q4 * 4 + e;
+      const float xt = sanitize_logit(tv[e], unused);
+      const float p = prob_of(xt, s.t.m, s.t.z, s.thr_t, rq.inv_t, x, s.cut_t);
+      if (!(p > 0.0f)) continue;
+      const float noise = race_noise_from_uniform(uniform_from_bits(words.w[e]));
+      pk.add((xt - m_ref) * rq.inv_t - log_z + noise, x);
+      if (recover) {
+        float w;
+        if (P.draft_mode == DRAFT_LOGITS) {
+          const float q = prob_of(sanitize_logit(dv[e], unused), s.q.m, s.q.z, s.thr_q, rq.inv_t, x, s.cut_q);
+          w = p - q > 0.0f ? p - q : 0.0f;
+        } else if (P.draft_mode == DRAFT_PROBS) {
+          const float q = load_prob(d_row, x, unused);
+          w = p - q > 0.0f ? p - q : 0.0f;
+        } else {
+          w = x == aw.tok_j ? 0.0f : p;
         }
+        if (w > 0.0f) res.add(logf(w > 1e-38f ? w : 1e-38f) + noise, x);
       }
     }
-    res.reduce(red);
-    pk.reduce(red);
   }
+}
+
+// This chunk's race records (and, with one chunk, the request's output row).
+template <class R>
+SK_HD void store_race(const ChainParams& P, int64_t b, int64_t chunk, R& red, Argmax& res, Argmax& pk) {
+  res.reduce(red);
+  pk.reduce(red);
   if (red.rank() == 0) {
     const int64_t rec = (b * P.num_chunks + chunk) * 2;
     P.race_key[rec] = res.key;
@@ -819,6 +861,24 @@ SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red
     P.race_idx[rec + 1] = pk.idx;
     if (P.num_chunks == 1) finalize_request(P, b);
   }
+}
+
+SK_HD int64_t chunk_end(const ChainParams& P, int64_t chunk) {
+  const int64_t end = (chunk + 1) * P.chunk_size;
+  return end < P.V ? end : P.V;
+}
+
+// Program 2 (request, chunk): merge the row statistics, run the accept tests in order up to the
+// first rejection j, then this chunk's part of the race over row j: the residual max(p - q, 0)
+// (purpose RECOVER) when a draft was rejected, p itself (purpose BONUS) when all were accepted.
+// With one chunk the program also finalizes the request (no third launch).
+template <class R, class TT, class TD>
+SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red) {
+  const Request rq = load_request(P, b);
+  const AcceptWalk w = accept_walk<R, TT, TD>(P, rq, b, chunk, red);
+  Argmax res, pk;
+  if (!rq.greedy) race_range<R, TT, TD>(P, rq, b, w, chunk * P.chunk_size, chunk_end(P, chunk), red, res, pk);
+  store_race(P, b, chunk, red, res, pk);
 }
 
 }  // namespace sk

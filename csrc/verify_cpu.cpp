@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "verify_api.h"
+#include "verify_cpu_simd.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -89,6 +90,14 @@ constexpr int64_t kMinEntriesForThreads = int64_t(1) << 16;
 
 inline bool worth_threads(int64_t rows, int64_t V) { return rows * V >= kMinEntriesForThreads; }
 
+inline bool simd_enabled() {
+#ifdef SK_HAVE_AVX2_PATH
+  return simd::enabled();
+#else
+  return false;
+#endif
+}
+
 // Thresholds of every row the row pass reads (rows i <= n of sampled requests), into P.thr.
 template <class TT, class TD>
 void thresholds_by_selection(const ChainParams& P, int64_t rows) {
@@ -158,16 +167,43 @@ void greedy_row_stats(const ChainParams& P, int64_t row, int64_t chunk, const TT
 }
 
 template <class TT, class TD>
-void row_stats_item(const ChainParams& P, int64_t row, int64_t chunk) {
+void row_stats_item(const ChainParams& P, int64_t row, int64_t chunk, bool simd_on) {
   const int64_t bk = row / (P.G + 1), i = row % (P.G + 1);
   const int64_t b = bk / P.K, k = bk % P.K;
   const Request rq = load_request(P, b);
+  const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
+#ifdef SK_HAVE_AVX2_PATH
+  if (simd_on && rq.greedy && i <= rq.n) return simd::greedy_row_stats(P, row, chunk, t_row);
+  if (simd_on && !rq.greedy && P.thresholds_given == P.has_filter) return simd::sampled_row_stats<TT, TD>(P, row, chunk);
+#else
+  (void)simd_on;
+#endif
   if (rq.greedy && i <= rq.n) {
-    greedy_row_stats(P, row, chunk, static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg);
+    greedy_row_stats(P, row, chunk, t_row);
     return;
   }
   SeqReducer red;
   row_stats_program<SeqReducer, TT, TD>(P, row, chunk, red);
+}
+
+// Program 2 of (request, chunk): the accept tests, then this chunk's race (AVX2 when on).
+template <class TT, class TD>
+void accept_item(const ChainParams& P, int64_t b, int64_t chunk, bool simd_on) {
+  SeqReducer red;
+  const Request rq = load_request(P, b);
+  const AcceptWalk w = accept_walk<SeqReducer, TT, TD>(P, rq, b, chunk, red);
+  Argmax res, pk;
+  if (!rq.greedy) {
+    const int64_t start = chunk * P.chunk_size, end = chunk_end(P, chunk);
+#ifdef SK_HAVE_AVX2_PATH
+    if (simd_on) simd::race_range<TT, TD>(P, rq, b, w, start, end, res, pk);
+    else race_range<SeqReducer, TT, TD>(P, rq, b, w, start, end, red, res, pk);
+#else
+    (void)simd_on;
+    race_range<SeqReducer, TT, TD>(P, rq, b, w, start, end, red, res, pk);
+#endif
+  }
+  store_race(P, b, chunk, red, res, pk);
 }
 
 template <class TT, class TD>
@@ -177,8 +213,9 @@ void row_pass(ChainParams& P, int64_t rows) {
     P.thresholds_given = true;
   }
   const int64_t C = P.num_chunks;
+  const bool simd_on = simd_enabled();
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(rows, P.V))
-  for (int64_t item = 0; item < rows * C; ++item) row_stats_item<TT, TD>(P, item / C, item % C);
+  for (int64_t item = 0; item < rows * C; ++item) row_stats_item<TT, TD>(P, item / C, item % C, simd_on);
 }
 
 }  // namespace
@@ -198,11 +235,9 @@ void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dty
     using TD = decltype(td);
     row_pass<TT, TD>(P, P.B * (P.G + 1));
     const int64_t C = P.num_chunks;
+    const bool simd_on = simd_enabled();
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(P.B, P.V))
-    for (int64_t item = 0; item < P.B * C; ++item) {
-      SeqReducer red;
-      accept_program<SeqReducer, TT, TD>(P, item / C, item % C, red);
-    }
+    for (int64_t item = 0; item < P.B * C; ++item) accept_item<TT, TD>(P, item / C, item % C, simd_on);
     if (C > 1) {
 #pragma omp parallel for if (worth_threads(P.B, P.V))
       for (int64_t b = 0; b < P.B; ++b) finalize_request(P, b);

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
@@ -34,7 +33,7 @@ MEDUSA_FLAGS = {**DRIVER_FLAGS, "num_draft_tokens": "--medusa-nodes", "num_draft
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="target alone vs speculative decoding on the embedded model pair")
-    p.add_argument("--prompts", type=int, default=3, help="how many of the demo prompts")
+    p.add_argument("--prompts", type=int, default=5, help="how many of the demo prompts (README: 5)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--num-drafts", type=int, default=2)
@@ -64,7 +63,7 @@ def demo(args: argparse.Namespace) -> int:
     sampled, one prompt at a time (batch 1, as on a laptop), torch pinned to a fixed thread count."""
     from tqdm.auto import tqdm
 
-    from ..demo import DEMO_PROMPTS, load_demo_pair, load_medusa_heads
+    from ..demo import DEMO_PROMPTS, load_demo_pair, load_medusa_heads, timing
 
     device = resolve_device(args.device)
     threads = args.threads or min(2, os.cpu_count() or 1)
@@ -80,7 +79,6 @@ def demo(args: argparse.Namespace) -> int:
     print(
         f"specdec demo: embedded byte-level pair, {len(prompts)} prompts one at a time, {new} new tokens each, {where}"
     )
-    common = dict(max_new_tokens=new, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, num_draft_tokens=G)
     N, S = args.medusa_nodes, args.medusa_candidates
     medusa = dict(drafter="medusa", medusa_heads=heads, num_draft_tokens=N, num_drafts=S)
     medusa_name = f"Medusa {heads.num_heads} heads, N={N}, s={S}"
@@ -94,35 +92,18 @@ def demo(args: argparse.Namespace) -> int:
         (f"SpecTr K={K}, G={G} (T={T})", dict(num_drafts=K, method="kseq"), True),
         (f"{medusa_name} (T={T})", medusa, True),
     ]
+    timing.prepare_native_backend(device)  # the build, if any, before anything is timed
+    if warning := timing.load_warning():
+        print(warning, file=sys.stderr)
     _warm_up(target, draft, tok, device, G, K, medusa)
-    rows, outputs, baseline = [], {}, {}
-    for name, kwargs, sampled in tqdm(modes, desc="specdec demo", unit="mode", disable=not sys.stderr.isatty()):
-        run = dict(draft=draft, tok=tok, device=device, prompts=prompts, seed=args.seed, temperature=T)
-        totals, seqs = _run_mode(target, kwargs and {**common, **kwargs}, sampled, new, **run)
-        outputs[name] = seqs
-        if kwargs is None:
-            baseline[sampled] = (totals["wall"], seqs)
-        base_wall, base_seqs = baseline[sampled]
-        match = "(baseline)" if kwargs is None else ("n/a (sampled)" if sampled else str(seqs == base_seqs))
-        rows.append(
-            {
-                "mode": name,
-                "tokens": totals["tokens"],
-                "wall s": totals["wall"],
-                "cpu s": totals["cpu"],
-                "tok/s": totals["tokens"] / totals["wall"],
-                "speedup": f"{base_wall / totals['wall']:.2f}x",
-                "accept": f"{totals['accepted'] / totals['proposed']:.2f}" if totals["proposed"] else "-",
-                "target fwd": totals["target_fwd"],
-                "draft fwd": totals["draft_fwd"],
-                "draft time": f"{totals['draft_s'] / totals['wall']:.0%}" if kwargs else "-",
-                "greedy = target": match,
-            }
-        )
+    progress = lambda m: tqdm(m, desc="specdec demo", unit="mode", disable=not sys.stderr.isatty())  # noqa: E731
+    settings = dict(max_new_tokens=new, temperature=T, num_draft_tokens=G, seed=args.seed)
+    rows, outputs = timing.demo_rows(target, draft, tok, device, prompts, modes, settings, progress)
     print()
     print_table(rows)
     print(
-        "\nspeedup: wall time of the target alone in the same sampling mode / this mode's (draft forwards, "
+        "\nspeedup: per prompt, wall (cpu speedup: process CPU) time of the target alone in the same sampling mode / "
+        "this mode's, the two timed back to back; the median over prompts [lowest-highest] (draft forwards, "
         "or Medusa heads and tree building, included); greedy rows must equal the target's own greedy output. "
         "accept: accepted drafts / drafts offered (Medusa: / the tree's depth, one path is accepted per step)."
     )
@@ -130,49 +111,6 @@ def demo(args: argparse.Namespace) -> int:
     print(f"\nfirst prompt | {chain} continuation (cut at a byte boundary):")
     print(_show(prompts[0], tok.decode(outputs[chain][0])))
     return 0 if all(r["greedy = target"] in ("True", "(baseline)", "n/a (sampled)") for r in rows) else 1
-
-
-def _run_mode(target, kwargs, sampled: bool, new: int, *, draft, tok, device, prompts, seed, temperature):
-    """Every prompt, one at a time, in one mode (``kwargs`` None: the target alone): totals and outputs."""
-    from ..hf import speculative_generate
-
-    totals = dict(tokens=0, wall=0.0, cpu=0.0, target_fwd=0, draft_fwd=0, draft_s=0.0, accepted=0, proposed=0)
-    seqs = []
-    for i, prompt in enumerate(prompts):
-        batch = tok([prompt], return_tensors="pt")
-        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        wall, cpu = time.perf_counter(), time.process_time()
-        if kwargs is None:
-            with torch.no_grad():
-                torch.manual_seed(seed + i)
-                out = target.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    max_new_tokens=new,
-                    do_sample=sampled,
-                    temperature=temperature if sampled else None,
-                    top_k=0 if sampled else None,
-                    pad_token_id=tok.pad_token_id,
-                    eos_token_id=tok.eos_token_id,
-                )
-            made = out.shape[1] - ids.shape[1]
-            totals["target_fwd"] += made
-        else:
-            sampling = dict(temperature=temperature, seed=seed + i) if sampled else {}
-            model = None if kwargs.get("drafter") == "medusa" else draft
-            result = speculative_generate(target, model, ids, mask, **kwargs, **sampling)
-            out, st = result.sequences, result.stats
-            made = st.new_tokens
-            totals["target_fwd"] += st.target_forwards
-            totals["draft_fwd"] += st.draft_forwards
-            totals["draft_s"] += st.time_s["draft"]
-            totals["accepted"] += st.accepted
-            totals["proposed"] += st.proposed
-        totals["wall"] += time.perf_counter() - wall
-        totals["cpu"] += time.process_time() - cpu
-        totals["tokens"] += made
-        seqs.append(out[0, ids.shape[1] :].tolist())
-    return totals, seqs
 
 
 def _warm_up(target, draft, tok, device, G: int, K: int, medusa: dict) -> None:
