@@ -78,18 +78,18 @@ MUTANTS = [
     Mutant("ref-uniform-half", "reference", "uniform_open", "np.float32(0.5)", "np.float32(0.25)"),
     # ---- Triton kernels (specdec_kernels/ops)
     Mutant("triton-tie", "triton", "_first_rejection", "(u * q_tok <= p_tok)", "(u * q_tok < p_tok)"),
-    Mutant("triton-rho-lo", "triton", "_tree_walk_kernel", "hi = tl.load(rec + RB_HI", "hi = tl.load(rec + RB_LO"),
-    Mutant("triton-rrs-tie", "triton", "_tree_walk_kernel", "(u_j * q_j <= p_j)", "(u_j * q_j < p_j)"),
+    Mutant("triton-rho-lo", "triton", "_accept_kseq", "hi = tl.load(rec + RB_HI", "hi = tl.load(rec + RB_LO"),
+    Mutant("triton-rrs-tie", "triton", "_accept_rrs", "(u_j * q_j <= p_j)", "(u_j * q_j < p_j)"),
     Mutant(
         "triton-kseq-tie",
         "triton",
-        "_tree_walk_kernel",
+        "_accept_kseq",
         "u * rho[:, None] * q_c <= p_c",
         "u * rho[:, None] * q_c < p_c",
     ),
     Mutant("triton-p-zero", "triton", "_first_rejection", " & (p_tok > 0.0)  #", "  #"),
     # ---- C++ core (csrc)
-    Mutant("core-tie", "core", "accept_program", "accept = (u * q <= p)", "accept = (u * q < p)"),
+    Mutant("core-tie", "core", "accept_walk", "accept = (u * q <= p)", "accept = (u * q < p)"),
     Mutant("core-rho-lo", "core", "kseq_rho", "rho = hi;", "rho = lo;"),
     Mutant("core-kseq-tie", "core", "tree_walk_program", "c.u * rho * c.q <= c.p", "c.u * rho * c.q < c.p"),
     Mutant("core-rrs-tie", "core", "tree_walk_program", "c.u * q_j <= p_j", "c.u * q_j < p_j"),

@@ -26,11 +26,11 @@ def prepare_native_backend(device: str, out=None) -> None:
     if device != "cpu":
         return
     out = out or sys.stderr
-    from ..ops import _cuda_ext
+    from ..ops import csrc
 
     print("specdec demo: loading the native CPU backend (built once per machine, ~1 min)...", file=out, flush=True)
     try:
-        _cuda_ext.load_cpu_core()
+        csrc.load_cpu_core()
     except (ImportError, RuntimeError, OSError) as exc:  # auto then uses the vectorised PyTorch backend
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"specdec demo: native CPU backend unavailable ({first}); using the PyTorch backend", file=out)

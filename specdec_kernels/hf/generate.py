@@ -23,6 +23,7 @@ from .config import vocab_rows as _vocab_rows  # noqa: F401 (cli.py and bench im
 from .drafters import build_drafter
 from .forwards import compiled_forward
 from .session import Session
+from .settings import reject_active_settings
 from .stats import PHASES, PhaseTimer, SpeculativeOutput, SpeculativeStats
 
 __all__ = [
@@ -175,9 +176,7 @@ def _config(target, draft, input_ids, attention_mask, settings: dict) -> SpecCon
     full = {name: p.default for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     full.update(settings)
     if full["generation_config"] is not None:  # what it sets beyond the processors is an error, never dropped
-        from .integration import _reject_active_settings
-
-        _reject_active_settings(full["generation_config"], input_ids.shape[1], set())
+        reject_active_settings(full["generation_config"], input_ids.shape[1], set())
     return SpecConfig.from_arguments(target, draft, input_ids, attention_mask, **full)
 
 

@@ -94,9 +94,10 @@ def tree_metadata(
     if validate and B > 0 and N > 0 and not _capturing(parents.device) and not torch.compiler.is_compiling():
         check_parents(parents, num_nodes)
     # Under torch.compile the PyTorch path is traced into the graph (a Triton launch is not traceable).
-    # plan_as_gpu (the static model): the launch a CUDA call makes.
-    on_gpu = parents.device.type == "cuda" or planned_as_gpu()
-    if backend == "torch" or (backend == "auto" and (not on_gpu or torch.compiler.is_compiling())):
+    # plan_as_gpu (the static model): the launch a CUDA call makes (not read while compiling: a
+    # ContextVar is not traceable, and the compiled path is the PyTorch one anyway).
+    pytorch = torch.compiler.is_compiling() or not (parents.device.type == "cuda" or planned_as_gpu())
+    if backend == "torch" or (backend == "auto" and pytorch):
         return _tree_metadata_torch(parents, num_nodes)
     return _tree_metadata_triton(parents, num_nodes)
 

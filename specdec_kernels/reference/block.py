@@ -54,14 +54,12 @@ def block_tau(w: list[float], h: list[float], eta: list[float]) -> int:
 
 
 def verify_request_block(target, drafts, draft, mode, temperature, top_k, top_p, n, seed, V, ties="keep"):
-    """(number accepted, emitted token, nonfinite flag) for one request under block verification;
-    the arguments of ``reference.verify._verify_request``."""
-    greedy = not temperature >= MIN_TEMPERATURE  # (NaN included)
+    """(number accepted, emitted token, nonfinite flag) for one sampled request under block
+    verification; the arguments of ``reference.verify._verify_request`` (greedy requests: the argmax
+    chain, the same for both rules, is the caller's - ``verify_checked``)."""
+    if not temperature >= MIN_TEMPERATURE:  # (NaN included)
+        raise ValueError("block verification of a greedy request: the argmax chain is the token rule's")
     n = next((i for i in range(n) if not 0 <= drafts[i] < V), n)
-    if greedy:
-        from .verify import _verify_request  # the argmax chain: the same for both rules
-
-        return _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, seed, V, ties)
     flagged = False
     ps, qs = [], []
     for i in range(n + 1):

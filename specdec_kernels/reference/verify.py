@@ -12,6 +12,7 @@ import torch
 from .._params import MIN_TEMPERATURE
 from .._types import VerifyOutput
 from .._validation import check_verify_args
+from .block import verify_request_block
 from .sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
@@ -50,10 +51,7 @@ def verify_reference(
 def verify_checked(args, method: str = "token") -> VerifyOutput:
     """The reference on checked arguments (``_validation.VerifyArgs``); the torch backend.
     method="block": the block rule of ``reference/block.py`` for every request."""
-    if method == "block":
-        from .block import verify_request_block as request_rule
-    else:
-        request_rule = _verify_request
+    greedy = ~(args.per_request_cpu()["temperature"] >= MIN_TEMPERATURE)  # the argmax chain: both rules'
     B, G, V = args.B, args.G, args.V
     cpu = {k: v.cpu() for k, v in vars(args).items() if isinstance(v, torch.Tensor)}
     cpu.update(args.per_request_cpu())
@@ -61,6 +59,7 @@ def verify_checked(args, method: str = "token") -> VerifyOutput:
     num_accepted = torch.zeros(B, dtype=torch.int32)
     nonfinite = torch.zeros(B, dtype=torch.bool)
     for b in range(B):
+        request_rule = verify_request_block if method == "block" and not greedy[b] else _verify_request
         accepted, token, flagged = request_rule(
             target=cpu["target_logits"][b],
             drafts=cpu["draft_tokens"][b].tolist(),

@@ -7,6 +7,7 @@ from specdec_kernels._types import DRAFT_LOGITS, DRAFT_PROBS
 from specdec_kernels._validation import check_verify_args
 from specdec_kernels.ops.vectorized.block import verify_block_vectorized
 from specdec_kernels.reference.block import verify_request_block
+from specdec_kernels.reference.verify import _verify_request
 
 
 def _reference(args):
@@ -16,7 +17,8 @@ def _reference(args):
     flagged = torch.zeros(args.B, dtype=torch.bool)
     for b in range(args.B):
         drafts = args.draft_tokens[b].tolist()
-        a, token, bad = verify_request_block(
+        rule = verify_request_block if float(cpu["temperature"][b]) > 0 else _verify_request
+        a, token, bad = rule(
             args.target_logits[b],
             drafts,
             args.draft[b] if args.draft is not None else None,
