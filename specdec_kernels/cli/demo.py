@@ -92,10 +92,10 @@ def demo(args: argparse.Namespace) -> int:
         (f"SpecTr K={K}, G={G} (T={T})", dict(num_drafts=K, method="kseq"), True),
         (f"{medusa_name} (T={T})", medusa, True),
     ]
+    _warm_up(target, draft, tok, device, G, K, medusa)  # the driver's checks first: a refused setting is one line
     timing.prepare_native_backend(device)  # the build, if any, before anything is timed
     if warning := timing.load_warning():
         print(warning, file=sys.stderr)
-    _warm_up(target, draft, tok, device, G, K, medusa)
     progress = lambda m: tqdm(m, desc="specdec demo", unit="mode", disable=not sys.stderr.isatty())  # noqa: E731
     settings = dict(max_new_tokens=new, temperature=T, num_draft_tokens=G, seed=args.seed)
     rows, outputs = timing.demo_rows(target, draft, tok, device, prompts, modes, settings, progress)
