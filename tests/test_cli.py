@@ -100,6 +100,13 @@ def test_generate_with_the_demo_medusa_heads(capsys):
     assert out.startswith(prompt) and re.search(r"draft forwards\s+0\n", out)
 
 
+def test_demo_json_row(capsys):
+    """specdec demo --json: the schema-constrained generation equals generate + xgrammar's processor."""
+    assert main(["demo", "--json", "--device", "cpu", "--max-new-tokens", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "equal: True" in out and "valid JSON: yes" in out, out
+
+
 def test_generate_with_a_json_schema_or_a_grammar(capsys, tmp_path):
     """--json-schema / --grammar: the streamed text is a complete document of the grammar (the
     demo pair stops at the grammar's end: only EOS is allowed there)."""
