@@ -203,6 +203,10 @@ class GrammarMasker:
                 out[r] = known[path]
         return out
 
+    def valid_prefix(self, b: int, tokens: list[int]) -> int:
+        """How many of ``tokens`` (after request b's committed ones) the grammar accepts in a row."""
+        return self.state.masks_along(b, list(tokens))[1]
+
     def __call__(self, session, logits: torch.Tensor, paths: list[list[list[int]]]) -> torch.Tensor:
         allowed = torch.stack([self.masks(b, paths[a]) for a, b in enumerate(session.batch.rows)])
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

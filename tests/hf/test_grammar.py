@@ -67,6 +67,31 @@ def test_a_complete_grammar_allows_only_the_stop_token():
     assert masks[3].nonzero().flatten().tolist() == [EOS_ID]  # past the end: the stop token (cut at commit)
 
 
+def test_prompt_lookup_offers_only_what_the_grammar_allows(pair, monkeypatch):
+    """Lookup chains are cut at their first refused token: every draft offered is a valid path."""
+    from specdec_kernels.hf import speculative_generate
+    from specdec_kernels.hf.drafters import lookup
+
+    target, _, tok = pair
+    compiled = compile_grammar('root ::= "ab" ("ab" | "ba")*', tok, VOCAB_SIZE, [EOS_ID])
+    offered = []
+
+    def spy(histories, g):
+        return [[ord("a"), ord("b"), ord("x"), ord("a")] for _ in histories]  # 'x' is never allowed
+
+    monkeypatch.setattr(lookup, "prompt_lookup", spy)
+    seen = lookup.ChainProposal
+
+    def record(drafts, probs=None, n_drafts=None, draft_forwards=0):
+        offered.extend(n_drafts.tolist())
+        return seen(drafts, probs, n_drafts, draft_forwards)
+
+    monkeypatch.setattr(lookup, "ChainProposal", record)
+    batch = tok(["s = "])
+    speculative_generate(target, None, **batch, drafter="prompt_lookup", max_new_tokens=6, grammar=compiled)
+    assert offered and max(offered) <= 2, offered  # without the cut: 4 (the 'x' and what follows)
+
+
 def test_grammar_specs():
     assert as_spec(SCHEMA) == GrammarSpec(json_schema=SCHEMA)
     assert as_spec('{"type": "integer"}').json_schema == '{"type": "integer"}'
