@@ -90,6 +90,11 @@ class Launch:
     kwargs: dict
 
 
+def launch_arguments(launch: Launch) -> dict:
+    """Every argument of a captured launch by parameter name (the launchers pass most by keyword)."""
+    return dict(zip(launch.kernel.arg_names, launch.args, strict=False)) | launch.kwargs
+
+
 @contextlib.contextmanager
 def captured_launches():
     """Record every ``kernel[grid](...)`` launch instead of running it."""
@@ -278,8 +283,7 @@ def _loop_model(launch: Launch, loops: list[dict], total: int = 0) -> tuple[list
     """([(loop, iterations per program)], entries one iteration covers) for a captured launch;
     `total`: SASS instructions of the whole kernel (the selection's code outside its loops)."""
     kw, name = launch.kwargs, launch.kernel.fn.__name__
-    bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
-    bound.update(launch.kwargs)  # the launchers pass arguments by keyword
+    bound = launch_arguments(launch)
     reading = [loop for loop in loops if loop["loads"]]
     tensors = 2 if kw.get("DRAFT_MODE") in (1, 2) else 1  # logit rows read per row / request
     phase = kw.get("PHASE", 0)
@@ -526,7 +530,7 @@ class TreeVerifyModel:
     @staticmethod
     def loops(case: dict, launch: Launch, loops: list[dict]):
         name, kw = launch.kernel.fn.__name__, launch.kwargs
-        bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
+        bound = launch_arguments(launch)
         reading = [loop for loop in loops if loop["loads"]]
         if name == "_verify_row_stats_kernel":
             return [(reading[0], bound["chunk_size"] / kw["BLOCK_V"])], kw["BLOCK_R"] * kw["BLOCK_V"] * 2
@@ -602,10 +606,10 @@ class TreeVerifyModel:
         if name == "_tree_race_kernel":
             return B * 2 * V * e
         if name == "_tree_rho_kernel":  # one round: target and draft row of every position still searching
-            bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
+            bound = launch_arguments(launch)
             return B * len(_sibling_positions(case)) * TreeVerifyModel.rho_share(case, bound) * 2 * V * e
         if name == "_tree_rrs_kernel":  # round j: the positions with more than j candidates
-            j = dict(zip(launch.kernel.arg_names, launch.args, strict=False))["rnd"]
+            j = launch_arguments(launch)["rnd"]
             return B * sum(k > j for k in _sibling_positions(case)) * 2 * V * e
         return TreeVerifyModel.extra_bytes(case, launch)
 
@@ -710,7 +714,7 @@ class TreeAttentionModel:
         """The unmasked prefix loop, trips per program of the busiest SM: programs go to the SMs in
         grid order (split slowest); the last split of a split launch holds the tree keys only."""
         name, kw = launch.kernel.fn.__name__, launch.kwargs
-        bound = dict(zip(launch.kernel.arg_names, launch.args, strict=False)) | launch.kwargs
+        bound = launch_arguments(launch)
         reading = [loop for loop in loops if loop["loads"]]
         if name != "_tree_attention_kernel" or not reading:
             return [], 0.0
@@ -729,10 +733,7 @@ class TreeAttentionModel:
 
     @staticmethod
     def partial_bytes(case: dict, launch: Launch) -> float:
-        splits = (
-            launch.kwargs.get("NUM_SPLITS")
-            or dict(zip(launch.kernel.arg_names, launch.args, strict=False))["NUM_SPLITS"]
-        )
+        splits = launch_arguments(launch)["NUM_SPLITS"]
         return case["B"] * case["Hq"] * case["N"] * splits * (launch.kwargs["BLOCK_D"] * case["esize"] + 8)
 
     @staticmethod
