@@ -174,9 +174,6 @@ class GrammarState:
             if not matcher.accept_token(int(token)):
                 raise RuntimeError(f"grammar: emitted token {token} is not allowed (a verification bug)")
 
-    def terminated(self, b: int) -> bool:
-        return self.matchers[b].is_terminated()
-
 
 class GrammarMasker:
     """The grammar as a row processor of the session: ``masker(session, logits, paths)`` masks row

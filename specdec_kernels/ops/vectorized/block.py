@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..._params import MIN_TEMPERATURE
 from ..._types import DRAFT_LOGITS, DRAFT_PROBS, VerifyOutput
 from ..._validation import VerifyArgs
 from ...reference.philox import uniform_open_torch
@@ -33,22 +32,15 @@ from .chain import (
 
 
 def verify_block_vectorized(args: VerifyArgs) -> VerifyOutput:
-    """Block verification on checked arguments in the padded layout (``VerifyArgs.padded()``)."""
-    out = verify_vectorized(args)  # greedy requests (and every request's flags for rows it reads)
-    G, V = args.G, args.V
-    params = {k: v.to(args.target_logits.device) for k, v in args.per_request_cpu().items()}
-    sampled = (params["temperature"] >= MIN_TEMPERATURE).nonzero().squeeze(1)
-    if sampled.numel() == 0 or G == 0 or V == 0:
-        return out
-    tokens, accepted, flagged = _block(args, params, sampled)
-    out.tokens[sampled] = tokens
-    out.num_accepted[sampled] = accepted.to(out.num_accepted.dtype)
-    out.nonfinite[sampled] = flagged
-    return out
+    """Block verification on checked arguments in the padded layout (``VerifyArgs.padded()``): the
+    token rule's pass (``chain.verify_vectorized``) with the block rule for the sampled requests.
+    Without drafts (G = 0) or vocabulary both rules draw the same bonus token."""
+    return verify_vectorized(args, sampled_rule=_block if args.G > 0 and args.V > 0 else None)
 
 
-def _distributions(args: VerifyArgs, params: dict, index: Tensor):
-    """(p [M, G+1, V], q [M, G, V] float64 or None for one-hot drafts, [M] flags) of the requests."""
+def _distributions(args: VerifyArgs, params: dict, x: Tensor, index: Tensor):
+    """(p [M, G+1, V], q [M, G, V] float64 or None for one-hot drafts, draft-row flags [M, G]) of
+    the requests ``index``; x: the sanitised target rows [B, G+1, V]."""
     G, V = args.G, args.V
     M = index.numel()
     t = params["temperature"][index].double()
@@ -56,35 +48,33 @@ def _distributions(args: VerifyArgs, params: dict, index: Tensor):
     filtered = args.has_filter
     by_index = args.sampling.ties_by_index()
 
-    def probs(raw: Tensor, rows: int):
-        x, bad, m, _ = sanitize(raw.reshape(M * rows, V))
+    def probs(rows_x: Tensor, rows: int):
+        flat = rows_x.reshape(M * rows, V)
         per_row = [v.repeat_interleave(rows) for v in (t, top_k, top_p)]
-        p = processed_probs(x, m, *per_row, filtered, by_index)
-        return p.view(M, rows, V), bad.view(M, rows)
+        return processed_probs(flat, flat.amax(-1), *per_row, filtered, by_index).view(M, rows, V)
 
-    p, bad_t = probs(args.target_logits[index], G + 1)
+    p = probs(x[index], G + 1)
     bad_q = torch.zeros((M, G), dtype=torch.bool, device=p.device)
     q = None
     if args.draft_mode == DRAFT_LOGITS:
-        q, bad_q = probs(args.draft[index], G)
+        xd, bad, _, _ = sanitize(args.draft[index].reshape(M * G, V))
+        q, bad_q = probs(xd, G), bad.view(M, G)
     elif args.draft_mode == DRAFT_PROBS:
         q = usable_probs(args.draft[index])
         bad_q = unusable_prob_rows(args.draft[index])
-    return p, q, bad_t | ~(p > 0).any(-1), bad_q
+    return p, q, bad_q
 
 
-def _block(args: VerifyArgs, params: dict, index: Tensor):
-    """(tokens [M, G+1], accepted [M], flagged [M]) of the sampled requests `index`."""
+def _block(args: VerifyArgs, params: dict, x: Tensor, flag_rows: Tensor, tok: Tensor, n: Tensor, index: Tensor):
+    """(accepted tau [M], token [M], flagged [M]) of the sampled requests ``index`` under block
+    verification; x, flag_rows, tok, n: the token rule's sanitised rows, row flags, clamped draft ids
+    and draft counts of every request (``chain.verify_vectorized``)."""
     G, V = args.G, args.V
     dev = args.target_logits.device
     M = index.numel()
-    drafts = args.draft_tokens[index].to(torch.int64)
-    n = params["num_draft_tokens"][index].clamp(0, G)
     pos = torch.arange(G + 1, device=dev)
-    usable = (drafts >= 0) & (drafts < V) & (pos[None, :G] < n[:, None])
-    n = usable.to(torch.int64).cumprod(-1).sum(-1)  # a placeholder id ends the draft
-    tok = drafts.clamp(0, V - 1)
-    p, q, bad_t, bad_q = _distributions(args, params, index)
+    tok, n = tok[index], n[index]
+    p, q, bad_q = _distributions(args, params, x, index)
     if q is None:  # one-hot drafts
         q = torch.zeros((M, G, V), dtype=torch.float64, device=dev).scatter_(2, tok[:, :, None], 1.0)
     p_tok = p[:, :G].gather(2, tok[:, :, None]).squeeze(2)
@@ -106,11 +96,8 @@ def _block(args: VerifyArgs, params: dict, index: Tensor):
     stop = (eta <= stops) & (pos[None, 1:] <= n[:, None])
     tau = torch.where(stop, pos[None, 1:], torch.zeros_like(stop, dtype=torch.int64)).amax(-1)
     token = _race_row(p, q, w, tau, n, seed)
-    out = torch.cat([drafts, drafts.new_full((M, 1), -1)], 1)
-    out = torch.where(pos[None, :] < tau[:, None], out, torch.full_like(out, -1))
-    out = torch.where(pos[None, :] == tau[:, None], token[:, None], out)
-    flagged = (bad_t & (pos[None, :] <= n[:, None])).any(-1) | (bad_q & (pos[None, :G] < n[:, None])).any(-1)
-    return out, tau, flagged
+    flagged = (flag_rows[index] & (pos[None, :] <= n[:, None])).any(-1) | (bad_q & (pos[None, :G] < n[:, None])).any(-1)
+    return tau, token, flagged
 
 
 def _race_row(p: Tensor, q: Tensor, w: Tensor, tau: Tensor, n: Tensor, seed: Tensor) -> Tensor:

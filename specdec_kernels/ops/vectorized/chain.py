@@ -334,8 +334,12 @@ class _Rows:
 # chain verification
 
 
-def verify_vectorized(args: VerifyArgs) -> VerifyOutput:
-    """Chain verification on checked arguments in the padded layout (``VerifyArgs.padded()``)."""
+def verify_vectorized(args: VerifyArgs, sampled_rule=None) -> VerifyOutput:
+    """Chain verification on checked arguments in the padded layout (``VerifyArgs.padded()``).
+
+    sampled_rule: another rule for the sampled requests (block verification, ``block.py``):
+    ``sampled_rule(args, params, x, flag_rows, tok, n, sampled) -> (accepted, token, flagged)`` of
+    those requests; greedy requests stay the argmax chain, the same under both rules."""
     B, G, V = args.B, args.G, args.V
     dev = args.target_logits.device
     params = {k: v.to(dev) for k, v in args.per_request_cpu().items()}
@@ -352,8 +356,10 @@ def verify_vectorized(args: VerifyArgs) -> VerifyOutput:
     accept = tok == g_idx[:, :G]  # greedy requests
     greedy = ~(params["temperature"] >= MIN_TEMPERATURE)  # NaN / subnormal act as greedy
     sampled = (~greedy).nonzero().squeeze(1)
-    chain = None
-    if sampled.numel() > 0:
+    chain = other = None
+    if sampled.numel() > 0 and sampled_rule is not None:
+        other = sampled_rule(args, params, x, flag_rows, tok, n, sampled)
+    elif sampled.numel() > 0:
         chain = _SampledChain(args, params, x, g_max, tok, n, sampled)
         accept[sampled] = chain.accept
     j = (accept & (pos[None, :G] < n[:, None])).to(torch.int64).cumprod(-1).sum(-1)  # first rejection
@@ -363,6 +369,8 @@ def verify_vectorized(args: VerifyArgs) -> VerifyOutput:
         js = j[sampled]
         flagged[sampled] |= chain.draft_flags(js)
         token[sampled] = chain.race(js)
+    if other is not None:
+        j[sampled], token[sampled], flagged[sampled] = other
     out = torch.cat([drafts, drafts.new_full((B, 1), -1)], 1)
     out = torch.where(pos[None, :] < j[:, None], out, torch.full_like(out, -1))
     out = torch.where(pos[None, :] == j[:, None], token[:, None], out)
