@@ -181,6 +181,7 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+@functools.cache  # one compiled cubin serves many launch rows: run its tools once
 def resources(cubin: Path) -> dict:
     """Registers, stack frame and spills of a compiled kernel. cuobjdump's LOCAL column is 0 when
     the spills live in the stack frame, so spills come from ptxas's own report on the kernel's PTX

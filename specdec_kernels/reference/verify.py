@@ -50,11 +50,11 @@ def verify_reference(
 
 def verify_checked(args, method: str = "token") -> VerifyOutput:
     """The reference on checked arguments (``_validation.VerifyArgs``); the torch backend.
-    method="block": the block rule of ``reference/block.py`` for every request."""
-    greedy = ~(args.per_request_cpu()["temperature"] >= MIN_TEMPERATURE)  # the argmax chain: both rules'
+    method="block": the block rule of ``reference/block.py`` for every sampled request."""
     B, G, V = args.B, args.G, args.V
     cpu = {k: v.cpu() for k, v in vars(args).items() if isinstance(v, torch.Tensor)}
     cpu.update(args.per_request_cpu())
+    greedy = ~(cpu["temperature"] >= MIN_TEMPERATURE)  # the argmax chain: the same under both rules
     tokens = torch.full((B, G + 1), -1, dtype=torch.int64)
     num_accepted = torch.zeros(B, dtype=torch.int32)
     nonfinite = torch.zeros(B, dtype=torch.bool)
