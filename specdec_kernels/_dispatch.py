@@ -44,7 +44,7 @@ from torch import Tensor
 from ._interpreter import require_triton_device
 from ._params import SamplingParams
 from ._tree_args import TreeArgs, validate_sharded_tree_values
-from ._types import BACKENDS, TreeVerifyOutput, VerifyOutput
+from ._types import BACKENDS, VERIFY_METHODS, TreeVerifyOutput, VerifyOutput
 from ._validation import VerifyArgs, validate_sharded_verify_values
 from .ops import csrc, vocab_parallel
 from .ops.triton.chain import launch_verify
@@ -251,7 +251,6 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     return candidates[chosen]()
 
 
-VERIFY_METHODS = ("token", "block")  # chain verification rules (sk.verify's method=)
 BLOCK_BACKENDS = ("auto", "vectorized", "torch")  # where method="block" is implemented (auto: vectorized)
 
 

@@ -17,6 +17,7 @@ DRAFT_PROBS = 2  # the exact probabilities the draft sampled from, used as given
 
 # Tree / multi-draft verification methods, with the id the kernels take.
 METHODS = {"kseq": 0, "rrs": 1, "rrs_wor": 2}
+VERIFY_METHODS = ("token", "block")  # chain verification rules: sk.verify's method=, the driver's verification=
 MAX_NODES = 64  # the tree walk keeps node sets as 64-bit masks
 MAX_DEPTH = 64
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._params import SEED_RANGE, check_temperature_value, check_top_p_ties
-from .._types import MAX_NODES, METHODS
+from .._types import MAX_NODES, METHODS, VERIFY_METHODS
 from . import medusa as _medusa
 from .processors import RowProcessor
 from .processors import check_processors as _check_processors
@@ -134,14 +134,11 @@ def _passed(kw: dict) -> dict:
     return {name: kw[name] for name in _PASSED}
 
 
-VERIFICATIONS = ("token", "block")
-
-
 def _check_verification(verification, cfg: SpecConfig) -> str:
     """verification=: block verification decides a chain's accepted prefix jointly (sk.verify's
     method="block"); trees (K > 1 chains, Medusa) have their own methods."""
-    if verification not in VERIFICATIONS:
-        raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
+    if verification not in VERIFY_METHODS:
+        raise ValueError(f"verification must be one of {VERIFY_METHODS}, got {verification!r}")
     if verification == "block" and (cfg.num_drafts > 1 or cfg.drafter == "medusa"):
         raise ValueError("verification='block' verifies chains: num_drafts=1 and a chain drafter (not medusa)")
     return verification
