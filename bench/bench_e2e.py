@@ -76,7 +76,6 @@ Usage
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
 from collections.abc import Callable
@@ -488,10 +487,7 @@ def compile_schema(pair: Pair, args) -> None:
 def run_pair(pair: Pair, sets: dict[str, list[str]], run: common.Run) -> list[dict]:
     args, meta = run.args, run.meta
     compile_schema(pair, args)
-    unavailable = functools.partial(
-        mode_unavailable, pair=pair, batch_size=args.batch_size, json_schema=args.json_schema
-    )
-    skipped = {m: why for m in args.modes if (why := unavailable(m))}
+    skipped = {m: why for m in args.modes if (why := mode_unavailable(m, pair, args.batch_size, args.json_schema))}
     for mode, why in skipped.items():
         print(f"[skip] {mode}: {why}", file=sys.stderr)
     modes = [m for m in args.modes if m not in skipped]
