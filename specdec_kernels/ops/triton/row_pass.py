@@ -39,10 +39,7 @@ from .helpers import (
     safe_max,
 )
 from .launch import TileSettings, vocab_chunks
-from .records import (  # noqa: F401 (re-exported: the chain and tree kernels read these records)
-    CUT_OF_THR,
-    CUT_Q,
-    CUT_T,
+from .records import (
     IDX_GREEDY,
     NUM_IDX,
     NUM_IDX_HOST,
@@ -50,10 +47,7 @@ from .records import (  # noqa: F401 (re-exported: the chain and tree kernels re
     NUM_STATS_HOST,
     NUM_THR,
     NUM_THR_HOST,
-    PHASE_CANDIDATES,
-    PHASE_SELECT,
     PHASE_STATS,
-    PHASE_WHOLE,
     STAT_BAD_Q,
     STAT_BAD_T,
     STAT_GMAX,
@@ -61,13 +55,9 @@ from .records import (  # noqa: F401 (re-exported: the chain and tree kernels re
     STAT_M_T,
     STAT_Z_Q,
     STAT_Z_T,
-    THR_Q,
-    THR_T,
-    load_cut,
     load_thresholds,
-    store_cut,
 )
-from .threshold_phases import (  # noqa: F401 (launch_threshold_phases, threshold_plan: re-exported for tree.py)
+from .threshold_phases import (
     ThresholdPlan,
     candidate_group,
     key_shift,

@@ -8,20 +8,8 @@ import triton.language as tl
 
 from ....reference import verify_tree as _ref_tree
 from ..helpers import DRAFT_LOGITS, DRAFT_PROBS, load_logits, load_probs
-from ..row_pass import (
-    CUT_Q,
-    CUT_T,
-    NUM_STATS,
-    NUM_THR,
-    STAT_M_Q,
-    STAT_M_T,
-    STAT_Z_Q,
-    STAT_Z_T,
-    THR_Q,
-    THR_T,
-    load_cut,
-    prob_of,
-)
+from ..records import CUT_Q, CUT_T, NUM_STATS, NUM_THR, STAT_M_Q, STAT_M_T, STAT_Z_Q, STAT_Z_T, THR_Q, THR_T, load_cut
+from ..row_pass import prob_of
 
 # K-SEQ's rho search: the reference's rule (reference.verify_tree.rho_step)
 RHO_POINTS = _ref_tree.RHO_POINTS

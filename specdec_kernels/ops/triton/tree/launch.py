@@ -8,15 +8,9 @@ import torch
 from ...._tree_args import TreeArgs
 from ...._types import TreeVerifyOutput
 from ..helpers import cdiv, next_pow2
-from ..row_pass import (
-    NUM_IDX_HOST,
-    NUM_STATS_HOST,
-    NUM_THR_HOST,
-    PHASE_STATS,
-    _verify_row_stats_kernel,
-    launch_threshold_phases,
-    merge_chunk_stats,
-)
+from ..records import NUM_IDX_HOST, NUM_STATS_HOST, NUM_THR_HOST, PHASE_STATS
+from ..row_pass import _verify_row_stats_kernel, merge_chunk_stats
+from ..threshold_phases import launch_threshold_phases
 from .common import POS_REC_HOST, RACE_F_HOST, RACE_I_HOST, RB_REC_HOST, RHO_POINTS, RHO_ROUNDS, RRS_MAX_HOST
 from .plan import TreePlan, plan_tree
 from .positions import _tree_positions_kernel

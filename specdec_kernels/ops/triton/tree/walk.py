@@ -18,7 +18,8 @@ from ..helpers import (
     request_seed,
     uniform_open,
 )
-from ..row_pass import IDX_GREEDY, NUM_IDX, NUM_STATS, STAT_BAD_Q, STAT_BAD_T, prob_of
+from ..records import IDX_GREEDY, NUM_IDX, NUM_STATS, STAT_BAD_Q, STAT_BAD_T
+from ..row_pass import prob_of
 from .common import (
     RB_GHI,
     RB_HI,
