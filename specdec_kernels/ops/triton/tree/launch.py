@@ -8,9 +8,7 @@ import torch
 from ...._tree_args import TreeArgs
 from ...._types import TreeVerifyOutput
 from ..helpers import cdiv, next_pow2
-from ..records import NUM_IDX_HOST, NUM_STATS_HOST, NUM_THR_HOST, PHASE_STATS
-from ..row_pass import _verify_row_stats_kernel, merge_chunk_stats
-from ..threshold_phases import launch_threshold_phases
+from ..row_pass import RowPassLayout, RowPassPlan, launch_row_stats
 from .common import POS_REC_HOST, RACE_F_HOST, RACE_I_HOST, RB_REC_HOST, RHO_POINTS, RHO_ROUNDS, RRS_MAX_HOST
 from .plan import TreePlan, plan_tree
 from .positions import _tree_positions_kernel
@@ -88,63 +86,19 @@ def _launch_positions(plan: TreePlan) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _launch_row_pass(plan: TreePlan, use: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row statistics of every used row (thresholds first where filtered), merged to one record per
-    row for the walk: (stats, idx, thr)."""
-    dev, rows, C = plan.args.target.device, plan.rows, plan.row_chunks
-    stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
-    idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
-    thr = torch.empty((rows if plan.has_filter else 1, NUM_THR_HOST), dtype=torch.float32, device=dev)
-    filters = plan.tplan.scratch(rows, dev) if plan.has_filter else (thr, thr)
-    bufs = (stats, idx, thr, *filters, use if use is not None else stats)
-
-    def row_pass(phase: int, rows_per_program: int, grid_chunks: int, chunks: int, chunk_size: int, warps: int):
-        _row_stats_launch(plan, bufs, use is not None, phase, rows_per_program, grid_chunks, chunks, chunk_size, warps)
-
-    if plan.has_filter:  # thresholds first (candidates per chunk, selection per row), then the statistics pass
-        launch_threshold_phases(row_pass, plan.tplan)
-    warps = 8 if plan.block_r * plan.block_v >= 2048 else 4
-    row_pass(PHASE_STATS.value, plan.block_r, C, C, plan.row_chunk, warps)
-    if C > 1:  # the walk reads one record per row
-        t_ptr, t_val, per_req_t = plan.params["temperature"]
-        a = plan.args
-        stats, idx = merge_chunk_stats(stats, idx, rows, a.K * (a.G + 1), t_ptr, t_val, per_req_t)
-    return stats, idx, thr
-
-
-def _row_stats_launch(
-    plan: TreePlan, bufs: tuple, row_use: bool, phase: int, rows_per_program: int, grid_chunks: int, chunks: int,
-    chunk_size: int, warps: int,
-) -> None:  # fmt: skip
-    """One launch of the row-statistics kernel shared with chain verification. Rows past a ragged
-    tree's last node are skipped: "n_b" of the row pass is the node count (row i of a single chain
-    belongs to node i - 1); chains of verify_multi are never ragged."""
-    stats, idx, thr, filter_buf, filter_int, use = bufs
-    target = plan.args.target
-    _verify_row_stats_kernel[(cdiv(plan.rows, rows_per_program), grid_chunks)](
-        **_row_args(plan),
-        **_sampling_args(plan, "temperature", "top_k", "top_p"),
-        draft_tokens_ptr=target,  # unused (placeholders are handled by the walk)
-        cu_ptr=target,  # unused (no flattened layout for trees)
-        num_draft_ptr=plan.n_ptr,
-        stats_ptr=stats,
-        idx_ptr=idx,
-        thr_ptr=thr,
-        filter_buf_ptr=filter_buf,
-        filter_int_ptr=filter_int,
-        use_ptr=use,
-        stride_xb=0,
-        chunk_size=chunk_size,
-        num_chunks=chunks,
-        PER_REQ_N=plan.per_req_n,
-        PHASE=phase,
-        **plan.tplan.constexprs,
-        PLACEHOLDERS_END=False,
-        GP2=1,
-        FLAT=False,
-        ROW_USE=row_use,
-        BLOCK_R=rows_per_program,
-        BLOCK_V=plan.block_v,
-        num_warps=warps,
+    row for the walk: (stats, idx, thr) - the row pass chain verification runs (``launch_row_stats``).
+    Rows past a ragged tree's last node are skipped: the pass's count of a request is its node count
+    (row i of a single chain belongs to node i - 1); chains of verify_multi are never ragged;
+    placeholder drafts are the walk's, not the row pass's."""
+    a = plan.args
+    layout = RowPassLayout(
+        a.target, a.draft, a.draft_mode, a.B, a.K, a.G, a.V, tuple(a.target.stride()[:3]), plan.d_strides,
+        counts=a.num_nodes, use=use,
+    )  # fmt: skip
+    rows = launch_row_stats(
+        layout, a.sampling, RowPassPlan(plan.row_tiles, plan.row_chunks, plan.row_chunk, plan.tplan)
     )
+    return rows.stats, rows.idx, rows.thr
 
 
 def _row_args(plan: TreePlan) -> dict:

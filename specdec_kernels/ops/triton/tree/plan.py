@@ -12,7 +12,7 @@ from ...._params import MIN_TEMPERATURE
 from ...._tree_args import TreeArgs
 from ...._types import METHODS
 from ..helpers import DRAFT_LOGITS, DRAFT_NONE, cdiv, next_pow2
-from ..launch import INTERPRETER_TILE, tile_settings
+from ..launch import INTERPRETER_TILE, TileSettings, tile_settings
 from ..threshold_phases import ThresholdPlan, threshold_plan
 from .common import RHO_POINTS, RRS_MAX_HOST
 
@@ -49,6 +49,7 @@ class TreePlan:
     block_v: int
     np2: int  # next power of two >= N (>= 2)
     block_r: int  # row pass: rows per program
+    row_tiles: TileSettings  # the row pass's tiles (block_v, block_r, warps)
     row_chunks: int
     row_chunk: int
     positions_block_b: int
@@ -131,6 +132,7 @@ def plan_tree(
         block_v=block_v,
         np2=np2,
         block_r=block_r,
+        row_tiles=tiles,
         row_chunks=row_chunks,
         row_chunk=row_chunk,
         positions_block_b=max(1, min(next_pow2(B), INTERPRETER_TILE // (np2 * np2))) if interpreted else 1,
