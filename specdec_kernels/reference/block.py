@@ -81,10 +81,6 @@ def verify_request_block(target, drafts, draft, mode, temperature, top_k, top_p,
     eta = [float(spec.uniforms(seed, 0, i, spec.PURPOSE_ACCEPT)) for i in range(n)]
     tau = block_tau(w, h, eta)
     if tau == n:
-        token = spec.exponential_race(spec.safe_log(ps[n]), seed, n, spec.PURPOSE_BONUS)
-        return n, max(token, 0), flagged
+        return n, spec.bonus_token(ps[n], seed, n), flagged
     residual = torch.clamp(w[tau] * ps[tau] - qs[tau], min=0)
-    token = spec.exponential_race(spec.safe_log(residual), seed, tau, spec.PURPOSE_RECOVER)
-    if token < 0:  # empty residual (rounding): fall back to p, as the token rule does
-        token = max(spec.exponential_race(spec.safe_log(ps[tau]), seed, tau, spec.PURPOSE_RECOVER), 0)
-    return tau, token, flagged
+    return tau, spec.recover_token(residual, ps[tau], seed, tau), flagged  # empty residual: p, as the token rule

@@ -140,3 +140,21 @@ def exponential_race(log_weights: torch.Tensor, seed: int, row: int, purpose: in
 def safe_log(w: torch.Tensor) -> torch.Tensor:
     """log w elementwise, -inf where w <= 0 (no warning, no NaN): the race's log-weights."""
     return torch.where(w > 0, torch.log(torch.where(w > 0, w, torch.ones_like(w))), torch.full_like(w, float("-inf")))
+
+
+def accept_uniforms(seed: int, row: int, k: int) -> list[float]:
+    """The accept tests' uniforms of candidates 0 .. k - 1 at `row`: counters (j, row, ACCEPT)."""
+    return [float(uniforms(seed, j, row, PURPOSE_ACCEPT)) for j in range(k)]
+
+
+def bonus_token(p: torch.Tensor, seed: int, row: int) -> int:
+    """The bonus token at `row`: a race over p (token 0 when p is empty: a flagged row)."""
+    return max(exponential_race(safe_log(p), seed, row, PURPOSE_BONUS), 0)
+
+
+def recover_token(residual: torch.Tensor, p: torch.Tensor, seed: int, row: int) -> int:
+    """The token drawn at `row` after every draft there was rejected: a race over the residual
+    weights; an empty residual (p == q to rounding) falls back to p, as the kernels do (token 0 when
+    p is empty too: a flagged row)."""
+    token = exponential_race(safe_log(residual), seed, row, PURPOSE_RECOVER)
+    return token if token >= 0 else max(exponential_race(safe_log(p), seed, row, PURPOSE_RECOVER), 0)

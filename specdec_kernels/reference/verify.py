@@ -13,33 +13,13 @@ from .._params import MIN_TEMPERATURE
 from .._types import VerifyOutput
 from .._validation import check_verify_args
 from .block import verify_request_block
-from .sampling import (
-    PURPOSE_ACCEPT,
-    PURPOSE_BONUS,
-    PURPOSE_RECOVER,
-    draft_distribution,
-    exponential_race,
-    processed_probs,
-    safe_log,
-    sanitize_logits,
-    uniforms,
-)
+from .sampling import accept_uniforms, bonus_token, draft_distribution, processed_probs, recover_token, sanitize_logits
 
 
 def verify_reference(
-    target_logits,
-    draft_tokens,
-    draft_logits=None,
-    *,
-    draft_probs=None,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    num_draft_tokens=None,
-    seed=None,
-    validate=True,
-    top_p_ties="keep",
-) -> VerifyOutput:
+    target_logits, draft_tokens, draft_logits=None, *, draft_probs=None, temperature=1.0, top_k=0, top_p=1.0,
+    num_draft_tokens=None, seed=None, validate=True, top_p_ties="keep",
+) -> VerifyOutput:  # fmt: skip
     """Same contract as :func:`specdec_kernels.verify`; see its docstring."""
     args = check_verify_args(
         target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, num_draft_tokens, seed,
@@ -100,25 +80,16 @@ def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, s
         p = processed_probs(target[i], temperature, top_k, top_p, ties)
         flagged |= not bool((p > 0).any())
         if i == n:  # all drafts accepted: bonus token from p_n
-            return n, _race_or_zero(safe_log(p), seed, i, PURPOSE_BONUS), flagged
+            return n, bonus_token(p, seed, i), flagged
         tok = drafts[i]  # in [0, V): n ends at the first placeholder
         q, bad_q = draft_distribution(draft[i] if draft is not None else None, mode, temperature, top_k, top_p, ties)
         flagged |= bad_q  # a draft row the request used held NaN / inf (or, as probabilities, < 0)
         if q is None:  # one-hot q (n-gram drafts): accept with probability p(x), residual = p without x
             q = torch.zeros(V, dtype=torch.float64)
             q[tok] = 1.0
-        u = float(uniforms(seed, 0, i, PURPOSE_ACCEPT))
+        (u,) = accept_uniforms(seed, i, 1)
         p_tok, q_tok = float(p[tok]), float(q[tok])
         if p_tok > 0 and u * q_tok <= p_tok:
             continue
-        residual = torch.clamp(p - q, min=0)
-        token = exponential_race(safe_log(residual), seed, i, PURPOSE_RECOVER)
-        if token < 0:  # empty residual (p == q to rounding): fall back to p, as the kernel does
-            token = _race_or_zero(safe_log(p), seed, i, PURPOSE_RECOVER)
-        return i, token, flagged
+        return i, recover_token(torch.clamp(p - q, min=0), p, seed, i), flagged
     raise AssertionError("unreachable")
-
-
-def _race_or_zero(log_w, seed, row, purpose) -> int:
-    token = exponential_race(log_w, seed, row, purpose)
-    return max(token, 0)

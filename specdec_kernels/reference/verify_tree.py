@@ -34,17 +34,7 @@ import torch
 from .._params import MIN_TEMPERATURE
 from .._tree_args import check_tree_args
 from .._types import TreeMetadata, TreeVerifyOutput
-from .sampling import (
-    PURPOSE_ACCEPT,
-    PURPOSE_BONUS,
-    PURPOSE_RECOVER,
-    draft_distribution,
-    exponential_race,
-    processed_probs,
-    safe_log,
-    sanitize_logits,
-    uniforms,
-)
+from .sampling import accept_uniforms, bonus_token, draft_distribution, processed_probs, recover_token, sanitize_logits
 
 # Why two rounds at least: the stop test needs a bracket whose acceptance gap is <= RHO_TOL, i.e. a
 # width of ~1e-4 in rho (dA/drho is 0.05-0.25 near rho*). Evenly spaced first-round points leave a gap
@@ -184,22 +174,9 @@ def kseq_scale(beta: float, k: int) -> float:
 
 
 def verify_tree_reference(
-    target_logits,
-    tree_tokens,
-    parents,
-    draft_logits=None,
-    *,
-    draft_probs=None,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    seed=None,
-    num_nodes=None,
-    method="kseq",
-    max_depth=None,
-    validate=True,
-    top_p_ties="keep",
-):
+    target_logits, tree_tokens, parents, draft_logits=None, *, draft_probs=None, temperature=1.0, top_k=0, top_p=1.0,
+    seed=None, num_nodes=None, method="kseq", max_depth=None, validate=True, top_p_ties="keep",
+):  # fmt: skip
     """Same contract as :func:`specdec_kernels.verify_tree`; see its docstring."""
     args = check_tree_args(
         target_logits, tree_tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p, seed, num_nodes,
@@ -209,19 +186,9 @@ def verify_tree_reference(
 
 
 def verify_multi_reference(
-    target_logits,
-    draft_tokens,
-    draft_logits=None,
-    *,
-    draft_probs=None,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    seed=None,
-    method="kseq",
-    validate=True,
-    top_p_ties="keep",
-):
+    target_logits, draft_tokens, draft_logits=None, *, draft_probs=None, temperature=1.0, top_k=0, top_p=1.0,
+    seed=None, method="kseq", validate=True, top_p_ties="keep",
+):  # fmt: skip
     """Same contract as :func:`specdec_kernels.verify_multi`; see its docstring."""
     args = check_tree_args(
         target_logits, draft_tokens, None, draft_logits, draft_probs, temperature, top_k, top_p, seed, None, method,
@@ -318,16 +285,13 @@ def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed, ties="keep
         p = processed_probs(row, temperature, top_k, top_p, ties)
         flagged |= not bool((p > 0).any())
         if not cands:  # leaf: bonus token
-            return _path_to(tree, accepted_node), max(exponential_race(safe_log(p), seed, r, PURPOSE_BONUS), 0), flagged
+            return _path_to(tree, accepted_node), bonus_token(p, seed, r), flagged
         draft_row = tree.draft_row(cands[0]) if tree.draft is not None else None
         q, bad_q = draft_distribution(draft_row, mode, temperature, top_k, top_p, ties)
         flagged |= bad_q  # the position's draft row held NaN / inf (or, as probabilities, < 0)
         chosen, residual = _choose(p, q, toks, method, seed, r)
         if chosen is None:
-            token = exponential_race(safe_log(residual), seed, r, PURPOSE_RECOVER)
-            if token < 0:
-                token = max(exponential_race(safe_log(p), seed, r, PURPOSE_RECOVER), 0)
-            return _path_to(tree, accepted_node), token, flagged
+            return _path_to(tree, accepted_node), recover_token(residual, p, seed, r), flagged
         accepted_node = cands[chosen]
         current = [c for c, t in zip(cands, toks, strict=False) if t == toks[chosen]]
         path_tokens += 1
@@ -344,7 +308,7 @@ def _path_to(tree: _Tree, node) -> list[int]:
 def _choose(p, q, toks, method, seed, r):
     """(index of the accepted candidate or None, residual weights when all are rejected)."""
     k = len(toks)
-    u = [float(uniforms(seed, j, r, PURPOSE_ACCEPT)) for j in range(k)]
+    u = accept_uniforms(seed, r, k)
     if q is None:  # one-hot drafts
         removed, mass = set(), 0.0
         for j, x in enumerate(toks):
