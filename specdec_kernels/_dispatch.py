@@ -399,19 +399,10 @@ def run_tree_sharded(
 
 @torch.library.custom_op("specdec::verify_chain", mutates_args=())
 def verify_chain_op(
-    target_logits: Tensor,
-    draft_tokens: Tensor,
-    draft: Tensor | None,
-    draft_mode: int,
-    sampling_tensors: list[Tensor | None],
-    sampling_scalars: list[float],
-    seed_t: Tensor | None,
-    seed: int,
-    num_draft_tokens: Tensor | None,
-    cu: Tensor | None,
-    max_drafts: int,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
+    target_logits: Tensor, draft_tokens: Tensor, draft: Tensor | None, draft_mode: int,
+    sampling_tensors: list[Tensor | None], sampling_scalars: list[float], seed_t: Tensor | None, seed: int,
+    num_draft_tokens: Tensor | None, cu: Tensor | None, max_drafts: int, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool (see ``sk.verify``)."""
     sampling = SamplingParams.from_op_args(sampling_tensors, sampling_scalars, seed_t, seed)
     args = VerifyArgs(target_logits, draft_tokens, draft, draft_mode, sampling, num_draft_tokens, cu, max_drafts)
@@ -444,20 +435,10 @@ def call_verify_chain(args: VerifyArgs, backend: str) -> VerifyOutput:
 
 @torch.library.custom_op("specdec::verify_tree", mutates_args=())
 def verify_tree_op(
-    target: Tensor,
-    tokens: Tensor,
-    parents: Tensor | None,
-    draft: Tensor | None,
-    draft_mode: int,
-    sampling_tensors: list[Tensor | None],
-    sampling_scalars: list[float],
-    seed_t: Tensor | None,
-    seed: int,
-    num_nodes: Tensor | None,
-    method: str,
-    max_depth: int,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    target: Tensor, tokens: Tensor, parents: Tensor | None, draft: Tensor | None, draft_mode: int,
+    sampling_tensors: list[Tensor | None], sampling_scalars: list[float], seed_t: Tensor | None, seed: int,
+    num_nodes: Tensor | None, method: str, max_depth: int, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """tokens [B, D+1] int64, num_accepted [B] int32, accepted_nodes [B, D] int64, nonfinite [B] bool.
 
     target [B, K, G+1, V], tokens [B, K, G] (the K-chains view of ``_tree_args``)."""

@@ -272,24 +272,13 @@ def verify_tree(
     return _run_tree(backend, *tree, num_nodes, method, max_depth, validate=validate, **options)
 
 
-def verify_multi(
-    target_logits: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    draft_logits: torch.Tensor | None = None,
-    *,
-    draft_probs: torch.Tensor | None = None,
-    temperature: float | torch.Tensor = 1.0,
-    top_k: int | torch.Tensor = 0,
-    top_p: float | torch.Tensor = 1.0,
-    top_p_ties: str = "keep",
-    seed: int | torch.Tensor | None = None,
-    method: str = "kseq",
-    validate: bool = True,
-    backend: str = "auto",
-    out_dtype: torch.dtype = torch.int64,
-    process_group=None,
-    vocab_size: int | None = None,
-) -> TreeVerifyOutput:
+def verify_multi(  # verify_tree's options less the tree's (parents, num_nodes, max_depth): one line a group
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_logits: torch.Tensor | None = None, *,
+    draft_probs: torch.Tensor | None = None, temperature: float | torch.Tensor = 1.0, top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0, top_p_ties: str = "keep", seed: int | torch.Tensor | None = None,
+    method: str = "kseq", validate: bool = True, backend: str = "auto", out_dtype: torch.dtype = torch.int64,
+    process_group=None, vocab_size: int | None = None,
+) -> TreeVerifyOutput:  # fmt: skip
     """Verify K independent draft chains per request (SpecTr multi-draft).
 
     Shapes: target_logits [B, K, G+1, V] (row [k, i] scores the token after chain k's first i
