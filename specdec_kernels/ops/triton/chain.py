@@ -56,25 +56,12 @@ from .helpers import (
     uniform_open,
 )
 from .launch import TileSettings, chunks_to_fill, tile_settings, vocab_chunks
-from .records import (
-    IDX_GREEDY,
-    NUM_IDX,
-    NUM_STATS,
-    NUM_THR,
-    STAT_BAD_Q,
-    STAT_BAD_T,
-    STAT_GMAX,
-    STAT_M_Q,
-    STAT_M_T,
-    STAT_Z_Q,
-    STAT_Z_T,
-    load_thresholds,
-)
+from .records import NUM_THR, load_thresholds
 from .row_pass import (
     RowPassLayout,
     RowPassPlan,
     RowStats,
-    combine_softmax,
+    combine_chunk_records,
     drafted,
     launch_row_stats,
     prob_of,
@@ -165,37 +152,6 @@ def _race_row_j(
 
 
 @triton.jit
-def _row_records(stats_ptr, idx_ptr, rows, row_ok, stat_chunks, inv_t):
-    """(m_t, z_t, m_q, z_q, greedy max, greedy index, count of non-finite entries) of each row
-    (rows, row_ok, inv_t: [BLOCK_B, ROWS] tiles) from its stat_chunks chunk records, combined."""
-    m_t = tl.full(rows.shape, float("-inf"), tl.float32)
-    z_t = tl.zeros(rows.shape, tl.float32)
-    m_q = tl.full(rows.shape, float("-inf"), tl.float32)
-    z_q = tl.zeros(rows.shape, tl.float32)
-    g_max = tl.full(rows.shape, float("-inf"), tl.float32)
-    g_idx = tl.zeros(rows.shape, tl.int32)
-    bad = tl.zeros(rows.shape, tl.float32)
-    for c in range(0, stat_chunks):
-        rec = (rows * stat_chunks + c) * NUM_STATS
-        irec = (rows * stat_chunks + c) * NUM_IDX
-        cm_t = tl.load(stats_ptr + rec + STAT_M_T, mask=row_ok, other=float("-inf"))
-        cz_t = tl.load(stats_ptr + rec + STAT_Z_T, mask=row_ok, other=0.0)
-        cm_q = tl.load(stats_ptr + rec + STAT_M_Q, mask=row_ok, other=float("-inf"))
-        cz_q = tl.load(stats_ptr + rec + STAT_Z_Q, mask=row_ok, other=0.0)
-        c_gmax = tl.load(stats_ptr + rec + STAT_GMAX, mask=row_ok, other=float("-inf"))
-        bad += tl.load(stats_ptr + rec + STAT_BAD_T, mask=row_ok, other=0.0) + tl.load(
-            stats_ptr + rec + STAT_BAD_Q, mask=row_ok, other=0.0
-        )
-        c_gidx = tl.load(idx_ptr + irec + IDX_GREEDY, mask=row_ok, other=0)
-        take = c_gmax > g_max  # strict: the earlier chunk keeps ties (lowest index)
-        g_max = tl.where(take, c_gmax, g_max)
-        g_idx = tl.where(take, c_gidx, g_idx)
-        m_t, z_t = combine_softmax(m_t, z_t, cm_t, cz_t, inv_t)
-        m_q, z_q = combine_softmax(m_q, z_q, cm_q, cz_q, inv_t)
-    return m_t, z_t, m_q, z_q, g_max, g_idx, bad
-
-
-@triton.jit
 def _first_rejection(
     t_rows, d_rows, x_rows, i, n_b, b_ok, greedy, seed, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, g_idx, inv_t,
     V, DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, ROWS: tl.constexpr,
@@ -271,7 +227,7 @@ def _verify_accept_kernel(
     BLOCK_V: tl.constexpr,
 ):
     """Combine each row's records, test every draft, and race over row j of each sampled request
-    (this program's vocabulary chunk): ``_row_records``, ``_first_rejection``, ``_race_row_j``."""
+    (this program's vocabulary chunk): ``combine_chunk_records``, ``_first_rejection``, ``_race_row_j``."""
     pid_b = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
@@ -290,7 +246,10 @@ def _verify_accept_kernel(
     row_ok = b_ok[:, None] & (i <= n_b[:, None])
     rows = b[:, None] * (G + 1) + i
     inv_t2 = inv_t[:, None] + tl.zeros([BLOCK_B, ROWS], tl.float32)
-    m_t, z_t, m_q, z_q, g_max, g_idx, bad = _row_records(stats_ptr, idx_ptr, rows, row_ok, stat_chunks, inv_t2)
+    m_t, z_t, m_q, z_q, g_max, g_idx, bad_t, bad_q = combine_chunk_records(
+        stats_ptr, idx_ptr, rows, row_ok, stat_chunks, inv_t2
+    )
+    bad = bad_t + bad_q
     sampled = row_ok & ~greedy[:, None]
     thr_t, cut_t, thr_q, cut_q = load_thresholds(
         thr_ptr + rows * NUM_THR, sampled, sampled & (i < n_b[:, None]), HAS_FILTER, DRAFT_MODE, BY_INDEX

@@ -357,37 +357,9 @@ def _combine_row_stats_kernel(
     ok = rows < R
     temperature = per_request(temperature_ptr, temperature, rows // ROWS_PER_REQUEST, ok, PER_REQ_T)
     _greedy, inv_t = inverse_temperature(temperature.to(tl.float32))
-    m_t = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    z_t = tl.zeros([BLOCK_R], tl.float32)
-    m_q = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    z_q = tl.zeros([BLOCK_R], tl.float32)
-    g_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    g_idx = tl.zeros([BLOCK_R], tl.int32)
-    bad_t = tl.zeros([BLOCK_R], tl.float32)
-    bad_q = tl.zeros([BLOCK_R], tl.float32)
-    for c in range(0, num_chunks):
-        rec = (rows * num_chunks + c) * NUM_STATS
-        c_gmax = tl.load(stats_ptr + rec + STAT_GMAX, mask=ok, other=float("-inf"))
-        c_gidx = tl.load(idx_ptr + (rows * num_chunks + c) * NUM_IDX + IDX_GREEDY, mask=ok, other=0)
-        take = c_gmax > g_max  # strict: the earlier chunk keeps ties (lowest index)
-        g_max = tl.where(take, c_gmax, g_max)
-        g_idx = tl.where(take, c_gidx, g_idx)
-        m_t, z_t = combine_softmax(
-            m_t,
-            z_t,
-            tl.load(stats_ptr + rec + STAT_M_T, mask=ok, other=float("-inf")),
-            tl.load(stats_ptr + rec + STAT_Z_T, mask=ok, other=0.0),
-            inv_t,
-        )
-        m_q, z_q = combine_softmax(
-            m_q,
-            z_q,
-            tl.load(stats_ptr + rec + STAT_M_Q, mask=ok, other=float("-inf")),
-            tl.load(stats_ptr + rec + STAT_Z_Q, mask=ok, other=0.0),
-            inv_t,
-        )
-        bad_t += tl.load(stats_ptr + rec + STAT_BAD_T, mask=ok, other=0.0)
-        bad_q += tl.load(stats_ptr + rec + STAT_BAD_Q, mask=ok, other=0.0)
+    m_t, z_t, m_q, z_q, g_max, g_idx, bad_t, bad_q = combine_chunk_records(
+        stats_ptr, idx_ptr, rows, ok, num_chunks, inv_t
+    )
     out = rows * NUM_STATS
     tl.store(out_stats_ptr + out + STAT_M_T, m_t, mask=ok)
     tl.store(out_stats_ptr + out + STAT_Z_T, z_t, mask=ok)
@@ -429,6 +401,37 @@ def combine_softmax(m, z, m_c, z_c, inv_t):
     ref = safe_max(m_new)
     z = z * tl.exp((m - ref) * inv_t) + z_c * tl.exp((m_c - ref) * inv_t)
     return m_new, z
+
+
+@triton.jit
+def combine_chunk_records(stats_ptr, idx_ptr, rows, ok, num_chunks, inv_t):
+    """(m_t, z_t, m_q, z_q, greedy max, greedy index, non-finite counts of target and draft) of each
+    row (rows, ok, inv_t: tiles of one shape) from its num_chunks chunk records of kernel 1, combined:
+    the chain's launch-free read and the tree's merge kernel."""
+    m_t = tl.full(rows.shape, float("-inf"), tl.float32)
+    z_t = tl.zeros(rows.shape, tl.float32)
+    m_q = tl.full(rows.shape, float("-inf"), tl.float32)
+    z_q = tl.zeros(rows.shape, tl.float32)
+    g_max = tl.full(rows.shape, float("-inf"), tl.float32)
+    g_idx = tl.zeros(rows.shape, tl.int32)
+    bad_t = tl.zeros(rows.shape, tl.float32)
+    bad_q = tl.zeros(rows.shape, tl.float32)
+    for c in range(0, num_chunks):
+        rec = (rows * num_chunks + c) * NUM_STATS
+        cm_t = tl.load(stats_ptr + rec + STAT_M_T, mask=ok, other=float("-inf"))
+        cz_t = tl.load(stats_ptr + rec + STAT_Z_T, mask=ok, other=0.0)
+        cm_q = tl.load(stats_ptr + rec + STAT_M_Q, mask=ok, other=float("-inf"))
+        cz_q = tl.load(stats_ptr + rec + STAT_Z_Q, mask=ok, other=0.0)
+        c_gmax = tl.load(stats_ptr + rec + STAT_GMAX, mask=ok, other=float("-inf"))
+        c_gidx = tl.load(idx_ptr + (rows * num_chunks + c) * NUM_IDX + IDX_GREEDY, mask=ok, other=0)
+        bad_t += tl.load(stats_ptr + rec + STAT_BAD_T, mask=ok, other=0.0)
+        bad_q += tl.load(stats_ptr + rec + STAT_BAD_Q, mask=ok, other=0.0)
+        take = c_gmax > g_max  # strict: the earlier chunk keeps ties (lowest index)
+        g_max = tl.where(take, c_gmax, g_max)
+        g_idx = tl.where(take, c_gidx, g_idx)
+        m_t, z_t = combine_softmax(m_t, z_t, cm_t, cz_t, inv_t)
+        m_q, z_q = combine_softmax(m_q, z_q, cm_q, cz_q, inv_t)
+    return m_t, z_t, m_q, z_q, g_max, g_idx, bad_t, bad_q
 
 
 @triton.jit
