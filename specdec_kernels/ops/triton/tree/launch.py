@@ -8,7 +8,7 @@ import torch
 from ...._tree_args import TreeArgs
 from ...._types import TreeVerifyOutput
 from ..helpers import cdiv, next_pow2
-from ..row_pass import RowPassLayout, RowPassPlan, launch_row_stats
+from ..row_pass import RowPassLayout, launch_row_stats
 from .common import POS_REC_HOST, RACE_F_HOST, RACE_I_HOST, RB_REC_HOST, RHO_POINTS, RHO_ROUNDS, RRS_MAX_HOST
 from .plan import TreePlan, plan_tree
 from .positions import _tree_positions_kernel
@@ -18,18 +18,9 @@ from .rrs import _tree_rrs_kernel
 from .walk import _tree_walk_kernel
 
 
-def launch_tree(
-    args: TreeArgs,
-    block_v: int | None = None,
-    num_chunks: int | None = None,
-    threshold_chunks: int | None = None,
-    threshold_capacity: int | None = None,
-) -> TreeVerifyOutput:
+def launch_tree(args: TreeArgs, *overrides) -> TreeVerifyOutput:
     """Run the launches of the package docstring on checked arguments (``_tree_args.check_tree_args``).
-
-    num_chunks / block_v override the launch plan (tests use them to split small vocabularies: the row
-    pass, the rho / RRS rounds and the race all take them); threshold_chunks / threshold_capacity make
-    the interpreter run the GPU's two-launch top-k/top-p thresholds (``row_pass.threshold_plan``)."""
+    overrides: ``plan_tree``'s, in its order (block_v, num_chunks, threshold_chunks, threshold_capacity)."""
     B, D = args.B, args.max_depth
     dev = args.target.device
     tokens = torch.empty((B, D + 1), dtype=torch.int64, device=dev)
@@ -39,7 +30,7 @@ def launch_tree(
     out = TreeVerifyOutput(tokens, num_accepted, nodes, nonfinite)
     if B == 0:
         return out
-    plan = plan_tree(args, block_v, num_chunks, threshold_chunks, threshold_capacity)
+    plan = plan_tree(args, *overrides)
     pos = use = None  # the row pass reads every row unless the positions say which are used
     if plan.with_positions:
         pos, use = _launch_positions(plan)
@@ -62,24 +53,7 @@ def _launch_positions(plan: TreePlan) -> tuple[torch.Tensor, torch.Tensor]:
     pos = torch.empty((a.B, a.N + 1, POS_REC_HOST), dtype=torch.int32, device=dev)
     use = torch.zeros((plan.rows, 2), dtype=torch.int8, device=dev)
     _tree_positions_kernel[(cdiv(a.B, plan.positions_block_b),)](
-        tokens_ptr=a.tokens,
-        parents_ptr=plan.parents,
-        num_nodes_ptr=plan.n_ptr,
-        pos_ptr=pos,
-        use_ptr=use,
-        stride_xb=a.tokens.stride(0),
-        stride_xk=a.tokens.stride(1),
-        stride_pb=plan.stride_pb,
-        B=a.B,
-        K=a.K,
-        G=a.G,
-        V=a.V,
-        N=a.N,
-        D=a.max_depth,
-        PER_REQ_N=plan.per_req_n,
-        CHAINS=a.parents is None,
-        NP2=plan.np2,
-        BLOCK_B=plan.positions_block_b,
+        **_tree_args(plan), pos_ptr=pos, use_ptr=use, B=a.B, K=a.K, G=a.G, V=a.V, BLOCK_B=plan.positions_block_b
     )
     return pos, use
 
@@ -95,9 +69,7 @@ def _launch_row_pass(plan: TreePlan, use: torch.Tensor | None) -> tuple[torch.Te
         a.target, a.draft, a.draft_mode, a.B, a.K, a.G, a.V, tuple(a.target.stride()[:3]), plan.d_strides,
         counts=a.num_nodes, use=use,
     )  # fmt: skip
-    rows = launch_row_stats(
-        layout, a.sampling, RowPassPlan(plan.row_tiles, plan.row_chunks, plan.row_chunk, plan.tplan)
-    )
+    rows = launch_row_stats(layout, a.sampling, plan.row_pass)
     return rows.stats, rows.idx, rows.thr
 
 
@@ -124,6 +96,37 @@ def _row_args(plan: TreePlan) -> dict:
     )
 
 
+def _tree_args(plan: TreePlan) -> dict:
+    """What the kernels that read the tree take (positions, walk): its tokens, parents and node
+    counts, their strides, and how they are laid out."""
+    a = plan.args
+    return dict(
+        tokens_ptr=a.tokens,
+        parents_ptr=plan.parents,
+        num_nodes_ptr=plan.n_ptr,
+        stride_xb=a.tokens.stride(0),
+        stride_xk=a.tokens.stride(1),
+        stride_pb=plan.stride_pb,
+        N=a.N,
+        D=a.max_depth,
+        PER_REQ_N=plan.per_req_n,
+        CHAINS=a.parents is None,
+        NP2=plan.np2,
+    )
+
+
+def _position_args(plan: TreePlan, pos: torch.Tensor, stats: torch.Tensor, thr: torch.Tensor) -> dict:
+    """What the kernels that sum over the vocabulary at each position take (rho, RRS): the rows,
+    the temperature, the positions and the row pass's records."""
+    rows = _row_args(plan) | _sampling_args(plan, "temperature")
+    return rows | dict(pos_ptr=pos, stats_ptr=stats, thr_ptr=thr, N=plan.args.N)
+
+
+def _race_args(race: tuple[torch.Tensor, ...]) -> dict:
+    """The walk's race records (race_i, race_f, race_zs, race_ds, race_xs), which the race reads."""
+    return {f"race_{name}_ptr": record for name, record in zip(("i", "f", "zs", "ds", "xs"), race, strict=True)}
+
+
 def _sampling_args(plan: TreePlan, *names: str) -> dict:
     """The per-request tensor (or a placeholder), the scalar and the flag of each sampling parameter
     named (temperature, top_k, top_p, seed), by the kernels' argument names."""
@@ -143,38 +146,17 @@ def _launch_rho(plan: TreePlan, pos: torch.Tensor, stats: torch.Tensor, thr: tor
     dev, P, C = plan.args.target.device, plan.P, plan.rho_chunks
     brk = torch.empty((P, RB_REC_HOST), dtype=torch.float32, device=dev)
     sums = torch.empty((P, C, RHO_POINTS), dtype=torch.float32, device=dev)
-    rows, temperature = _row_args(plan), _sampling_args(plan, "temperature")
+    at_positions, temperature = _position_args(plan, pos, stats, thr), _sampling_args(plan, "temperature")
+    rounds = dict(brk_ptr=brk, sums_ptr=sums, num_chunks=C, RHO_P=RHO_POINTS, num_warps=4)
     for rnd in range(RHO_ROUNDS):
         _tree_rho_kernel[(cdiv(P, plan.rho_block_p), C)](
-            **rows,
-            **temperature,
-            pos_ptr=pos,
-            stats_ptr=stats,
-            thr_ptr=thr,
-            brk_ptr=brk,
-            sums_ptr=sums,
-            N=plan.args.N,
-            chunk_size=plan.rho_chunk,
-            num_chunks=C,
-            rnd=rnd,
-            RHO_P=RHO_POINTS,
-            BLOCK_P=plan.rho_block_p,
+            **at_positions, **rounds, rnd=rnd, chunk_size=plan.rho_chunk, BLOCK_P=plan.rho_block_p,
             BLOCK_V=plan.rho_block_v,
-            num_warps=4,
-        )
+        )  # fmt: skip
         _tree_rho_step_kernel[(cdiv(P, plan.rho_step_block_p),)](
-            **temperature,
-            pos_ptr=pos,
-            brk_ptr=brk,
-            sums_ptr=sums,
-            B=plan.args.B,
-            N=plan.args.N,
-            num_chunks=C,
-            rnd=rnd,
-            RHO_P=RHO_POINTS,
+            **temperature, **rounds, rnd=rnd, pos_ptr=pos, B=plan.args.B, N=plan.args.N,
             BLOCK_P=plan.rho_step_block_p,
-            num_warps=4,
-        )
+        )  # fmt: skip
     return brk
 
 
@@ -183,24 +165,12 @@ def _launch_rrs(plan: TreePlan, pos: torch.Tensor, stats: torch.Tensor, thr: tor
     vocabulary: [RRS_MAX - 1, P, chunks] chunk sums."""
     C = plan.rrs_chunks
     rrs = torch.empty((RRS_MAX_HOST - 1, plan.P, C), dtype=torch.float32, device=plan.args.target.device)
-    rows, temperature = _row_args(plan), _sampling_args(plan, "temperature")
+    at_positions = _position_args(plan, pos, stats, thr)
     for rnd in range(1, plan.rrs_rounds + 1):
         _tree_rrs_kernel[(cdiv(plan.P, plan.rrs_block_p), C)](
-            **rows,
-            **temperature,
-            pos_ptr=pos,
-            stats_ptr=stats,
-            thr_ptr=thr,
-            sums_ptr=rrs,
-            N=plan.args.N,
-            chunk_size=plan.rrs_chunk,
-            num_chunks=C,
-            rnd=rnd,
-            WOR=plan.args.method == "rrs_wor",
-            BLOCK_P=plan.rrs_block_p,
-            BLOCK_V=plan.block_v,
-            num_warps=4,
-        )
+            **at_positions, sums_ptr=rrs, chunk_size=plan.rrs_chunk, num_chunks=C, rnd=rnd,
+            WOR=plan.args.method == "rrs_wor", BLOCK_P=plan.rrs_block_p, BLOCK_V=plan.block_v, num_warps=4,
+        )  # fmt: skip
     return rrs
 
 
@@ -209,7 +179,7 @@ def _launch_walk(
     brk: torch.Tensor, rrs: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """The walks; their races' records (race_i, race_f, race_zs, race_ds, race_xs)."""
-    a, dev, B, np2, D = plan.args, plan.args.target.device, plan.args.B, plan.np2, plan.args.max_depth
+    dev, B, np2, D = plan.args.target.device, plan.args.B, plan.np2, plan.args.max_depth
     race = (
         torch.empty((B, RACE_I_HOST), dtype=torch.int32, device=dev),
         torch.empty((B, RACE_F_HOST), dtype=torch.float32, device=dev),
@@ -217,75 +187,36 @@ def _launch_walk(
         torch.empty((B, np2), dtype=torch.float32, device=dev),
         torch.empty((B, np2), dtype=torch.int64, device=dev),
     )
-    _tree_walk_kernel[(cdiv(B, plan.walk_block_b),)](
-        **_row_args(plan),
-        **_sampling_args(plan, "temperature", "seed"),
-        tokens_ptr=a.tokens,
-        parents_ptr=plan.parents,
-        num_nodes_ptr=plan.n_ptr,
-        stats_ptr=stats,
-        idx_ptr=idx,
-        thr_ptr=thr,
+    outputs = dict(
         out_tokens_ptr=out.tokens,
         out_nodes_ptr=out.accepted_nodes,
         out_accepted_ptr=out.num_accepted,
         nonfinite_ptr=out.nonfinite,
-        brk_ptr=brk,
-        race_i_ptr=race[0],
-        race_f_ptr=race[1],
-        race_zs_ptr=race[2],
-        race_ds_ptr=race[3],
-        race_xs_ptr=race[4],
-        rrs_ptr=rrs,
-        stride_xb=a.tokens.stride(0),
-        stride_xk=a.tokens.stride(1),
-        stride_pb=plan.stride_pb,
         stride_ob=out.tokens.stride(0),
         stride_nb=out.accepted_nodes.stride(0) if D > 0 else 0,
-        N=a.N,
-        D=D,
-        rrs_chunks=plan.rrs_chunks if plan.with_positions and plan.rrs_rounds > 0 else 1,
-        PER_REQ_N=plan.per_req_n,
-        CHAINS=a.parents is None,
-        METHOD=plan.method,
-        BLOCK_B=plan.walk_block_b,
-        NP2=np2,
-        DP2=next_pow2(D + 1),
-        BLOCK_V=plan.block_v,
-        num_warps=4,
     )
+    _tree_walk_kernel[(cdiv(B, plan.walk_block_b),)](
+        **_row_args(plan), **_sampling_args(plan, "temperature", "seed"), **_tree_args(plan), **outputs,
+        **_race_args(race), stats_ptr=stats, idx_ptr=idx, thr_ptr=thr, brk_ptr=brk, rrs_ptr=rrs,
+        rrs_chunks=plan.rrs_chunks if plan.with_positions and plan.rrs_rounds > 0 else 1, METHOD=plan.method,
+        BLOCK_B=plan.walk_block_b, DP2=next_pow2(D + 1), BLOCK_V=plan.block_v, num_warps=4,
+    )  # fmt: skip
     return race
 
 
 def _launch_race(plan: TreePlan, race: tuple[torch.Tensor, ...], stats: torch.Tensor, thr: torch.Tensor, tokens):
     """The recovered / bonus tokens: each chunk's race winners, then their merge into `tokens`."""
     B, C, dev = plan.args.B, plan.race_chunks, plan.args.target.device
-    race_i, race_f, race_zs, race_ds, race_xs = race
     key = torch.empty((B, C, 2), dtype=torch.float32, device=dev)
     idx = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
     _tree_race_kernel[(cdiv(B, plan.race_block_b), C)](
-        **_row_args(plan),
-        **_sampling_args(plan, "temperature", "seed"),
-        stats_ptr=stats,
-        thr_ptr=thr,
-        race_i_ptr=race_i,
-        race_f_ptr=race_f,
-        race_zs_ptr=race_zs,
-        race_ds_ptr=race_ds,
-        race_xs_ptr=race_xs,
-        key_ptr=key,
-        idx_ptr=idx,
-        chunk_size=plan.race_chunk,
-        num_chunks=C,
-        METHOD=plan.method,
-        NP2=plan.np2,
-        BLOCK_B=plan.race_block_b,
-        BLOCK_V=plan.block_v,
-        num_warps=4,
-    )
+        **_row_args(plan), **_sampling_args(plan, "temperature", "seed"), **_race_args(race), stats_ptr=stats,
+        thr_ptr=thr, key_ptr=key, idx_ptr=idx, chunk_size=plan.race_chunk, num_chunks=C, METHOD=plan.method,
+        NP2=plan.np2, BLOCK_B=plan.race_block_b, BLOCK_V=plan.block_v, num_warps=4,
+    )  # fmt: skip
     fin = plan.finalize_block_b
     _tree_finalize_kernel[(cdiv(B, fin),)](
-        race_i_ptr=race_i,
+        race_i_ptr=race[0],
         key_ptr=key,
         idx_ptr=idx,
         out_tokens_ptr=tokens,

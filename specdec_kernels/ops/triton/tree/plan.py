@@ -12,8 +12,9 @@ from ...._params import MIN_TEMPERATURE
 from ...._tree_args import TreeArgs
 from ...._types import METHODS
 from ..helpers import DRAFT_LOGITS, DRAFT_NONE, cdiv, next_pow2
-from ..launch import INTERPRETER_TILE, TileSettings, tile_settings
-from ..threshold_phases import ThresholdPlan, threshold_plan
+from ..launch import INTERPRETER_TILE, tile_settings
+from ..row_pass import RowPassPlan
+from ..threshold_phases import threshold_plan
 from .common import RHO_POINTS, RRS_MAX_HOST
 
 RHO_GPU_BLOCK_V = 512  # the rho rounds hold [RHO_POINTS, BLOCK_V] accumulators
@@ -37,7 +38,6 @@ class TreePlan:
     (pointers of per-request parameters or placeholders, scalar values, per-request flags)."""
 
     args: TreeArgs
-    interpreted: bool
     rows: int  # row-statistics records: B * K * (G + 1)
     P: int  # positions: B * (N + 1)
     has_filter: bool
@@ -48,10 +48,7 @@ class TreePlan:
     # tiles and chunks
     block_v: int
     np2: int  # next power of two >= N (>= 2)
-    block_r: int  # row pass: rows per program
-    row_tiles: TileSettings  # the row pass's tiles (block_v, block_r, warps)
-    row_chunks: int
-    row_chunk: int
+    row_pass: RowPassPlan  # the row pass's tiles (block_v, block_r, warps), chunks and threshold phases
     positions_block_b: int
     walk_block_b: int
     rho_block_v: int
@@ -67,7 +64,6 @@ class TreePlan:
     race_chunks: int
     race_chunk: int
     finalize_block_b: int
-    tplan: ThresholdPlan
     # kernel arguments
     draft: torch.Tensor  # the target where there is no draft tensor (unused)
     d_strides: tuple[int, int, int]
@@ -91,21 +87,24 @@ def plan_tree(
     threshold_chunks: int | None = None,
     threshold_capacity: int | None = None,
 ) -> TreePlan:
-    """The plan of a call with B > 0 (overrides: see ``launch_tree``)."""
+    """The plan of a call with B > 0. num_chunks / block_v override the launch plan (tests use them to
+    split small vocabularies: the row pass, the rho / RRS rounds and the race all take them);
+    threshold_chunks / threshold_capacity make the interpreter run the GPU's two-launch top-k/top-p
+    thresholds (``threshold_phases.threshold_plan``)."""
     B, K, G, V, N = args.B, args.K, args.G, args.V, args.N
     target = args.target
     dev = target.device
     interpreted = plans_for_interpreter(dev)
     rows = B * K * (G + 1)
     tiles = tile_settings(V, rows, interpreted, block_v)  # the row pass's tiles (launch.py)
-    block_v, block_r, tile = tiles.block_v, tiles.block_r, tiles.tile
+    block_v, tile = tiles.block_v, tiles.tile
     np2 = max(2, next_pow2(N))
     has_filter = args.has_filter
     P = B * (N + 1)
     sms = 0 if interpreted else multiprocessors(dev)
     # Row pass: split rows so that a small batch still fills the GPU (~4 programs per SM). Filtered
     # rows are split too: their thresholds come from the threshold phases.
-    row_gpu = min(MAX_GPU_CHUNKS, max(1, cdiv(4 * sms, cdiv(rows, block_r)))) if sms else None
+    row_gpu = min(MAX_GPU_CHUNKS, max(1, cdiv(4 * sms, cdiv(rows, tiles.block_r)))) if sms else None
     row_chunks, row_chunk = vocab_split(V, block_v, num_chunks, row_gpu)
     # the rho and RRS rounds: a few positions per request have siblings, fill the GPU with chunks
     per_request = min(MAX_GPU_CHUNKS, cdiv(4 * sms, B)) if sms else None
@@ -119,9 +118,9 @@ def plan_tree(
     # The walk holds [BLOCK_B, NP2, NP2] tiles (and [BLOCK_B, NP2, BLOCK_V] ones in its rare RRS passes).
     walk_block_b = max(1, min(next_pow2(B), tile // max(block_v * RHO_POINTS, np2 * np2, 1))) if interpreted else 1
     rrs_rounds = 0 if kseq else min((K if args.parents is None else N) - 1, RRS_MAX_HOST - 1)
+    tplan = threshold_plan(target, rows, V, threshold_chunks, args.draft_mode == DRAFT_LOGITS, threshold_capacity)
     return TreePlan(
         args=args,
-        interpreted=interpreted,
         rows=rows,
         P=P,
         has_filter=has_filter,
@@ -131,10 +130,7 @@ def plan_tree(
         method=METHODS[args.method],
         block_v=block_v,
         np2=np2,
-        block_r=block_r,
-        row_tiles=tiles,
-        row_chunks=row_chunks,
-        row_chunk=row_chunk,
+        row_pass=RowPassPlan(tiles, row_chunks, row_chunk, tplan),
         positions_block_b=max(1, min(next_pow2(B), INTERPRETER_TILE // (np2 * np2))) if interpreted else 1,
         walk_block_b=walk_block_b,
         rho_block_v=rho_block_v,
@@ -150,7 +146,6 @@ def plan_tree(
         race_chunks=race_chunks,
         race_chunk=race_chunk,
         finalize_block_b=min(next_pow2(B), 128),
-        tplan=threshold_plan(target, rows, V, threshold_chunks, args.draft_mode == DRAFT_LOGITS, threshold_capacity),
         draft=args.draft if args.draft is not None else target,
         d_strides=(args.draft.stride(0), args.draft.stride(1), args.draft.stride(2))
         if args.draft is not None
