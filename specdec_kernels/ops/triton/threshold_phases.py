@@ -157,10 +157,10 @@ def _whole_rows(
 
 @triton.jit
 def _threshold_phase(
-    row_ptrs,  # [R, 1] pointers to the rows (target or draft)
-    slot,  # [R] scratch slot of each row: 2 * row (+ 1 for the draft)
-    ok,  # [R] rows that sample (greedy rows never filter)
-    thr_out,  # [R] pointers: where the thresholds go
+    row_ptrs,  # row_ptrs, slot, ok, thr_out: as for _whole_rows
+    slot,
+    ok,
+    thr_out,
     filter_buf_ptr,
     filter_int_ptr,
     RS,  # scratch slots in all: 2 * rows
