@@ -452,17 +452,7 @@ def bisect_threshold_ties(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.
     if tl.max(use_k.to(tl.int32), axis=0) > 0:
         lo = order_key(thr).to(tl.int64)
         hi = order_key(tl.full(inv_t.shape, float("inf"), tl.float32)).to(tl.int64)
-        for _step in range(32):
-            mid = lo + (hi - lo) // 2
-            count = tl.zeros(inv_t.shape, tl.int32)
-            for start in range(0, V, BLOCK_V):
-                cols = start + offs
-                x, _bad = load_logits(row_ptrs + cols, use_k[:, None] & (cols < V))
-                hit = (order_key(x).to(tl.int64) >= mid[:, None]) & (x > float("-inf"))
-                count += tl.sum(hit.to(tl.int32), axis=1)
-            ok = count >= top_k
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid)
+        lo = _bisect_key(row_ptrs, use_k, lo, hi, top_k, thr, thr, inv_t, V, BLOCK_V, False)
         thr = tl.where(use_k, key_to_float(lo), thr)
     if tl.max(use_p.to(tl.int32), axis=0) > 0:
         m = tl.full(inv_t.shape, float("-inf"), tl.float32)
@@ -475,18 +465,7 @@ def bisect_threshold_ties(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.
         m_ref = safe_max(m)
         lo = order_key(thr).to(tl.int64)
         hi = order_key(m).to(tl.int64) + 1
-        for _step in range(32):
-            mid = lo + (hi - lo) // 2
-            mass = tl.zeros(inv_t.shape, tl.float32)
-            for start in range(0, V, BLOCK_V):
-                cols = start + offs
-                x, _bad = load_logits(row_ptrs + cols, use_p[:, None] & (cols < V))
-                hit = (order_key(x).to(tl.int64) >= mid[:, None]) & (x >= thr[:, None])
-                mass += tl.sum(tl.where(hit, tl.exp((x - m_ref[:, None]) * inv_t[:, None]), 0.0), axis=1)
-            ok = mass >= goal
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid)
-        t_p = key_to_float(lo)
+        t_p = key_to_float(_bisect_key(row_ptrs, use_p, lo, hi, goal, thr, m_ref, inv_t, V, BLOCK_V, True))
         if TIES:  # the mass above t_p and the entries equal to it (all >= the top-k threshold)
             above = tl.zeros(inv_t.shape, tl.float32)
             n_tie = tl.zeros(inv_t.shape, tl.int32)
@@ -500,6 +479,33 @@ def bisect_threshold_ties(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.
             need = tie_need(above, w, goal, n_tie, use_p & (goal > 0.0))
         thr = tl.where(use_p, t_p, thr)
     return thr, need
+
+
+@triton.jit
+def _bisect_key(row_ptrs, use, lo, hi, goal, thr, m_ref, inv_t, V, BLOCK_V: tl.constexpr, MASS: tl.constexpr):
+    """``bisect_threshold_ties``'s search: the largest order key in [lo, hi) (32 passes over each row)
+    whose entries at or above it reach the goal: their count (top-k; -inf entries never count), or
+    with MASS their weight exp((x - m_ref) * inv_t) among the entries >= thr (top-p after top-k)."""
+    offs = tl.arange(0, BLOCK_V)[None, :]
+    for _step in range(32):
+        mid = lo + (hi - lo) // 2
+        if MASS:
+            total = tl.zeros(inv_t.shape, tl.float32)
+        else:
+            total = tl.zeros(inv_t.shape, tl.int32)
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            x, _bad = load_logits(row_ptrs + cols, use[:, None] & (cols < V))
+            at_or_above = order_key(x).to(tl.int64) >= mid[:, None]
+            if MASS:
+                weight = tl.exp((x - m_ref[:, None]) * inv_t[:, None])
+                total += tl.sum(tl.where(at_or_above & (x >= thr[:, None]), weight, 0.0), axis=1)
+            else:
+                total += tl.sum((at_or_above & (x > float("-inf"))).to(tl.int32), axis=1)
+        ok = total >= goal
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return lo
 
 
 @triton.jit
