@@ -175,8 +175,8 @@ def verify(
     return_logprobs / num_logprobs (0 .. 20): also return ``logprobs`` [B, G+1] float32, log p(token)
     under the processed target distribution of its position (NaN where tokens == -1), and the
     top-n ids / logprobs [B, G+1, n] of that distribution; greedy requests are scored at
-    temperature 1 with their top-k / top-p. A post-pass over the emitted rows (docs/verify.md);
-    not with process_group= or inside torch.compile yet (ValueError).
+    temperature 1 with their top-k / top-p. A post-pass over the emitted rows (docs/verify.md),
+    vocabulary shards included; not inside torch.compile yet (ValueError).
 
     Returns:
         VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool,
@@ -204,7 +204,8 @@ def verify(
         )  # fmt: skip
 
     if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
-        out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate)
+        lp = num_logprobs if logprobs else None
+        out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate, lp)
     else:
         args = checked()
         if method == "block":
@@ -222,8 +223,6 @@ def _logprobs_wanted(return_logprobs, num_logprobs, process_group) -> bool:
     """Whether the call returns logprobs; errors for bad options and paths without them."""
     if not check_logprobs_options(return_logprobs, num_logprobs):
         return False
-    if process_group is not None:
-        refuse_logprobs("process_group")
     if torch.compiler.is_compiling():
         refuse_logprobs("torch.compile")
     return True
@@ -381,7 +380,8 @@ def _run_tree(
             check_sharded_ties(args)
             return args, tree_args[-1] is None and not multi  # max_depth not given: the deepest tree
 
-        out = _dispatch.run_tree_sharded(checked, process_group, vocab_size, validate, multi)
+        lp = num_logprobs if logprobs else None
+        out = _dispatch.run_tree_sharded(checked, process_group, vocab_size, validate, multi, lp)
     else:
         backend = _dispatch.check_backend(backend)
         check_out_dtype(out_dtype)

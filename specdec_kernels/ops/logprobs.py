@@ -5,7 +5,8 @@ processes them once with the vectorized backend's row statistics (``ops/vectoriz
 sanitise, top-k / top-p thresholds with the call's tie rule, normaliser), so the fused kernels are
 not changed and every backend (and layout) gets the same numbers. Cost: one gather of at most
 B (G+1) rows and one processing pass over them; ``num_logprobs`` adds one ``torch.topk`` per row
-(no sort of the vocabulary). The specification is ``reference/logprobs.py``.
+(no sort of the vocabulary). The specification is ``reference/logprobs.py``. On vocabulary
+shards the same post-pass runs with the shards' scorer (``ops/vocab_parallel/logprobs.py``).
 
 The value at an emitted token x of row r: log p_r(x) = (x_r - max_r) / T - log Z_r on the entries
 temperature, top-k and top-p keep (-inf elsewhere), computed in float64 and returned as float32.
@@ -67,26 +68,27 @@ def _emitted(tokens: Tensor) -> tuple[Tensor, Tensor]:
     return b, d
 
 
-def chain_logprobs(args: VerifyArgs, out: VerifyOutput, num_logprobs: int, allowed: Tensor | None = None):
+def chain_logprobs(args: VerifyArgs, out: VerifyOutput, num_logprobs: int, allowed: Tensor | None = None, score=None):
     """``out`` with logprobs (and the top ``num_logprobs``) of its emitted tokens. allowed: an
     optional bool mask shaped like ``args.target_logits`` (False = the token is disallowed at that
-    row: -inf before processing)."""
+    row: -inf before processing). score: ``emitted_logprobs`` (default) or the vocabulary shards'
+    scorer (``ops/vocab_parallel/logprobs.py``)."""
     b, d = _emitted(out.tokens)
     if args.cu is None:
         index = (b, d)
     else:
         index = (args.cu[b] + b + d,)
-    fields = _fill(args, out.tokens, index, b, d, num_logprobs, allowed, args.target_logits)
+    fields = _fill(args, out.tokens, index, b, d, num_logprobs, allowed, args.target_logits, score)
     return replace(out, **fields)
 
 
-def tree_logprobs(args: TreeArgs, out: TreeVerifyOutput, num_logprobs: int, allowed: Tensor | None = None):
+def tree_logprobs(args: TreeArgs, out: TreeVerifyOutput, num_logprobs: int, allowed: Tensor | None = None, score=None):
     """``out`` with logprobs of the accepted path's tokens and the emitted one. allowed: an optional
-    bool mask shaped like ``args.target`` ([B, K, G+1, V])."""
+    bool mask shaped like ``args.target`` ([B, K, G+1, V]); score: as for :func:`chain_logprobs`."""
     b, d = _emitted(out.tokens)
     k_row, s_row = walk_rows(args, out.tokens, out.num_accepted)
     index = (b, k_row[b, d], s_row[b, d])
-    fields = _fill(args, out.tokens, index, b, d, num_logprobs, allowed, args.target)
+    fields = _fill(args, out.tokens, index, b, d, num_logprobs, allowed, args.target, score)
     return replace(out, **fields)
 
 
@@ -122,10 +124,17 @@ def walk_rows(args: TreeArgs, tokens: Tensor, num_accepted: Tensor) -> tuple[Ten
     return k_row, s_row
 
 
-def _fill(args, tokens: Tensor, index: tuple, b: Tensor, d: Tensor, num_logprobs: int, allowed, target) -> dict:
+def _fill(args, tokens: Tensor, index: tuple, b: Tensor, d: Tensor, num_logprobs: int, allowed, target, score) -> dict:
     """The output fields: logprobs (and the top-n) scattered to the emitted positions (b, d) of
     ``tokens``; ``index`` selects their rows of ``target``."""
     B, D1, dev = tokens.shape[0], tokens.shape[1], tokens.device
+    logprobs = torch.full((B, D1), float("nan"), dtype=torch.float32, device=dev)
+    fields = {"logprobs": logprobs}
+    if num_logprobs > 0:
+        fields["top_logprob_ids"] = torch.full((B, D1, num_logprobs), -1, dtype=torch.int64, device=dev)
+        fields["top_logprobs"] = torch.full((B, D1, num_logprobs), float("nan"), dtype=torch.float32, device=dev)
+    if b.numel() == 0:  # nothing emitted (B = 0); replicated, so vocabulary shards all skip together
+        return fields
     rows = target[index]  # [M, V]: only the emitted positions' rows
     if allowed is not None:
         rows = rows.masked_fill(~allowed[index], float("-inf"))
@@ -136,13 +145,10 @@ def _fill(args, tokens: Tensor, index: tuple, b: Tensor, d: Tensor, num_logprobs
     top_k = _per_request(sampling.top_k, B, torch.int64, dev)[b]
     top_p = _per_request(sampling.top_p, B, torch.float32, dev)[b].double()
     by_index = sampling.top_p_ties == "by_index"  # also for greedy rows: their top-p is active here
-    lp, ids, top = emitted_logprobs(rows, tokens[b, d], t, top_k, top_p, args.has_filter, by_index, num_logprobs)
-    logprobs = torch.full((B, D1), float("nan"), dtype=torch.float32, device=dev)
+    score = score or emitted_logprobs
+    lp, ids, top = score(rows, tokens[b, d], t, top_k, top_p, args.has_filter, by_index, num_logprobs)
     logprobs[b, d] = lp
-    fields = {"logprobs": logprobs}
     if num_logprobs > 0:
-        fields["top_logprob_ids"] = torch.full((B, D1, num_logprobs), -1, dtype=torch.int64, device=dev)
-        fields["top_logprobs"] = torch.full((B, D1, num_logprobs), float("nan"), dtype=torch.float32, device=dev)
         fields["top_logprob_ids"][b, d] = ids
         fields["top_logprobs"][b, d] = top
     return fields

@@ -282,9 +282,21 @@ def test_bad_options(kw, exc, op):
             sk.verify_multi(target[:, None], drafts[:, None], draft[:, None], **kw)
 
 
-def test_refused_with_process_group():
-    target, drafts, draft = make_problem(1, 2, 8)
-    with pytest.raises(ValueError, match="return_logprobs is not supported with process_group"):
-        sk.verify(target, drafts, draft, process_group=object(), return_logprobs=True)
-    with pytest.raises(ValueError, match="return_logprobs is not supported with process_group"):
-        sk.verify_tree(target, drafts, torch.tensor([[-1, 0]]), draft, process_group=object(), return_logprobs=True)
+@pytest.mark.parametrize("op", ["verify", "verify_tree", "verify_multi"])
+def test_one_rank_process_group(one_rank_group, op):
+    """process_group= with the whole vocabulary on one rank: the unsharded call's logprobs (the
+    shard collectives are exercised over 2-4 ranks in test_vocab_parallel.py)."""
+    target, drafts, draft = make_problem(3, 3, 40, seed=16)
+    kw = dict(temperature=torch.tensor([0.9, 0.0, 0.7]), top_k=torch.tensor([0, 5, 300]), top_p=0.9, seed=4)
+    kw.update(return_logprobs=True, num_logprobs=4)
+    if op == "verify":
+        call = lambda **more: sk.verify(target, drafts, draft, **kw, **more)  # noqa: E731
+    elif op == "verify_tree":
+        parents = torch.tensor([[-1, 0, 0]] * 3)
+        call = lambda **more: sk.verify_tree(target, drafts, parents, draft, **kw, **more)  # noqa: E731
+    else:
+        call = lambda **more: sk.verify_multi(target[:, None], drafts[:, None], draft[:, None], **kw, **more)  # noqa: E731
+    got, want = call(process_group=one_rank_group), call(backend="torch")
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.top_logprob_ids, want.top_logprob_ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=TOL, rtol=0, equal_nan=True)
+    torch.testing.assert_close(got.top_logprobs, want.top_logprobs, atol=TOL, rtol=0, equal_nan=True)
