@@ -82,7 +82,7 @@ from ._validation import (
     check_verify_call,
     check_vocab_size_use,
 )
-from .ops.logprobs import chain_logprobs, check_logprobs_options, refuse_logprobs, tree_logprobs
+from .ops.logprobs import chain_logprobs, check_logprobs_options, tree_logprobs
 
 
 def verify(
@@ -176,7 +176,7 @@ def verify(
     under the processed target distribution of its position (NaN where tokens == -1), and the
     top-n ids / logprobs [B, G+1, n] of that distribution; greedy requests are scored at
     temperature 1 with their top-k / top-p. A post-pass over the emitted rows (docs/verify.md),
-    vocabulary shards included; not inside torch.compile yet (ValueError).
+    vocabulary shards included; under torch.compile it runs eagerly after a graph break.
 
     Returns:
         VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool,
@@ -188,7 +188,7 @@ def verify(
     """
     check_vocab_size_use(process_group, vocab_size)
     _dispatch.check_verify_method(method, backend, process_group is not None)
-    logprobs = _logprobs_wanted(return_logprobs, num_logprobs, process_group)
+    logprobs = check_logprobs_options(return_logprobs, num_logprobs)
 
     def checked() -> VerifyArgs:
         if process_group is None:
@@ -217,15 +217,6 @@ def verify(
         if logprobs:
             out = chain_logprobs(args, out, num_logprobs)
     return out if out_dtype == torch.int64 else replace(out, tokens=out.tokens.to(out_dtype))
-
-
-def _logprobs_wanted(return_logprobs, num_logprobs, process_group) -> bool:
-    """Whether the call returns logprobs; errors for bad options and paths without them."""
-    if not check_logprobs_options(return_logprobs, num_logprobs):
-        return False
-    if torch.compiler.is_compiling():
-        refuse_logprobs("torch.compile")
-    return True
 
 
 def verify_tree(
@@ -370,7 +361,7 @@ def _run_tree(
 ) -> TreeVerifyOutput:
     """verify_tree and verify_multi: one check (``check_tree_args``), one dispatch."""
     check_vocab_size_use(process_group, vocab_size)
-    logprobs = _logprobs_wanted(return_logprobs, num_logprobs, process_group)
+    logprobs = check_logprobs_options(return_logprobs, num_logprobs)
     if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
 
         def checked():

@@ -51,11 +51,6 @@ def check_logprobs_options(return_logprobs, num_logprobs) -> bool:
     return return_logprobs
 
 
-def refuse_logprobs(where: str) -> None:
-    """ValueError for a call path that does not compute logprobs yet."""
-    raise ValueError(f"return_logprobs is not supported with {where} yet")
-
-
 def _per_request(value, B: int, dtype, device) -> Tensor:
     if isinstance(value, Tensor):
         return value.to(device=device, dtype=dtype)
@@ -68,6 +63,7 @@ def _emitted(tokens: Tensor) -> tuple[Tensor, Tensor]:
     return b, d
 
 
+@torch.compiler.disable  # inside torch.compile: a graph break, the post-pass runs eagerly
 def chain_logprobs(args: VerifyArgs, out: VerifyOutput, num_logprobs: int, allowed: Tensor | None = None, score=None):
     """``out`` with logprobs (and the top ``num_logprobs``) of its emitted tokens. allowed: an
     optional bool mask shaped like ``args.target_logits`` (False = the token is disallowed at that
@@ -82,6 +78,7 @@ def chain_logprobs(args: VerifyArgs, out: VerifyOutput, num_logprobs: int, allow
     return replace(out, **fields)
 
 
+@torch.compiler.disable  # inside torch.compile: a graph break, the post-pass runs eagerly
 def tree_logprobs(args: TreeArgs, out: TreeVerifyOutput, num_logprobs: int, allowed: Tensor | None = None, score=None):
     """``out`` with logprobs of the accepted path's tokens and the emitted one. allowed: an optional
     bool mask shaped like ``args.target`` ([B, K, G+1, V]); score: as for :func:`chain_logprobs`."""

@@ -300,3 +300,28 @@ def test_one_rank_process_group(one_rank_group, op):
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.top_logprob_ids, want.top_logprob_ids)
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=TOL, rtol=0, equal_nan=True)
     torch.testing.assert_close(got.top_logprobs, want.top_logprobs, atol=TOL, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_inside_torch_compile(fullgraph):
+    """The verification is the custom op in the graph; the post-pass runs eagerly after a graph
+    break (compiler.disable), which fullgraph=True refuses by name."""
+    target, drafts, draft = make_problem(3, 3, 32, seed=17)
+    parents = torch.tensor([[-1, 0, 0]] * 3)
+    kw = dict(temperature=0.8, top_k=6, seed=torch.arange(3), validate=False, backend="vectorized")
+    kw.update(return_logprobs=True, num_logprobs=2)
+
+    def step(t, x, q):
+        chain = sk.verify(t, x, q, **kw)
+        tree = sk.verify_tree(t, x, parents, q, max_depth=2, **kw)
+        return chain.tokens, chain.logprobs, chain.top_logprob_ids, tree.tokens, tree.logprobs
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=fullgraph)
+    if fullgraph:
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="chain_logprobs"):
+            compiled(target, drafts, draft)
+        return
+    got = compiled(target, drafts, draft)
+    for g, w in zip(got, step(target, drafts, draft), strict=True):
+        torch.testing.assert_close(g, w, atol=TOL, rtol=0, equal_nan=True)
