@@ -68,8 +68,6 @@ Non-finite inputs and placeholders:
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from . import _dispatch
@@ -216,7 +214,13 @@ def verify(
             out = _dispatch.run_verify(args, backend)
         if logprobs:
             out = chain_logprobs(args, out, num_logprobs)
-    return out if out_dtype == torch.int64 else replace(out, tokens=out.tokens.to(out_dtype))
+    if out_dtype == torch.int64:
+        return out
+    return VerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.nonfinite, *_logprob_fields(out))
+
+
+def _logprob_fields(out) -> tuple:
+    return out.logprobs, out.top_logprob_ids, out.top_logprobs
 
 
 def verify_tree(
@@ -385,4 +389,5 @@ def _run_tree(
             out = tree_logprobs(args, out, num_logprobs)
     if out_dtype == torch.int64:
         return out
-    return replace(out, tokens=out.tokens.to(out_dtype), accepted_nodes=out.accepted_nodes.to(out_dtype))
+    tokens, nodes = out.tokens.to(out_dtype), out.accepted_nodes.to(out_dtype)
+    return TreeVerifyOutput(tokens, out.num_accepted, nodes, out.nonfinite, *_logprob_fields(out))
