@@ -80,7 +80,7 @@ from ._validation import (
     check_verify_call,
     check_vocab_size_use,
 )
-from .ops.logprobs import chain_logprobs, check_logprobs_options, tree_logprobs
+from .ops.logprobs import chain_logprobs, logprobs_request, tree_logprobs
 
 
 def verify(
@@ -186,7 +186,7 @@ def verify(
     """
     check_vocab_size_use(process_group, vocab_size)
     _dispatch.check_verify_method(method, backend, process_group is not None)
-    logprobs = check_logprobs_options(return_logprobs, num_logprobs)
+    logprobs = logprobs_request(return_logprobs, num_logprobs)
 
     def checked() -> VerifyArgs:
         if process_group is None:
@@ -202,8 +202,7 @@ def verify(
         )  # fmt: skip
 
     if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
-        lp = num_logprobs if logprobs else None
-        out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate, lp)
+        out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate, logprobs)
     else:
         args = checked()
         if method == "block":
@@ -212,8 +211,8 @@ def verify(
             out = _dispatch.call_verify_chain(args, backend)
         else:
             out = _dispatch.run_verify(args, backend)
-        if logprobs:
-            out = chain_logprobs(args, out, num_logprobs)
+        if logprobs is not None:
+            out = chain_logprobs(args, out, logprobs)
     if out_dtype == torch.int64:
         return out
     return VerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.nonfinite, *_logprob_fields(out))
@@ -365,7 +364,7 @@ def _run_tree(
 ) -> TreeVerifyOutput:
     """verify_tree and verify_multi: one check (``check_tree_args``), one dispatch."""
     check_vocab_size_use(process_group, vocab_size)
-    logprobs = check_logprobs_options(return_logprobs, num_logprobs)
+    logprobs = logprobs_request(return_logprobs, num_logprobs)
     if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
 
         def checked():
@@ -375,8 +374,7 @@ def _run_tree(
             check_sharded_ties(args)
             return args, tree_args[-1] is None and not multi  # max_depth not given: the deepest tree
 
-        lp = num_logprobs if logprobs else None
-        out = _dispatch.run_tree_sharded(checked, process_group, vocab_size, validate, multi, lp)
+        out = _dispatch.run_tree_sharded(checked, process_group, vocab_size, validate, multi, logprobs)
     else:
         backend = _dispatch.check_backend(backend)
         check_out_dtype(out_dtype)
@@ -385,8 +383,8 @@ def _run_tree(
             out = _dispatch.call_verify_tree(args, backend)
         else:
             out = _dispatch.run_tree(args, backend)
-        if logprobs:
-            out = tree_logprobs(args, out, num_logprobs)
+        if logprobs is not None:
+            out = tree_logprobs(args, out, logprobs)
     if out_dtype == torch.int64:
         return out
     tokens, nodes = out.tokens.to(out_dtype), out.accepted_nodes.to(out_dtype)

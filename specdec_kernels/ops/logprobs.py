@@ -38,8 +38,9 @@ from .vectorized.chain import _kept_at, _row_stats, sanitize
 MAX_NUM_LOGPROBS = 20
 
 
-def check_logprobs_options(return_logprobs, num_logprobs) -> bool:
-    """Whether logprobs are wanted; TypeError / ValueError naming the bad option."""
+def logprobs_request(return_logprobs, num_logprobs) -> int | None:
+    """None (no logprobs) or the number of top logprobs asked for; TypeError / ValueError naming
+    the bad option."""
     if not isinstance(return_logprobs, bool):
         raise TypeError(f"return_logprobs must be a bool, got {return_logprobs!r}")
     if isinstance(num_logprobs, bool) or not isinstance(num_logprobs, int):
@@ -48,7 +49,7 @@ def check_logprobs_options(return_logprobs, num_logprobs) -> bool:
         raise ValueError(f"num_logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {num_logprobs}")
     if num_logprobs and not return_logprobs:
         raise ValueError(f"num_logprobs={num_logprobs} needs return_logprobs=True")
-    return return_logprobs
+    return num_logprobs if return_logprobs else None
 
 
 def _per_request(value, B: int, dtype, device) -> Tensor:
