@@ -325,3 +325,12 @@ def test_inside_torch_compile(fullgraph):
     got = compiled(target, drafts, draft)
     for g, w in zip(got, step(target, drafts, draft), strict=True):
         torch.testing.assert_close(g, w, atol=TOL, rtol=0, equal_nan=True)
+
+
+def test_one_rank_by_index_greedy_refused(one_rank_group):
+    """Greedy logprobs apply top-p (at temperature 1): the by_index rule, which shards lack, raises."""
+    target, drafts, draft = make_problem(2, 2, 16, seed=18)
+    kw = dict(temperature=0.0, top_p=0.5, top_p_ties="by_index", process_group=one_rank_group)
+    assert sk.verify(target, drafts, draft, **kw).logprobs is None  # without logprobs the rule changes nothing
+    with pytest.raises(ValueError, match="by_index"):
+        sk.verify(target, drafts, draft, **kw, return_logprobs=True)

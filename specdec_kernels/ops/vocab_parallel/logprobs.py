@@ -23,8 +23,14 @@ def sharded_scorer(shard: Shard):
     """``emitted_logprobs`` of ``ops/logprobs.py`` for this rank's shard of the rows (global ids)."""
 
     def score(rows, tok, t, top_k, top_p, filtered, by_index, n):
-        # by_index: refused for shards before any work (check_sharded_ties); filtered: thresholds
-        # finds the rows without filters itself
+        # filtered: thresholds finds the rows without filters itself. by_index: sampled requests are
+        # refused before any work (check_sharded_ties); greedy ones reach here, scored with top-p at
+        # temperature 1, where the rule matters. top_p is replicated: every rank raises.
+        if by_index and bool((top_p < 1.0).any()):
+            raise ValueError(
+                "top_p_ties='by_index' is not implemented for vocabulary shards (process_group=) yet: the "
+                "logprobs of greedy requests apply top-p"
+            )
         x, bad = sanitize(rows)
         gmax, _, _, _ = row_stats(shard, x, bad, None)
         everyone = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
