@@ -75,13 +75,15 @@ def test_chain_settings(setting, n):
     _check_chain(out, target, drafts, draft, n, **kw)
 
 
+@pytest.mark.parametrize("temperature", [torch.tensor([1.0, 0.0, 0.6]), 0.0], ids=["mixed", "greedy"])
 @pytest.mark.parametrize("ties", ["keep", "by_index"])
-def test_top_p_tie_rules(ties):
-    """Integer logits: tie groups straddle the top-p boundary, so the rules keep different sets."""
+def test_top_p_tie_rules(ties, temperature):
+    """Integer logits: tie groups straddle the top-p boundary, so the rules keep different sets
+    (also for greedy requests, whose logprobs apply top-p at temperature 1)."""
     gen = torch.Generator().manual_seed(1)
     target = torch.randint(-2, 3, (3, 3, 40), generator=gen).float()
     drafts = torch.randint(0, 40, (3, 2), generator=gen)
-    kw = dict(temperature=torch.tensor([1.0, 0.0, 0.6]), top_p=0.5, top_p_ties=ties)
+    kw = dict(temperature=temperature, top_p=0.5, top_p_ties=ties)
     out = sk.verify(target, drafts, seed=2, backend="vectorized", return_logprobs=True, num_logprobs=20, **kw)
     _check_chain(out, target, drafts, None, 20, **kw)
 
