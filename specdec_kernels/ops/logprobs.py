@@ -177,24 +177,25 @@ def emitted_logprobs(
 
 def top_n(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """(values, ids) [M, n] of the n largest entries of each row of x [M, V], descending, ties by
-    lower index (padding -inf / 0 past V): one ``torch.topk``, whose choice among equal values at
-    the n-th place is fixed up in the rows where it matters."""
+    lower index (padding -inf / 0 past V): one ``torch.topk`` of width n + 1, whose choice among
+    equal values at the n-th place is fixed up in the rows where a tie group straddles it."""
     M, V = x.shape
     k = min(n, V)
-    vals, ids = torch.topk(x, k, dim=-1)
+    vals, ids = torch.topk(x, min(n + 1, V), dim=-1)
     if k > 0:
-        kth = vals[:, -1:]
-        tied = (x == kth).sum(-1)
-        need = k - (x > kth).sum(-1)
-        fix = ((tied > need) & (kth[:, 0] > float("-inf"))).nonzero().squeeze(1)
-        if fix.numel() > 0:  # the boundary tie group is larger than its seats: the lowest indices
-            xf, kf = x[fix], kth[fix]
-            at = xf == kf
-            take = (xf > kf) | (at & (at.cumsum(-1) <= need[fix, None]))
+        fix = torch.zeros(M, dtype=torch.bool, device=x.device)
+        if vals.shape[1] > k:  # the (k+1)-th equals the k-th: topk may have seated any of the group
+            fix = (vals[:, k] == vals[:, k - 1]) & (vals[:, k - 1] > float("-inf"))
+        vals, ids = vals[:, :k], ids[:, :k]
+        fix = fix.nonzero().squeeze(1)
+        if fix.numel() > 0:  # seat the boundary tie group's lowest indices
+            xf, kth = x[fix], vals[fix, k - 1 :]
+            at = xf == kth
+            need = k - (xf > kth).sum(-1, keepdim=True)
+            take = (xf > kth) | (at & (at.cumsum(-1) <= need))
             ids[fix] = take.nonzero()[:, 1].reshape(-1, k)
         ids = ids.sort(-1).values  # ascending index, then a stable sort by value: ties by index
-        vals = x.gather(1, ids)
-        vals, order = vals.sort(dim=-1, descending=True, stable=True)
+        vals, order = x.gather(1, ids).sort(dim=-1, descending=True, stable=True)
         ids = ids.gather(1, order)
     if k < n:
         vals = torch.cat([vals, vals.new_full((M, n - k), float("-inf"))], 1)

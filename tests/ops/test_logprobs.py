@@ -260,6 +260,21 @@ def test_top_n_ties_by_lower_index():
     assert vals.shape == (2, 8) and bool((vals[:, 6:] == float("-inf")).all())
 
 
+def test_top_n_equals_stable_sort():
+    """Random rows with many ties and -inf entries: top_n is the head of a stable descending sort."""
+    gen = torch.Generator().manual_seed(19)
+    for _ in range(200):
+        V, n = int(torch.randint(1, 30, (1,), generator=gen)), int(torch.randint(1, 21, (1,), generator=gen))
+        x = torch.randint(-3, 3, (3, V), generator=gen).float()
+        x[torch.rand(3, V, generator=gen) < 0.2] = float("-inf")
+        vals, ids = top_n(x, n)
+        want_vals, want_ids = torch.sort(x, descending=True, stable=True)
+        k = min(n, V)
+        finite = want_vals[:, :k] > float("-inf")
+        assert torch.equal(vals[:, :k], want_vals[:, :k]) and bool((vals[:, k:] == float("-inf")).all())
+        assert torch.equal(ids[:, :k][finite], want_ids[:, :k][finite])
+
+
 @pytest.mark.parametrize(
     "kw, exc",
     [
