@@ -30,7 +30,7 @@ from torch import Tensor
 from .._params import MIN_TEMPERATURE
 from .._tree_args import TreeArgs
 from .._types import TreeVerifyOutput, VerifyOutput
-from .._validation import VerifyArgs
+from .._validation import VerifyArgs, _capturing
 from .vectorized.chain import _kept_at, _row_stats, sanitize
 
 # At most this many top logprobs per position: the OpenAI API's top_logprobs limit, which vLLM and
@@ -59,7 +59,10 @@ def _per_request(value, B: int, dtype, device) -> Tensor:
 
 
 def _emitted(tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """(b, d) of the emitted positions (tokens != -1) of a [B, D+1] token tensor."""
+    """(b, d) of the emitted positions (tokens != -1) of a [B, D+1] token tensor (the post-pass's
+    first step and first host synchronisation)."""
+    if _capturing(tokens.device):
+        raise ValueError("return_logprobs synchronises with the host: it cannot be captured in a CUDA graph")
     b, d = (tokens >= 0).nonzero(as_tuple=True)
     return b, d
 

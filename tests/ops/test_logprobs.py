@@ -351,3 +351,12 @@ def test_one_rank_by_index_greedy_refused(one_rank_group):
     assert sk.verify(target, drafts, draft, **kw).logprobs is None  # without logprobs the rule changes nothing
     with pytest.raises(ValueError, match="by_index"):
         sk.verify(target, drafts, draft, **kw, return_logprobs=True)
+
+
+def test_refused_during_cuda_graph_capture(monkeypatch):
+    from specdec_kernels.ops import logprobs
+
+    monkeypatch.setattr(logprobs, "_capturing", lambda device: True)
+    target, drafts, draft = make_problem(1, 2, 8)
+    with pytest.raises(ValueError, match="CUDA graph"):
+        sk.verify(target, drafts, draft, backend="vectorized", return_logprobs=True)
