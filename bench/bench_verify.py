@@ -20,7 +20,8 @@ Modes: ``stochastic`` (temperature 1, draft logits), ``greedy`` (temperature 0; 
 passed but not counted as must-read bytes: greedy verification never needs them), ``ngram``
 (temperature 1, no draft logits: one-hot q, as for n-gram / prompt-lookup drafters),
 ``topk_topp`` (temperature 1, top_k=50, top_p=0.9), ``t0.7`` and ``t0.7_topk_topp`` (the same
-at temperature 0.7).
+at temperature 0.7), ``t0.7_topk_topp_logprobs`` (that with ``return_logprobs=True,
+num_logprobs=5``: the post-pass's cost, for the sk providers).
 
 Columns (``median_us``, ``GBps``, ``floor_us``, ``frac_of_floor``, ``copy_GBps``: ``bench/_common.py``):
 
@@ -51,7 +52,7 @@ from _baselines import eager_verify, probs_from_logits  # noqa: E402
 PROVIDERS = ("eager", "reference", "ours", "cuda", "auto", "vectorized")
 # Providers also timed as a CUDA-graph replay (graph_us): compiled kernels, no host synchronisation.
 GRAPH_PROVIDERS = ("ours", "cuda")
-MODES = ("stochastic", "greedy", "ngram", "topk_topp", "t0.7", "t0.7_topk_topp")
+MODES = ("stochastic", "greedy", "ngram", "topk_topp", "t0.7", "t0.7_topk_topp", "t0.7_topk_topp_logprobs")
 AXES = {
     "B": common.Axis("batch sizes", (1, 8, 64, 256), (2,)),
     "G": common.Axis("draft lengths", (1, 4, 8), (2,)),
@@ -85,6 +86,7 @@ class Mode:
     top_p: float = 1.0
     passes_draft_logits: bool = True  # False: one-hot q (n-gram drafter)
     needs_draft_logits: bool = True  # False: a verifier never has to read them (greedy)
+    num_logprobs: int | None = None  # return_logprobs=True with this many top logprobs (sk providers only)
 
 
 MODE_SETTINGS = {
@@ -94,6 +96,8 @@ MODE_SETTINGS = {
     "topk_topp": Mode("topk_topp", temperature=1.0, top_k=50, top_p=0.9),
     "t0.7": Mode("t0.7", temperature=0.7),
     "t0.7_topk_topp": Mode("t0.7_topk_topp", temperature=0.7, top_k=50, top_p=0.9),
+    # the cost of return_logprobs (the post-pass): compare with the t0.7_topk_topp rows
+    "t0.7_topk_topp_logprobs": Mode("t0.7_topk_topp_logprobs", temperature=0.7, top_k=50, top_p=0.9, num_logprobs=5),
 }
 
 
@@ -155,6 +159,8 @@ def provider_fn(provider: str, inputs: VerifyInputs, mode: Mode, validate: bool)
     import specdec_kernels as sk  # lazy: TRITON_INTERPRET must be decided before this import
 
     backend = {"ours": "triton"}.get(provider, provider)
+    if mode.num_logprobs is not None:
+        sampling.update(return_logprobs=True, num_logprobs=mode.num_logprobs)
     # Host-side value checks synchronise with the device; an engine's hot loop turns them off.
     return lambda: _as_pair(sk.verify(*args, **sampling, seed=inputs.seeds, validate=validate, backend=backend))
 
@@ -218,6 +224,8 @@ def run_shape(B: int, G: int, V: int, mode: Mode, run: common.Run) -> list[dict]
     outputs = {}
 
     def skip(provider: str) -> str | None:
+        if mode.num_logprobs is not None and provider in ("eager", "reference"):
+            return "it computes no logprobs (compare with the mode without them)"
         if provider == "reference" and reference_too_slow(B, G, V) and not args.all_providers:
             return f"B*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}; --all-providers to force"
         return cuda_unavailable(args.device) if provider == "cuda" else None

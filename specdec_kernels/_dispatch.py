@@ -47,11 +47,13 @@ from ._tree_args import TreeArgs, validate_sharded_tree_values
 from ._types import BACKENDS, VERIFY_METHODS, TreeVerifyOutput, VerifyOutput
 from ._validation import VerifyArgs, validate_sharded_verify_values
 from .ops import csrc, vocab_parallel
+from .ops.logprobs import chain_logprobs, tree_logprobs
 from .ops.triton.chain import launch_verify
 from .ops.triton.tree import launch_tree
 from .ops.vectorized.block import verify_block_vectorized
 from .ops.vectorized.chain import verify_vectorized
 from .ops.vectorized.tree import verify_tree_vectorized
+from .ops.vocab_parallel.logprobs import sharded_scorer
 from .reference.verify import verify_checked as reference_verify
 from .reference.verify_tree import verify_tree_checked as reference_tree
 
@@ -346,9 +348,12 @@ def _capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def run_verify_sharded(check: Callable[[], VerifyArgs], process_group, vocab_size, validate: bool) -> VerifyOutput:
+def run_verify_sharded(
+    check: Callable[[], VerifyArgs], process_group, vocab_size, validate: bool, num_logprobs: int | None = None
+) -> VerifyOutput:
     """Chain verification over vocabulary shards. ``check`` returns this rank's checked arguments
-    (shapes only: ids are global, checked here against the full vocabulary)."""
+    (shapes only: ids are global, checked here against the full vocabulary). num_logprobs: None,
+    or the logprobs post-pass (``ops/logprobs.py``) on the shards with that many top logprobs."""
     args, error = _local_check(check)
     device = _group_device(process_group, args, "target_logits")
     validate = validate and not _capturing(device)
@@ -359,15 +364,23 @@ def run_verify_sharded(check: Callable[[], VerifyArgs], process_group, vocab_siz
     )
     if validate:  # the replicated arguments are equal on every rank (checksum): the same verdict everywhere
         validate_sharded_verify_values(args, shard.V)
-    return vocab_parallel.verify_chain_sharded(shard, args.padded())
+    out = vocab_parallel.verify_chain_sharded(shard, args.padded())
+    if num_logprobs is not None:
+        out = chain_logprobs(args, out, num_logprobs, score=sharded_scorer(shard))
+    return out
 
 
 def run_tree_sharded(
-    check: Callable[[], tuple[TreeArgs, bool]], process_group, vocab_size, validate: bool, multi: bool
+    check: Callable[[], tuple[TreeArgs, bool]],
+    process_group,
+    vocab_size,
+    validate: bool,
+    multi: bool,
+    num_logprobs: int | None = None,
 ) -> TreeVerifyOutput:
     """Tree / multi-draft verification over vocabulary shards. ``check`` returns (this rank's
     checked arguments, whether max_depth may shrink to the deepest tree as the unsharded call's
-    validation does)."""
+    validation does); num_logprobs as for :func:`run_verify_sharded`."""
     checked, error = _local_check(check)
     args, tighten = checked if checked is not None else (None, False)
     device = _group_device(process_group, args, "target")
@@ -380,7 +393,10 @@ def run_tree_sharded(
         depth = validate_sharded_tree_values(args, shard.V, multi)
         if tighten and depth is not None:
             args.max_depth = depth
-    return vocab_parallel.verify_tree_sharded(shard, args)
+    out = vocab_parallel.verify_tree_sharded(shard, args)
+    if num_logprobs is not None:
+        out = tree_logprobs(args, out, num_logprobs, score=sharded_scorer(shard))
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,11 +34,17 @@ class VerifyOutput:
     nonfinite:    [B] bool: the request met a NaN/+inf logit (treated as -inf), an unusable
                   draft_probs entry (NaN, +inf or negative; treated as 0) or a row with no finite
                   logit in a row it used; its tokens are valid ids but you may want to abort it.
+    logprobs, top_logprob_ids, top_logprobs: None unless asked for (``return_logprobs=True``,
+                  ``num_logprobs=n``): [B, G+1] float32 log p(token) under its position's processed
+                  target distribution (NaN where tokens == -1); [B, G+1, n] int64 / float32 top-n.
     """
 
     tokens: torch.Tensor
     num_accepted: torch.Tensor
     nonfinite: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_logprob_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
 @dataclass
@@ -51,12 +57,17 @@ class TreeVerifyOutput:
                     for verify_multi node = chain * G + slot. Use it to compact the KV cache.
     nonfinite:      [B] bool: the request met NaN/+inf logits (treated as -inf), unusable draft_probs
                     entries (NaN, +inf, negative; treated as 0) or an empty row.
+    logprobs, top_logprob_ids, top_logprobs: None unless asked for; as in VerifyOutput, [B, D+1]
+                    and [B, D+1, n], for the accepted path and the emitted token.
     """
 
     tokens: torch.Tensor
     num_accepted: torch.Tensor
     accepted_nodes: torch.Tensor
     nonfinite: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_logprob_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
 @dataclass

@@ -80,6 +80,7 @@ from ._validation import (
     check_verify_call,
     check_vocab_size_use,
 )
+from .ops.logprobs import chain_logprobs, logprobs_request, tree_logprobs
 
 
 def verify(
@@ -104,6 +105,8 @@ def verify(
     process_group=None,
     vocab_size: int | None = None,
     method: str = "token",
+    return_logprobs: bool = False,
+    num_logprobs: int = 0,
 ) -> VerifyOutput:
     """Verify one draft chain per request; the emitted tokens are exactly target-distributed.
 
@@ -167,8 +170,15 @@ def verify(
 
     Vocabulary parallel (process_group=, vocab_size=): see this module's docstring.
 
+    return_logprobs / num_logprobs (0 .. 20): also return ``logprobs`` [B, G+1] float32, log p(token)
+    under the processed target distribution of its position (NaN where tokens == -1), and the
+    top-n ids / logprobs [B, G+1, n] of that distribution; greedy requests are scored at
+    temperature 1 with their top-k / top-p. A post-pass over the emitted rows (docs/verify.md),
+    vocabulary shards included; under torch.compile it runs eagerly after a graph break.
+
     Returns:
-        VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool).
+        VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool,
+        and the logprobs fields when asked for, else None).
 
     Example:
         >>> out = sk.verify(target_logits, draft_tokens, draft_logits, temperature=0.7, seed=seeds)
@@ -176,6 +186,7 @@ def verify(
     """
     check_vocab_size_use(process_group, vocab_size)
     _dispatch.check_verify_method(method, backend, process_group is not None)
+    logprobs = logprobs_request(return_logprobs, num_logprobs)
 
     def checked() -> VerifyArgs:
         if process_group is None:
@@ -190,15 +201,25 @@ def verify(
             sharded=process_group is not None,
         )  # fmt: skip
 
-    if method == "block":
-        out = _dispatch.run_verify_block(checked(), backend)
-    elif process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
-        out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate)
-    elif torch.compiler.is_compiling():  # one opaque custom op in the graph
-        out = _dispatch.call_verify_chain(checked(), backend)
+    if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
+        out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate, logprobs)
     else:
-        out = _dispatch.run_verify(checked(), backend)
-    return out if out_dtype == torch.int64 else VerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.nonfinite)
+        args = checked()
+        if method == "block":
+            out = _dispatch.run_verify_block(args, backend)
+        elif torch.compiler.is_compiling():  # one opaque custom op in the graph
+            out = _dispatch.call_verify_chain(args, backend)
+        else:
+            out = _dispatch.run_verify(args, backend)
+        if logprobs is not None:
+            out = chain_logprobs(args, out, logprobs)
+    if out_dtype == torch.int64:
+        return out
+    return VerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.nonfinite, *_logprob_fields(out))
+
+
+def _logprob_fields(out) -> tuple:
+    return out.logprobs, out.top_logprob_ids, out.top_logprobs
 
 
 def verify_tree(
@@ -221,6 +242,8 @@ def verify_tree(
     out_dtype: torch.dtype = torch.int64,
     process_group=None,
     vocab_size: int | None = None,
+    return_logprobs: bool = False,
+    num_logprobs: int = 0,
 ) -> TreeVerifyOutput:
     """Verify a token tree of drafts per request; the emitted tokens are exactly target-distributed.
 
@@ -251,6 +274,8 @@ def verify_tree(
                        collectives of :func:`verify`, plus the K-SEQ rho search (at most 3
                        all-reduces of 8 sums of min(rho q, p)) or, for RRS, one lookup and one sum
                        per candidate.
+        return_logprobs, num_logprobs: as for :func:`verify`, for the accepted path and the emitted
+                       token; position d is scored by the row the walk used there (docs/verify.md).
 
     Math: walk from the root; at each position the children are samples from the draft's q there;
     K-SEQ accepts child X_i (first in order) w.p. min(1, p(X_i) / (rho* q(X_i))) with rho* solving
@@ -269,6 +294,7 @@ def verify_tree(
     """
     tree = (target_logits, tree_tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p, seed)
     options = dict(out_dtype=out_dtype, process_group=process_group, vocab_size=vocab_size, top_p_ties=top_p_ties)
+    options.update(return_logprobs=return_logprobs, num_logprobs=num_logprobs)
     return _run_tree(backend, *tree, num_nodes, method, max_depth, validate=validate, **options)
 
 
@@ -277,7 +303,7 @@ def verify_multi(  # verify_tree's options less the tree's (parents, num_nodes, 
     draft_probs: torch.Tensor | None = None, temperature: float | torch.Tensor = 1.0, top_k: int | torch.Tensor = 0,
     top_p: float | torch.Tensor = 1.0, top_p_ties: str = "keep", seed: int | torch.Tensor | None = None,
     method: str = "kseq", validate: bool = True, backend: str = "auto", out_dtype: torch.dtype = torch.int64,
-    process_group=None, vocab_size: int | None = None,
+    process_group=None, vocab_size: int | None = None, return_logprobs: bool = False, num_logprobs: int = 0,
 ) -> TreeVerifyOutput:  # fmt: skip
     """Verify K independent draft chains per request (SpecTr multi-draft).
 
@@ -287,7 +313,7 @@ def verify_multi(  # verify_tree's options less the tree's (parents, num_nodes, 
     prefix are merged with multiplicity: at each depth the candidates are the next drafts of every
     chain that agrees with the accepted prefix. Options (backend included) as :func:`verify_tree`.
     With K = 1 this is exactly :func:`verify` (same tokens for the same seeds). accepted_nodes
-    index chain * G + slot.
+    index chain * G + slot. return_logprobs / num_logprobs: as :func:`verify_tree`.
 
     Zero sizes: B = 0 gives empty outputs. G = 0 (chains without drafts: target_logits
     [B, K, 1, V], draft_tokens [B, K, 0]) is one bonus token per request drawn from the root row
@@ -307,6 +333,7 @@ def verify_multi(  # verify_tree's options less the tree's (parents, num_nodes, 
     # chains: no parents (implicit), num_nodes or max_depth
     chains = (target_logits, draft_tokens, None, draft_logits, draft_probs, temperature, top_k, top_p, seed)
     options = dict(out_dtype=out_dtype, process_group=process_group, vocab_size=vocab_size, top_p_ties=top_p_ties)
+    options.update(return_logprobs=return_logprobs, num_logprobs=num_logprobs)
     return _run_tree(backend, *chains, None, method, None, validate=validate, multi=True, **options)
 
 
@@ -319,9 +346,12 @@ def _run_tree(
     process_group=None,
     vocab_size=None,
     top_p_ties="keep",
+    return_logprobs=False,
+    num_logprobs=0,
 ) -> TreeVerifyOutput:
     """verify_tree and verify_multi: one check (``check_tree_args``), one dispatch."""
     check_vocab_size_use(process_group, vocab_size)
+    logprobs = logprobs_request(return_logprobs, num_logprobs)
     if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
 
         def checked():
@@ -331,7 +361,7 @@ def _run_tree(
             check_sharded_ties(args)
             return args, tree_args[-1] is None and not multi  # max_depth not given: the deepest tree
 
-        out = _dispatch.run_tree_sharded(checked, process_group, vocab_size, validate, multi)
+        out = _dispatch.run_tree_sharded(checked, process_group, vocab_size, validate, multi, logprobs)
     else:
         backend = _dispatch.check_backend(backend)
         check_out_dtype(out_dtype)
@@ -340,6 +370,9 @@ def _run_tree(
             out = _dispatch.call_verify_tree(args, backend)
         else:
             out = _dispatch.run_tree(args, backend)
+        if logprobs is not None:
+            out = tree_logprobs(args, out, logprobs)
     if out_dtype == torch.int64:
         return out
-    return TreeVerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.accepted_nodes.to(out_dtype), out.nonfinite)
+    tokens, nodes = out.tokens.to(out_dtype), out.accepted_nodes.to(out_dtype)
+    return TreeVerifyOutput(tokens, out.num_accepted, nodes, out.nonfinite, *_logprob_fields(out))

@@ -97,6 +97,8 @@ def _inputs(spec: dict):
             kw["validate"] = False
     if spec.get("int32"):
         kw["out_dtype"] = torch.int32
+    if spec.get("logprobs") is not None:  # return_logprobs with this many top logprobs
+        kw.update(return_logprobs=True, num_logprobs=spec["logprobs"])
     return target, tokens, kw
 
 
@@ -175,6 +177,8 @@ def suite(world: int) -> dict[str, dict]:
         cases["multi-kseq-logits"] = _multi(world, 45, "logits", "sampled", "kseq")
         cases["chain-flat-layout"] = _chain(world, 46, "probs", "per_request", flat=True)
         cases["chain-target_probs"] = _chain(world, 47, "ngram", "top_k", target_probs=True)
+        cases["chain-logprobs"] = _chain(world, 48, "logits", "per_request", logprobs=5)
+        cases["chain-logprobs-flat-big_top_k"] = _chain(world, 49, "probs", "big_top_k", flat=True, logprobs=0)
     if world == 3:  # verify_multi K=2: every method x mode, filters, greedy; verify_tree; NaN
         for i, (method, mode) in enumerate((m, d) for m in ("kseq", "rrs", "rrs_wor") for d in MODES):
             cases[f"multi-{method}-{mode}"] = _multi(world, 50 + i, mode, "sampled", method)
@@ -188,6 +192,9 @@ def suite(world: int) -> dict[str, dict]:
         cases["chain-nan"] = _chain(world, 73, "logits", "sampled", nan=True)
         cases["chain-nan-greedy"] = _chain(world, 74, "ngram", "greedy", nan=True)
         cases["multi-nan"] = _multi(world, 75, "logits", "top_k", "kseq", nan=True)
+        cases["multi-logprobs"] = _multi(world, 78, "logits", "per_request", "rrs", logprobs=3)
+        cases["tree-logprobs-ties"] = dict(tree, seed=79, ties=True, logprobs=4)
+        cases["chain-nan-logprobs"] = _chain(world, 93, "logits", "top_p", nan=True, logprobs=2)
     if world == 4:  # a few of everything with a 100-entry shard
         cases["chain-logits-top_k"] = _chain(world, 80, "logits", "top_k")
         cases["chain-probs-per_request"] = _chain(world, 81, "probs", "per_request")
@@ -248,6 +255,9 @@ def _summary(out) -> dict:
     d = {"tokens": out.tokens, "num_accepted": out.num_accepted, "nonfinite": out.nonfinite}
     if hasattr(out, "accepted_nodes"):
         d["accepted_nodes"] = out.accepted_nodes
+    for name in ("logprobs", "top_logprob_ids", "top_logprobs"):  # float sums in another order: 1e-5
+        if getattr(out, name) is not None:
+            d[name] = getattr(out, name)
     return d
 
 
@@ -314,7 +324,12 @@ def _cpu_ready() -> bool:
 
 
 def _assert_same(got: dict, want, name: str, who: str) -> None:
-    for field, value in _summary(want).items():
+    summary = _summary(want)
+    assert got.keys() == summary.keys(), (name, who)
+    for field, value in summary.items():
+        if value.is_floating_point():  # logprobs: float sums in another order across shards
+            torch.testing.assert_close(got[field], value, atol=1e-5, rtol=0, equal_nan=True, msg=f"{name} {who}")
+            continue
         assert torch.equal(got[field], value), f"{name}: {field} differs ({who}): {got[field]} vs {value}"
 
 

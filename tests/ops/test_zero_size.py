@@ -124,7 +124,7 @@ def use_backend(monkeypatch):
 
 
 def _fields(out):
-    return {name: getattr(out, name) for name in out.__dataclass_fields__}
+    return {name: getattr(out, name) for name in out.__dataclass_fields__ if getattr(out, name) is not None}
 
 
 def _assert_same(out, ref):
