@@ -104,6 +104,7 @@ def verify(
     process_group=None,
     vocab_size: int | None = None,
     method: str = "token",
+    token_bitmask: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """Verify one draft chain per request; the emitted tokens are exactly target-distributed.
 
@@ -187,7 +188,7 @@ def verify(
             target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, num_draft_tokens, seed,
             cu_num_draft_tokens=cu_num_draft_tokens, max_num_draft_tokens=max_num_draft_tokens,
             target_probs=target_probs, logits_scaled=logits_scaled, validate=validate, top_p_ties=top_p_ties,
-            sharded=process_group is not None,
+            sharded=process_group is not None, token_bitmask=token_bitmask,
         )  # fmt: skip
 
     if method == "block":
@@ -221,6 +222,7 @@ def verify_tree(
     out_dtype: torch.dtype = torch.int64,
     process_group=None,
     vocab_size: int | None = None,
+    token_bitmask: torch.Tensor | None = None,
 ) -> TreeVerifyOutput:
     """Verify a token tree of drafts per request; the emitted tokens are exactly target-distributed.
 
@@ -269,6 +271,7 @@ def verify_tree(
     """
     tree = (target_logits, tree_tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p, seed)
     options = dict(out_dtype=out_dtype, process_group=process_group, vocab_size=vocab_size, top_p_ties=top_p_ties)
+    options["token_bitmask"] = token_bitmask
     return _run_tree(backend, *tree, num_nodes, method, max_depth, validate=validate, **options)
 
 
@@ -289,6 +292,7 @@ def verify_multi(
     out_dtype: torch.dtype = torch.int64,
     process_group=None,
     vocab_size: int | None = None,
+    token_bitmask: torch.Tensor | None = None,
 ) -> TreeVerifyOutput:
     """Verify K independent draft chains per request (SpecTr multi-draft).
 
@@ -318,6 +322,7 @@ def verify_multi(
     # chains: no parents (implicit), num_nodes or max_depth
     chains = (target_logits, draft_tokens, None, draft_logits, draft_probs, temperature, top_k, top_p, seed)
     options = dict(out_dtype=out_dtype, process_group=process_group, vocab_size=vocab_size, top_p_ties=top_p_ties)
+    options["token_bitmask"] = token_bitmask
     return _run_tree(backend, *chains, None, method, None, validate=validate, multi=True, **options)
 
 
@@ -330,6 +335,7 @@ def _run_tree(
     process_group=None,
     vocab_size=None,
     top_p_ties="keep",
+    token_bitmask=None,
 ) -> TreeVerifyOutput:
     """verify_tree and verify_multi: one check (``check_tree_args``), one dispatch."""
     check_vocab_size_use(process_group, vocab_size)
@@ -338,7 +344,9 @@ def _run_tree(
         def checked():
             _dispatch.check_sharded_backend(backend)
             check_out_dtype(out_dtype)
-            args = check_tree_args(*tree_args, validate=False, multi=multi, top_p_ties=top_p_ties)
+            args = check_tree_args(
+                *tree_args, validate=False, multi=multi, top_p_ties=top_p_ties, token_bitmask=token_bitmask
+            )
             check_sharded_ties(args)
             return args, tree_args[-1] is None and not multi  # max_depth not given: the deepest tree
 
@@ -346,7 +354,9 @@ def _run_tree(
     else:
         backend = _dispatch.check_backend(backend)
         check_out_dtype(out_dtype)
-        args = check_tree_args(*tree_args, validate=validate, multi=multi, top_p_ties=top_p_ties)
+        args = check_tree_args(
+            *tree_args, validate=validate, multi=multi, top_p_ties=top_p_ties, token_bitmask=token_bitmask
+        )
         if torch.compiler.is_compiling():  # one opaque custom op in the graph
             out = _dispatch.call_verify_tree(args, backend)
         else:
