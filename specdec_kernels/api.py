@@ -168,6 +168,16 @@ def verify(
 
     Vocabulary parallel (process_group=, vocab_size=): see this module's docstring.
 
+    token_bitmask: grammar masks, int32 words [B, G+1, ceil(V/32)] ([N + B, W] flattened; any
+        strides), bit j of word w set = token 32w + j allowed (xgrammar's / llguidance's layout).
+        A disallowed logit is -inf before temperature/top-k/top-p in target row i and in draft-logits
+        row i (the draft sampled under the same grammar state); draft_probs are used as given (a
+        disallowed draft has p = 0: rejected; the residual is 0 there), so the output law is the
+        masked, processed target and no disallowed token is emitted. Greedy: argmax over the allowed
+        tokens. A row allowing nothing is a row without a finite logit (token 0, flagged). Shards:
+        each rank's words cover its own slice. Rules, exactness, cost: ``specdec_kernels._bitmask``
+        and docs/verify.md.
+
     Returns:
         VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool).
 
@@ -247,6 +257,9 @@ def verify_tree(
                        sync) or N when validate=False. Pass it to stay sync-free (CUDA graphs).
         backend:       "auto" | "triton" | "cuda" | "cpu" | "vectorized" | "torch" (reference), as for
                        :func:`verify`.
+        token_bitmask: grammar masks as for :func:`verify`, [B, N+1, ceil(V/32)] int32 words of the
+                       target rows; node i's draft-logits row uses the mask of row parents[i] + 1
+                       (the row at which it is a candidate; row 0 for the root's children).
         process_group, vocab_size: vocabulary shards, as for :func:`verify`: each rank passes
                        target_logits [B, N+1, V_r] and draft rows [B, N, V_r] of its contiguous shard;
                        tokens are global ids. The walk runs one depth per step with the per-row
@@ -309,6 +322,9 @@ def verify_multi(
     [b, 0, 0] (greedy: its argmax), num_accepted 0, accepted_nodes [B, 0] - as :func:`verify` with
     G = 0. K = 0 is a ValueError: without a chain there is no root row to draw that token from
     (pass K >= 1 chains of G = 0 drafts for "no drafts").
+
+    token_bitmask: grammar masks as for :func:`verify`, [B, K, G+1, ceil(V/32)] int32 words; draft
+    row [k, i] uses mask row [k, i].
 
     Vocabulary parallel: ``process_group=`` (and ``vocab_size=``) as for :func:`verify`: each rank
     passes target_logits [B, K, G+1, V_r] and draft_logits / draft_probs [B, K, G, V_r] of its
