@@ -36,6 +36,19 @@ def num_words(V: int) -> int:
     return (V + BITS_PER_WORD - 1) // BITS_PER_WORD
 
 
+def pack(allowed: torch.Tensor) -> torch.Tensor:
+    """The int32 words [..., W] of a bool allow-mask [..., V] (for callers holding booleans, and the
+    benchmarks): bit j of word w = allowed[..., 32 w + j]."""
+    V = allowed.shape[-1]
+    padded = torch.zeros(*allowed.shape[:-1], num_words(V) * BITS_PER_WORD, dtype=torch.int32, device=allowed.device)
+    padded[..., :V] = allowed
+    bits = padded.unflatten(-1, (num_words(V), BITS_PER_WORD))
+    words = torch.zeros(bits.shape[:-1], dtype=torch.int32, device=allowed.device)
+    for j in range(BITS_PER_WORD):
+        words |= bits[..., j] << j  # j = 31 sets the sign bit
+    return words
+
+
 def check_token_bitmask(mask, rows: tuple, V: int, device, layout: str) -> torch.Tensor | None:
     """The mask (None stays None) after checking it: an int32 tensor of shape ``rows + (W,)`` on
     ``device``. ``layout`` names the expected shape in the error message. ValueError otherwise."""

@@ -371,3 +371,13 @@ def test_first_token_follows_masked_target(backend):
     if backend == "vectorized":  # the wrong variants (run on one backend: the statistic is what is shown)
         assert chi_square_pvalue(_masks_target_only(backend, target, draft, allowed), p) < ALPHA
         assert chi_square_pvalue(_masks_draft_only(backend, target, draft, allowed), p) < ALPHA
+
+
+def test_pack_matches_the_independent_packer():
+    from specdec_kernels._bitmask import allowed as unpack
+    from specdec_kernels._bitmask import pack
+
+    mask = torch.rand(3, 2, V, generator=torch.Generator().manual_seed(0)) < 0.5
+    mask[0, 0, 31] = mask[0, 0, 63] = True  # sign bits
+    assert torch.equal(pack(mask), pack_bitmask(mask))
+    assert torch.equal(unpack(pack_bitmask(mask), V), mask)
