@@ -238,7 +238,7 @@ def test_block_method_masks_like_the_reference():
         sk.verify(target, tokens, draft, backend="cpu", **kw)
 
 
-def test_custom_op_path_carries_the_mask():
+def test_chain_custom_op_path_carries_the_mask():
     """The torch.compile path (one ``specdec::verify_chain`` / ``verify_tree`` custom op) gets the mask."""
     B, G = 4, 2
     target, tokens, draft = make_problem(B, G, V, seed=16)
@@ -247,10 +247,13 @@ def test_custom_op_path_carries_the_mask():
     _same(_dispatch.call_verify_chain(args, "vectorized"), _dispatch.run_verify(args, "torch"), "custom op")
     _same(_dispatch.call_verify_chain(args, "vectorized"), sk.verify(target, tokens, draft, temperature=0.9, seed=3,
           backend="torch", token_bitmask=pack_bitmask(allowed)), "custom op vs api")  # fmt: skip
-    t_target, t_tokens, parents, t_draft = make_tree_problem(2, 5, V, seed=3)
-    mask = pack_bitmask(torch.rand(2, 6, V, generator=torch.Generator().manual_seed(1)) < 0.6)
+
+
+def test_tree_custom_op_path_carries_the_mask():
     from specdec_kernels._tree_args import check_tree_args
 
+    t_target, t_tokens, parents, t_draft = make_tree_problem(2, 5, V, seed=3)
+    mask = pack_bitmask(torch.rand(2, 6, V, generator=torch.Generator().manual_seed(1)) < 0.6)
     targs = check_tree_args(t_target, t_tokens, parents, t_draft, None, 0.8, 0, 1.0, 4, None, "kseq", None,
                             token_bitmask=mask)  # fmt: skip
     _same(_dispatch.call_verify_tree(targs, "vectorized"), _dispatch.run_tree(targs, "torch"), "tree custom op")
