@@ -384,3 +384,25 @@ def test_pack_matches_the_independent_packer():
     mask[0, 0, 31] = mask[0, 0, 63] = True  # sign bits
     assert torch.equal(pack(mask), pack_bitmask(mask))
     assert torch.equal(unpack(pack_bitmask(mask), V), mask)
+
+
+def test_verify_with_mask_inside_torch_compile():
+    """dynamo traces sk.verify / sk.verify_multi with token_bitmask= into their custom ops, no graph break."""
+    B, G = 3, 2
+    target, tokens, draft = make_problem(B, G, V, seed=17)
+    mask = pack_bitmask(_random_allowed((B, G + 1), torch.Generator().manual_seed(2), tokens))
+    seeds = torch.arange(B) * 3
+    kw = dict(temperature=0.8, validate=False, backend="vectorized")
+
+    def step(t, x, d, m, s):
+        out = sk.verify(t * 1.0, x, d, seed=s, token_bitmask=m, **kw)
+        multi = sk.verify_multi(t[:, None], x[:, None], d[:, None], seed=s, token_bitmask=m[:, None], **kw)
+        return out.tokens + 0, out.nonfinite, multi.tokens
+
+    torch._dynamo.reset()
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(target, tokens, draft, mask, seeds)
+    want = sk.verify(target, tokens, draft, seed=seeds, token_bitmask=mask, temperature=0.8, backend="torch")
+    assert torch.equal(got[0], want.tokens) and torch.equal(got[1], want.nonfinite)
+    assert torch.equal(got[2], want.tokens)  # verify_multi with K = 1 is verify
+    plain = sk.verify(target, tokens, draft, seed=seeds, temperature=0.8, backend="torch")
+    assert not torch.equal(plain.tokens, want.tokens)  # the mask changed something
