@@ -406,3 +406,14 @@ def test_verify_with_mask_inside_torch_compile():
     assert torch.equal(got[2], want.tokens)  # verify_multi with K = 1 is verify
     plain = sk.verify(target, tokens, draft, seed=seeds, temperature=0.8, backend="torch")
     assert not torch.equal(plain.tokens, want.tokens)  # the mask changed something
+
+
+@pytest.mark.parametrize("backend", ["torch", "vectorized", "cpu"])
+def test_nan_at_a_disallowed_token_is_masked_not_flagged(backend):
+    target, tokens, draft = make_problem(2, 2, V, seed=18)
+    allowed = torch.ones(2, 3, V, dtype=torch.bool)
+    allowed[:, :, 40] = False
+    target[0, :, 40] = float("nan")  # disallowed: -inf like any disallowed entry
+    target[1, :, 41] = float("nan")  # allowed: flagged as usual
+    out = _run(backend, target, tokens, draft, temperature=0.9, seed=1, token_bitmask=pack_bitmask(allowed))
+    assert out.nonfinite.tolist() == [False, True]
