@@ -79,17 +79,26 @@ def allowed(mask: torch.Tensor, V: int) -> torch.Tensor:
     return ((mask.unsqueeze(-1) & bit) != 0).flatten(-2)[..., :V]
 
 
+# The masked copy selects bits on the logits' integer view: (x & keep) | (-inf & ~keep) with keep
+# all ones or zeros per entry, a few vectorised passes (masked_fill with a bool mask was ~2x slower on CPU).
+_SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
 def masked_rows(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of logits [..., V] with -inf at the tokens mask [..., W] disallows."""
-    V = logits.shape[-1]
-    out = logits.clone(memory_format=torch.contiguous_format)
+    V, W = logits.shape[-1], mask.shape[-1]
+    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if out.numel() == 0:  # no rows, or an empty vocabulary shard: nothing to mask
         return out
-    flat, words = out.view(-1, V), mask.reshape(-1, mask.shape[-1])
-    step = max(1, UNPACK_ELEMENTS // max(1, words.shape[1] * BITS_PER_WORD))
-    for start in range(0, flat.shape[0], step):
+    itype = _SAME_WIDTH_INT[logits.dtype]
+    neg_inf = torch.full((), float("-inf"), dtype=logits.dtype).view(itype).item()
+    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=mask.device)
+    src, dst, words = logits.reshape(-1, V).view(itype), out.view(-1, V).view(itype), mask.reshape(-1, W)
+    step = max(1, UNPACK_ELEMENTS // max(1, W * BITS_PER_WORD))
+    for start in range(0, dst.shape[0], step):
         rows = slice(start, start + step)
-        flat[rows].masked_fill_(~allowed(words[rows], V), float("-inf"))
+        keep = ((words[rows, :, None] >> shifts) & 1).to(itype).neg_().flatten(1)[:, :V]  # -1: allowed
+        torch.bitwise_or(src[rows] & keep, (~keep) & neg_inf, out=dst[rows])
     return out
 
 
