@@ -21,7 +21,10 @@ passed but not counted as must-read bytes: greedy verification never needs them)
 (temperature 1, no draft logits: one-hot q, as for n-gram / prompt-lookup drafters),
 ``topk_topp`` (temperature 1, top_k=50, top_p=0.9), ``t0.7`` and ``t0.7_topk_topp`` (the same
 at temperature 0.7), ``t0.7_topk_topp_logprobs`` (that with ``return_logprobs=True,
-num_logprobs=5``: the post-pass's cost, for the sk providers).
+num_logprobs=5``: the post-pass's cost, for the sk providers), ``grammar`` (stochastic with
+``token_bitmask=``: a random grammar mask allowing half the vocabulary, the drafts allowed; eager
+masks the target and draft rows by hand first, as engines do today; compare its rows with
+``stochastic`` for the cost of the mask).
 
 Columns (``median_us``, ``GBps``, ``floor_us``, ``frac_of_floor``, ``copy_GBps``: ``bench/_common.py``):
 
@@ -52,7 +55,7 @@ from _baselines import eager_verify, probs_from_logits  # noqa: E402
 PROVIDERS = ("eager", "reference", "ours", "cuda", "auto", "vectorized")
 # Providers also timed as a CUDA-graph replay (graph_us): compiled kernels, no host synchronisation.
 GRAPH_PROVIDERS = ("ours", "cuda")
-MODES = ("stochastic", "greedy", "ngram", "topk_topp", "t0.7", "t0.7_topk_topp", "t0.7_topk_topp_logprobs")
+MODES = ("stochastic", "greedy", "ngram", "topk_topp", "t0.7", "t0.7_topk_topp", "t0.7_topk_topp_logprobs", "grammar")
 AXES = {
     "B": common.Axis("batch sizes", (1, 8, 64, 256), (2,)),
     "G": common.Axis("draft lengths", (1, 4, 8), (2,)),
@@ -87,6 +90,7 @@ class Mode:
     passes_draft_logits: bool = True  # False: one-hot q (n-gram drafter)
     needs_draft_logits: bool = True  # False: a verifier never has to read them (greedy)
     num_logprobs: int | None = None  # return_logprobs=True with this many top logprobs (sk providers only)
+    grammar_mask: bool = False  # True: a token_bitmask of int32 words per target row
 
 
 MODE_SETTINGS = {
@@ -98,7 +102,9 @@ MODE_SETTINGS = {
     "t0.7_topk_topp": Mode("t0.7_topk_topp", temperature=0.7, top_k=50, top_p=0.9),
     # the cost of return_logprobs (the post-pass): compare with the t0.7_topk_topp rows
     "t0.7_topk_topp_logprobs": Mode("t0.7_topk_topp_logprobs", temperature=0.7, top_k=50, top_p=0.9, num_logprobs=5),
+    "grammar": Mode("grammar", temperature=1.0, grammar_mask=True),
 }
+GRAMMAR_ALLOWED = 0.5  # share of the vocabulary the synthetic grammar mask allows
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,6 +118,7 @@ class VerifyInputs:
     draft_tokens: torch.Tensor  # [B, G] int64
     draft_logits: torch.Tensor | None  # [B, G, V] or None (ngram)
     seeds: torch.Tensor  # [B] int64, built once so no call pays a host-to-device copy for it
+    token_bitmask: torch.Tensor | None = None  # [B, G+1, ceil(V/32)] int32 (mode "grammar")
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -129,7 +136,14 @@ def make_inputs(B: int, G: int, V: int, dtype, mode: Mode, device: str, seed: in
         q = probs_from_logits(draft, mode.temperature, mode.top_k, mode.top_p)
         draft_tokens = torch.multinomial(q.view(B * G, V), 1, generator=gen).view(B, G)
     seeds = torch.arange(B, dtype=torch.int64, device=device) + 1000 * seed
-    return VerifyInputs(target, draft_tokens, draft if mode.passes_draft_logits else None, seeds)
+    mask = None
+    if mode.grammar_mask:  # random allowed half; each draft allowed at its own row
+        from specdec_kernels._bitmask import pack  # lazy: TRITON_INTERPRET must be decided before this import
+
+        allowed = torch.rand((B, G + 1, V), generator=gen, device=device) < GRAMMAR_ALLOWED
+        allowed[:, :G].scatter_(-1, draft_tokens[..., None], True)
+        mask = pack(allowed)
+    return VerifyInputs(target, draft_tokens, draft if mode.passes_draft_logits else None, seeds, mask)
 
 
 def bytes_read_once(inputs: VerifyInputs, mode: Mode) -> int:
@@ -138,6 +152,8 @@ def bytes_read_once(inputs: VerifyInputs, mode: Mode) -> int:
     n = t.numel() * t.element_size() + tokens.numel() * tokens.element_size()
     if draft is not None and mode.needs_draft_logits:
         n += draft.numel() * draft.element_size()
+    if inputs.token_bitmask is not None:
+        n += inputs.token_bitmask.numel() * inputs.token_bitmask.element_size()
     return n
 
 
@@ -150,8 +166,15 @@ def provider_fn(provider: str, inputs: VerifyInputs, mode: Mode, validate: bool)
     """A call of ``provider`` on ``inputs`` returning (tokens, num_accepted)."""
     args = (inputs.target_logits, inputs.draft_tokens, inputs.draft_logits)
     sampling = dict(temperature=mode.temperature, top_k=mode.top_k, top_p=mode.top_p)
+    mask = inputs.token_bitmask
+    if provider == "eager" and mask is not None:  # masks applied by hand before the sampler
+        return lambda: eager_verify(*_masked_by_hand(*args, mask), **sampling)
     if provider == "eager":
         return lambda: eager_verify(*args, **sampling)
+    if provider == "reference" and mask is not None:
+        import specdec_kernels as sk
+
+        return lambda: _as_pair(sk.verify(*args, **sampling, seed=inputs.seeds, backend="torch", token_bitmask=mask))
     if provider == "reference":
         from specdec_kernels.reference import verify_reference  # lazy: --help must work without it
 
@@ -162,7 +185,19 @@ def provider_fn(provider: str, inputs: VerifyInputs, mode: Mode, validate: bool)
     if mode.num_logprobs is not None:
         sampling.update(return_logprobs=True, num_logprobs=mode.num_logprobs)
     # Host-side value checks synchronise with the device; an engine's hot loop turns them off.
-    return lambda: _as_pair(sk.verify(*args, **sampling, seed=inputs.seeds, validate=validate, backend=backend))
+    options = dict(seed=inputs.seeds, validate=validate, backend=backend, token_bitmask=mask)
+    return lambda: _as_pair(sk.verify(*args, **sampling, **options))
+
+
+def _masked_by_hand(target, tokens, draft, mask):
+    """What engines do without token_bitmask=: -inf at the disallowed entries of every row."""
+    from specdec_kernels._bitmask import allowed
+
+    V = target.shape[-1]
+    keep = allowed(mask, V)
+    target = target.masked_fill(~keep, float("-inf"))
+    draft = None if draft is None else draft.masked_fill(~keep[:, :-1], float("-inf"))
+    return target, tokens, draft
 
 
 def _as_pair(out):
@@ -285,7 +320,7 @@ def parse_args(argv=None):
         nargs="+",
         choices=MODES,
         help="stochastic (default) | greedy (temperature 0) | ngram (no draft logits) | "
-        "topk_topp (top_k=50, top_p=0.9); several may be given",
+        "topk_topp (top_k=50, top_p=0.9) | grammar (token_bitmask=); several may be given",
     )
     p.add_argument("--threads", type=int, help="torch / OpenMP threads (CPU; default: torch's)")
     args = p.parse_args(argv)

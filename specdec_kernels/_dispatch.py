@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ._bitmask import apply_chain_mask, apply_tree_mask
 from ._interpreter import require_triton_device
 from ._params import SamplingParams
 from ._tree_args import TreeArgs, validate_sharded_tree_values
@@ -235,6 +236,8 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     device = args.target_logits.device
     if backend == "auto" and device.type == "cpu":
         backend = cpu_auto_backend()
+    if backend != "torch":  # token_bitmask: the reference applies it itself; the others get masked rows
+        args = apply_chain_mask(args)
     # Only the Triton kernels read the flattened layout in place; the others get a padded copy.
     if backend == "cpu":
         return csrc.verify_chain_cpu(args.padded(), num_chunks)
@@ -279,7 +282,7 @@ def run_verify_block(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     backend="torch", the batched tensor ops (``ops/vectorized/block.py``) otherwise."""
     if backend == "torch":
         return reference_verify(args.padded(), method="block")
-    return verify_block_vectorized(args.padded())
+    return verify_block_vectorized(apply_chain_mask(args).padded())
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,6 +296,8 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
     block_v, num_chunks = overrides.get("block_v"), overrides.get("num_chunks")
     if backend == "auto" and args.target.device.type == "cpu":
         backend = cpu_auto_backend()
+    if backend != "torch":  # token_bitmask: as in run_verify
+        args = apply_tree_mask(args)
     if backend == "cpu":
         return csrc.verify_tree_cpu(args)
     if backend == "torch":
@@ -364,7 +369,7 @@ def run_verify_sharded(
     )
     if validate:  # the replicated arguments are equal on every rank (checksum): the same verdict everywhere
         validate_sharded_verify_values(args, shard.V)
-    out = vocab_parallel.verify_chain_sharded(shard, args.padded())
+    out = vocab_parallel.verify_chain_sharded(shard, apply_chain_mask(args).padded())  # local words: _bitmask
     if num_logprobs is not None:
         out = chain_logprobs(args, out, num_logprobs, score=sharded_scorer(shard))
     return out
@@ -393,7 +398,7 @@ def run_tree_sharded(
         depth = validate_sharded_tree_values(args, shard.V, multi)
         if tighten and depth is not None:
             args.max_depth = depth
-    out = vocab_parallel.verify_tree_sharded(shard, args)
+    out = vocab_parallel.verify_tree_sharded(shard, apply_tree_mask(args))  # local words: _bitmask
     if num_logprobs is not None:
         out = tree_logprobs(args, out, num_logprobs, score=sharded_scorer(shard))
     return out
@@ -418,16 +423,20 @@ def verify_chain_op(
     target_logits: Tensor, draft_tokens: Tensor, draft: Tensor | None, draft_mode: int,
     sampling_tensors: list[Tensor | None], sampling_scalars: list[float], seed_t: Tensor | None, seed: int,
     num_draft_tokens: Tensor | None, cu: Tensor | None, max_drafts: int, backend: str,
+    token_bitmask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool (see ``sk.verify``)."""
     sampling = SamplingParams.from_op_args(sampling_tensors, sampling_scalars, seed_t, seed)
     args = VerifyArgs(target_logits, draft_tokens, draft, draft_mode, sampling, num_draft_tokens, cu, max_drafts)
+    args.token_bitmask = token_bitmask
     out = run_verify(args, backend)
     return out.tokens, out.num_accepted, out.nonfinite
 
 
 @verify_chain_op.register_fake
-def _verify_chain_fake(target_logits, draft_tokens, draft, draft_mode, st, ss, seed_t, seed, n, cu, max_drafts, _):
+def _verify_chain_fake(
+    target_logits, draft_tokens, draft, draft_mode, st, ss, seed_t, seed, n, cu, max_drafts, _, token_bitmask=None
+):
     if cu is None:
         B, G1 = target_logits.shape[0], target_logits.shape[1]
     else:
@@ -444,7 +453,7 @@ def call_verify_chain(args: VerifyArgs, backend: str) -> VerifyOutput:
     sampling = args.sampling.op_args(with_ties=True)  # (tensors, scalars, seed tensor, seed int)
     tokens, accepted, nonfinite = verify_chain_op(
         args.target_logits, args.draft_tokens, args.draft, args.draft_mode, *sampling, args.num_draft_tokens, args.cu,
-        args.max_drafts, backend,
+        args.max_drafts, backend, args.token_bitmask,
     )  # fmt: skip
     return VerifyOutput(tokens, accepted, nonfinite)
 
@@ -454,19 +463,34 @@ def verify_tree_op(
     target: Tensor, tokens: Tensor, parents: Tensor | None, draft: Tensor | None, draft_mode: int,
     sampling_tensors: list[Tensor | None], sampling_scalars: list[float], seed_t: Tensor | None, seed: int,
     num_nodes: Tensor | None, method: str, max_depth: int, backend: str,
+    token_bitmask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """tokens [B, D+1] int64, num_accepted [B] int32, accepted_nodes [B, D] int64, nonfinite [B] bool.
 
     target [B, K, G+1, V], tokens [B, K, G] (the K-chains view of ``_tree_args``)."""
     sampling = SamplingParams.from_op_args(sampling_tensors, sampling_scalars, seed_t, seed)
     args = TreeArgs(target, tokens, parents, draft, draft_mode, sampling, num_nodes, method, max_depth)
+    args.token_bitmask = token_bitmask
     out = run_tree(args, backend)
     return out.tokens, out.num_accepted, out.accepted_nodes, out.nonfinite
 
 
 @verify_tree_op.register_fake
 def _verify_tree_fake(
-    target, tokens, parents, draft, draft_mode, st, ss, seed_t, seed, num_nodes, method, max_depth, _
+    target,
+    tokens,
+    parents,
+    draft,
+    draft_mode,
+    st,
+    ss,
+    seed_t,
+    seed,
+    num_nodes,
+    method,
+    max_depth,
+    _,
+    token_bitmask=None,
 ):
     B = target.shape[0]
     return (
@@ -482,6 +506,6 @@ def call_verify_tree(args: TreeArgs, backend: str) -> TreeVerifyOutput:
     sampling = args.sampling.op_args(with_ties=True)  # (tensors, scalars, seed tensor, seed int)
     tokens, accepted, nodes, nonfinite = verify_tree_op(
         args.target, args.tokens, args.parents, args.draft, args.draft_mode, *sampling, args.num_nodes, args.method,
-        args.max_depth, backend,
+        args.max_depth, backend, args.token_bitmask,
     )  # fmt: skip
     return TreeVerifyOutput(tokens, accepted, nodes, nonfinite)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._bitmask import check_token_bitmask
 from ._params import INT_DTYPES, SamplingParams
 from ._types import DRAFT_NONE, MAX_DEPTH, MAX_NODES, METHODS
 from ._validation import (
@@ -40,6 +41,7 @@ class TreeArgs:
     num_nodes: torch.Tensor | None  # [B] int (contiguous), None = N
     method: str
     max_depth: int  # D: accepted tokens per request at most (output width D + 1)
+    token_bitmask: torch.Tensor | None = None  # [B, K, G+1, ceil(V/32)] int32 grammar words (_bitmask)
 
     B = property(lambda self: self.target.shape[0])
     K = property(lambda self: self.target.shape[1])
@@ -79,9 +81,10 @@ def node_depths(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
 
 def check_tree_args(
     target_logits, tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p, seed, num_nodes, method,
-    max_depth, *, validate: bool = True, multi: bool = False, top_p_ties: str = "keep",
+    max_depth, *, validate: bool = True, multi: bool = False, top_p_ties: str = "keep", token_bitmask=None,
 ) -> TreeArgs:  # fmt: skip
-    """Checked arguments of ``sk.verify_tree`` (parents) and ``sk.verify_multi`` (``multi``: K chains)."""
+    """Checked arguments of ``sk.verify_tree`` (parents) and ``sk.verify_multi`` (``multi``: K chains);
+    ``token_bitmask`` has the target's leading shape (``_bitmask``), kept in the K-chains view."""
     device = check_target(target_logits, 4 if multi else 3)
     tok_name = "draft_tokens" if multi else "tree_tokens"
     if multi:
@@ -129,6 +132,9 @@ def check_tree_args(
             isinstance(max_depth, int) and 0 <= max_depth <= MAX_DEPTH,
             f"max_depth must be an int in [0, {MAX_DEPTH}], got {max_depth!r}",
         )
+    layout = "[B, K, G+1, W]" if multi else "[B, N+1, W]"
+    mask = check_token_bitmask(token_bitmask, target_logits.shape[:-1], V, device, layout)
+    mask = mask if mask is None or multi else mask[:, None]
     tokens = _last_dim_contiguous(tokens)  # the walk indexes slots with stride 1
     parents = _last_dim_contiguous(parents) if parents is not None else None
     args = TreeArgs(
@@ -141,6 +147,7 @@ def check_tree_args(
         num_nodes,
         method,
         max_depth if max_depth is not None else (G if multi else K * G),
+        token_bitmask=mask,
     )
     if validate and not _capturing(device) and B > 0:
         depth = _validate_tree_values(args, tok_name)

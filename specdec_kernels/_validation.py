@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._bitmask import check_token_bitmask, padded_mask
 from ._params import FLOAT_DTYPES, INT_DTYPES, MAX_FLOAT32, MIN_TEMPERATURE, SamplingParams
 from ._types import DRAFT_LOGITS, DRAFT_NONE, DRAFT_PROBS
 
@@ -30,6 +31,7 @@ class VerifyArgs:
     # request b owns drafts cu[b] .. cu[b+1]-1 and target rows cu[b] + b .. cu[b+1] + b.
     cu: torch.Tensor | None = None  # [B+1] int64, contiguous; num_draft_tokens = its differences
     max_drafts: int = 0  # G of the flattened layout (the output width is G + 1)
+    token_bitmask: torch.Tensor | None = None  # [*target rows, ceil(V/32)] int32 grammar words (_bitmask)
 
     @property
     def B(self) -> int:
@@ -63,7 +65,8 @@ class VerifyArgs:
             d_rows = (start[:, None] + pos[None, :G]).clamp(max=N - 1)
             tokens = self.draft_tokens[d_rows]
             draft = None if self.draft is None else self.draft[d_rows]
-        return VerifyArgs(target, tokens, draft, self.draft_mode, self.sampling, n)
+        mask = padded_mask(self.token_bitmask, t_rows)
+        return VerifyArgs(target, tokens, draft, self.draft_mode, self.sampling, n, token_bitmask=mask)
 
     @property
     def has_filter(self) -> bool:
@@ -151,12 +154,13 @@ def check_verify_args(
 def check_verify_call(
     target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, num_draft_tokens, seed, *,
     cu_num_draft_tokens=None, max_num_draft_tokens=None, target_probs=None, logits_scaled: bool = False,
-    validate: bool = True, top_p_ties: str = "keep", sharded: bool = False,
+    validate: bool = True, top_p_ties: str = "keep", sharded: bool = False, token_bitmask=None,
 ) -> VerifyArgs:  # fmt: skip
     """The checked arguments of an ``sk.verify`` call, padded or flattened (``cu_num_draft_tokens``):
     the target as logits (``target_input``), the temperature of pre-scaled logits
     (``unit_temperature``), the layout's checks; `sharded` (vocabulary shards): values are checked
-    after the shards exchange their layout, and the by_index tie rule is refused."""
+    after the shards exchange their layout, and the by_index tie rule is refused; `token_bitmask`:
+    checked against the target rows (``_bitmask``)."""
     target_logits = target_input(target_logits, target_probs)
     if logits_scaled:
         temperature = unit_temperature(temperature)
@@ -177,6 +181,9 @@ def check_verify_call(
         )
     if sharded:
         check_sharded_ties(args)
+    layout = "[B, G+1, W]" if cu_num_draft_tokens is None else "[N + B, W]"
+    rows = args.target_logits.shape[:-1]
+    args.token_bitmask = check_token_bitmask(token_bitmask, rows, args.V, args.target_logits.device, layout)
     return args
 
 

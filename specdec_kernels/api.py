@@ -107,6 +107,7 @@ def verify(
     method: str = "token",
     return_logprobs: bool = False,
     num_logprobs: int = 0,
+    token_bitmask: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """Verify one draft chain per request; the emitted tokens are exactly target-distributed.
 
@@ -176,6 +177,16 @@ def verify(
     temperature 1 with their top-k / top-p. A post-pass over the emitted rows (docs/verify.md),
     vocabulary shards included; under torch.compile it runs eagerly after a graph break.
 
+    token_bitmask: grammar masks, int32 words [B, G+1, ceil(V/32)] ([N + B, W] flattened; any
+        strides), bit j of word w set = token 32w + j allowed (xgrammar's / llguidance's layout).
+        A disallowed logit is -inf before temperature/top-k/top-p in target row i and in draft-logits
+        row i (the draft sampled under the same grammar state); draft_probs are used as given (a
+        disallowed draft has p = 0: rejected; the residual is 0 there), so the output law is the
+        masked, processed target and no disallowed token is emitted. Greedy: argmax over the allowed
+        tokens. A row allowing nothing is a row without a finite logit (token 0, flagged). Shards:
+        each rank's words cover its own slice. Rules, exactness, cost: ``specdec_kernels._bitmask``
+        and docs/verify.md.
+
     Returns:
         VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool,
         and the logprobs fields when asked for, else None).
@@ -198,7 +209,7 @@ def verify(
             target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, num_draft_tokens, seed,
             cu_num_draft_tokens=cu_num_draft_tokens, max_num_draft_tokens=max_num_draft_tokens,
             target_probs=target_probs, logits_scaled=logits_scaled, validate=validate, top_p_ties=top_p_ties,
-            sharded=process_group is not None,
+            sharded=process_group is not None, token_bitmask=token_bitmask,
         )  # fmt: skip
 
     if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
@@ -244,6 +255,7 @@ def verify_tree(
     vocab_size: int | None = None,
     return_logprobs: bool = False,
     num_logprobs: int = 0,
+    token_bitmask: torch.Tensor | None = None,
 ) -> TreeVerifyOutput:
     """Verify a token tree of drafts per request; the emitted tokens are exactly target-distributed.
 
@@ -268,6 +280,9 @@ def verify_tree(
                        sync) or N when validate=False. Pass it to stay sync-free (CUDA graphs).
         backend:       "auto" | "triton" | "cuda" | "cpu" | "vectorized" | "torch" (reference), as for
                        :func:`verify`.
+        token_bitmask: grammar masks as for :func:`verify`, [B, N+1, ceil(V/32)] int32 words of the
+                       target rows; node i's draft-logits row uses the mask of row parents[i] + 1
+                       (the row at which it is a candidate; row 0 for the root's children).
         process_group, vocab_size: vocabulary shards, as for :func:`verify`: each rank passes
                        target_logits [B, N+1, V_r] and draft rows [B, N, V_r] of its contiguous shard;
                        tokens are global ids. The walk runs one depth per step with the per-row
@@ -294,7 +309,7 @@ def verify_tree(
     """
     tree = (target_logits, tree_tokens, parents, draft_logits, draft_probs, temperature, top_k, top_p, seed)
     options = dict(out_dtype=out_dtype, process_group=process_group, vocab_size=vocab_size, top_p_ties=top_p_ties)
-    options.update(return_logprobs=return_logprobs, num_logprobs=num_logprobs)
+    options.update(return_logprobs=return_logprobs, num_logprobs=num_logprobs, token_bitmask=token_bitmask)
     return _run_tree(backend, *tree, num_nodes, method, max_depth, validate=validate, **options)
 
 
@@ -304,6 +319,7 @@ def verify_multi(  # verify_tree's options less the tree's (parents, num_nodes, 
     top_p: float | torch.Tensor = 1.0, top_p_ties: str = "keep", seed: int | torch.Tensor | None = None,
     method: str = "kseq", validate: bool = True, backend: str = "auto", out_dtype: torch.dtype = torch.int64,
     process_group=None, vocab_size: int | None = None, return_logprobs: bool = False, num_logprobs: int = 0,
+    token_bitmask: torch.Tensor | None = None,
 ) -> TreeVerifyOutput:  # fmt: skip
     """Verify K independent draft chains per request (SpecTr multi-draft).
 
@@ -321,6 +337,9 @@ def verify_multi(  # verify_tree's options less the tree's (parents, num_nodes, 
     G = 0. K = 0 is a ValueError: without a chain there is no root row to draw that token from
     (pass K >= 1 chains of G = 0 drafts for "no drafts").
 
+    token_bitmask: grammar masks as for :func:`verify`, [B, K, G+1, ceil(V/32)] int32 words; draft
+    row [k, i] uses mask row [k, i].
+
     Vocabulary parallel: ``process_group=`` (and ``vocab_size=``) as for :func:`verify`: each rank
     passes target_logits [B, K, G+1, V_r] and draft_logits / draft_probs [B, K, G, V_r] of its
     contiguous shard; draft ids are global; every rank returns the unsharded call's output.
@@ -333,7 +352,7 @@ def verify_multi(  # verify_tree's options less the tree's (parents, num_nodes, 
     # chains: no parents (implicit), num_nodes or max_depth
     chains = (target_logits, draft_tokens, None, draft_logits, draft_probs, temperature, top_k, top_p, seed)
     options = dict(out_dtype=out_dtype, process_group=process_group, vocab_size=vocab_size, top_p_ties=top_p_ties)
-    options.update(return_logprobs=return_logprobs, num_logprobs=num_logprobs)
+    options.update(return_logprobs=return_logprobs, num_logprobs=num_logprobs, token_bitmask=token_bitmask)
     return _run_tree(backend, *chains, None, method, None, validate=validate, multi=True, **options)
 
 
@@ -348,6 +367,7 @@ def _run_tree(
     top_p_ties="keep",
     return_logprobs=False,
     num_logprobs=0,
+    token_bitmask=None,
 ) -> TreeVerifyOutput:
     """verify_tree and verify_multi: one check (``check_tree_args``), one dispatch."""
     check_vocab_size_use(process_group, vocab_size)
@@ -357,7 +377,9 @@ def _run_tree(
         def checked():
             _dispatch.check_sharded_backend(backend)
             check_out_dtype(out_dtype)
-            args = check_tree_args(*tree_args, validate=False, multi=multi, top_p_ties=top_p_ties)
+            args = check_tree_args(
+                *tree_args, validate=False, multi=multi, top_p_ties=top_p_ties, token_bitmask=token_bitmask
+            )
             check_sharded_ties(args)
             return args, tree_args[-1] is None and not multi  # max_depth not given: the deepest tree
 
@@ -365,7 +387,9 @@ def _run_tree(
     else:
         backend = _dispatch.check_backend(backend)
         check_out_dtype(out_dtype)
-        args = check_tree_args(*tree_args, validate=validate, multi=multi, top_p_ties=top_p_ties)
+        args = check_tree_args(
+            *tree_args, validate=validate, multi=multi, top_p_ties=top_p_ties, token_bitmask=token_bitmask
+        )
         if torch.compiler.is_compiling():  # one opaque custom op in the graph
             out = _dispatch.call_verify_tree(args, backend)
         else:

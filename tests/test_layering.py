@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "specdec_kernels"
 # Lowest first. A module may import its own layer or lower ones.
 LAYERS = [
     # 0: names, argument checking, sampling parameters
-    {"_interpreter", "_types", "_params", "_validation", "_tree_args"},
+    {"_interpreter", "_types", "_params", "_validation", "_tree_args", "_bitmask"},
     # 1: kernels and launchers (one file per op), the csrc loader (its prebuilt modules beside it), the references
     {"ops", "ops.*", "reference", "reference.*"},
     # 2: backend choice and torch.library registration

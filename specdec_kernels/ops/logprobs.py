@@ -27,6 +27,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from .._bitmask import masked_rows
 from .._params import MIN_TEMPERATURE
 from .._tree_args import TreeArgs
 from .._types import TreeVerifyOutput, VerifyOutput
@@ -139,6 +140,8 @@ def _fill(args, tokens: Tensor, index: tuple, b: Tensor, d: Tensor, num_logprobs
     rows = target[index]  # [M, V]: only the emitted positions' rows
     if allowed is not None:
         rows = rows.masked_fill(~allowed[index], float("-inf"))
+    if args.token_bitmask is not None:  # the call's grammar words (this rank's slice on shards)
+        rows = masked_rows(rows, args.token_bitmask[index])
     sampling = args.sampling
     # float32 first, as every backend reads the parameters (top-p's boundary depends on the rounding)
     t = _per_request(sampling.temperature, B, torch.float32, dev)[b].double()

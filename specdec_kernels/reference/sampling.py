@@ -26,6 +26,22 @@ def sanitize_logits(row: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return torch.where(bad, torch.full_like(x, float("-inf")), x), bool(bad.any())
 
 
+def allowed_tokens(words: torch.Tensor, V: int) -> torch.Tensor:
+    """bool [V]: token t is allowed iff bit t % 32 of word t // 32 of a ``token_bitmask`` row is set."""
+    t = torch.arange(V)
+    return ((words.to(torch.int64)[t // 32] >> (t % 32)) & 1) == 1
+
+
+def grammar_masked(row: torch.Tensor, words: torch.Tensor | None) -> torch.Tensor:
+    """A logit row with -inf at the tokens its ``token_bitmask`` words disallow (None: unchanged).
+
+    Applied before everything else (sanitising, temperature, top-k, top-p): a disallowed entry is
+    -inf whatever it held (NaN there is not flagged), so it is never sampled nor accepted."""
+    if words is None:
+        return row
+    return torch.where(allowed_tokens(words, row.numel()), row, torch.full_like(row, float("-inf")))
+
+
 def sanitize_probs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 view of draft_probs rows [..., V] with unusable entries -> 0; also, per row, whether
     any was replaced (bool [...]; a 0-d tensor for one row).

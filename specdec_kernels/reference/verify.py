@@ -10,10 +10,18 @@ from __future__ import annotations
 import torch
 
 from .._params import MIN_TEMPERATURE
-from .._types import VerifyOutput
+from .._types import DRAFT_LOGITS, VerifyOutput
 from .._validation import check_verify_args
 from .block import verify_request_block
-from .sampling import accept_uniforms, bonus_token, draft_distribution, processed_probs, recover_token, sanitize_logits
+from .sampling import (
+    accept_uniforms,
+    bonus_token,
+    draft_distribution,
+    grammar_masked,
+    processed_probs,
+    recover_token,
+    sanitize_logits,
+)
 
 
 def verify_reference(
@@ -40,10 +48,15 @@ def verify_checked(args, method: str = "token") -> VerifyOutput:
     nonfinite = torch.zeros(B, dtype=torch.bool)
     for b in range(B):
         request_rule = verify_request_block if method == "block" and not greedy[b] else _verify_request
+        target, draft = cpu["target_logits"][b], cpu["draft"][b] if args.draft is not None else None
+        if args.token_bitmask is not None:  # grammar: target row i and draft-logits row i use mask row i
+            words = cpu["token_bitmask"][b]
+            target = _grammar_rows(target, words)
+            draft = _grammar_rows(draft, words) if args.draft_mode == DRAFT_LOGITS else draft
         accepted, token, flagged = request_rule(
-            target=cpu["target_logits"][b],
+            target=target,
             drafts=cpu["draft_tokens"][b].tolist(),
-            draft=cpu["draft"][b] if args.draft is not None else None,
+            draft=draft,
             mode=args.draft_mode,
             temperature=float(cpu["temperature"][b]),
             top_k=int(cpu["top_k"][b]),
@@ -59,6 +72,15 @@ def verify_checked(args, method: str = "token") -> VerifyOutput:
         nonfinite[b] = flagged
     dev = args.target_logits.device
     return VerifyOutput(tokens.to(dev), num_accepted.to(dev), nonfinite.to(dev))
+
+
+def _grammar_rows(rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Rows [n, V] with row i masked by words[i] (``sampling.grammar_masked``); draft probabilities
+    are never masked (the draft sampled from them as given)."""
+    out = rows.clone()
+    for i in range(rows.shape[0]):
+        out[i] = grammar_masked(rows[i], words[i])
+    return out
 
 
 def _verify_request(target, drafts, draft, mode, temperature, top_k, top_p, n, seed, V, ties="keep"):

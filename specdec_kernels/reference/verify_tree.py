@@ -33,8 +33,16 @@ import torch
 
 from .._params import MIN_TEMPERATURE
 from .._tree_args import check_tree_args
-from .._types import TreeMetadata, TreeVerifyOutput
-from .sampling import accept_uniforms, bonus_token, draft_distribution, processed_probs, recover_token, sanitize_logits
+from .._types import DRAFT_LOGITS, TreeMetadata, TreeVerifyOutput
+from .sampling import (
+    accept_uniforms,
+    bonus_token,
+    draft_distribution,
+    grammar_masked,
+    processed_probs,
+    recover_token,
+    sanitize_logits,
+)
 
 # Why two rounds at least: the stop test needs a bracket whose acceptance gap is <= RHO_TOL, i.e. a
 # width of ~1e-4 in rho (dA/drho is 0.05-0.25 near rho*). Evenly spaced first-round points leave a gap
@@ -203,6 +211,7 @@ def verify_tree_checked(args) -> TreeVerifyOutput:
     params = args.per_request_cpu()
     target = args.target.cpu()
     draft = args.draft.cpu() if args.draft is not None else None
+    mask = args.token_bitmask.cpu() if args.token_bitmask is not None else None
     tokens_all = args.tokens.cpu().reshape(B, args.N)
     parents_all = args.parents_cpu()
     out_tokens = torch.full((B, D + 1), -1, dtype=torch.int64)
@@ -218,6 +227,9 @@ def verify_tree_checked(args) -> TreeVerifyOutput:
                 parents_all[b],
                 int(params["num_nodes"][b]),
                 args.G,
+                mask[b] if mask is not None else None,
+                masks_drafts=args.draft_mode == DRAFT_LOGITS,
+                chains=args.parents is None,
             ),
             mode=args.draft_mode,
             method=args.method,
@@ -238,19 +250,36 @@ def verify_tree_checked(args) -> TreeVerifyOutput:
 
 
 class _Tree:
-    """One request's tree: node i lives in chain i // G at depth i % G of the [K, G] layout."""
+    """One request's tree: node i lives in chain i // G at depth i % G of the [K, G] layout.
 
-    def __init__(self, target, draft, tokens, parents, num_nodes, G):
+    Grammar masks (``token_bitmask``, [K, G+1, W]): a target row uses its own mask row; the draft
+    row of node i (as logits) uses the mask of the target row at which node i is a candidate:
+    verify_tree (K = 1): row parents[i] + 1 (0 for the root's children); verify_multi (``chains``):
+    the chain's own row [k, i % G]."""
+
+    def __init__(self, target, draft, tokens, parents, num_nodes, G, mask=None, masks_drafts=False, chains=False):
         self.target, self.draft, self.tokens, self.parents = target, draft, tokens, parents
         self.n, self.G = num_nodes, G
+        self.mask, self.masks_drafts, self.chains = mask, masks_drafts, chains
+
+    def _words(self, k: int, r: int):
+        return None if self.mask is None else self.mask[k, r]
 
     def target_row(self, node: int) -> torch.Tensor:
         if node < 0:
-            return self.target[0, 0]
-        return self.target[node // self.G, node % self.G + 1]
+            return grammar_masked(self.target[0, 0], self._words(0, 0))
+        k, r = node // self.G, node % self.G + 1
+        return grammar_masked(self.target[k, r], self._words(k, r))
 
     def draft_row(self, node: int) -> torch.Tensor:
-        return self.draft[node // self.G, node % self.G]
+        k, s = node // self.G, node % self.G
+        row = self.draft[k, s]
+        if not self.masks_drafts:  # draft probabilities: used as given
+            return row
+        if self.chains:
+            return grammar_masked(row, self._words(k, s))
+        parent = min(max(int(self.parents[node]), -1), self.G - 1)  # unchecked ids (validate=False) in range
+        return grammar_masked(row, self._words(0, parent + 1))
 
     def children_of(self, nodes: list[int] | None) -> list[int]:
         """Children of the node set (None = the root), in node-index order."""

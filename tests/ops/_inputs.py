@@ -53,3 +53,14 @@ def reference_thresholds(x, temperature, top_k, top_p):
         ],
         dtype=torch.float32,
     )
+
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., ceil(V/32)] of a bool [..., V] allow-mask: bit j of word w = token 32w + j
+    (xgrammar's / llguidance's layout), written independently of specdec_kernels._bitmask."""
+    V = allowed.shape[-1]
+    W = (V + 31) // 32
+    padded = torch.zeros(*allowed.shape[:-1], W * 32, dtype=torch.int64, device=allowed.device)
+    padded[..., :V] = allowed.to(torch.int64)
+    words = (padded.view(*allowed.shape[:-1], W, 32) << torch.arange(32, device=allowed.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

@@ -161,6 +161,28 @@ def test_allowed_mask_hook():
     assert bool((got.top_logprob_ids == -1).any() | allowed.all())  # masked rows hold fewer entries
 
 
+@pytest.mark.parametrize("backend", ["vectorized", "cpu"])
+def test_token_bitmask_scores_the_masked_rows(backend):
+    """With token_bitmask= the logprobs are those of the masked, processed rows: the same numbers as a
+    call on rows masked by hand (-inf at the disallowed tokens) without the mask."""
+    if backend == "cpu":
+        cpu_core_or_skip()
+    from specdec_kernels._bitmask import pack
+
+    target, drafts, draft = make_problem(3, 3, 70, seed=13)
+    gen = torch.Generator().manual_seed(1)
+    allowed = torch.rand(target.shape, generator=gen) < 0.5
+    allowed.scatter_(2, torch.nn.functional.pad(drafts, (0, 1))[..., None], True)  # the drafts stay allowed
+    kw = dict(temperature=0.8, top_k=20, seed=4, backend=backend, return_logprobs=True, num_logprobs=3)
+    got = sk.verify(target, drafts, draft, token_bitmask=pack(allowed), **kw)
+    by_hand = sk.verify(target.masked_fill(~allowed, float("-inf")), drafts,
+                        draft.masked_fill(~allowed[:, :-1], float("-inf")), **kw)  # fmt: skip
+    assert torch.equal(got.tokens, by_hand.tokens)
+    torch.testing.assert_close(got.logprobs, by_hand.logprobs, equal_nan=True)
+    assert torch.equal(got.top_logprob_ids, by_hand.top_logprob_ids)
+    assert not torch.equal(got.logprobs.nan_to_num(), sk.verify(target, drafts, draft, **kw).logprobs.nan_to_num())
+
+
 def test_nonfinite_row_is_nan():
     target, drafts, draft = make_problem(2, 2, 16, seed=11)
     target[0, 0] = float("nan")  # nothing finite where request 0 emits

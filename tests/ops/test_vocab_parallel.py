@@ -23,6 +23,8 @@ import specdec_kernels as sk
 from specdec_kernels.ops import csrc
 from specdec_kernels.reference.philox import philox4x32, philox4x32_torch, uniform_open, uniform_open_torch
 
+from ._inputs import pack_bitmask
+
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 VOCAB = V = 1000
@@ -99,7 +101,20 @@ def _inputs(spec: dict):
         kw["out_dtype"] = torch.int32
     if spec.get("logprobs") is not None:  # return_logprobs with this many top logprobs
         kw.update(return_logprobs=True, num_logprobs=spec["logprobs"])
+    if spec.get("mask"):  # grammar masks: each rank packs the words of its own slice (_call)
+        kw["allowed"] = _allowed(spec, target.shape, tokens)
     return target, tokens, kw
+
+
+def _allowed(spec: dict, shape, tokens) -> torch.Tensor:
+    """bool allow-mask of the target rows: random, the drafts allowed at their rows (so accept
+    paths run), request 1's first row allowing nothing (flagged on every rank)."""
+    allowed = torch.rand(shape, generator=torch.Generator().manual_seed(spec["seed"] + 7)) < 0.5
+    if spec["op"] != "tree":
+        G = tokens.shape[-1]
+        allowed[..., :G, :].scatter_(-1, tokens[..., None].clamp(0, shape[-1] - 1), True)
+    allowed[1, ..., 0, :] = False
+    return allowed
 
 
 def _sizes(spec: dict) -> list[int]:
@@ -130,6 +145,9 @@ def _call(spec: dict, sl: slice | None = None, **extra):
         for name in ("draft_logits", "draft_probs"):
             if name in kw:
                 kw[name] = _shard(kw[name], sl)
+    if "allowed" in kw:  # this rank's words: bit j of word w = token lo + 32 w + j of its slice [lo, hi)
+        allowed = kw.pop("allowed")
+        kw["token_bitmask"] = pack_bitmask(allowed if sl is None else allowed[..., sl])
     kw.update(spec.get("extra", {}) if sl is not None else {}, **extra)  # extra: sharded-call options
     if spec["op"] == "chain":
         return sk.verify(None if "target_probs" in kw else target, tokens, **kw)
@@ -150,6 +168,8 @@ def _flatten(target, tokens, kw):
     for name in ("draft_logits", "draft_probs"):
         if name in kw:
             kw[name] = torch.cat([kw[name][b, : n[b]] for b in range(B)])
+    if "allowed" in kw:
+        kw["allowed"] = torch.cat([kw["allowed"][b, : n[b] + 1] for b in range(B)])
     kw["cu_num_draft_tokens"] = torch.tensor([0, *n]).cumsum(0)
     return flat_target, flat_tokens, kw
 
@@ -179,6 +199,8 @@ def suite(world: int) -> dict[str, dict]:
         cases["chain-target_probs"] = _chain(world, 47, "ngram", "top_k", target_probs=True)
         cases["chain-logprobs"] = _chain(world, 48, "logits", "per_request", logprobs=5)
         cases["chain-logprobs-flat-big_top_k"] = _chain(world, 49, "probs", "big_top_k", flat=True, logprobs=0)
+        cases["chain-mask"] = _chain(world, 94, "logits", "per_request", mask=True)  # shard cut at 400
+        cases["chain-mask-flat"] = _chain(world, 95, "probs", "top_p", mask=True, flat=True)
     if world == 3:  # verify_multi K=2: every method x mode, filters, greedy; verify_tree; NaN
         for i, (method, mode) in enumerate((m, d) for m in ("kseq", "rrs", "rrs_wor") for d in MODES):
             cases[f"multi-{method}-{mode}"] = _multi(world, 50 + i, mode, "sampled", method)
@@ -195,6 +217,8 @@ def suite(world: int) -> dict[str, dict]:
         cases["multi-logprobs"] = _multi(world, 78, "logits", "per_request", "rrs", logprobs=3)
         cases["tree-logprobs-ties"] = dict(tree, seed=79, ties=True, logprobs=4)
         cases["chain-nan-logprobs"] = _chain(world, 93, "logits", "top_p", nan=True, logprobs=2)
+        cases["multi-mask"] = _multi(world, 96, "logits", "top_p", "kseq", mask=True)
+        cases["tree-mask"] = dict(tree, seed=97, mask=True)
     if world == 4:  # a few of everything with a 100-entry shard
         cases["chain-logits-top_k"] = _chain(world, 80, "logits", "top_k")
         cases["chain-probs-per_request"] = _chain(world, 81, "probs", "per_request")
@@ -210,6 +234,7 @@ def suite(world: int) -> dict[str, dict]:
         cases["multi-fp16"] = _multi(world, 91, "probs", "top_p", "kseq", dtype=torch.float16)
         cases["chain-coarse-ties"] = _chain(world, 88, "ngram", coarse, ties="coarse")
         cases["multi-ties-per_request"] = _multi(world, 87, "logits", "per_request", "rrs", ties=True)
+        cases["chain-mask-greedy"] = _chain(world, 93, "ngram", "greedy", mask=True)
     return cases
 
 
@@ -395,6 +420,17 @@ def test_cases_cover_the_contract():
     assert {(s["method"], s["mode"]) for s in multi} >= {(m, d) for m in ("kseq", "rrs", "rrs_wor") for d in MODES}
     assert any(s.get("placeholder") for s in chain) and any(s.get("nan") for s in all_cases)
     assert {s["world"] for s in all_cases} == {2, 3, 4}
+
+
+def test_mask_cases_depend_on_the_mask():
+    """The token_bitmask cases are no accident of inputs the mask does not change."""
+    for w in SHARDS:
+        for name, spec in suite(w).items():
+            if spec.get("mask"):
+                plain = _call(dict(spec, mask=False), None, backend="torch")
+                masked = _call(spec, None, backend="torch")
+                assert not torch.equal(plain.tokens, masked.tokens), name
+                assert bool(masked.nonfinite[1]) and not bool(plain.nonfinite[1]), name
 
 
 def test_torch_philox_matches_numpy():

@@ -79,7 +79,12 @@ class Shard:
         return torch.where(own, rows.gather(-1, idx), torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
-_SHARDED_FIELDS = ("target_logits", "target", "draft")  # per-rank shards; everything else is replicated
+_SHARDED_FIELDS = (
+    "target_logits",
+    "target",
+    "draft",
+    "token_bitmask",
+)  # per-rank shards; everything else is replicated
 
 
 def replicated_checksum(args) -> int:
