@@ -70,6 +70,8 @@ def speculative_generate(
     grammar=None,
     tokenizer=None,
     verification: str = "token",
+    draft_tree: str | None = None,
+    tree_width: int | None = None,
 ) -> SpeculativeOutput:
     """Generate with a draft model (or prompt lookup) and exact verification by the target.
 
@@ -131,6 +133,16 @@ def speculative_generate(
             with xgrammar's processor. tokenizer: what the grammar is compiled over.
         verification: the chains' rule, "token" (draft by draft) or "block" (``sk.verify(method="block")``:
             the accepted prefix decided jointly, never fewer accepted drafts in expectation).
+        draft_tree: None (chains) or "dynamic": each step the draft model grows a token tree of
+            ``num_draft_tokens`` = N nodes besides the root (1 + N <= 64), ``tree_width`` = k children
+            per expanded node (default 4), depth by depth with one batched draft forward per depth;
+            the tree keeps, at every depth, the k candidates of highest path score (the paths' draft
+            probabilities when greedy; when sampling, children are k draws without replacement from
+            q, scored by their ranks' probabilities) and is verified by ``sk.verify_tree`` (one-hot when
+            greedy, ``method="rrs_wor"`` when sampling): see ``hf/drafters/dynamic_tree.py``. N is fixed
+            per step (``adaptive_draft`` applies to chains). Not yet with StaticCache, compile_target,
+            prompt lookup / Medusa, grammar=, logits processors, draft_confidence or
+            verification="block" (a ValueError naming the setting).
 
     Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
 
