@@ -15,6 +15,7 @@ from specdec_kernels.hf import speculative_generate  # noqa: E402
 from specdec_kernels.hf.drafters import DynamicTreeDrafter  # noqa: E402
 from specdec_kernels.hf.drafters.dynamic_tree import tree_depths  # noqa: E402
 from specdec_kernels.hf.generate import open_session  # noqa: E402
+from specdec_kernels.hf.tree_budget import TreeBudgetPolicy  # noqa: E402
 
 from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue  # noqa: E402
 from ._models import fixed_logits_model, tiny_model  # noqa: E402
@@ -43,13 +44,14 @@ def _dynamic(target, draft, ids, mask, N, k, **kw):
     [(4, 1, "near"), (4, 4, "copy"), (15, 2, "near"), (15, 3, "copy"), (63, 1, "copy"), (63, 4, "near")],
 )
 def test_greedy_equals_target_generate(target, drafts, N, k, which):
-    """Batch 3, ragged prompts (one of 3 tokens), every width 1..4 and N in {4, 15, 63}."""
+    """Batch 3, ragged prompts (one of 3 tokens), every width 1..4 and N in {4, 15, 63}; the near
+    copy with the adaptive budget (trees of several depths and chains), the copy with N pinned."""
     ids, mask = _ragged_prompts()
     expected = _greedy_reference(target, ids, mask, 12)
-    out = _dynamic(target, drafts[which], ids, mask, N, k)
+    out = _dynamic(target, drafts[which], ids, mask, N, k, adaptive_draft=which == "near")
     assert torch.equal(out.sequences, expected)
     assert out.stats.accepted > 0
-    if which == "copy":  # every step accepts the whole depth of the tree
+    if which == "copy":  # the pinned tree: every step accepts its whole depth
         assert out.stats.steps <= -(-12 // (len(tree_depths(N, k)) + 1)) + 1
 
 
@@ -70,7 +72,7 @@ def test_width_one_is_the_chain(target, drafts):
         target, drafts["near"], ids, mask, max_new_tokens=12, num_draft_tokens=4, adaptive_draft=False,
         eos_token_id=[], pad_token_id=PAD,
     )  # fmt: skip
-    tree = _dynamic(target, drafts["near"], ids, mask, 4, 1)
+    tree = _dynamic(target, drafts["near"], ids, mask, 4, 1, adaptive_draft=False)
     assert torch.equal(tree.sequences, chain.sequences)
     assert (tree.stats.steps, tree.stats.accepted) == (chain.stats.steps, chain.stats.accepted)
 
@@ -80,6 +82,41 @@ def test_tree_depths():
     assert tree_depths(4, 1) == [1, 1, 1, 1]
     assert tree_depths(63, 4) == [4] * 15 + [3]
     assert tree_depths(3, 4) == [3]
+
+
+def _simulate(policy: TreeBudgetPolicy, seconds, steps: int = 80) -> list:
+    """Runs ``policy`` on synthetic steps (per-depth acceptance 0.8 for trees, 0.6 for chains, the
+    expected counts of the geometric model; step time ``seconds(arm)``); returns the arms it chose."""
+    accepted = rejections = 0
+    chosen = []
+    for _ in range(steps):
+        policy.choose(accepted, rejections, 1)
+        arm = policy.arm
+        chosen.append(arm)
+        a, d = (0.8 if arm[0] == "tree" else 0.6), arm[1]
+        accepted += a * (1 - a**d) / (1 - a)  # expected accepted drafts of the geometric model
+        rejections += 1 - a**d
+        policy.record(arm[2], 1, seconds(arm))
+    return chosen
+
+
+def test_budget_policy_falls_back_to_a_chain_when_trees_do_not_pay():
+    """Measured step times: verification rows that cost a lot (a CPU) make the policy settle on a
+    chain; free rows (a GPU) on a tree; without measurements (sampling) it grows trees."""
+    rows_cost = lambda arm: 1.0 + 0.2 * arm[1] + 0.5 * arm[2]  # noqa: E731
+    rows_free = lambda arm: 1.0 + 0.2 * arm[1]  # noqa: E731
+    assert {a[0] for a in _simulate(TreeBudgetPolicy(16, 4, 0.2, True), rows_cost)[-20:]} == {"chain"}
+    assert {a[0] for a in _simulate(TreeBudgetPolicy(16, 4, 0.2, True), rows_free)[-20:]} == {"tree"}
+    assert {a[0] for a in _simulate(TreeBudgetPolicy(16, 4, 0.2, False), rows_cost)} == {"tree"}
+    assert all(arm[3] == 1 for arm in TreeBudgetPolicy(5, 1, 0.2, True).arms)  # width 1: chains only
+
+
+def test_sampled_adaptive_trees_are_reproducible(target, drafts):
+    """Sampling adapts the tree from acceptance and the shape model only (no timings): a seeded
+    call draws the same tokens every time."""
+    ids, mask = _ragged_prompts()
+    a, b = (_dynamic(target, drafts["near"], ids, mask, 15, 3, temperature=0.9, seed=5) for _ in range(2))
+    assert torch.equal(a.sequences, b.sequences)
 
 
 def _proposals(monkeypatch) -> list:
@@ -109,7 +146,7 @@ def test_shape_depends_on_q_not_on_the_draws(monkeypatch):
     for seed in range(4):
         speculative_generate(
             target, draft, ids, max_new_tokens=6, num_draft_tokens=9, draft_tree="dynamic", tree_width=3,
-            temperature=1.0, seed=seed, eos_token_id=[],
+            temperature=1.0, seed=seed, eos_token_id=[], adaptive_draft=False,
         )  # fmt: skip
     first = seen[0]
     for proposal in seen:

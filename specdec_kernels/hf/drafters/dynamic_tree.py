@@ -44,8 +44,11 @@ import torch
 
 from .. import drafting
 from ..attention import TreeAttentionMetadata
+from ..config import is_number
+from ..draft_length import draft_cost_estimate
 from ..forwards import forward, gen_for
 from ..medusa import MIN_RANK_PROB, candidate_tokens
+from ..tree_budget import MAX_CHAIN, TreeBudgetPolicy
 from .base import TreeProposal, Verified
 from .model import ModelDrafter
 
@@ -60,17 +63,27 @@ class DynamicTreeDrafter(ModelDrafter):
 
     def __init__(self, model, config):
         super().__init__(model, config)
-        self.width = config.tree_width
-        self.per_depth = tree_depths(config.num_draft_tokens, self.width)
-        self.max_tree_nodes, self.max_depth = config.num_draft_tokens, len(self.per_depth)
+        N, self.width = config.num_draft_tokens, config.tree_width
+        self.per_depth = tree_depths(N, self.width)  # this step's nodes per depth
+        chain = min(N, MAX_CHAIN) if config.adaptive_draft and self.width > 1 else 0  # the chain fallback
+        self.max_tree_nodes, self.max_depth = N, max(len(self.per_depth), chain)
         self.node_slot = None  # [A, N] each node's draft-cache slot (from the step's first), -1: never fed
+        self.policy: TreeBudgetPolicy | None = None
 
     def length_policy(self, session):
-        return None  # a fixed budget of N nodes per step (docs/hf_driver.md)
+        """adaptive_draft: the step's tree (depth, or a chain) from past steps (``hf/tree_budget.py``);
+        else every step grows the N-node tree of width k."""
+        cfg = self.config
+        if not cfg.adaptive_draft:
+            return None
+        measured = cfg.draft_cost == "measured" or (cfg.draft_cost is None and cfg.greedy)
+        cost = cfg.draft_cost if is_number(cfg.draft_cost) else draft_cost_estimate(session.target, self.model)
+        self.policy = TreeBudgetPolicy(cfg.num_draft_tokens, self.width, float(cost), measured)
+        return self.policy
 
-    def _children(self, logits: torch.Tensor, probs, gen):
+    @staticmethod
+    def _children(logits: torch.Tensor, probs, gen, k: int):
         """Candidates [A, F, k] and the log-probabilities of their ranks [A, F, k] (-inf: no node)."""
-        k = self.width
         if probs is None:  # greedy: the top-k tokens, scored by their draft probabilities
             top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
             return top.indices, top.values
@@ -82,7 +95,9 @@ class DynamicTreeDrafter(ModelDrafter):
     def propose(self, session, g: int) -> TreeProposal:
         if session.processor is not None:  # SpecConfig refuses it; a drafter used directly must too
             raise ValueError("draft_tree='dynamic' does not support logits processors or grammar= yet")
-        batch, device, V, k = session.batch, session.device, session.V, self.width
+        k = self.policy.width if self.policy is not None else self.width
+        self.per_depth = tree_depths(g, k)
+        batch, device, V = session.batch, session.device, session.V
         greedy, sampling = self.config.greedy, self.config.sampling
         A, u, U = len(batch.rows), self.uncached, max(self.uncached_host)
         fed_slots = U + sum(self.per_depth[:-1])
@@ -92,7 +107,7 @@ class DynamicTreeDrafter(ModelDrafter):
         gen = gen_for(session.generator, device)
         probs = None if greedy else drafting.draft_distribution(logits, **sampling)
         # the candidates of the depth being built: tokens, scores, parent (node index), parent's q row
-        cand, log_rank = self._children(logits[:, None], None if probs is None else probs[:, None], gen)
+        cand, log_rank = self._children(logits[:, None], None if probs is None else probs[:, None], gen, k)
         cand_score, cand_parent = log_rank.reshape(A, k), torch.full((A, k), -1, device=device)
         cand_row = None if probs is None else probs[:, None].expand(A, k, V)
         cand, rows = cand.reshape(A, k), []
@@ -129,7 +144,7 @@ class DynamicTreeDrafter(ModelDrafter):
             logits = forward(self.model, self.cache, tokens[-1], meta, V)  # [A, width, V]
             self.length += width
             probs = None if greedy else drafting.draft_distribution(logits, **sampling)
-            cand, log_rank = self._children(logits, probs, gen)  # [A, width, k]
+            cand, log_rank = self._children(logits, probs, gen, k)  # [A, width, k]
             cand_score = (score[:, :, None] + log_rank).reshape(A, width * k)
             first = sum(self.per_depth[: d - 1])  # node index of this depth's first node
             cand_parent = (first + torch.arange(width, device=device))[None, :, None].expand(A, width, k)
@@ -153,14 +168,13 @@ class DynamicTreeDrafter(ModelDrafter):
         if rows:
             probs = torch.cat(rows, dim=1)[torch.arange(A, device=ok.device)[:, None], order]
         num = kept.long().sum(dim=1)
-        return TreeProposal(
-            pick(tokens), parent, num, depth.max(dim=1).values, self.max_depth, probs, len(self.per_depth)
-        )
+        D = len(self.per_depth)
+        return TreeProposal(pick(tokens), parent, num, depth.max(dim=1).values, D, probs, D)
 
     def _commit_slots(self, verified: Verified):
         """Draft-cache slots to keep [A, U + D - 1] and their counts: the u committed tokens fed by
         forward 0, then the accepted path's fed nodes (every depth but the last)."""
-        (S, U), D = self.fed, self.max_depth
+        (S, U), D = self.fed, verified.proposal.depth
         path, accepted, u = verified.path, verified.accepted, self.uncached
         j = torch.arange(U + D - 1, device=accepted.device)[None, :]
         t = (j - u[:, None]).clamp(0, max(D - 1, 1) - 1)  # index into the path of the j-th kept slot
