@@ -290,3 +290,37 @@ def test_open_session_steps(target, drafts):
         while session.batch.rows:
             session.drop_finished_rows(session.step().finished)
     assert torch.equal(torch.cat([ids, session.tokens.output(PAD)], dim=1), expected)
+
+
+def _peaked_draft():
+    """q > 0.999 on token 5 everywhere: when sampling, ranks past the first fall below
+    MIN_RANK_PROB, so every depth keeps one node of its k slots (the nodes are compacted and their
+    cache slots are no longer their indices)."""
+    row = [0.0] * 97
+    row[5] = 12.0
+    return fixed_logits_model(row)
+
+
+@pytest.mark.parametrize("which, temperature", [("near", 0.0), ("near", 0.9), ("peaked", 0.9)])
+def test_draft_cache_equals_a_fresh_prefill(target, drafts, which, temperature):
+    """After every step the draft cache holds exactly the committed tokens it should (all but the
+    last 1 or 2), as a fresh forward of them computes their keys and values."""
+    draft = drafts["near"] if which == "near" else _peaked_draft()
+    target = target if which == "near" else copy.deepcopy(draft)  # peaked: every depth accepted
+    ids, mask = _ragged_prompts()
+    with open_session(
+        target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=15, draft_tree="dynamic",
+        tree_width=3, temperature=temperature, seed=3, eos_token_id=[], pad_token_id=PAD,
+    ) as session:  # fmt: skip
+        drafter = session.drafter
+        for _ in range(3):
+            if not session.batch.rows:
+                break
+            session.drop_finished_rows(session.step().finished)
+            for a, b in enumerate(session.batch.rows):
+                C, L = int(drafter.cached[a]), int(session.tokens.length[b])
+                assert L - C == drafter.uncached_host[a] in (1, 2)
+                fresh = draft(input_ids=session.tokens.seq[b, :C][None], use_cache=True).past_key_values
+                for mine, ref in zip(drafter.cache.layers, fresh.layers, strict=True):
+                    torch.testing.assert_close(mine.keys[a, :, :C], ref.keys[0], atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(mine.values[a, :, :C], ref.values[0], atol=1e-4, rtol=1e-4)
