@@ -20,6 +20,7 @@ from specdec_kernels.hf.tree_budget import TreeBudgetPolicy  # noqa: E402
 from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue  # noqa: E402
 from ._models import fixed_logits_model, tiny_model  # noqa: E402
 from .test_generate import PAD, _greedy_reference, _near_copy, _ragged_prompts, _two_token_distribution  # noqa: E402
+from .test_medusa import _rrs_wor_first_token  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -189,24 +190,12 @@ def test_at_most_two_host_syncs_per_step(target, drafts, monkeypatch):
 def _first_token_law(p: torch.Tensor, q: torch.Tensor, k: int, without_replacement: bool) -> torch.Tensor:
     """Exact law of the first emitted token when the root's k children are drawn without replacement
     from q and verified by RRS that renormalises q after each candidate (rrs_wor) or not (rrs)."""
-    p, q = p.double(), q.double()
-    law = torch.zeros_like(p)
+    law = torch.zeros_like(p, dtype=torch.float64)
     for toks in itertools.permutations(range(p.numel()), k):
         weight, left = 1.0, 1.0
         for x in toks:
             weight, left = weight * float(q[x]) / left, left - float(q[x])
-        out, reach, pj, qj = torch.zeros_like(p), 1.0, p.clone(), q.clone()
-        for x in toks:
-            a = min(1.0, float(pj[x] / qj[x])) if qj[x] > 0 else float(pj[x] > 0)
-            out[x] += reach * a
-            reach *= 1 - a
-            r = torch.clamp(pj - qj, min=0)
-            pj = r / r.sum() if r.sum() > 0 else r
-            if without_replacement:
-                keep = 1 - float(qj[x])
-                qj[x] = 0
-                qj = qj / keep
-        law += weight * (out + reach * pj)
+        law += weight * _rrs_wor_first_token(p, q, list(toks), renormalise=without_replacement)
     return law
 
 
