@@ -15,6 +15,8 @@ tokens / wall time summed over every prompt of a prompt set. Modes (``--modes``)
 * ``ours_k1``            -- ``speculative_generate`` with one chain of G = ``--G`` draft tokens.
 * ``ours_k2``, ``ours_k4`` -- K = 2 / 4 chains of G tokens (a tree) verified with ``--method``
                             (default ``kseq``, SpecTr K-SEQ).
+* ``ours_dyntree``       -- ``draft_tree="dynamic"``: a token tree of N = ``--G`` nodes, ``--tree-width``
+                            children per node, grown by the draft (rows: nodes per step, mean depth).
 * ``ours_prompt_lookup`` -- ``speculative_generate(drafter="prompt_lookup")``: n-gram drafts from the
                             request's own tokens, no draft model.
 * ``hf_prompt_lookup``   -- (not run by default) ``target.generate(prompt_lookup_num_tokens=G)``,
@@ -95,12 +97,13 @@ MODES = (
     "ours_block",
     "ours_k2",
     "ours_k4",
+    "ours_dyntree",
     "ours_prompt_lookup",
     "hf_prompt_lookup",
 )
 DEFAULT_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup")
 SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_prompt_lookup")
-DRAFT_MODES = ("hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_k4")  # need a draft model
+DRAFT_MODES = ("hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_k4", "ours_dyntree")  # need a draft model
 PROMPT_SETS = ("code", "prose")
 
 AXES = {
@@ -122,7 +125,7 @@ CSV_COLUMNS = (
     "cpu_linear threads mode status G K method temperature top_k top_p prompt_set prompts prompt_tokens_mean "
     "batch_size max_new_tokens rep new_tokens wall_s cpu_s tokens_per_s speedup_vs_target "
     "cpu_speedup_vs_target speedup_vs_hf_assisted acceptance_rate mean_accepted_length target_forwards "
-    "draft_forwards time_draft time_target time_verify time_commit time_other drafts_per_step "
+    "draft_forwards time_draft time_target time_verify time_commit time_other drafts_per_step depth_mean "
     "greedy_equal greedy_equal_prompts grammar grammar_valid grammar_complete seed warmup cache compiled "
     "triton_interpret cuda python"
 ).split()
@@ -180,6 +183,8 @@ def mode_settings(mode: str, args) -> dict:
         return {"G": args.G, "K": 1, "method": None, "drafter": "prompt_lookup"}
     if mode == "ours_block":  # the draft model's chain under block verification
         return {"G": args.G, "K": 1, "method": "block", "drafter": "model", "verification": "block"}
+    if mode == "ours_dyntree":  # G = the tree's nodes
+        return {"G": args.G, "K": 1, "method": "rrs_wor", "drafter": "model", "draft_tree": "dynamic"}
     K = int(mode.removeprefix("ours_k"))
     return {"G": args.G, "K": K, "method": args.method if K > 1 else None, "drafter": "model"}
 
@@ -230,7 +235,8 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
             max_new_tokens=max_new,
             num_draft_tokens=s["G"],
             num_drafts=s["K"],
-            method=s["method"] if s["K"] > 1 else "kseq",
+            method=s["method"] if s["K"] > 1 or "draft_tree" in s else "kseq",
+            **({"draft_tree": "dynamic", "tree_width": args.tree_width} if "draft_tree" in s else {}),
             verification=s.get("verification", "token"),
             drafter=s["drafter"],
             temperature=temperature,
@@ -444,6 +450,8 @@ def make_rows(
                 target_forwards=t.target_forwards,
                 draft_forwards=t.draft_forwards,
             )
+            if mode == "ours_dyntree" and t.target_forwards:  # one target forward and `depth` draft ones per step
+                row["depth_mean"] = t.draft_forwards / t.target_forwards
         if temperature == 0.0 and t.compared:
             row.update(
                 greedy_equal="yes" if t.equal == t.compared else "no", greedy_equal_prompts=f"{t.equal}/{t.compared}"
@@ -603,6 +611,7 @@ def parse_args(argv=None):
         help="CPU runs: nn.Linear layers of both models (every mode) run oneDNN on packed weights "
         "(specdec_kernels.hf.cpu_linear), or PyTorch's default (MKL in fp32)",
     )
+    p.add_argument("--tree-width", type=int, default=4, help="ours_dyntree: children per tree node")
     p.add_argument("--method", default="kseq", help="verification method of ours_k2/ours_k4 (kseq, rrs, rrs_wor)")
     p.add_argument(
         "--hf-assistant-tokens",

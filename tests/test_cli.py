@@ -61,9 +61,10 @@ def test_demo_runs_and_greedy_rows_match_the_target(capsys):
     assert main(["demo", "--prompts", "2", "--max-new-tokens", "12", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     table = [line.split() for line in out.splitlines() if line.split()[-1:] in (["True"], ["False"], ["(baseline)"])]
-    assert len(table) == 5, out  # target only (greedy and sampled baselines), chain, SpecTr, Medusa
+    assert len(table) == 6, out  # target only (greedy and sampled baselines), chain, SpecTr, Medusa, dynamic tree
     assert all(row[-1] in ("True", "(baseline)") for row in table), out
     assert "T=0.7" in out and "draft fwd" in out and "torch pinned to" in out and "Medusa 4 heads" in out
+    assert "dynamic tree N=16, k=4" in out
     assert ">>> generated" in out  # prompt and continuation visibly separated
 
 
@@ -98,6 +99,14 @@ def test_generate_with_the_demo_medusa_heads(capsys):
     assert main([*argv, "--num-draft-tokens", "12", "--num-drafts", "3", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(prompt) and re.search(r"draft forwards\s+0\n", out)
+
+
+def test_generate_with_a_dynamic_draft_tree(capsys):
+    prompt = "def add(a, b):\n    "
+    argv = ["generate", "--target", "demo", "--draft-tree", "dynamic", "--tree-width", "3", "--prompt", prompt]
+    assert main([*argv, "--max-new-tokens", "10", "--num-draft-tokens", "9", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prompt) and "acceptance" in out.lower()
 
 
 def test_demo_json_row(capsys):
@@ -162,6 +171,11 @@ def test_generate_with_a_json_schema_or_a_grammar(capsys, tmp_path):
         (["verify-demo", "--batch", "16", "--vocab", "16"], "--batch"),
         # issue 24: checked against the loaded models (a traceback, or garbage past 2048 positions)
         (["generate", "--target", "demo", "--prompt", "x", "--vocab-size", "100000"], "--vocab-size"),
+        (
+            ["generate", "--target", "demo", "--prompt", "x", "--draft-tree", "dynamic", "--tree-width", "0"],
+            "--tree-width",
+        ),
+        (["generate", "--target", "demo", "--prompt", "x", "--tree-width", "2"], "--tree-width"),
         (["generate", "--target", "demo", "--prompt", "x", "--max-new-tokens", "1000000"], "--max-new-tokens"),
         (["demo", "--max-new-tokens", "5000"], "--max-new-tokens"),
     ],

@@ -28,6 +28,8 @@ DRIVER_FLAGS = {
     "num_drafts": "--num-drafts",
     "method": "--method",
     "drafter": "--drafter",
+    "draft_tree": "--draft-tree",
+    "tree_width": "--tree-width",
     "temperature": "--temperature",
     "top_k": "--top-k",
     "top_p": "--top-p",

@@ -30,6 +30,8 @@ from ._common import (
 
 # the Medusa rows pass --medusa-nodes / --medusa-candidates as the driver's num_draft_tokens / num_drafts
 MEDUSA_FLAGS = {**DRIVER_FLAGS, "num_draft_tokens": "--medusa-nodes", "num_drafts": "--medusa-candidates"}
+# the dynamic-tree rows pass --tree-nodes as num_draft_tokens
+TREE_FLAGS = {**DRIVER_FLAGS, "num_draft_tokens": "--tree-nodes"}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -40,6 +42,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--num-drafts", type=int, default=2)
     p.add_argument("--medusa-nodes", type=int, default=16, help="Medusa rows: tree nodes besides the root")
     p.add_argument("--medusa-candidates", type=int, default=3, help="Medusa rows: candidates per head")
+    p.add_argument("--tree-nodes", type=int, default=16, help="dynamic-tree rows: tree nodes besides the root")
+    p.add_argument("--tree-width", type=int, default=4, help="dynamic-tree rows: children per node")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.7, help="for the sampled rows")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: 2, or 1 on one core)")
@@ -90,17 +94,21 @@ def demo(args: argparse.Namespace) -> int:
     N, S = args.medusa_nodes, args.medusa_candidates
     medusa = dict(drafter="medusa", medusa_heads=heads, num_draft_tokens=N, num_drafts=S)
     medusa_name = f"Medusa {heads.num_heads} heads, N={N}, s={S}"
+    tree = dict(draft_tree="dynamic", num_draft_tokens=args.tree_nodes, tree_width=args.tree_width)
+    tree_name = f"dynamic tree N={args.tree_nodes}, k={args.tree_width}"
     modes = [  # (name, speculative kwargs or None for the target alone, sampled)
         ("target only (greedy)", None, False),
         (f"chain, G<={G} (greedy)", dict(num_drafts=1), False),
         (f"SpecTr K={K}, G={G} (greedy)", dict(num_drafts=K, method="kseq"), False),
         (f"{medusa_name} (greedy)", medusa, False),
+        (f"{tree_name} (greedy)", tree, False),
         (f"target only (T={T})", None, True),
         (f"chain, G<={G} (T={T})", dict(num_drafts=1), True),
         (f"SpecTr K={K}, G={G} (T={T})", dict(num_drafts=K, method="kseq"), True),
         (f"{medusa_name} (T={T})", medusa, True),
+        (f"{tree_name} (T={T})", tree, True),
     ]
-    _warm_up(target, draft, tok, device, G, K, medusa)  # the driver's checks first: a refused setting is one line
+    _warm_up(target, draft, tok, device, G, K, medusa, tree)  # the driver's checks first: a refused setting is one line
     timing.prepare_native_backend(device)  # the build, if any, before anything is timed
     if warning := timing.load_warning():
         print(warning, file=sys.stderr)
@@ -113,7 +121,8 @@ def demo(args: argparse.Namespace) -> int:
         "\nspeedup: per prompt, wall (cpu speedup: process CPU) time of the target alone in the same sampling mode / "
         "this mode's, the two timed back to back; the median over prompts [lowest-highest] (draft forwards, "
         "or Medusa heads and tree building, included); greedy rows must equal the target's own greedy output. "
-        "accept: accepted drafts / drafts offered (Medusa: / the tree's depth, one path is accepted per step)."
+        "accept: accepted drafts / drafts offered (trees, Medusa's and dynamic: / the tree's depth, one path is "
+        "accepted per step)."
     )
     chain = modes[1][0]
     print(f"\nfirst prompt | {chain} continuation (cut at a byte boundary):")
@@ -174,7 +183,7 @@ def _json_demo(target, draft, tok, device, args) -> int:
     return 0 if same else 1
 
 
-def _warm_up(target, draft, tok, device, G: int, K: int, medusa: dict) -> None:
+def _warm_up(target, draft, tok, device, G: int, K: int, medusa: dict, tree: dict) -> None:
     """One short untimed run of every path (first calls pay for lazy initialisation and, once per
     machine, the build of the CPU backend)."""
     from ..hf import speculative_generate
@@ -188,6 +197,9 @@ def _warm_up(target, draft, tok, device, G: int, K: int, medusa: dict) -> None:
     with driver_checks(DRIVER_FLAGS):  # the driver's own checks of --num-draft-tokens / --num-drafts
         for kwargs in (dict(num_drafts=1), dict(num_drafts=K, temperature=0.7, seed=0)):
             speculative_generate(target, draft, ids, mask, max_new_tokens=8, num_draft_tokens=G, **kwargs)
+    with driver_checks(TREE_FLAGS):  # ... of --tree-nodes / --tree-width
+        for sampling in (dict(), dict(temperature=0.7, seed=0)):
+            speculative_generate(target, draft, ids, mask, max_new_tokens=8, **tree, **sampling)
     with driver_checks(MEDUSA_FLAGS):  # ... and of --medusa-nodes / --medusa-candidates
         for sampling in (dict(), dict(temperature=0.7, seed=0)):
             speculative_generate(target, None, ids, mask, max_new_tokens=8, **medusa, **sampling)

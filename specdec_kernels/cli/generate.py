@@ -38,6 +38,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="medusa: the target's Medusa heads (--medusa-heads, or the demo's with --target demo) propose a tree "
         "of --num-draft-tokens nodes with --num-drafts candidates per head",
     )
+    p.add_argument(
+        "--draft-tree",
+        choices=["dynamic"],
+        default=None,
+        help="dynamic: the draft model grows a token tree of --num-draft-tokens nodes each step (verified exactly)",
+    )
+    p.add_argument("--tree-width", type=int, default=None, help="with --draft-tree: children per node (default 4)")
     p.add_argument("--medusa-heads", default=None, help="directory of MedusaHeads.save_pretrained")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -210,6 +217,8 @@ def generate_command(args: argparse.Namespace) -> int:
             num_drafts=args.num_drafts,
             method=args.method,
             drafter=drafter,
+            draft_tree=args.draft_tree,
+            tree_width=args.tree_width,
             medusa_heads=heads,
             temperature=args.temperature,
             top_k=args.top_k,

@@ -13,6 +13,9 @@ from .processors import RowProcessor
 from .processors import check_processors as _check_processors
 
 DRAFTERS = ("model", "prompt_lookup", "medusa")
+DRAFT_TREES = (None, "dynamic")
+DEFAULT_TREE_WIDTH = 4  # children per expanded node of a dynamic tree (EAGLE-2's default top-k is 10;
+# 4 keeps ceil(N / 4) draft forwards per step for N = 16, the demo's budget)
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
@@ -47,6 +50,8 @@ class SpecConfig:
     row_processor: object = None  # processors.RowProcessor, or None: no logits processor (the fused path)
     grammar: list | None = None  # one xgrammar.CompiledGrammar per request (hf/grammar.py), or None
     verification: str = "token"  # the chains' rule (sk.verify's method): "token" or "block"
+    draft_tree: str | None = None  # "dynamic": the draft model grows a token tree (drafters/dynamic_tree.py)
+    tree_width: int = DEFAULT_TREE_WIDTH  # children per expanded node of a dynamic tree
 
     @property
     def sampling(self) -> dict:
@@ -83,8 +88,9 @@ class SpecConfig:
         if not (isinstance(draft_confidence, (int, float)) and 0.0 <= draft_confidence <= 1.0):
             raise ValueError(f"draft_confidence must be in [0, 1], got {draft_confidence!r}")
         drafter, method = kw["drafter"], kw["method"]
+        draft_tree = kw["draft_tree"]
         if method is None:
-            method = "rrs_wor" if drafter == "medusa" else "kseq"
+            method = "rrs_wor" if drafter == "medusa" or draft_tree == "dynamic" else "kseq"
         if drafter == "medusa":
             _check_medusa(draft, kw["medusa_heads"], method, compile_target)
         cfg = cls(G, K, method, drafter, 0, max_new_tokens, 0, **_passed(kw))
@@ -98,6 +104,7 @@ class SpecConfig:
         cfg.adaptive_draft = bool(kw["adaptive_draft"]) and drafter == "model" and K == 1 and not compile_target
         cfg.draft_confidence = draft_confidence if cfg.adaptive_draft else 0.0
         cfg.verification = _check_verification(kw["verification"], cfg)
+        cfg.draft_tree, cfg.tree_width = _check_draft_tree(draft_tree, kw["tree_width"], kw, cfg)
         if kw["grammar"] is not None:
             from .grammar import compile_grammars
 
@@ -108,6 +115,11 @@ class SpecConfig:
         processors, settings = kw["logits_processor"], kw["generation_config"]
         _check_processors(processors, cfg)
         cfg.row_processor = RowProcessor.build(processors, settings, cfg, input_ids, attention_mask)
+        if cfg.row_processor is not None and cfg.draft_tree is not None:
+            raise ValueError(
+                "draft_tree='dynamic' does not support logits processors (logits_processor= or "
+                "generation_config= processor settings) yet"
+            )
         if cfg.row_processor is not None and not cfg.greedy and cfg.top_p < 1.0 and cfg.top_p_ties != "by_index":
             raise ValueError(
                 "logits processors run generate's TopPLogitsWarper (top_p_ties='by_index'); "
@@ -142,6 +154,33 @@ def _check_verification(verification, cfg: SpecConfig) -> str:
     if verification == "block" and (cfg.num_drafts > 1 or cfg.drafter == "medusa"):
         raise ValueError("verification='block' verifies chains: num_drafts=1 and a chain drafter (not medusa)")
     return verification
+
+
+def _check_draft_tree(draft_tree, tree_width, kw: dict, cfg: SpecConfig) -> tuple[str | None, int]:
+    """draft_tree= / tree_width=: a ValueError naming every setting dynamic trees cannot honour yet."""
+    if draft_tree not in DRAFT_TREES:
+        raise ValueError(f"draft_tree must be one of {DRAFT_TREES}, got {draft_tree!r}")
+    if draft_tree is None:
+        if tree_width is not None:
+            raise ValueError("tree_width= is read only with draft_tree='dynamic'")
+        return None, DEFAULT_TREE_WIDTH
+    width = DEFAULT_TREE_WIDTH if tree_width is None else _as_int("tree_width", tree_width)
+    if width < 1:
+        raise ValueError(f"tree_width must be >= 1, got {width}")
+    refused = [
+        (cfg.drafter != "model", f"drafter={cfg.drafter!r} (dynamic trees are grown by a draft model)"),
+        (cfg.num_drafts != 1, "num_drafts > 1 (a dynamic tree's width is tree_width=)"),
+        (cfg.method != "rrs_wor", f"method={cfg.method!r} (children are drawn without replacement: 'rrs_wor')"),
+        (bool(cfg.compile_target), "compile_target"),
+        (cfg.cache_implementation != "dynamic", "cache_implementation='static'"),
+        (kw["grammar"] is not None, "grammar="),
+        (cfg.verification != "token", f"verification={cfg.verification!r} (block verification verifies chains)"),
+        (kw["draft_confidence"] != 0.0, "draft_confidence (chains only)"),
+    ]
+    for bad, setting in refused:
+        if bad:
+            raise ValueError(f"draft_tree='dynamic' does not support {setting} yet")
+    return draft_tree, width
 
 
 def is_number(x) -> bool:

@@ -70,6 +70,8 @@ def speculative_generate(
     grammar=None,
     tokenizer=None,
     verification: str = "token",
+    draft_tree: str | None = None,
+    tree_width: int | None = None,
 ) -> SpeculativeOutput:
     """Generate with a draft model (or prompt lookup) and exact verification by the target.
 
@@ -108,7 +110,8 @@ def speculative_generate(
             defaults, or a dict of ``torch.compile`` keyword arguments. Needs
             ``cache_implementation="static"`` (and fixes the draft length: one graph per shape).
         adaptive_draft: chains (K = 1, draft model) choose the drafts per step (at most
-            ``num_draft_tokens``) from the running acceptance and the measured draft/target cost.
+            ``num_draft_tokens``) from the running acceptance and the measured draft/target cost;
+            dynamic trees choose their depth per step, down to a chain (``draft_tree``).
         draft_confidence: with ``adaptive_draft``, a request's chain ends at the first draft whose most
             likely token has probability below this (a property of q, not of its sample: still exact).
             0 (default) = off: on the demo pair the cut cost 10-20% tokens/s.
@@ -131,6 +134,17 @@ def speculative_generate(
             with xgrammar's processor. tokenizer: what the grammar is compiled over.
         verification: the chains' rule, "token" (draft by draft) or "block" (``sk.verify(method="block")``:
             the accepted prefix decided jointly, never fewer accepted drafts in expectation).
+        draft_tree: None (chains) or "dynamic": each step the draft model grows a token tree of
+            ``num_draft_tokens`` = N nodes besides the root (1 + N <= 64), ``tree_width`` = k children
+            per expanded node (default 4), depth by depth with one batched draft forward per depth;
+            the tree keeps, at every depth, the k candidates of highest path score (the paths' draft
+            probabilities when greedy; when sampling, children are k draws without replacement from
+            q, scored by their ranks' probabilities) and is verified by ``sk.verify_tree`` (one-hot when
+            greedy, ``method="rrs_wor"`` when sampling): see ``hf/drafters/dynamic_tree.py``. With
+            ``adaptive_draft`` each step's tree depth, or a chain, is chosen from past steps
+            (``hf/tree_budget.py``); ``adaptive_draft=False`` pins N. Not yet with StaticCache, compile_target,
+            prompt lookup / Medusa, grammar=, logits processors, draft_confidence or
+            verification="block" (a ValueError naming the setting).
 
     Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
 

@@ -287,9 +287,10 @@ def test_demo_heads_load_from_package_data():
 # ---- exactness of sampling
 
 
-def _rrs_wor_first_token(p: torch.Tensor, q: torch.Tensor, toks: list[int]) -> torch.Tensor:
+def _rrs_wor_first_token(p: torch.Tensor, q: torch.Tensor, toks: list[int], renormalise: bool = True) -> torch.Tensor:
     """Exact distribution of the token ``rrs_wor`` emits at the root for fixed candidates ``toks``
-    (what a deterministic top-s tree gives): float64."""
+    (what a deterministic top-s tree gives): float64. ``renormalise=False``: ``rrs``'s rule (q
+    unchanged after a candidate)."""
     p, q = p.double(), q.double()
     out, reach = torch.zeros_like(p), 1.0
     pj, qj = p.clone(), q.clone()
@@ -299,9 +300,10 @@ def _rrs_wor_first_token(p: torch.Tensor, q: torch.Tensor, toks: list[int]) -> t
         reach *= 1 - a
         r = torch.clamp(pj - qj, min=0)
         pj = r / r.sum() if r.sum() > 0 else r
-        keep = 1 - float(qj[x])
-        qj[x] = 0
-        qj = qj / keep if keep > 0 else qj
+        if renormalise:
+            keep = 1 - float(qj[x])
+            qj[x] = 0
+            qj = qj / keep if keep > 0 else qj
     return out + reach * pj
 
 

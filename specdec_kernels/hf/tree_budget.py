@@ -1,0 +1,84 @@
+"""How big a dynamic draft tree to grow each step (``draft_tree="dynamic"`` with ``adaptive_draft``).
+
+The arms are the shapes a step may take, by depth d (d draft forwards per step):
+
+* the tree of depth d: ``min(N, k * d)`` nodes, k = ``tree_width`` children per node (d <= ceil(N / k));
+* the chain of d drafts (width 1), for d <= min(N, ``MAX_CHAIN``): the fallback when trees do not pay
+  (on a CPU the target's forward over 1 + N rows can cost much more than over 1 + d).
+
+Expected tokens per step and request follow the chain policy's geometric model
+(``draft_length.expected_tokens``), with one per-depth acceptance for chains and one for trees,
+each estimated from the steps that used that kind (accepted drafts over drafts tested). The cost of a
+step is, as for chains, either measured (the wall times of this call's own steps per arm and number
+of active requests; the default when greedy) or the shape model ``1 + d * c`` target forwards (the
+default when sampling, so a seeded call is reproducible; that model does not see the target's extra
+rows, so it only chooses the tree's depth). The arm is decided on the host from past steps only:
+the tree's shape never depends on this step's draws or on the verifier's random numbers, and the
+output stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .draft_length import EXPLORE_WITHIN, REFRESH_EVERY, SMOOTHING, acceptance_estimate, expected_tokens
+
+MAX_CHAIN = 8  # the chain fallback's longest length (the chain policy's lengths past 8 never won on our pairs)
+
+
+class TreeBudgetPolicy:
+    """``choose`` returns the step's node budget and sets ``width`` (k, or 1 for a chain arm)."""
+
+    def __init__(self, nodes: int, width: int, cost: float, measured: bool):
+        self.cost, self.measured = cost, measured
+        self.arms = [("tree", d, min(nodes, width * d), width) for d in range(1, math.ceil(nodes / width) + 1)]
+        if width > 1:
+            self.arms += [("chain", d, d, 1) for d in range(1, min(nodes, MAX_CHAIN) + 1)]
+        self.counts = {"tree": [0, 0], "chain": [0, 0]}  # kind -> [accepted, rejections]
+        self.last = (0, 0)  # the call's accepted / rejections when the last arm was chosen
+        self.arm, self.width = self.arms[0], width  # (choose picks the first step's arm)
+        self.times: dict = {}  # active requests -> arm -> running mean step seconds
+        self.steps = 0
+
+    def _rate(self, arm, times: dict) -> float:
+        kind, d = arm[0], arm[1]
+        tokens = expected_tokens(acceptance_estimate(*self.counts[kind]), d)
+        return tokens / self._seconds(arm, times)
+
+    def _seconds(self, arm, times: dict) -> float:
+        """Measured, else scaled by the shape model from the nearest measured arm (same kind first)."""
+        shape = 1 + arm[1] * self.cost
+        if not times:
+            return shape
+        if arm in times:
+            return times[arm]
+        near = min(times, key=lambda m: (m[0] != arm[0], abs(m[1] - arm[1]), m[1]))
+        return times[near] * shape / (1 + near[1] * self.cost)
+
+    def choose(self, accepted: int, rejections: int, active: int) -> int:
+        kind = self.arm[0]
+        self.counts[kind][0] += accepted - self.last[0]
+        self.counts[kind][1] += rejections - self.last[1]
+        self.last = (accepted, rejections)
+        times = self.times.setdefault(active, {}) if self.measured else {}
+        # ties: the tree (asked for), then the shallower arm
+        rates = {arm: self._rate(arm, times) for arm in self.arms}
+        best = max(rates, key=lambda a: (rates[a] * (1 + 1e-9), a[0] == "tree", -a[1]))
+        choice = best
+        if times:
+            unmeasured = [a for a in rates if a not in times and rates[a] >= EXPLORE_WITHIN * rates[best]]
+            if unmeasured:  # try each plausible arm once (then the measurements decide)
+                choice = min(unmeasured, key=lambda a: (a[0] != best[0], abs(a[1] - best[1]), a[1]))
+            elif self.steps % REFRESH_EVERY == REFRESH_EVERY - 1:  # keep a neighbour's time fresh
+                same = [a for a in self.arms if a[0] == best[0] and abs(a[1] - best[1]) == 1]
+                choice = same[(self.steps // REFRESH_EVERY) % len(same)] if same else best
+        self.arm, self.width = choice, choice[3]
+        return choice[2]
+
+    def record(self, nodes: int, active: int, seconds: float) -> None:
+        """The step's wall time (the call's first step is skipped: it pays one-off costs)."""
+        self.steps += 1
+        if self.measured and self.steps > 1:
+            times = self.times.setdefault(active, {})
+            old = times.get(self.arm)
+            times[self.arm] = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds

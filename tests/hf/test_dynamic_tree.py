@@ -1,0 +1,315 @@
+"""draft_tree="dynamic": greedy identity with generate, exact sampling, shapes from q only, refusals."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from specdec_kernels import api  # noqa: E402
+from specdec_kernels.hf import speculative_generate  # noqa: E402
+from specdec_kernels.hf.drafters import DynamicTreeDrafter  # noqa: E402
+from specdec_kernels.hf.drafters.dynamic_tree import tree_depths  # noqa: E402
+from specdec_kernels.hf.generate import open_session  # noqa: E402
+from specdec_kernels.hf.tree_budget import TreeBudgetPolicy  # noqa: E402
+
+from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue  # noqa: E402
+from ._models import fixed_logits_model, tiny_model  # noqa: E402
+from .test_generate import PAD, _greedy_reference, _near_copy, _ragged_prompts, _two_token_distribution  # noqa: E402
+from .test_medusa import _rrs_wor_first_token  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    """A perfect draft (every path to the last depth accepted: the commit of unfed last-depth nodes)
+    and a near copy (ragged acceptance)."""
+    return {"copy": copy.deepcopy(target), "near": _near_copy(target, 0.05, seed=5)}
+
+
+def _dynamic(target, draft, ids, mask, N, k, **kw):
+    kw = dict(max_new_tokens=12, eos_token_id=[], pad_token_id=PAD) | kw
+    return speculative_generate(target, draft, ids, mask, num_draft_tokens=N, draft_tree="dynamic", tree_width=k, **kw)
+
+
+@pytest.mark.parametrize(
+    "N, k, which",
+    [(4, 1, "near"), (4, 4, "copy"), (15, 2, "near"), (15, 3, "copy"), (63, 1, "copy"), (63, 4, "near")],
+)
+def test_greedy_equals_target_generate(target, drafts, N, k, which):
+    """Batch 3, ragged prompts (one of 3 tokens), every width 1..4 and N in {4, 15, 63}; the near
+    copy with the adaptive budget (trees of several depths and chains), the copy with N pinned."""
+    ids, mask = _ragged_prompts()
+    expected = _greedy_reference(target, ids, mask, 12)
+    out = _dynamic(target, drafts[which], ids, mask, N, k, adaptive_draft=which == "near")
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.accepted > 0
+    if which == "copy":  # the pinned tree: every step accepts its whole depth
+        assert out.stats.steps <= -(-12 // (len(tree_depths(N, k)) + 1)) + 1
+
+
+def test_greedy_eos_mid_batch(target, drafts):
+    """A request that ends at EOS leaves the batch; the others go on (ragged trees per request)."""
+    ids, mask = _ragged_prompts(seed=3)
+    free = _greedy_reference(target, ids, mask, 10)
+    eos = int(free[0, ids.shape[1] + 2])  # request 0's third token
+    expected = _greedy_reference(target, ids, mask, 10, eos=eos)
+    out = _dynamic(target, drafts["near"], ids, mask, 9, 3, max_new_tokens=10, eos_token_id=eos)
+    assert torch.equal(out.sequences, expected[:, : out.sequences.shape[1]])
+
+
+def test_width_one_is_the_chain(target, drafts):
+    """k = 1: the tree is a chain of N drafts, the chain drafter's (same tokens, same steps)."""
+    ids, mask = _ragged_prompts()
+    chain = speculative_generate(
+        target, drafts["near"], ids, mask, max_new_tokens=12, num_draft_tokens=4, adaptive_draft=False,
+        eos_token_id=[], pad_token_id=PAD,
+    )  # fmt: skip
+    tree = _dynamic(target, drafts["near"], ids, mask, 4, 1, adaptive_draft=False)
+    assert torch.equal(tree.sequences, chain.sequences)
+    assert (tree.stats.steps, tree.stats.accepted) == (chain.stats.steps, chain.stats.accepted)
+
+
+def test_tree_depths():
+    assert tree_depths(15, 4) == [4, 4, 4, 3]
+    assert tree_depths(4, 1) == [1, 1, 1, 1]
+    assert tree_depths(63, 4) == [4] * 15 + [3]
+    assert tree_depths(3, 4) == [3]
+
+
+def _simulate(policy: TreeBudgetPolicy, seconds, steps: int = 80) -> list:
+    """Runs ``policy`` on synthetic steps (per-depth acceptance 0.8 for trees, 0.6 for chains, the
+    expected counts of the geometric model; step time ``seconds(arm)``); returns the arms it chose."""
+    accepted = rejections = 0
+    chosen = []
+    for _ in range(steps):
+        policy.choose(accepted, rejections, 1)
+        arm = policy.arm
+        chosen.append(arm)
+        a, d = (0.8 if arm[0] == "tree" else 0.6), arm[1]
+        accepted += a * (1 - a**d) / (1 - a)  # expected accepted drafts of the geometric model
+        rejections += 1 - a**d
+        policy.record(arm[2], 1, seconds(arm))
+    return chosen
+
+
+def test_budget_policy_falls_back_to_a_chain_when_trees_do_not_pay():
+    """Measured step times: verification rows that cost a lot (a CPU) make the policy settle on a
+    chain; free rows (a GPU) on a tree; without measurements (sampling) it grows trees."""
+    rows_cost = lambda arm: 1.0 + 0.2 * arm[1] + 0.5 * arm[2]  # noqa: E731
+    rows_free = lambda arm: 1.0 + 0.2 * arm[1]  # noqa: E731
+    assert {a[0] for a in _simulate(TreeBudgetPolicy(16, 4, 0.2, True), rows_cost)[-20:]} == {"chain"}
+    assert {a[0] for a in _simulate(TreeBudgetPolicy(16, 4, 0.2, True), rows_free)[-20:]} == {"tree"}
+    assert {a[0] for a in _simulate(TreeBudgetPolicy(16, 4, 0.2, False), rows_cost)} == {"tree"}
+    assert all(arm[3] == 1 for arm in TreeBudgetPolicy(5, 1, 0.2, True).arms)  # width 1: chains only
+
+
+def test_sampled_adaptive_trees_are_reproducible(target, drafts):
+    """Sampling adapts the tree from acceptance and the shape model only (no timings): a seeded
+    call draws the same tokens every time."""
+    ids, mask = _ragged_prompts()
+    a, b = (_dynamic(target, drafts["near"], ids, mask, 15, 3, temperature=0.9, seed=5) for _ in range(2))
+    assert torch.equal(a.sequences, b.sequences)
+
+
+def _proposals(monkeypatch) -> list:
+    """Records every proposal of DynamicTreeDrafter.propose."""
+    seen = []
+    real = DynamicTreeDrafter.propose
+
+    def propose(self, session, g):
+        proposal = real(self, session, g)
+        seen.append(proposal)
+        return proposal
+
+    monkeypatch.setattr(DynamicTreeDrafter, "propose", propose)
+    return seen
+
+
+def test_shape_depends_on_q_not_on_the_draws(monkeypatch):
+    """A draft whose q is the same at every position: the tree's shape (parents, node counts) is the
+    same for every seed although its tokens differ (a child is scored by its rank's probability,
+    not by the token drawn there)."""
+    V = 6
+    target = tiny_model("llama", vocab=V, seed=13, init_std=0.3)
+    draft = fixed_logits_model([0.0, 1.0, 0.5, 2.0, 1.5, 0.2])
+    seen = _proposals(monkeypatch)
+    ids = torch.tensor([[3, 4, 5, 0]] * 4)
+    tokens = set()
+    for seed in range(4):
+        speculative_generate(
+            target, draft, ids, max_new_tokens=6, num_draft_tokens=9, draft_tree="dynamic", tree_width=3,
+            temperature=1.0, seed=seed, eos_token_id=[], adaptive_draft=False,
+        )  # fmt: skip
+    first = seen[0]
+    for proposal in seen:
+        A = proposal.parents.shape[0]
+        assert torch.equal(proposal.parents, first.parents[:A]) and torch.equal(proposal.num_nodes, first.num_nodes[:A])
+        tokens.add(tuple(proposal.tokens.flatten().tolist()))
+    assert len(tokens) > 1  # the draws differ
+
+
+def test_shape_independent_of_the_verifier_seed(target, drafts, monkeypatch):
+    """The step's tree is complete before the verifier draws its seeds: other verifier seeds give
+    the same first tree (tokens and shape) and different outputs."""
+    from specdec_kernels.hf.drafters import base
+
+    seen = _proposals(monkeypatch)
+    ids, mask = _ragged_prompts()
+    outputs, firsts = [], []
+    for verifier_seed in (1, 2):
+        gen = torch.Generator().manual_seed(verifier_seed)
+        seeds = lambda A, generator, device, g=gen: torch.randint(0, 2**31, (A,), generator=g)  # noqa: E731
+        monkeypatch.setattr(base, "_seeds", seeds)
+        firsts.append(len(seen))
+        outputs.append(_dynamic(target, drafts["near"], ids, mask, 15, 3, temperature=1.0, seed=7).sequences)
+    first_a, first_b = seen[firsts[0]], seen[firsts[1]]
+    for name in ("tokens", "parents", "num_nodes", "probs"):
+        assert torch.equal(getattr(first_a, name), getattr(first_b, name)), name
+    assert not torch.equal(outputs[0], outputs[1])
+
+
+def test_at_most_two_host_syncs_per_step(target, drafts, monkeypatch):
+    from .test_step_syncs import syncs_per_step
+
+    ids = torch.randint(3, 97, (3, 6), generator=torch.Generator().manual_seed(4))
+    with syncs_per_step(monkeypatch) as per_step:
+        out = _dynamic(target, drafts["near"], ids, None, 15, 4, temperature=0.9)
+    assert out.stats.steps == len(per_step) > 0
+    assert max(per_step) <= 2, per_step
+
+
+def _first_token_law(p: torch.Tensor, q: torch.Tensor, k: int, without_replacement: bool) -> torch.Tensor:
+    """Exact law of the first emitted token when the root's k children are drawn without replacement
+    from q and verified by RRS that renormalises q after each candidate (rrs_wor) or not (rrs)."""
+    law = torch.zeros_like(p, dtype=torch.float64)
+    for toks in itertools.permutations(range(p.numel()), k):
+        weight, left = 1.0, 1.0
+        for x in toks:
+            weight, left = weight * float(q[x]) / left, left - float(q[x])
+        law += weight * _rrs_wor_first_token(p, q, list(toks), renormalise=without_replacement)
+    return law
+
+
+@pytest.mark.slow
+def test_sampled_output_follows_the_target(monkeypatch):
+    """Chi-square (alpha 1e-6) on the first two generated tokens (V = 6: 36 cells) of 3000 requests
+    at T = 0.8 (trees of N = 6 nodes, width 2: three depths) against the target's own law; and on
+    the first token alone.
+
+    Power, asserted from exact laws (noncentral chi-square): the draft's own two-token law and the
+    biased variant (the same without-replacement trees verified with method="rrs", which treats the
+    children as independent draws from q) are rejected with probability > 0.99 at n = 3000; the
+    biased variant run through the driver is rejected."""
+    V, n, k = 6, 3000, 2
+    sampling = dict(temperature=0.8)
+    target = tiny_model("llama", vocab=V, seed=13, init_std=0.3)
+    draft = tiny_model("llama", vocab=V, seed=15, init_std=0.3, layers=1)
+    prompt = [3, 4, 5, 0]
+    expected = _two_token_distribution(target, prompt, **sampling)
+    q_two = _two_token_distribution(draft, prompt, **sampling)
+    p1, q1 = expected.sum(1), q_two.sum(1)
+    assert chi_square_power(expected.flatten(), q_two.flatten(), n) > 0.99
+    assert torch.allclose(_first_token_law(p1, q1, k, True), p1.double(), atol=1e-9)  # the exact rule
+    wrong_first = _first_token_law(p1, q1, k, False)
+    assert chi_square_power(p1, wrong_first, n) > 0.99
+
+    def run():
+        return speculative_generate(
+            target, draft, torch.tensor([prompt] * n), max_new_tokens=2, num_draft_tokens=6,
+            draft_tree="dynamic", tree_width=k, seed=1, eos_token_id=[], **sampling,
+        )  # fmt: skip
+
+    out = run()
+    pairs = out.sequences[:, len(prompt) :]
+    assert 0.05 < out.stats.acceptance_rate < 0.95  # both accept and reject paths ran
+    assert chi_square_pvalue(pairs[:, 0] * V + pairs[:, 1], expected.flatten()) > ALPHA
+    assert chi_square_pvalue(pairs[:, 0], p1) > ALPHA
+    real = api.verify_tree
+    monkeypatch.setattr(api, "verify_tree", lambda *a, **kw: real(*a, **{**kw, "method": "rrs"}))
+    wrong = run().sequences[:, len(prompt)]
+    assert chi_square_pvalue(wrong, p1) < ALPHA
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(draft_tree="static"), "draft_tree must be"),
+        (dict(draft_tree=None, tree_width=2), "tree_width"),
+        (dict(tree_width=0), "tree_width must be >= 1"),
+        (dict(num_draft_tokens=64), "<= 64"),
+        (dict(num_drafts=2), "num_drafts"),
+        (dict(method="kseq"), "method='kseq'"),
+        (dict(cache_implementation="static"), "cache_implementation='static'"),
+        (dict(cache_implementation="static", compile_target=True), "compile_target"),
+        (dict(drafter="prompt_lookup", draft=None), "drafter='prompt_lookup'"),
+        (dict(verification="block"), "verification='block'"),
+        (dict(draft_confidence=0.5), "draft_confidence"),
+        (dict(grammar='root ::= "a"'), "grammar="),
+        (dict(generation_config="repetition"), "logits processors"),
+    ],
+)
+def test_unsupported_settings_are_value_errors(target, drafts, kwargs, match):
+    call = dict(draft=drafts["near"], draft_tree="dynamic", num_draft_tokens=8, tree_width=2) | kwargs
+    if call.get("generation_config") == "repetition":
+        from transformers import GenerationConfig
+
+        call["generation_config"] = GenerationConfig(repetition_penalty=1.3)
+    ids = torch.randint(3, 97, (1, 4))
+    with pytest.raises(ValueError, match=match):
+        speculative_generate(target, call.pop("draft"), ids, max_new_tokens=2, **call)
+
+
+def test_open_session_steps(target, drafts):
+    """A caller-driven session steps with trees too (the drafter's commit keeps its cache consistent)."""
+    ids, mask = _ragged_prompts()
+    expected = _greedy_reference(target, ids, mask, 6)
+    with open_session(
+        target, drafts["near"], ids, mask, max_new_tokens=6, num_draft_tokens=7, draft_tree="dynamic",
+        tree_width=2, eos_token_id=[], pad_token_id=PAD,
+    ) as session:  # fmt: skip
+        while session.batch.rows:
+            session.drop_finished_rows(session.step().finished)
+    assert torch.equal(torch.cat([ids, session.tokens.output(PAD)], dim=1), expected)
+
+
+def _peaked_draft():
+    """q > 0.999 on token 5 everywhere: when sampling, ranks past the first fall below
+    MIN_RANK_PROB, so every depth keeps one node of its k slots (the nodes are compacted and their
+    cache slots are no longer their indices)."""
+    row = [0.0] * 97
+    row[5] = 12.0
+    return fixed_logits_model(row)
+
+
+@pytest.mark.parametrize("which, temperature", [("near", 0.0), ("near", 0.9), ("peaked", 0.9)])
+def test_draft_cache_equals_a_fresh_prefill(target, drafts, which, temperature):
+    """After every step the draft cache holds exactly the committed tokens it should (all but the
+    last 1 or 2), as a fresh forward of them computes their keys and values."""
+    draft = drafts["near"] if which == "near" else _peaked_draft()
+    target = target if which == "near" else copy.deepcopy(draft)  # peaked: every depth accepted
+    ids, mask = _ragged_prompts()
+    with open_session(
+        target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=15, draft_tree="dynamic",
+        tree_width=3, temperature=temperature, seed=3, eos_token_id=[], pad_token_id=PAD,
+    ) as session:  # fmt: skip
+        drafter = session.drafter
+        for _ in range(3):
+            if not session.batch.rows:
+                break
+            session.drop_finished_rows(session.step().finished)
+            for a, b in enumerate(session.batch.rows):
+                C, L = int(drafter.cached[a]), int(session.tokens.length[b])
+                assert L - C == drafter.uncached_host[a] in (1, 2)
+                fresh = draft(input_ids=session.tokens.seq[b, :C][None], use_cache=True).past_key_values
+                for mine, ref in zip(drafter.cache.layers, fresh.layers, strict=True):
+                    torch.testing.assert_close(mine.keys[a, :, :C], ref.keys[0], atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(mine.values[a, :, :C], ref.values[0], atol=1e-4, rtol=1e-4)
