@@ -25,8 +25,22 @@ MAX_DEPTH = 64
 BACKENDS = ("auto", "triton", "cuda", "cpu", "vectorized", "torch")
 
 
+@dataclass(kw_only=True)
+class LogprobFields:
+    """The output fields of ``return_logprobs=True`` / ``num_logprobs=n`` (None unless asked for).
+
+    logprobs:        [*, D+1] float32: log p(token) under its position's processed target
+                     distribution (NaN where tokens == -1); for trees the accepted path's positions.
+    top_logprob_ids: [*, D+1, n] int64 and top_logprobs [*, D+1, n] float32: the top-n of it.
+    """
+
+    logprobs: torch.Tensor | None = None
+    top_logprob_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
 @dataclass
-class VerifyOutput:
+class VerifyOutput(LogprobFields):
     """Result of :func:`specdec_kernels.verify`.
 
     tokens:       [B, G+1] int64: accepted drafts, then one recovered-or-bonus token, then -1.
@@ -34,21 +48,16 @@ class VerifyOutput:
     nonfinite:    [B] bool: the request met a NaN/+inf logit (treated as -inf), an unusable
                   draft_probs entry (NaN, +inf or negative; treated as 0) or a row with no finite
                   logit in a row it used; its tokens are valid ids but you may want to abort it.
-    logprobs, top_logprob_ids, top_logprobs: None unless asked for (``return_logprobs=True``,
-                  ``num_logprobs=n``): [B, G+1] float32 log p(token) under its position's processed
-                  target distribution (NaN where tokens == -1); [B, G+1, n] int64 / float32 top-n.
+    logprobs, top_logprob_ids, top_logprobs: :class:`LogprobFields` (D = G).
     """
 
     tokens: torch.Tensor
     num_accepted: torch.Tensor
     nonfinite: torch.Tensor
-    logprobs: torch.Tensor | None = None
-    top_logprob_ids: torch.Tensor | None = None
-    top_logprobs: torch.Tensor | None = None
 
 
 @dataclass
-class TreeVerifyOutput:
+class TreeVerifyOutput(LogprobFields):
     """Result of :func:`specdec_kernels.verify_tree` / :func:`specdec_kernels.verify_multi`.
 
     tokens:         [B, D+1] int64: accepted path tokens, one recovered-or-bonus token, then -1.
@@ -57,17 +66,13 @@ class TreeVerifyOutput:
                     for verify_multi node = chain * G + slot. Use it to compact the KV cache.
     nonfinite:      [B] bool: the request met NaN/+inf logits (treated as -inf), unusable draft_probs
                     entries (NaN, +inf, negative; treated as 0) or an empty row.
-    logprobs, top_logprob_ids, top_logprobs: None unless asked for; as in VerifyOutput, [B, D+1]
-                    and [B, D+1, n], for the accepted path and the emitted token.
+    logprobs, top_logprob_ids, top_logprobs: :class:`LogprobFields`.
     """
 
     tokens: torch.Tensor
     num_accepted: torch.Tensor
     accepted_nodes: torch.Tensor
     nonfinite: torch.Tensor
-    logprobs: torch.Tensor | None = None
-    top_logprob_ids: torch.Tensor | None = None
-    top_logprobs: torch.Tensor | None = None
 
 
 @dataclass

@@ -64,9 +64,27 @@ Non-finite inputs and placeholders:
     With validate=False a draft id outside [0, V) (an engine's -1 padding) is a placeholder: the
     request's draft ends there and that position draws the bonus token from p (nothing masked, not
     flagged), as ``verify_multi`` / ``verify_tree`` do for a node without valid children.
+Grammar masks (token_bitmask=):
+    int32 words [B, G+1, ceil(V/32)] ([N + B, W] flattened; any strides), bit j of word w set =
+    token 32w + j allowed (xgrammar's / llguidance's layout). A disallowed logit is -inf before
+    temperature/top-k/top-p in target row i and in draft-logits row i (the draft sampled under the
+    same grammar state); draft_probs are used as given (a disallowed draft has p = 0: rejected; the
+    residual is 0 there), so the output law is the masked, processed target and no disallowed
+    token is emitted. Greedy: argmax over the allowed tokens. A row allowing nothing is a row
+    without a finite logit (token 0, flagged). Shards: each rank's words cover its own slice.
+    Rules, exactness, cost: ``specdec_kernels._bitmask`` and docs/verify.md.
+
+Logprobs (return_logprobs=True, num_logprobs=n with 0 <= n <= 20):
+    also return ``logprobs`` [B, G+1] float32, log p(token) under the processed target
+    distribution of its position (mask included; NaN where tokens == -1), and the top-n ids /
+    logprobs [B, G+1, n] of that distribution; greedy requests are scored at temperature 1 with
+    their top-k / top-p. A post-pass over the emitted rows (docs/verify.md), vocabulary shards
+    included; under torch.compile it runs eagerly after a graph break.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -169,27 +187,12 @@ def verify(
     method: "token" (the rule above) or "block" (Sun et al. 2024, ``reference/block.py``: exact, never
     fewer accepted drafts in expectation; backends auto = vectorized, vectorized, torch so far).
 
-    Vocabulary parallel (process_group=, vocab_size=): see this module's docstring.
-
-    return_logprobs / num_logprobs (0 .. 20): also return ``logprobs`` [B, G+1] float32, log p(token)
-    under the processed target distribution of its position (NaN where tokens == -1), and the
-    top-n ids / logprobs [B, G+1, n] of that distribution; greedy requests are scored at
-    temperature 1 with their top-k / top-p. A post-pass over the emitted rows (docs/verify.md),
-    vocabulary shards included; under torch.compile it runs eagerly after a graph break.
-
-    token_bitmask: grammar masks, int32 words [B, G+1, ceil(V/32)] ([N + B, W] flattened; any
-        strides), bit j of word w set = token 32w + j allowed (xgrammar's / llguidance's layout).
-        A disallowed logit is -inf before temperature/top-k/top-p in target row i and in draft-logits
-        row i (the draft sampled under the same grammar state); draft_probs are used as given (a
-        disallowed draft has p = 0: rejected; the residual is 0 there), so the output law is the
-        masked, processed target and no disallowed token is emitted. Greedy: argmax over the allowed
-        tokens. A row allowing nothing is a row without a finite logit (token 0, flagged). Shards:
-        each rank's words cover its own slice. Rules, exactness, cost: ``specdec_kernels._bitmask``
-        and docs/verify.md.
+    Vocabulary parallel (process_group=, vocab_size=), return_logprobs / num_logprobs, token_bitmask
+    (grammar masks [B, G+1, ceil(V/32)] int32 words): this module's docstring.
 
     Returns:
-        VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool,
-        and the logprobs fields when asked for, else None).
+        VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool;
+        logprobs fields when asked for).
 
     Example:
         >>> out = sk.verify(target_logits, draft_tokens, draft_logits, temperature=0.7, seed=seeds)
@@ -215,22 +218,16 @@ def verify(
     if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
         out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate, logprobs)
     else:
-        args = checked()
-        if method == "block":
-            out = _dispatch.run_verify_block(args, backend)
-        elif torch.compiler.is_compiling():  # one opaque custom op in the graph
-            out = _dispatch.call_verify_chain(args, backend)
-        else:
-            out = _dispatch.run_verify(args, backend)
-        if logprobs is not None:
-            out = chain_logprobs(args, out, logprobs)
-    if out_dtype == torch.int64:
-        return out
-    return VerifyOutput(out.tokens.to(out_dtype), out.num_accepted, out.nonfinite, *_logprob_fields(out))
+        run = _dispatch.run_verify_block if method == "block" else _dispatch.run_verify
+        out = _run_local(checked(), backend, run, _dispatch.call_verify_chain, chain_logprobs, logprobs)
+    return out if out_dtype == torch.int64 else replace(out, tokens=out.tokens.to(out_dtype))
 
 
-def _logprob_fields(out) -> tuple:
-    return out.logprobs, out.top_logprob_ids, out.top_logprobs
+def _run_local(args, backend: str, run, call, with_logprobs, logprobs: int | None):
+    """One checked call on this process's tensors: the backend's run (one opaque custom op while
+    torch.compile traces), then the logprobs post-pass when asked for."""
+    out = call(args, backend) if torch.compiler.is_compiling() else run(args, backend)
+    return out if logprobs is None else with_logprobs(args, out, logprobs)
 
 
 def verify_tree(
@@ -390,13 +387,7 @@ def _run_tree(
         args = check_tree_args(
             *tree_args, validate=validate, multi=multi, top_p_ties=top_p_ties, token_bitmask=token_bitmask
         )
-        if torch.compiler.is_compiling():  # one opaque custom op in the graph
-            out = _dispatch.call_verify_tree(args, backend)
-        else:
-            out = _dispatch.run_tree(args, backend)
-        if logprobs is not None:
-            out = tree_logprobs(args, out, logprobs)
+        out = _run_local(args, backend, _dispatch.run_tree, _dispatch.call_verify_tree, tree_logprobs, logprobs)
     if out_dtype == torch.int64:
         return out
-    tokens, nodes = out.tokens.to(out_dtype), out.accepted_nodes.to(out_dtype)
-    return TreeVerifyOutput(tokens, out.num_accepted, nodes, out.nonfinite, *_logprob_fields(out))
+    return replace(out, tokens=out.tokens.to(out_dtype), accepted_nodes=out.accepted_nodes.to(out_dtype))

@@ -96,8 +96,7 @@ def speculative_generate(
             "by_index" (default) as ``target.generate``'s TopPLogitsWarper (the higher token index
             counts as more probable; the Triton kernels on a GPU, the CPU build on CPU tensors);
             "keep" keeps the whole group.
-        seed: makes sampling reproducible. eos_token_id / pad_token_id: default from the target's
-            generation config. streamer: a transformers streamer (batch size 1).
+        seed: reproducible sampling. eos/pad_token_id: the target's generation config's. streamer: batch 1.
         vocab_size: real token count when the two models pad their embedding matrices differently
             (e.g. ``len(tokenizer)``); logits past it are dropped.
         attention_backend: tree attention in the verification/draft forwards: "auto" (Triton kernel on
@@ -116,35 +115,22 @@ def speculative_generate(
             likely token has probability below this (a property of q, not of its sample: still exact).
             0 (default) = off: on the demo pair the cut cost 10-20% tokens/s.
         exact_timing: synchronise the GPU around each phase of ``stats.time_s`` (slower; CPU: no-op).
-        draft_cost: the cost model of ``adaptive_draft`` (``hf/draft_length.py``): ``"measured"``
-            (the steps' own wall times per draft length, remembered per model pair for the process),
-            ``"shapes"`` (a draft forward costs :func:`draft_cost_estimate` target forwards), or that
-            relative cost as a number. Default: measured when greedy (the output does not depend on
-            the lengths), shapes when sampling (timings would make seeded runs irreproducible).
-        logits_processor: a ``LogitsProcessorList`` of functions of (input_ids, scores), applied as
-            ``generate`` applies it (after ``generation_config``'s processors, before the warpers);
-            each row gets exactly the prefix it follows (``hf/processors.py``). generation_config: a
-            ``GenerationConfig`` whose processor settings (repetition_penalty, no_repeat_ngram_size,
-            min_length, min_new_tokens, bad_words_ids, sequence_bias, suppress_tokens,
-            begin_suppress_tokens, forced_eos_token_id; when sampling min_p, typical_p,
-            epsilon_cutoff, eta_cutoff) apply as in ``generate``; any other setting it activates
-            that ``generate`` would act on (beams, watermarking, ...) is a ValueError naming it.
+        draft_cost: the cost model of ``adaptive_draft`` (``hf/draft_length.py``): ``"measured"`` (wall
+            times per draft length), ``"shapes"`` (:func:`draft_cost_estimate`) or a relative cost.
+            Default: measured when greedy, shapes when sampling (seeded runs stay reproducible).
+        logits_processor: a ``LogitsProcessorList`` of functions of (input_ids, scores), and
+            generation_config: a ``GenerationConfig`` whose processor settings apply as in ``generate``
+            (each row gets exactly the prefix it follows: ``hf/processors.py``, docs/hf_driver.md); a
+            setting ``generate`` would act on that cannot be honoured is a ValueError naming it.
         grammar: xgrammar constraints (``hf/grammar.py``; docs/hf_driver.md): a JSON schema, an EBNF
             str, a ``GrammarSpec``, a compiled grammar, or one per request; exactly ``generate``'s law
             with xgrammar's processor. tokenizer: what the grammar is compiled over.
         verification: the chains' rule, "token" (draft by draft) or "block" (``sk.verify(method="block")``:
             the accepted prefix decided jointly, never fewer accepted drafts in expectation).
-        draft_tree: None (chains) or "dynamic": each step the draft model grows a token tree of
-            ``num_draft_tokens`` = N nodes besides the root (1 + N <= 64), ``tree_width`` = k children
-            per expanded node (default 4), depth by depth with one batched draft forward per depth;
-            the tree keeps, at every depth, the k candidates of highest path score (the paths' draft
-            probabilities when greedy; when sampling, children are k draws without replacement from
-            q, scored by their ranks' probabilities) and is verified by ``sk.verify_tree`` (one-hot when
-            greedy, ``method="rrs_wor"`` when sampling): see ``hf/drafters/dynamic_tree.py``. With
-            ``adaptive_draft`` each step's tree depth, or a chain, is chosen from past steps
-            (``hf/tree_budget.py``); ``adaptive_draft=False`` pins N. Not yet with StaticCache, compile_target,
-            prompt lookup / Medusa, grammar=, logits processors, draft_confidence or
-            verification="block" (a ValueError naming the setting).
+        draft_tree: None (chains) or "dynamic": the draft grows a token tree of N = ``num_draft_tokens``
+            nodes (1 + N <= 64), ``tree_width`` = k children per expanded node (default 4), verified
+            by ``sk.verify_tree`` exactly; adaptive depth (or a chain) per step. Growth, exactness,
+            budget and the settings it refuses (ValueError): ``hf/drafters/dynamic_tree.py``, docs/hf_driver.md.
 
     Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
 
