@@ -237,10 +237,15 @@ def test_multi(backend):
     _check_tree(out, args, 2)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "vectorized", "cpu"])
 def test_tree_ragged_nodes(backend):
+    """Ragged trees whose padding nodes (past num_nodes) hold arbitrary parents, as engines leave them."""
+    if backend == "cpu":
+        cpu_core_or_skip()
     num_nodes = torch.tensor([6, 0, 3])
     target, tokens, parents, draft = make_tree_problem(3, 6, 8, seed=15, num_nodes=num_nodes)
+    parents[1, :] = torch.tensor([5, 7, -9, 2, 4, 100])  # request 1 has no nodes: every parent is padding
+    parents[2, 3:] = torch.tensor([3, 99, -5])
     out = sk.verify_tree(
         target, tokens, parents, draft, num_nodes=num_nodes, temperature=0.8, seed=2, backend=backend,
         return_logprobs=True, num_logprobs=1,

@@ -34,10 +34,13 @@ def verify_tree_vectorized(args: TreeArgs) -> TreeVerifyOutput:
     dev = args.target.device
     params = {k: v.to(dev) for k, v in args.per_request_cpu().items()}
     tokens = args.tokens.reshape(B, N).to(torch.int64)
-    parents = args.parents_cpu().to(dev)
     node = torch.arange(N, device=dev)
+    real = node[None, :] < params["num_nodes"][:, None]
+    # padding past num_nodes may hold any parent: read as a root child (never a candidate: not usable)
+    parents = torch.where(real, args.parents_cpu().to(dev), -1)
     # placeholder ids (outside [0, V)) are no candidates
-    usable = (node[None, :] < params["num_nodes"][:, None]) & (tokens >= 0) & (tokens < V)
+    usable = real & (tokens >= 0) & (tokens < V)
+    tokens = torch.where(usable, tokens, 0)  # unusable ids are never read as ids (gathers stay in range)
     walk = _Walk(args, params, tokens, parents, usable)
     for _ in range(N + 1):  # every step accepts a node or ends the walk
         if not walk.step():
