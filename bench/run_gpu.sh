@@ -44,7 +44,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OUT="${OUT:-bench/results/run}"
 mkdir -p "$OUT" bench/results
 PY="${PYTHON:-python3}"
-GPU="$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0).replace(" ", "_") if torch.cuda.is_available() else "cpu")')"
+# the GPU's name (one torch import per run: the stages `all` starts inherit it)
+export SPECDEC_GPU="${SPECDEC_GPU:-$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0).replace(" ", "_") if torch.cuda.is_available() else "cpu")')}"
+GPU="$SPECDEC_GPU"
 
 run() {  # run NAME CMD...: tee the output to $OUT/NAME.log; keep the exit status
     local name="$1"; shift
