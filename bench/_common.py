@@ -577,6 +577,12 @@ def make_parser(
         p.add_argument("--dtype", choices=tuple(DTYPES), help=dtype_help)
     add_output_args(p, name, timing=timing)
     p.add_argument("--smoke", action="store_true", help=smoke_help)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the arguments, set up the environment, import the package and the providers' modules, "
+        "then exit without making inputs or timing (bench/run_gpu.sh --dry-run: every stage starts)",
+    )
     if all_providers_help:
         p.add_argument("--all-providers", action="store_true", help=all_providers_help)
     if validate_help:
@@ -627,10 +633,15 @@ def bench_main(
     after: Callable[[Run, list[dict]], None] | None = None,
     bandwidth: bool = True,
     extra_meta: Callable[[], dict] | None = None,
+    modules: Sequence[str] = (),
 ) -> int:
     """The main of every script: environment, metadata (+ ``extra_meta()``), copy bandwidth (unless
-    ``bandwidth=False``), header lines (``header``), the sweep, the rows, ``after``, the exit code."""
+    ``bandwidth=False``), header lines (``header``), the sweep, the rows, ``after``, the exit code.
+    ``--dry-run`` stops after the environment and the imports of specdec_kernels and ``modules`` (the
+    ones the providers import lazily)."""
     prepare_environment(args.device)  # before anything imports specdec_kernels
+    if getattr(args, "dry_run", False):
+        return dry_run(name, args, modules)
     if getattr(args, "threads", None):
         import torch
 
@@ -652,6 +663,20 @@ def bench_main(
     if after:
         after(run, rows)
     return exit_code(run.errors)
+
+
+def dry_run(name: str, args, modules: Sequence[str]) -> int:
+    """``--dry-run``: the arguments were checked by the parser; import what the providers need."""
+    import importlib
+
+    for module in ("specdec_kernels", *modules):
+        importlib.import_module(module)
+    providers = " ".join(getattr(args, "providers", None) or [])
+    print(
+        f"# {name}: arguments ok (device {args.device}; providers {providers or '-'}); imported specdec_kernels", end=""
+    )
+    print(f" {' '.join(modules)}; dry-run ok")
+    return 0
 
 
 def make_or_report(make: Callable[[], object], label: str, run: Run):

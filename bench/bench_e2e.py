@@ -711,6 +711,7 @@ def main(argv=None) -> int:
         csv_columns=CSV_COLUMNS,
         bandwidth=False,
         extra_meta=transformers_version,
+        modules=("transformers", "specdec_kernels.hf", "specdec_kernels.demo"),  # what the modes import lazily
     )
 
 

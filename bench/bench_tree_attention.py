@@ -438,6 +438,7 @@ def main(argv=None) -> int:
         csv_columns=CSV_COLUMNS,
         header=print_header,
         after=print_targets,
+        modules=("torch.nn.attention.flex_attention",),  # flex_attention's provider imports it lazily
     )
 
 

@@ -302,6 +302,10 @@ def sweep(run: common.Run) -> list[dict]:
     ]
 
 
+# what the providers import lazily (after prepare_environment), imported by --dry-run
+PROVIDER_MODULES = ("specdec_kernels.reference", "specdec_kernels.ops.triton", "specdec_kernels.ops.csrc")
+
+
 def parse_args(argv=None):
     p = common.make_parser(
         "verify",
@@ -332,7 +336,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    return common.bench_main("verify", parse_args(argv), sweep, table_columns=TABLE_COLUMNS, csv_columns=CSV_COLUMNS)
+    return common.bench_main(
+        "verify",
+        parse_args(argv),
+        sweep,
+        table_columns=TABLE_COLUMNS,
+        csv_columns=CSV_COLUMNS,
+        modules=PROVIDER_MODULES,
+    )
 
 
 if __name__ == "__main__":

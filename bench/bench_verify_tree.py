@@ -531,6 +531,15 @@ def sweep(run: common.Run) -> list[dict]:
     return rows
 
 
+# what the providers import lazily (after prepare_environment), imported by --dry-run
+PROVIDER_MODULES = (
+    "specdec_kernels.reference",
+    "specdec_kernels.ops.triton",
+    "specdec_kernels.ops.csrc",
+    "specdec_kernels.ops.vectorized",
+)
+
+
 def parse_args(argv=None):
     p = common.make_parser(
         "verify_tree",
@@ -595,7 +604,13 @@ def print_header(run: common.Run) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     return common.bench_main(
-        "verify_tree", args, sweep, table_columns=TABLE_COLUMNS, csv_columns=CSV_COLUMNS, header=print_header
+        "verify_tree",
+        args,
+        sweep,
+        table_columns=TABLE_COLUMNS,
+        csv_columns=CSV_COLUMNS,
+        header=print_header,
+        modules=PROVIDER_MODULES,
     )
 
 

@@ -305,7 +305,9 @@ std::vector<double> kseq_rho_program(at::Tensor target_row, at::Tensor draft_pro
   pos.d_row = q.data_ptr<float>();
   pos.m_t = sk::neg_inf();
   for (int64_t x = 0; x < P.V; ++x) pos.m_t = std::max(pos.m_t, pos.t_row[x]);
-  for (int64_t x = 0; x < P.V; ++x) pos.z_t += expf(pos.t_row[x] - pos.m_t);
+  double z = 0.0;  // in double: a float sum of V = 152k terms in sequence is ~1.6e-4 low, which moves p, not rho
+  for (int64_t x = 0; x < P.V; ++x) z += std::exp(double(pos.t_row[x]) - double(pos.m_t));
+  pos.z_t = float(z);
   pos.thr_t = pos.thr_q = sk::neg_inf();
   pos.inv_t = 1.0f;
   sk::SeqReducer red;

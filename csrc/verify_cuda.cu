@@ -17,6 +17,7 @@ namespace {
 // Each reduction starts with a barrier so that the scratch of the previous one is free; the
 // result is read by every thread in the same (fixed) order, so it is deterministic.
 struct BlockReducer {
+  using Wide = float;  // each thread adds V / blockDim.x terms, then the block adds in a tree: float suffices
   float* f;    // [32] shared
   int32_t* i;  // [32] shared
 

@@ -16,7 +16,7 @@ constexpr int RHO_ROUNDS = 3;          // passes at most
 constexpr float RHO_TOL = 5e-5f;       // stop once A(lo) - A(hi) <= RHO_TOL
 constexpr int RHO_BISECT = 16;         // bisection steps placing the next points
 constexpr float RHO_MARGIN = 0.125f;   // the next points span the sandwich's roots widened by this share
-constexpr float RHO_EPS = 1.0f / 65536.0f;  // 2^-RHO_BISECT
+constexpr float RHO_EPS = 1.0f / 65536.0f;  // the next points' least margin, in f (the reference says why)
 
 // Chain and slot of a node in the [K, G] layout; the root (node < 0) and any node of a tree with
 // no slots (G = 0: no nodes exist, so the caller never reads the row) map to chain 0, slot 0.
@@ -190,17 +190,18 @@ SK_UNROLL
   for (int i = 0; i < RHO_POINTS; ++i) pts[i] = 1.0f + (kf - 1.0f) * (float(i) / float(RHO_POINTS - 1));
   float lo = 1.0f, glo = 0.0f, hi = kf, ghi = 0.0f;
   for (int round = 0; round < RHO_ROUNDS; ++round) {
+    typename R::Wide acc[RHO_POINTS];  // the reducer's accumulator type: double for one CPU thread
 SK_UNROLL
-    for (int i = 0; i < RHO_POINTS; ++i) gs[i] = 0.0f;
+    for (int i = 0; i < RHO_POINTS; ++i) acc[i] = 0.0f;
     for_each_entry(P, red, pos, true, [&](int32_t, int, int64_t, float, float pv, float qv) {
 SK_UNROLL
       for (int i = 0; i < RHO_POINTS; ++i) {
         const float a = pts[i] * qv;
-        gs[i] += a < pv ? a : pv;
+        acc[i] += a < pv ? a : pv;
       }
     });
 SK_UNROLL
-    for (int i = RHO_POINTS - 1; i >= 0; --i) gs[i] = red.sum(gs[i]);
+    for (int i = RHO_POINTS - 1; i >= 0; --i) gs[i] = red.sum(float(acc[i]));
     if (round == 0) {
       lo = pts[0];
       glo = gs[0];
@@ -234,7 +235,8 @@ SK_UNROLL
     const float r_lower = rho_bisect(a, b, ga, gb, s_left, s_right, chord, kf, false);
     const float r_upper = rho_bisect(a, b, ga, gb, s_left, s_right, chord, kf, true);
     float x0 = fminf(r_lower, r_upper), x1 = fmaxf(r_lower, r_upper);
-    const float margin = RHO_MARGIN * (x1 - x0) + w * RHO_EPS;
+    const float f_drop = fminf(fmaxf(kseq_f(a, ga, kf) - kseq_f(b, gb, kf), RHO_EPS), 1.0f);
+    const float margin = RHO_MARGIN * (x1 - x0) + w * (RHO_EPS / f_drop);
     x0 = fmaxf(a, x0 - margin);
     x1 = fminf(b, x1 + margin);
 SK_UNROLL

@@ -53,6 +53,14 @@ RHO_ROUNDS = 3  # passes at most; a position stops once its bracket is within RH
 RHO_TOL = 5e-5  # bound on the acceptance lost by using the bracket's upper end instead of rho*
 RHO_BISECT = 16  # bisection steps that place the next round's points (on [lo, hi]: no vocabulary)
 RHO_MARGIN = 0.125  # the next points span the sandwich's roots widened by this share on each side
+# ... and by at least RHO_EPS of f on each side, measured along f's chord on [lo, hi]: a rho margin of
+# w RHO_EPS / clamp(f(lo) - f(hi), RHO_EPS, 1). Why in f: the kernels compute f in float32 (g's
+# sum, exp and log: an error of ~1e-6 near rho*), and a margin in rho alone (it was w 2^-RHO_BISECT,
+# ~3e-8, below float32's resolution at rho) let every next point land on one value whose computed
+# f was > 0, so the bracket kept the old upper end (up to 4e-4 of acceptance lost; issue 28). In f
+# the margin costs at most ~RHO_EPS / 3 of acceptance per round (|dA/drho| <= |df/drho|), and it
+# still covers the bisection's resolution w 2^-RHO_BISECT (the clamp at 1).
+RHO_EPS = 2.0**-16
 
 
 def kseq_beta(p: torch.Tensor, q: torch.Tensor, rho: float) -> float:
@@ -87,7 +95,7 @@ def rho_step(pts, gs, k, lo, glo):
     use that g is concave and piecewise linear in rho (g(0) = 0): on [lo, hi] it lies above the chord
     and below the extended chords of the neighbouring intervals. The roots of f with g replaced by
     either bound are found by bisection (no vocabulary), and RHO_POINTS - 1 points spread evenly
-    over them (widened by RHO_MARGIN), plus hi.
+    over them (widened by RHO_MARGIN, and by at least RHO_EPS of f), plus hi.
     """
     P = pts.shape[1]
     kf = k.to(pts.dtype)
@@ -130,7 +138,8 @@ def rho_step(pts, gs, k, lo, glo):
 
     r_lower, r_upper = root(lower), root(upper)
     x0, x1 = torch.minimum(r_lower, r_upper), torch.maximum(r_lower, r_upper)
-    margin = RHO_MARGIN * (x1 - x0) + w * 2.0**-RHO_BISECT
+    f_drop = torch.clamp(kseq_f(a, ga, kf) - kseq_f(b, gb, kf), min=RHO_EPS, max=1.0)
+    margin = RHO_MARGIN * (x1 - x0) + w * (RHO_EPS / f_drop)
     x0, x1 = torch.maximum(a, x0 - margin), torch.minimum(b, x1 + margin)
     j = torch.arange(P, dtype=pts.dtype, device=pts.device) / (P - 2)
     nxt = x0[:, None] + (x1 - x0)[:, None] * j

@@ -123,6 +123,57 @@ def exact_rho(p: torch.Tensor, q: torch.Tensor, k: int) -> tuple[float, float]:
     return rho, beta(rho)
 
 
+def rho_cases():
+    """(name, target logits [V] float32, draft probabilities [V] float32, k): the reference test's
+    world (target 3 N(0, 1) / T, draft = target + sigma N(0, 1)) and adversarial rows."""
+    gen = torch.Generator().manual_seed(11)
+    cases = []
+    for trial in range(12):
+        V = [100, 1000, 3000][trial % 3]
+        scale, T = [(3.0, 0.7), (3.0, 1.0), (6.0, 0.5), (1.5, 1.0), (6.0, 1.0)][trial % 5]
+        sigma = [0.3, 1.0, 2.0][trial % 3]
+        s = torch.randn(V, generator=gen) * scale / T
+        q = torch.softmax(s.double() + torch.randn(V, generator=gen, dtype=torch.float64) * sigma / T, 0).float()
+        cases += [(f"random {trial}", s, q, k) for k in (2, 3, 4, 8, 13)]
+    s = torch.randn(64, generator=gen)
+    p = torch.softmax(s, 0)
+    least, top, low_half = (torch.zeros(64) for _ in range(3))
+    least[p.argmin()], top[p.argmax()], low_half[p.argsort()[:32]] = 1.0, 1.0, 1 / 32
+    flat = torch.zeros(200)
+    peaky_q = torch.softmax(torch.randn(200, generator=gen) * 5, 0)
+    peaky_p = torch.randn(200, generator=gen) * 8
+    for k in (2, 5, 32):
+        cases += [("q = p", s, p, k), ("q one-hot on p's least", s, least, k), ("q one-hot on p's top", s, top, k)]
+        cases += [("q on p's lower half", s, low_half, k)]
+    for k in (2, 9, 64):
+        cases += [("p flat, q peaky", flat, peaky_q, k), ("p peaky, q flat", peaky_p, torch.full((200,), 1 / 200), k)]
+    cases += [
+        ("V = 1", torch.zeros(1), torch.ones(1), 3),
+        ("V = 3", torch.tensor([0.0, 1.0, 2.0]), torch.tensor([0.7, 0.2, 0.1]), 2),
+    ]
+    return cases
+
+
+# The kernels evaluate f = 1 - (1 - beta)^k - rho beta in float32 (g = rho beta summed in double by
+# the CPU core, in float32 per GPU thread / Triton lane): near rho* f is off by ~1e-6, so a search's
+# "rho >= rho*" is checked as the mass K-SEQ would misplace at its rho, at most this much.
+RHO_EXCESS_TOL = 1e-5
+
+
+def rho_outcomes(cases: list[tuple], rhos: list[float]) -> list[tuple]:
+    """(name, k, rho, misplaced mass at rho, acceptance at rho, acceptance at rho*) for each of
+    ``rho_cases``'s cases given a search's rho for it (float64; the mass 1 - (1 - beta)^k - rho beta
+    is > 0 only below rho*)."""
+    out = []
+    for (name, s, q, k), rho in zip(cases, rhos, strict=True):
+        p, qd = torch.softmax(s.double(), 0), q.double()
+        _rho_star, beta_star = exact_rho(p, qd, k)
+        beta = float(torch.minimum(qd, p / rho).sum())
+        accept = 1 - (1 - beta) ** k
+        out.append((name, k, rho, accept - rho * beta, accept, 1 - (1 - beta_star) ** k))
+    return out
+
+
 def chi_square_power(expected: torch.Tensor, alternative: torch.Tensor, n: int) -> float:
     """Probability that ``chi_square_pvalue`` (pooling as it does) rejects at ALPHA when n samples
     come from ``alternative`` instead of ``expected`` (noncentral chi-square approximation)."""

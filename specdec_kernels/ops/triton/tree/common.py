@@ -17,7 +17,7 @@ RHO_ROUNDS = _ref_tree.RHO_ROUNDS
 RHO_TOL = tl.constexpr(_ref_tree.RHO_TOL)
 RHO_BISECT = tl.constexpr(_ref_tree.RHO_BISECT)
 RHO_MARGIN = tl.constexpr(_ref_tree.RHO_MARGIN)
-RHO_EPS = tl.constexpr(2.0**-_ref_tree.RHO_BISECT)  # the bisection's resolution on [lo, hi]
+RHO_EPS = tl.constexpr(_ref_tree.RHO_EPS)  # the next points' least margin, in f (reference: why)
 # The rho search's record per position (fp32), rewritten by _tree_rho_step_kernel after each round:
 RB_LO = tl.constexpr(0)  # bracket's lower end and g = sum_x min(rho q, p) there
 RB_GLO = tl.constexpr(1)

@@ -91,7 +91,8 @@ def _rho_step(pts, gs, kf, lo, glo, RHO_P: tl.constexpr):
     r_upper = _rho_bisect(a, b, ga, gb, s_left, s_right, chord, kf, True)
     x0 = tl.minimum(r_lower, r_upper)
     x1 = tl.maximum(r_lower, r_upper)
-    margin = RHO_MARGIN * (x1 - x0) + w * RHO_EPS
+    f_drop = tl.minimum(tl.maximum(_kseq_f(a, ga, kf) - _kseq_f(b, gb, kf), RHO_EPS), 1.0)
+    margin = RHO_MARGIN * (x1 - x0) + w * (RHO_EPS / f_drop)
     x0 = tl.maximum(a, x0 - margin)
     x1 = tl.minimum(b, x1 + margin)
     nxt = x0[:, None] + (x1 - x0)[:, None] * (pts_i.to(tl.float32) / (RHO_P - 2))
