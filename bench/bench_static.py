@@ -367,7 +367,9 @@ def launch_row(case: dict, launch: Launch) -> dict:
         "kernel": launch.kernel.fn.__name__ + _PHASES[launch.kwargs.get("PHASE", 0)],
         "grid": "x".join(map(str, launch.grid)),
         "config": ",".join(
-            f"{k}={v}" for k, v in launch.kwargs.items() if k.startswith(("BLOCK", "FILTER", "num_")) and v is not None
+            f"{k}={v}"
+            for k, v in launch.kwargs.items()
+            if k.startswith(("BLOCK", "FILTER", "num_")) and isinstance(v, (int, float, bool))  # not num_*_ptr tensors
         ),
         "regs": res["regs"],
         "spill_bytes": res["spill"],
