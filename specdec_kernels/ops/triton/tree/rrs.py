@@ -43,11 +43,17 @@ def _tree_rrs_kernel(
     temperature,
     # constexprs
     PER_REQ_T: tl.constexpr, DRAFT_MODE: tl.constexpr, HAS_FILTER: tl.constexpr, BY_INDEX: tl.constexpr,
-    WOR: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr,
+    WOR: tl.constexpr, FIRST_ROUND: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """RRS's residual masses before the walk, split over the vocabulary: round j sums the residual
     left after the first j candidates of a position are rejected (the candidates and their order
-    are fixed by the tree), for every position with more than j candidates. Grid (position tiles, chunks)."""
+    are fixed by the tree), for every position with more than j candidates. Grid (position tiles, chunks).
+
+    FIRST_ROUND (rnd == 1, set by the launcher) compiles round 1 with rnd a constant: no earlier
+    round's sums, one rejected token, and the residual's rank tiles fold to constants (48 instead of
+    75 registers for rrs_wor on sm_90; rnd itself is per-call, see triton/helpers.py)."""
+    if FIRST_ROUND:
+        rnd = 1
     pos, in_range, b, rep = _position_tile(B, N, BLOCK_P)
     chunk = tl.program_id(1)
     k = tl.load(pos_ptr + pos * POS_REC + POS_K, mask=in_range, other=0)
