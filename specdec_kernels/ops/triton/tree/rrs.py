@@ -74,6 +74,7 @@ def _tree_rrs_kernel(
             DRAFT_MODE, BY_INDEX, WOR, BLOCK_P,
         )  # fmt: skip
         steps = tl.zeros([BLOCK_P], tl.int32) + rnd
+        xs32 = xs.to(tl.int32)  # -1 or token ids from the int32 position records: exact in int32
         acc = tl.zeros([BLOCK_P, BLOCK_V], tl.float32)
         start_col = chunk * chunk_size
         end_col = tl.minimum(start_col + chunk_size, V)
@@ -85,7 +86,7 @@ def _tree_rrs_kernel(
                 t_row, d_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q, DRAFT_MODE,
                 BY_INDEX,
             )  # fmt: skip
-            r = _rrs_residual(pv, qv, steps, zs, xs, ds, cols.to(tl.int64), ranks, WOR)
+            r = _rrs_residual(pv, qv, steps, zs, xs32, ds, cols, ranks, WOR)
             acc += tl.where(lane, r, 0.0)
         tl.store(sums_ptr + ((rnd - 1) * B * (N + 1) + pos) * num_chunks + chunk, tl.sum(acc, axis=1), mask=active)
 
