@@ -51,7 +51,7 @@ def _tree_rrs_kernel(
 
     FIRST_ROUND (rnd == 1, set by the launcher) compiles round 1 with rnd a constant: no earlier
     round's sums, one rejected token, and the residual's rank tiles fold to constants (48 instead of
-    75 registers for rrs_wor on sm_90; rnd itself is per-call, see triton/helpers.py)."""
+    71 registers for rrs_wor on sm_90; rnd itself is per-call, see triton/helpers.py)."""
     if FIRST_ROUND:
         rnd = 1
     pos, in_range, b, rep = _position_tile(B, N, BLOCK_P)
