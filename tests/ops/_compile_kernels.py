@@ -184,7 +184,8 @@ def tree_kernels():
             yield v._tree_rho_step_kernel, t, step
         if mode and method > 0:
             rrs = dict(PER_REQ_T=True, DRAFT_MODE=mode, HAS_FILTER=has_filter, WOR=method == 2, BLOCK_P=1)
-            yield v._tree_rrs_kernel, t, dict(rrs, BLOCK_V=1024)
+            for first_round in (False, True):  # round 1 compiles with rnd a constant
+                yield v._tree_rrs_kernel, t, dict(rrs, FIRST_ROUND=first_round, BLOCK_V=1024)
 
 
 def metadata_kernels():

@@ -169,7 +169,8 @@ def _launch_rrs(plan: TreePlan, pos: torch.Tensor, stats: torch.Tensor, thr: tor
     for rnd in range(1, plan.rrs_rounds + 1):
         _tree_rrs_kernel[(cdiv(plan.P, plan.rrs_block_p), C)](
             **at_positions, sums_ptr=rrs, chunk_size=plan.rrs_chunk, num_chunks=C, rnd=rnd,
-            WOR=plan.args.method == "rrs_wor", BLOCK_P=plan.rrs_block_p, BLOCK_V=plan.block_v, num_warps=4,
+            WOR=plan.args.method == "rrs_wor", FIRST_ROUND=rnd == 1, BLOCK_P=plan.rrs_block_p, BLOCK_V=plan.block_v,
+            num_warps=4,
         )  # fmt: skip
     return rrs
 

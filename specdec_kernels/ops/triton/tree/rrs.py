@@ -43,11 +43,17 @@ def _tree_rrs_kernel(
     temperature,
     # constexprs
     PER_REQ_T: tl.constexpr, DRAFT_MODE: tl.constexpr, HAS_FILTER: tl.constexpr, BY_INDEX: tl.constexpr,
-    WOR: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr,
+    WOR: tl.constexpr, FIRST_ROUND: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """RRS's residual masses before the walk, split over the vocabulary: round j sums the residual
     left after the first j candidates of a position are rejected (the candidates and their order
-    are fixed by the tree), for every position with more than j candidates. Grid (position tiles, chunks)."""
+    are fixed by the tree), for every position with more than j candidates. Grid (position tiles, chunks).
+
+    FIRST_ROUND (rnd == 1, set by the launcher) compiles round 1 with rnd a constant: no earlier
+    round's sums, one rejected token, and the residual's rank tiles fold to constants (48 instead of
+    71 registers for rrs_wor on sm_90; rnd itself is per-call, see triton/helpers.py)."""
+    if FIRST_ROUND:
+        rnd = 1
     pos, in_range, b, rep = _position_tile(B, N, BLOCK_P)
     chunk = tl.program_id(1)
     k = tl.load(pos_ptr + pos * POS_REC + POS_K, mask=in_range, other=0)
@@ -68,6 +74,7 @@ def _tree_rrs_kernel(
             DRAFT_MODE, BY_INDEX, WOR, BLOCK_P,
         )  # fmt: skip
         steps = tl.zeros([BLOCK_P], tl.int32) + rnd
+        xs32 = xs.to(tl.int32)  # -1 or token ids from the int32 position records: exact in int32
         acc = tl.zeros([BLOCK_P, BLOCK_V], tl.float32)
         start_col = chunk * chunk_size
         end_col = tl.minimum(start_col + chunk_size, V)
@@ -79,7 +86,7 @@ def _tree_rrs_kernel(
                 t_row, d_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q, DRAFT_MODE,
                 BY_INDEX,
             )  # fmt: skip
-            r = _rrs_residual(pv, qv, steps, zs, xs, ds, cols.to(tl.int64), ranks, WOR)
+            r = _rrs_residual(pv, qv, steps, zs, xs32, ds, cols, ranks, WOR)
             acc += tl.where(lane, r, 0.0)
         tl.store(sums_ptr + ((rnd - 1) * B * (N + 1) + pos) * num_chunks + chunk, tl.sum(acc, axis=1), mask=active)
 
