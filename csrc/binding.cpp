@@ -316,6 +316,56 @@ std::vector<double> kseq_rho_program(at::Tensor target_row, at::Tensor draft_pro
   return {rho, beta};
 }
 
+// The CPU row pass (program 1, AVX2 or scalar as SPECDEC_CPU_SIMD selects) on target rows [R, V]
+// with one temperature / top-k / top-p, its chunk statistics merged as program 2 merges them ->
+// [R, 3] float64 (max m, z = sum of exp((x - m) * inv_t) over the kept entries, the threshold thr:
+// x is kept iff x >= thr; inv_t = float32(1 / T); z = 0 for greedy).
+// Lets the tests measure the CPU sums against a float64 softmax.
+at::Tensor row_softmax_program(at::Tensor target, double temperature, int64_t top_k, double top_p,
+                               int64_t num_chunks) {
+  TORCH_CHECK(target.device().is_cpu() && target.dim() == 2 && target.size(1) >= 1 && num_chunks >= 1,
+              "specdec: row_softmax_program takes CPU rows [R, V >= 1] and num_chunks >= 1");
+  target = target.contiguous();
+  const int64_t R = target.size(0), V = target.size(1);
+  const int64_t octs = (V + 7) / 8;  // as verify_chain: chunks start at multiples of 8
+  const int64_t chunk_size = (octs + std::min(num_chunks, octs) - 1) / std::min(num_chunks, octs) * 8;
+  const int64_t C = (V + chunk_size - 1) / chunk_size;
+  const bool has_filter = top_k > 0 || top_p < 1.0;
+  auto opts = target.options();
+  at::Tensor stats = at::empty({R, C, sk::NUM_STATS}, opts.dtype(at::kFloat));
+  at::Tensor g_idx = at::empty({R, C}, opts.dtype(at::kInt));
+  at::Tensor thr = at::empty({has_filter ? R : 1, 2}, opts.dtype(at::kFloat));
+  at::Tensor toks = at::zeros({R, 1}, opts.dtype(at::kLong));
+  sk::ChainParams P{};
+  P.target = target.data_ptr();
+  P.stride_tb = V;
+  P.draft_mode = sk::DRAFT_NONE;
+  P.draft_tokens = toks.data_ptr<int64_t>();
+  P.stride_xb = 1;
+  std::vector<at::Tensor> keep;
+  set_sampling(P, R, target, keep, c10::nullopt, temperature, c10::nullopt, top_k, c10::nullopt, top_p,
+               c10::nullopt, 0);
+  P.B = R;
+  P.G = 0;
+  P.V = V;
+  P.num_chunks = C;
+  P.chunk_size = chunk_size;
+  P.has_filter = has_filter;
+  P.stats = stats.data_ptr<float>();
+  P.g_idx = g_idx.data_ptr<int32_t>();
+  P.thr = thr.data_ptr<float>();
+  const int td = dtype_code(target);
+  sk::row_pass_cpu(P, td, td);
+  at::Tensor out = at::empty({R, 3}, opts.dtype(at::kDouble));
+  for (int64_t r = 0; r < R; ++r) {
+    const sk::RowStats s = sk::combine_row(P, r, sk::load_request(P, r));
+    out[r][0] = double(s.t.m);
+    out[r][1] = double(s.t.z);
+    out[r][2] = double(s.thr_t);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -325,6 +375,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_threads", &sk::cpu_threads, "OpenMP threads of the CPU programs");
   m.def("filter_threshold_program", &filter_threshold_program, "The GPU programs' top-k/top-p threshold, on the CPU");
   m.def("kseq_rho_program", &kseq_rho_program, "The core's K-SEQ rho search on one position, on the CPU");
+  m.def("row_softmax_program", &row_softmax_program, "The CPU row pass's merged (max, z) of rows [R, V]");
 #ifdef SPECDEC_WITH_CUDA
   m.attr("has_cuda") = true;
 #else
