@@ -58,6 +58,30 @@ void set_sampling(sk::ChainParams& P, int64_t B, const at::Tensor& like, std::ve
   P.seed_s = seed;
 }
 
+// The row pass's vocabulary split of verify_chain: chunks of a multiple of 8 entries (runs of the
+// row pass), at most `num_chunks` of them (num_chunks is set to the count used).
+int64_t chunk_size_for(int64_t V, int64_t& num_chunks) {
+  const int64_t octs = (V + 7) / 8;
+  num_chunks = std::max<int64_t>(1, std::min(num_chunks, octs));
+  const int64_t chunk_size = (octs + num_chunks - 1) / num_chunks * 8;
+  num_chunks = (V + chunk_size - 1) / chunk_size;
+  return chunk_size;
+}
+
+// The row pass's sizes and workspaces: rows B * (G + 1) of V entries in num_chunks chunks.
+void set_row_pass(sk::ChainParams& P, int64_t B, int64_t G, int64_t V, int64_t num_chunks, int64_t chunk_size,
+                  bool has_filter, at::Tensor& stats, at::Tensor& g_idx, at::Tensor& thr) {
+  P.B = B;
+  P.G = G;
+  P.V = V;
+  P.num_chunks = num_chunks;
+  P.chunk_size = chunk_size;
+  P.has_filter = has_filter;
+  P.stats = stats.data_ptr<float>();
+  P.g_idx = g_idx.data_ptr<int32_t>();
+  P.thr = thr.data_ptr<float>();
+}
+
 std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens, c10::optional<at::Tensor> draft,
                                      int64_t draft_mode, c10::optional<at::Tensor> num_draft,
                                      c10::optional<at::Tensor> temperature_t, double temperature,
@@ -85,10 +109,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   if (B == 0) return {tokens, accepted, nonfinite};
 
   if (has_filter && !dev.is_cpu()) num_chunks = 1;  // the GPU's radix-select thresholds need whole rows
-  const int64_t octs = (V + 7) / 8;  // chunks start at multiples of 8 (runs of the row pass)
-  num_chunks = std::max<int64_t>(1, std::min(num_chunks, octs));
-  const int64_t chunk_size = (octs + num_chunks - 1) / num_chunks * 8;
-  num_chunks = (V + chunk_size - 1) / chunk_size;
+  const int64_t chunk_size = chunk_size_for(V, num_chunks);
   const int64_t rows = B * (G + 1);
 
   std::vector<at::Tensor> keep;
@@ -124,18 +145,10 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   TORCH_CHECK(toks.stride(1) == 1 || G <= 1, "specdec: draft_tokens must have a contiguous last dim");
   P.num_draft = per_request<int64_t>(num_draft, at::kLong, B, target, keep);
   set_sampling(P, B, target, keep, temperature_t, temperature, top_k_t, top_k, top_p_t, top_p, seed_t, seed);
-  P.B = B;
-  P.G = G;
-  P.V = V;
+  set_row_pass(P, B, G, V, num_chunks, chunk_size, has_filter, stats, g_idx, thr);
   P.K = 1;
   P.n_max = G;
-  P.num_chunks = num_chunks;
-  P.chunk_size = chunk_size;
   P.placeholders_end = true;
-  P.has_filter = has_filter;
-  P.stats = stats.data_ptr<float>();
-  P.g_idx = g_idx.data_ptr<int32_t>();
-  P.thr = thr.data_ptr<float>();
   P.cut = by_index ? cut.data_ptr<int32_t>() : nullptr;
   P.first_reject = first_reject.data_ptr<int32_t>();
   P.direct = direct.data_ptr<int32_t>();
@@ -327,9 +340,8 @@ at::Tensor row_softmax_program(at::Tensor target, double temperature, int64_t to
               "specdec: row_softmax_program takes CPU rows [R, V >= 1] and num_chunks >= 1");
   target = target.contiguous();
   const int64_t R = target.size(0), V = target.size(1);
-  const int64_t octs = (V + 7) / 8;  // as verify_chain: chunks start at multiples of 8
-  const int64_t chunk_size = (octs + std::min(num_chunks, octs) - 1) / std::min(num_chunks, octs) * 8;
-  const int64_t C = (V + chunk_size - 1) / chunk_size;
+  int64_t C = num_chunks;
+  const int64_t chunk_size = chunk_size_for(V, C);
   const bool has_filter = top_k > 0 || top_p < 1.0;
   auto opts = target.options();
   at::Tensor stats = at::empty({R, C, sk::NUM_STATS}, opts.dtype(at::kFloat));
@@ -345,15 +357,7 @@ at::Tensor row_softmax_program(at::Tensor target, double temperature, int64_t to
   std::vector<at::Tensor> keep;
   set_sampling(P, R, target, keep, c10::nullopt, temperature, c10::nullopt, top_k, c10::nullopt, top_p,
                c10::nullopt, 0);
-  P.B = R;
-  P.G = 0;
-  P.V = V;
-  P.num_chunks = C;
-  P.chunk_size = chunk_size;
-  P.has_filter = has_filter;
-  P.stats = stats.data_ptr<float>();
-  P.g_idx = g_idx.data_ptr<int32_t>();
-  P.thr = thr.data_ptr<float>();
+  set_row_pass(P, R, 0, V, C, chunk_size, has_filter, stats, g_idx, thr);
   const int td = dtype_code(target);
   sk::row_pass_cpu(P, td, td);
   at::Tensor out = at::empty({R, 3}, opts.dtype(at::kDouble));
