@@ -58,6 +58,30 @@ void set_sampling(sk::ChainParams& P, int64_t B, const at::Tensor& like, std::ve
   P.seed_s = seed;
 }
 
+// The row pass's vocabulary split of verify_chain: chunks of a multiple of 8 entries (runs of the
+// row pass), at most `num_chunks` of them (num_chunks is set to the count used).
+int64_t chunk_size_for(int64_t V, int64_t& num_chunks) {
+  const int64_t octs = (V + 7) / 8;
+  num_chunks = std::max<int64_t>(1, std::min(num_chunks, octs));
+  const int64_t chunk_size = (octs + num_chunks - 1) / num_chunks * 8;
+  num_chunks = (V + chunk_size - 1) / chunk_size;
+  return chunk_size;
+}
+
+// The row pass's sizes and workspaces: rows B * (G + 1) of V entries in num_chunks chunks.
+void set_row_pass(sk::ChainParams& P, int64_t B, int64_t G, int64_t V, int64_t num_chunks, int64_t chunk_size,
+                  bool has_filter, at::Tensor& stats, at::Tensor& g_idx, at::Tensor& thr) {
+  P.B = B;
+  P.G = G;
+  P.V = V;
+  P.num_chunks = num_chunks;
+  P.chunk_size = chunk_size;
+  P.has_filter = has_filter;
+  P.stats = stats.data_ptr<float>();
+  P.g_idx = g_idx.data_ptr<int32_t>();
+  P.thr = thr.data_ptr<float>();
+}
+
 std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens, c10::optional<at::Tensor> draft,
                                      int64_t draft_mode, c10::optional<at::Tensor> num_draft,
                                      c10::optional<at::Tensor> temperature_t, double temperature,
@@ -85,10 +109,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   if (B == 0) return {tokens, accepted, nonfinite};
 
   if (has_filter && !dev.is_cpu()) num_chunks = 1;  // the GPU's radix-select thresholds need whole rows
-  const int64_t octs = (V + 7) / 8;  // chunks start at multiples of 8 (runs of the row pass)
-  num_chunks = std::max<int64_t>(1, std::min(num_chunks, octs));
-  const int64_t chunk_size = (octs + num_chunks - 1) / num_chunks * 8;
-  num_chunks = (V + chunk_size - 1) / chunk_size;
+  const int64_t chunk_size = chunk_size_for(V, num_chunks);
   const int64_t rows = B * (G + 1);
 
   std::vector<at::Tensor> keep;
@@ -124,18 +145,10 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   TORCH_CHECK(toks.stride(1) == 1 || G <= 1, "specdec: draft_tokens must have a contiguous last dim");
   P.num_draft = per_request<int64_t>(num_draft, at::kLong, B, target, keep);
   set_sampling(P, B, target, keep, temperature_t, temperature, top_k_t, top_k, top_p_t, top_p, seed_t, seed);
-  P.B = B;
-  P.G = G;
-  P.V = V;
+  set_row_pass(P, B, G, V, num_chunks, chunk_size, has_filter, stats, g_idx, thr);
   P.K = 1;
   P.n_max = G;
-  P.num_chunks = num_chunks;
-  P.chunk_size = chunk_size;
   P.placeholders_end = true;
-  P.has_filter = has_filter;
-  P.stats = stats.data_ptr<float>();
-  P.g_idx = g_idx.data_ptr<int32_t>();
-  P.thr = thr.data_ptr<float>();
   P.cut = by_index ? cut.data_ptr<int32_t>() : nullptr;
   P.first_reject = first_reject.data_ptr<int32_t>();
   P.direct = direct.data_ptr<int32_t>();
@@ -316,6 +329,47 @@ std::vector<double> kseq_rho_program(at::Tensor target_row, at::Tensor draft_pro
   return {rho, beta};
 }
 
+// The CPU row pass (program 1, AVX2 or scalar as SPECDEC_CPU_SIMD selects) on target rows [R, V]
+// with one temperature / top-k / top-p, its chunk statistics merged as program 2 merges them ->
+// [R, 3] float64 (max m, z = sum of exp((x - m) * inv_t) over the kept entries, the threshold thr:
+// x is kept iff x >= thr; inv_t = float32(1 / T); z = 0 for greedy).
+// Lets the tests measure the CPU sums against a float64 softmax.
+at::Tensor row_softmax_program(at::Tensor target, double temperature, int64_t top_k, double top_p,
+                               int64_t num_chunks) {
+  TORCH_CHECK(target.device().is_cpu() && target.dim() == 2 && target.size(1) >= 1 && num_chunks >= 1,
+              "specdec: row_softmax_program takes CPU rows [R, V >= 1] and num_chunks >= 1");
+  target = target.contiguous();
+  const int64_t R = target.size(0), V = target.size(1);
+  int64_t C = num_chunks;
+  const int64_t chunk_size = chunk_size_for(V, C);
+  const bool has_filter = top_k > 0 || top_p < 1.0;
+  auto opts = target.options();
+  at::Tensor stats = at::empty({R, C, sk::NUM_STATS}, opts.dtype(at::kFloat));
+  at::Tensor g_idx = at::empty({R, C}, opts.dtype(at::kInt));
+  at::Tensor thr = at::empty({has_filter ? R : 1, 2}, opts.dtype(at::kFloat));
+  at::Tensor toks = at::zeros({R, 1}, opts.dtype(at::kLong));
+  sk::ChainParams P{};
+  P.target = target.data_ptr();
+  P.stride_tb = V;
+  P.draft_mode = sk::DRAFT_NONE;
+  P.draft_tokens = toks.data_ptr<int64_t>();
+  P.stride_xb = 1;
+  std::vector<at::Tensor> keep;
+  set_sampling(P, R, target, keep, c10::nullopt, temperature, c10::nullopt, top_k, c10::nullopt, top_p,
+               c10::nullopt, 0);
+  set_row_pass(P, R, 0, V, C, chunk_size, has_filter, stats, g_idx, thr);
+  const int td = dtype_code(target);
+  sk::row_pass_cpu(P, td, td);
+  at::Tensor out = at::empty({R, 3}, opts.dtype(at::kDouble));
+  for (int64_t r = 0; r < R; ++r) {
+    const sk::RowStats s = sk::combine_row(P, r, sk::load_request(P, r));
+    out[r][0] = double(s.t.m);
+    out[r][1] = double(s.t.z);
+    out[r][2] = double(s.thr_t);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -325,6 +379,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_threads", &sk::cpu_threads, "OpenMP threads of the CPU programs");
   m.def("filter_threshold_program", &filter_threshold_program, "The GPU programs' top-k/top-p threshold, on the CPU");
   m.def("kseq_rho_program", &kseq_rho_program, "The core's K-SEQ rho search on one position, on the CPU");
+  m.def("row_softmax_program", &row_softmax_program, "The CPU row pass's merged (max, z) of rows [R, V]");
 #ifdef SPECDEC_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

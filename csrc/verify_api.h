@@ -42,6 +42,9 @@ struct SeqReducer {
 // thresholds are found by selection first, so any num_chunks works.
 void verify_chain_cpu(const ChainParams& P, int target_dtype, int draft_dtype);
 int cpu_threads();  // OpenMP threads the CPU programs use (torch.set_num_threads sets them)
+// Program 1 alone (thresholds, then the row statistics into P.stats) over P.B * (P.G + 1) rows, as
+// verify_chain_cpu runs it: the binding's row_softmax_program test entry.
+void row_pass_cpu(const ChainParams& P, int target_dtype, int draft_dtype);
 
 // CUDA launches on `stream` (a cudaStream_t) of device `device`: 3 kernels, or 2 when
 // num_chunks == 1. Returns nullptr, or the CUDA error string of a failed launch.

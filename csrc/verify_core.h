@@ -268,16 +268,20 @@ SK_HD int64_t request_seed(const int64_t* seeds, int64_t scalar, int64_t b) {
 // online softmax and argmax
 
 // Running (max, sum of exp((x - max) / T)) of one thread; x = -inf entries contribute nothing.
-struct Softmax {
+// W: the type z is summed in, the reducer's Wide (a CPU thread adds all V terms of a row in
+// sequence: in float32 those sums came out ~1.6e-4 low at V = 152k, so the CPU sums in double; a
+// GPU thread adds V / blockDim terms and stays float). Merges and reductions are float.
+template <class W = float>
+struct SoftmaxAcc {
   float m = neg_inf();
-  float z = 0.0f;
+  W z = 0.0f;
 
   SK_HD void add(float x, float inv_t) {
     if (x > m) {
-      z = z * expf((m - x) * inv_t) + 1.0f;  // m = -inf: exp(-inf) = 0 and z = 0
+      z = z * W(expf((m - x) * inv_t)) + W(1.0f);  // m = -inf: exp(-inf) = 0 and z = 0
       m = x;
     } else if (x > neg_inf()) {
-      z += expf((x - m) * inv_t);
+      z += W(expf((x - m) * inv_t));
     }
   }
 
@@ -285,7 +289,7 @@ struct Softmax {
   SK_HD void merge(float m_c, float z_c, float inv_t) {
     const float m_new = m > m_c ? m : m_c;
     const float ref = safe_max(m_new);
-    z = z * expf((m - ref) * inv_t) + z_c * expf((m_c - ref) * inv_t);
+    z = z * W(expf((m - ref) * inv_t)) + W(z_c * expf((m_c - ref) * inv_t));
     m = m_new;
   }
 
@@ -294,10 +298,11 @@ struct Softmax {
   SK_HD void reduce(R& red, float inv_t) {
     const float m_all = red.max(m);
     const float ref = safe_max(m_all);
-    z = red.sum(z * expf((m - ref) * inv_t));
+    z = W(red.sum(float(z * W(expf((m - ref) * inv_t)))));
     m = m_all;
   }
 };
+using Softmax = SoftmaxAcc<float>;
 
 // Running (max, lowest index of the max): strict > keeps the earlier entry on ties.
 struct Argmax {
@@ -648,7 +653,7 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
   }
   const int64_t start = chunk * P.chunk_size;
   const int64_t end = start + P.chunk_size < P.V ? start + P.chunk_size : P.V;
-  Softmax st, sq;
+  SoftmaxAcc<typename R::Wide> st, sq;
   Argmax g;
   int bad = 0, bad_q = 0;
   const bool draft_logits = draft_row && P.draft_mode == DRAFT_LOGITS;
@@ -680,9 +685,9 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
   if (red.rank() == 0) {
     float* s = P.stats + (row * P.num_chunks + chunk) * NUM_STATS;
     s[0] = st.m;
-    s[1] = st.z;
+    s[1] = float(st.z);
     s[2] = sq.m;
-    s[3] = sq.z;
+    s[3] = float(sq.z);
     s[4] = g.key;
     s[5] = float(bad);
     s[6] = float(bad_q);

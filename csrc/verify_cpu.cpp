@@ -228,6 +228,13 @@ int cpu_threads() {
 #endif
 }
 
+void row_pass_cpu(const ChainParams& params, int target_dtype, int draft_dtype) {
+  ChainParams P = params;
+  dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
+    row_pass<decltype(tt), decltype(td)>(P, P.B * (P.G + 1));
+  });
+}
+
 void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dtype) {
   ChainParams P = params;
   dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {

@@ -10,7 +10,7 @@
 //   * Philox4x32-10 runs eight counters (quads) per vector and gives bit-identical words;
 //   * exp and log are SLEEF's (Sleef_expf8_u10 / Sleef_logf8_u10, exported by libtorch_cpu: the
 //     functions ATen's Vectorized<float> calls), within 1 ulp where glibc's expf / logf are
-//     correctly rounded, and the row's sum-exp is summed in eight lanes, not in order. So a
+//     correctly rounded, and the row's sum-exp is summed in eight double lanes, not in order. So a
 //     statistic may move by a few ulps (relative ~1e-7). That is the difference the backends
 //     already have with each other (the Triton kernels sum in blocks, the reference in torch's
 //     order): a token changes only when an accept test u * q <= p or the race's top two keys are
@@ -133,12 +133,6 @@ SK_AVX2 inline float hmax(__m256 v) {
   return m;
 }
 
-SK_AVX2 inline float hsum(__m256 v) {
-  alignas(32) float a[8];
-  _mm256_store_ps(a, v);
-  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
-
 // Greedy row statistics (the record greedy_row_stats writes) in one pass: max, first index of
 // the max, non-finite count.
 template <class TT>
@@ -178,20 +172,36 @@ SK_AVX2 void greedy_row_stats(const ChainParams& P, int64_t row, int64_t chunk, 
   P.g_idx[row * P.num_chunks + chunk] = a.index_or_zero();
 }
 
-// sum over [start, end) of exp((v - m) * inv_t) for the kept entries (thresholds thr / cut).
+// Entries summed in float lanes (32 a lane) before the lanes are added into double: eight float
+// lanes of V / 8 terms came out up to ~4e-5 low at V = 152k (small terms rounded against a lane's
+// partial sum); blocks of 256 keep z within ~2e-7 (tests/ops/test_cpu_simd.py) at the cost of one
+// conversion per block (no measurable time).
+constexpr int64_t SUM_BLOCK = 256;
+
+// sum over [start, end) of exp((v - m) * inv_t) for the kept entries (thresholds thr / cut): float
+// lanes per block of SUM_BLOCK entries, the blocks added in double.
 template <class T>
 SK_AVX2 float sum_exp(const T* row, int64_t start, int64_t end, float m, float inv_t, float thr, int32_t cut) {
   if (!(m > neg_inf())) return 0.0f;
-  __m256 z = _mm256_setzero_ps();
+  __m256d z_lo = _mm256_setzero_pd(), z_hi = _mm256_setzero_pd();
   const __m256 mv = _mm256_set1_ps(m), it = _mm256_set1_ps(inv_t), ninf = _mm256_set1_ps(-INFINITY);
   int unused = 0;
-  for (int64_t x = start; x < end; x += 8) {
-    const __m256 v = sanitize8(load8_upto(row, x, end), unused);
-    const __m256 keep = _mm256_and_ps(kept8(v, lane_index(x), thr, cut), _mm256_cmp_ps(v, ninf, _CMP_GT_OQ));
-    const __m256 e = Sleef_expf8_u10(_mm256_mul_ps(_mm256_sub_ps(v, mv), it));
-    z = _mm256_add_ps(z, _mm256_and_ps(e, keep));
+  for (int64_t x0 = start; x0 < end; x0 += SUM_BLOCK) {
+    const int64_t x1 = x0 + SUM_BLOCK < end ? x0 + SUM_BLOCK : end;
+    __m256 z = _mm256_setzero_ps();
+    for (int64_t x = x0; x < x1; x += 8) {
+      const __m256 v = sanitize8(load8_upto(row, x, end), unused);
+      const __m256 keep = _mm256_and_ps(kept8(v, lane_index(x), thr, cut), _mm256_cmp_ps(v, ninf, _CMP_GT_OQ));
+      const __m256 e = Sleef_expf8_u10(_mm256_mul_ps(_mm256_sub_ps(v, mv), it));
+      z = _mm256_add_ps(z, _mm256_and_ps(e, keep));
+    }
+    z_lo = _mm256_add_pd(z_lo, _mm256_cvtps_pd(_mm256_castps256_ps128(z)));
+    z_hi = _mm256_add_pd(z_hi, _mm256_cvtps_pd(_mm256_extractf128_ps(z, 1)));
   }
-  return hsum(z);
+  alignas(32) double a[8];
+  _mm256_store_pd(a, z_lo);
+  _mm256_store_pd(a + 4, z_hi);
+  return float(((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])));
 }
 
 // Program 1 for a sampled row (thresholds given): row_stats_program's record in two passes, the

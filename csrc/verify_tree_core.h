@@ -359,11 +359,11 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red, TreeWalkSc
         const int32_t x_j = s.tok[n];
         float z_now = 1.0f;
         if (j > 0) {  // Z_j: one pass over the vocabulary
-          float z_j = 0.0f;
+          typename R::Wide z_j = 0.0f;  // double for one CPU thread (SeqReducer::Wide)
           for_each_entry(P, red, pos, true, [&](int32_t, int, int64_t x, float, float pv, float qv) {
             z_j += rrs_residual(pv, qv, steps, s.zs, s.xs, s.ds, x, wor);
           });
-          z_now = red.sum(z_j);
+          z_now = red.sum(float(z_j));
           if (red.rank() == 0) s.zs[j] = z_now;
         }
         const CandidateDraw c = candidate_draw(P, rq, pos, x_j, j, counter);
