@@ -70,7 +70,8 @@ def program_order(order: str):
 def _outputs(result) -> list[torch.Tensor]:
     if isinstance(result, torch.Tensor):
         return [result]
-    return [getattr(result, f.name) for f in dataclasses.fields(result)]
+    fields = (getattr(result, f.name) for f in dataclasses.fields(result))
+    return [t for t in fields if t is not None]  # the logprob fields are None unless asked for
 
 
 def _check_orders(call, gpu_plan: bool):
