@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from .draft_length import EXPLORE_WITHIN, REFRESH_EVERY, SMOOTHING, acceptance_estimate, expected_tokens
+from .draft_length import EXPLORE_WITHIN, REFRESH_EVERY, StepTimes, acceptance_estimate, expected_tokens
 
 MAX_CHAIN = 8  # the chain fallback's longest length (the chain policy's lengths past 8 never won on our pairs)
 
@@ -37,7 +37,7 @@ class TreeBudgetPolicy:
         self.counts = {"tree": [0, 0], "chain": [0, 0]}  # kind -> [accepted, rejections]
         self.last = (0, 0)  # the call's accepted / rejections when the last arm was chosen
         self.arm, self.width = self.arms[0], width  # (choose picks the first step's arm)
-        self.times: dict = {}  # active requests -> arm -> running mean step seconds
+        self.times: dict[int, StepTimes] = {}  # active requests -> running mean step seconds per arm
         self.steps = 0
 
     def _rate(self, arm, times: dict) -> float:
@@ -60,7 +60,7 @@ class TreeBudgetPolicy:
         self.counts[kind][0] += accepted - self.last[0]
         self.counts[kind][1] += rejections - self.last[1]
         self.last = (accepted, rejections)
-        times = self.times.setdefault(active, {}) if self.measured else {}
+        times = self.times.setdefault(active, StepTimes()).seconds if self.measured else {}
         # ties: the tree (asked for), then the shallower arm
         rates = {arm: self._rate(arm, times) for arm in self.arms}
         best = max(rates, key=lambda a: (rates[a] * (1 + 1e-9), a[0] == "tree", -a[1]))
@@ -79,6 +79,4 @@ class TreeBudgetPolicy:
         """The step's wall time (the call's first step is skipped: it pays one-off costs)."""
         self.steps += 1
         if self.measured and self.steps > 1:
-            times = self.times.setdefault(active, {})
-            old = times.get(self.arm)
-            times[self.arm] = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds
+            self.times.setdefault(active, StepTimes()).add(self.arm, seconds)

@@ -53,12 +53,6 @@ def logprobs_request(return_logprobs, num_logprobs) -> int | None:
     return num_logprobs if return_logprobs else None
 
 
-def _per_request(value, B: int, dtype, device) -> Tensor:
-    if isinstance(value, Tensor):
-        return value.to(device=device, dtype=dtype)
-    return torch.full((B,), value, dtype=dtype, device=device)
-
-
 def _emitted(tokens: Tensor) -> tuple[Tensor, Tensor]:
     """(b, d) of the emitted positions (tokens != -1) of a [B, D+1] token tensor (the post-pass's
     first step and first host synchronisation)."""
@@ -69,28 +63,27 @@ def _emitted(tokens: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @torch.compiler.disable  # inside torch.compile: a graph break, the post-pass runs eagerly
-def chain_logprobs(args: VerifyArgs, out: VerifyOutput, num_logprobs: int, allowed: Tensor | None = None, score=None):
-    """``out`` with logprobs (and the top ``num_logprobs``) of its emitted tokens. allowed: an
-    optional bool mask shaped like ``args.target_logits`` (False = the token is disallowed at that
-    row: -inf before processing). score: ``emitted_logprobs`` (default) or the vocabulary shards'
-    scorer (``ops/vocab_parallel/logprobs.py``)."""
+def chain_logprobs(args: VerifyArgs, out: VerifyOutput, num_logprobs: int, score=None):
+    """``out`` with logprobs (and the top ``num_logprobs``) of its emitted tokens, under the call's
+    grammar mask if any (``args.token_bitmask``). score: ``emitted_logprobs`` (default) or the
+    vocabulary shards' scorer (``ops/vocab_parallel/logprobs.py``)."""
     b, d = _emitted(out.tokens)
     if args.cu is None:
         index = (b, d)
     else:
         index = (args.cu[b] + b + d,)
-    fields = _fill(args, out.tokens, index, b, d, num_logprobs, allowed, args.target_logits, score)
+    fields = _fill(args, out.tokens, index, b, d, num_logprobs, args.target_logits, score)
     return replace(out, **fields)
 
 
 @torch.compiler.disable  # inside torch.compile: a graph break, the post-pass runs eagerly
-def tree_logprobs(args: TreeArgs, out: TreeVerifyOutput, num_logprobs: int, allowed: Tensor | None = None, score=None):
-    """``out`` with logprobs of the accepted path's tokens and the emitted one. allowed: an optional
-    bool mask shaped like ``args.target`` ([B, K, G+1, V]); score: as for :func:`chain_logprobs`."""
+def tree_logprobs(args: TreeArgs, out: TreeVerifyOutput, num_logprobs: int, score=None):
+    """``out`` with logprobs of the accepted path's tokens and the emitted one; mask and score as
+    for :func:`chain_logprobs`."""
     b, d = _emitted(out.tokens)
     k_row, s_row = walk_rows(args, out.tokens, out.num_accepted)
     index = (b, k_row[b, d], s_row[b, d])
-    fields = _fill(args, out.tokens, index, b, d, num_logprobs, allowed, args.target, score)
+    fields = _fill(args, out.tokens, index, b, d, num_logprobs, args.target, score)
     return replace(out, **fields)
 
 
@@ -126,7 +119,7 @@ def walk_rows(args: TreeArgs, tokens: Tensor, num_accepted: Tensor) -> tuple[Ten
     return k_row, s_row
 
 
-def _fill(args, tokens: Tensor, index: tuple, b: Tensor, d: Tensor, num_logprobs: int, allowed, target, score) -> dict:
+def _fill(args, tokens: Tensor, index: tuple, b: Tensor, d: Tensor, num_logprobs: int, target, score) -> dict:
     """The output fields: logprobs (and the top-n) scattered to the emitted positions (b, d) of
     ``tokens``; ``index`` selects their rows of ``target``."""
     B, D1, dev = tokens.shape[0], tokens.shape[1], tokens.device
@@ -138,16 +131,14 @@ def _fill(args, tokens: Tensor, index: tuple, b: Tensor, d: Tensor, num_logprobs
     if b.numel() == 0:  # nothing emitted (B = 0); replicated, so vocabulary shards all skip together
         return fields
     rows = target[index]  # [M, V]: only the emitted positions' rows
-    if allowed is not None:
-        rows = rows.masked_fill(~allowed[index], float("-inf"))
     if args.token_bitmask is not None:  # the call's grammar words (this rank's slice on shards)
         rows = masked_rows(rows, args.token_bitmask[index])
     sampling = args.sampling
     # float32 first, as every backend reads the parameters (top-p's boundary depends on the rounding)
-    t = _per_request(sampling.temperature, B, torch.float32, dev)[b].double()
+    params = {k: v.to(dev)[b] for k, v in sampling.per_request_cpu(B).items()}
+    t = params["temperature"].double()
     t = torch.where(t >= MIN_TEMPERATURE, t, 1.0)  # greedy: scored at temperature 1
-    top_k = _per_request(sampling.top_k, B, torch.int64, dev)[b]
-    top_p = _per_request(sampling.top_p, B, torch.float32, dev)[b].double()
+    top_k, top_p = params["top_k"], params["top_p"].double()
     by_index = sampling.top_p_ties == "by_index"  # also for greedy rows: their top-p is active here
     score = score or emitted_logprobs
     lp, ids, top = score(rows, tokens[b, d], t, top_k, top_p, args.has_filter, by_index, num_logprobs)

@@ -10,7 +10,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels._tree_args import check_tree_args
 from specdec_kernels._validation import check_verify_call
-from specdec_kernels.ops.logprobs import chain_logprobs, top_n
+from specdec_kernels.ops.logprobs import top_n
 from specdec_kernels.reference.logprobs import chain_rows, logprobs_reference, processed_log_probs, tree_rows
 
 from ._inputs import make_problem
@@ -20,7 +20,7 @@ from .conftest import cpu_core_or_skip
 TOL = 1e-5
 
 
-def _expected_chain(target, drafts, draft, n, allowed=None, **kw):
+def _expected_chain(target, drafts, draft, n, **kw):
     args = check_verify_call(
         target, drafts, draft, None, kw.get("temperature", 1.0), kw.get("top_k", 0), kw.get("top_p", 1.0),
         kw.get("num_draft_tokens"), 0, cu_num_draft_tokens=kw.get("cu_num_draft_tokens"),
@@ -147,16 +147,18 @@ def test_block_method(backend):
     _check_chain(out, target, drafts, draft, 2, **kw)
 
 
-def test_allowed_mask_hook():
-    """The post-pass's allowed-token mask: a disallowed token is -inf before processing."""
+def test_grammar_mask_matches_the_reference():
+    """With token_bitmask= a disallowed token is -inf before processing: the reference's allowed mask."""
+    from specdec_kernels._bitmask import pack
+
     target, drafts, draft = make_problem(3, 2, 30, seed=10)
     gen = torch.Generator().manual_seed(0)
     allowed = torch.rand(target.shape, generator=gen) < 0.6
     kw = dict(temperature=0.8, top_k=8)
-    out = sk.verify(target, drafts, draft, seed=2, backend="vectorized", **kw)
+    got = sk.verify(target, drafts, draft, seed=2, backend="vectorized", token_bitmask=pack(allowed),
+                    return_logprobs=True, num_logprobs=3, **kw)  # fmt: skip
     args = _expected_chain(target, drafts, draft, 3, **kw)
-    got = chain_logprobs(args, out, 3, allowed=allowed)
-    ref = logprobs_reference(args, args.target_logits, out.tokens, chain_rows(args, out.tokens), 3, allowed=allowed)
+    ref = logprobs_reference(args, args.target_logits, got.tokens, chain_rows(args, got.tokens), 3, allowed=allowed)
     _check(got, ref, 3)
     assert bool((got.top_logprob_ids == -1).any() | allowed.all())  # masked rows hold fewer entries
 
