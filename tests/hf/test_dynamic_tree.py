@@ -157,6 +157,35 @@ def test_shape_depends_on_q_not_on_the_draws(monkeypatch):
     assert len(tokens) > 1  # the draws differ
 
 
+def test_each_node_carries_the_q_row_of_its_parent(monkeypatch):
+    """Sampling: every node's probs row is the draft's distribution after the prompt and the node's
+    ancestors (a plain full forward), including depth-2+ nodes whose parents differ (the row a
+    node's siblings share: a wrong parent's row would bias the verification)."""
+    V = 8
+    draft = tiny_model("llama", vocab=V, seed=21, init_std=1.0)
+    target = tiny_model("llama", vocab=V, seed=22, init_std=1.0)
+    seen = _proposals(monkeypatch)
+    prompt = [3, 4, 5, 0]
+    speculative_generate(
+        target, draft, torch.tensor([prompt]), max_new_tokens=1, num_draft_tokens=9, draft_tree="dynamic",
+        tree_width=3, temperature=1.0, seed=0, eos_token_id=[], adaptive_draft=False,
+    )  # fmt: skip
+    proposal = seen[0]
+    tokens, parents = proposal.tokens[0].tolist(), proposal.parents[0].tolist()
+    depth_two_parents = set()
+    for i in range(int(proposal.num_nodes[0])):
+        path, p = [], parents[i]
+        while p >= 0:  # the node's ancestors, root side first
+            path.insert(0, tokens[p])
+            p = parents[p]
+        if len(path) == 1:
+            depth_two_parents.add(parents[i])
+        with torch.no_grad():
+            logits = draft(torch.tensor([prompt + path])).logits[0, -1].float()
+        torch.testing.assert_close(proposal.probs[0, i], torch.softmax(logits, -1), atol=1e-5, rtol=1e-4)
+    assert len(depth_two_parents) > 1  # the tree's second depth hangs off different parents
+
+
 def test_shape_independent_of_the_verifier_seed(target, drafts, monkeypatch):
     """The step's tree is complete before the verifier draws its seeds: other verifier seeds give
     the same first tree (tokens and shape) and different outputs."""
