@@ -109,7 +109,7 @@ class DynamicTreeDrafter(ModelDrafter):
         # the candidates of the depth being built: tokens, scores, parent (node index), parent's q row
         cand, log_rank = self._children(logits[:, None], None if probs is None else probs[:, None], gen, k)
         cand_score, cand_parent = log_rank.reshape(A, k), torch.full((A, k), -1, device=device)
-        cand_row = None if probs is None else probs[:, None].expand(A, k, V)
+        cand_q = None if probs is None else probs[:, None]  # [A, F, V]: candidate c was drawn from row c // k
         cand, rows = cand.reshape(A, k), []
         tokens, parents, valid, slots, depths, bits = [], [], [], [], [], []
         root_bits = (torch.ones_like(u) << u) - 1
@@ -124,8 +124,8 @@ class DynamicTreeDrafter(ModelDrafter):
             parents.append(torch.where(ok, parent, -1))
             valid.append(ok)
             depths.append(torch.full_like(parent, d))
-            if cand_row is not None:
-                rows.append(cand_row[arange_a, order])
+            if cand_q is not None:
+                rows.append(cand_q[arange_a, order // k])
             if d == len(self.per_depth):
                 slots.append(torch.full_like(parent, -1))
                 break
@@ -149,7 +149,7 @@ class DynamicTreeDrafter(ModelDrafter):
             first = sum(self.per_depth[: d - 1])  # node index of this depth's first node
             cand_parent = (first + torch.arange(width, device=device))[None, :, None].expand(A, width, k)
             cand_parent, cand = cand_parent.reshape(A, width * k), cand.reshape(A, width * k)
-            cand_row = None if probs is None else probs[:, :, None].expand(A, width, k, V).reshape(A, width * k, V)
+            cand_q = probs
         return self._compact(tokens, parents, valid, slots, depths, rows)
 
     def _compact(self, tokens, parents, valid, slots, depths, rows) -> TreeProposal:
