@@ -65,13 +65,21 @@ SK_AVX2 inline __m256 load8_upto(const T* row, int64_t x, int64_t end) {
   return _mm256_load_ps(v);
 }
 
+// Per-lane shift counts moving bit 8h + e of a mask word into lane e's sign bit (the bit blendv
+// reads), for the four runs of 8 entries h = 0 .. 3 of a word.
+alignas(32) inline constexpr int32_t MASK_SHIFTS[4][8] = {{31, 30, 29, 28, 27, 26, 25, 24},
+                                                         {23, 22, 21, 20, 19, 18, 17, 16},
+                                                         {15, 14, 13, 12, 11, 10, 9, 8},
+                                                         {7, 6, 5, 4, 3, 2, 1, 0}};
+
 // mask_run on eight lanes v = row[x .. x + 7] (x % 8 == 0; words null: no mask): a disallowed lane
-// is -inf. Each lane's bit is shifted into its sign bit, the one blendv reads.
+// is -inf. A broadcast of the word from memory, one variable shift and one blend: no scalar shift
+// by x % 32 in the loop.
 SK_AVX2 inline __m256 mask8(__m256 v, const int32_t* words, int64_t x) {
   if (words == nullptr) return v;
-  const __m256i w = _mm256_set1_epi32(int32_t(uint32_t(words[x >> 5]) >> (x & 31)));
-  const __m256i sign = _mm256_sllv_epi32(w, _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24));
-  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, _mm256_castsi256_ps(sign));
+  const __m256i w = _mm256_set1_epi32(words[x >> 5]);
+  const __m256i counts = _mm256_load_si256(reinterpret_cast<const __m256i*>(MASK_SHIFTS[(x >> 3) & 3]));
+  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, _mm256_castsi256_ps(_mm256_sllv_epi32(w, counts)));
 }
 
 // sanitize_logit on eight lanes: NaN / +inf -> -inf, counted into `bad`.
