@@ -29,14 +29,10 @@ from specdec_kernels.ops import csrc
 from ._inputs import make_problem, pack_bitmask
 from ._trees import make_tree_problem
 from .conftest import cpu_core_or_skip
+from .test_token_bitmask import _params as bitmask_params
 
 VOCABS = (37, 1005)  # one full word + 5; 31 full words + 13 (AVX2 steps of 32 and a scalar tail)
-PARAMS = {
-    "greedy": dict(temperature=0.0),
-    "sampled": dict(temperature=0.9),
-    "filters": dict(temperature=0.8, top_k=9, top_p=0.9),
-    "by_index": dict(temperature=1.1, top_p=0.6, top_p_ties="by_index"),
-}
+PARAMS = ("greedy", "sampled", "filters", "per_request", "by_index")  # test_token_bitmask's, and the tie rule
 
 
 @pytest.fixture(autouse=True)
@@ -45,15 +41,9 @@ def _core():
 
 
 def _params(name: str, B: int) -> dict:
-    if name == "per_request":
-        cycle = torch.arange(B) % 4
-        return dict(
-            temperature=torch.tensor([0.0, 0.9, 1.3, 0.6])[cycle],
-            top_k=torch.tensor([0, 5, 0, 12])[cycle],
-            top_p=torch.tensor([1.0, 0.9, 0.5, 1.0])[cycle],
-            seed=torch.arange(B, dtype=torch.int64) * 7 + 3,
-        )
-    return dict(PARAMS[name], seed=11)
+    if name == "by_index":
+        return dict(temperature=1.1, top_p=0.6, top_p_ties="by_index", seed=11)
+    return bitmask_params(name, B)
 
 
 def _allowed(lead: tuple, V: int, gen: torch.Generator, tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,7 +98,7 @@ def _chain_three_ways(target, tokens, draft_kw: dict, kw: dict, num_chunks=None,
 
 @pytest.mark.parametrize("simd", ["1", "0"])
 @pytest.mark.parametrize("mode", ["logits", "probs", "ngram"])
-@pytest.mark.parametrize("params", [*PARAMS, "per_request"])
+@pytest.mark.parametrize("params", PARAMS)
 def test_chain_native_mask_equals_masked_copy_and_reference(monkeypatch, simd, mode, params):
     monkeypatch.setenv("SPECDEC_CPU_SIMD", simd)
     B, G = 8, 3
