@@ -1,7 +1,8 @@
 // Torch binding of the chain-verification backend.
 //
 //   verify_chain(target, draft_tokens, draft, draft_mode, num_draft, temperature_t, temperature,
-//                top_k_t, top_k, top_p_t, top_p, seed_t, seed, has_filter, num_chunks, threads, stream)
+//                top_k_t, top_k, top_p_t, top_p, seed_t, seed, has_filter, num_chunks, threads, stream,
+//                token_bitmask)
 //     -> [tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool]
 //
 // Arguments are the checked ones of specdec_kernels._validation (shapes, dtypes and devices are
@@ -82,13 +83,33 @@ void set_row_pass(sk::ChainParams& P, int64_t B, int64_t G, int64_t V, int64_t n
   P.thr = thr.data_ptr<float>();
 }
 
+// token_bitmask (None, or int32 words [*rows, ceil(V / 32)] with the target's leading shape `rows`)
+// into P: any strides, the word dim made contiguous (a copy of the words only). The CPU build only:
+// the CUDA path still gets the masked copy of specdec_kernels/_bitmask.py.
+void set_mask(sk::ChainParams& P, const c10::optional<at::Tensor>& mask, at::IntArrayRef rows, int64_t V,
+              const at::Tensor& like, std::vector<at::Tensor>& keep) {
+  if (!mask.has_value()) return;
+  TORCH_CHECK(like.device().is_cpu() && mask->device().is_cpu(), "specdec: a native token_bitmask is implemented by the CPU build only");
+  TORCH_CHECK(mask->scalar_type() == at::kInt, "specdec: token_bitmask must hold int32 words");
+  std::vector<int64_t> want(rows.begin(), rows.end());
+  want.push_back((V + 31) / 32);
+  TORCH_CHECK(mask->sizes() == at::IntArrayRef(want), "specdec: token_bitmask must have the target's rows and ceil(V / 32) words");
+  keep.push_back(mask->stride(-1) == 1 ? *mask : mask->contiguous());
+  const at::Tensor& m = keep.back();
+  P.mask = m.data_ptr<int32_t>();
+  P.stride_mb = m.stride(0);
+  P.stride_mk = rows.size() == 3 ? m.stride(1) : 0;
+  P.stride_mg = m.stride(int64_t(rows.size()) - 1);
+}
+
 std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens, c10::optional<at::Tensor> draft,
                                      int64_t draft_mode, c10::optional<at::Tensor> num_draft,
                                      c10::optional<at::Tensor> temperature_t, double temperature,
                                      c10::optional<at::Tensor> top_k_t, int64_t top_k,
                                      c10::optional<at::Tensor> top_p_t, double top_p,
                                      c10::optional<at::Tensor> seed_t, int64_t seed, bool has_filter, bool by_index,
-                                     int64_t num_chunks, int64_t threads, int64_t stream) {
+                                     int64_t num_chunks, int64_t threads, int64_t stream,
+                                     c10::optional<at::Tensor> token_bitmask) {
   TORCH_CHECK(target.dim() == 3 && target.stride(2) == 1, "specdec: target_logits must be [B, G+1, V], last dim contiguous");
   const int64_t B = target.size(0), G = target.size(1) - 1, V = target.size(2);
   // Zero sizes: B = 0 returns empty outputs below; G = 0 is a bonus token per request. An empty
@@ -159,6 +180,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   P.stride_ob = tokens.stride(0);
   P.out_accepted = accepted.data_ptr<int32_t>();
   P.out_nonfinite = nonfinite.data_ptr<bool>();
+  set_mask(P, token_bitmask, target.sizes().slice(0, 2), V, target, keep);
 
   const int td = dtype_code(target);
   const int dd = has_draft ? dtype_code(*draft) : td;
@@ -178,7 +200,8 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
 
 // verify_tree(target [B, K, G+1, V], tokens [B, K, G], parents [B, N] or None (K chains), draft
 //             [B, K, G, V] or None, draft_mode, num_nodes, temperature_t, temperature, top_k_t, top_k,
-//             top_p_t, top_p, seed_t, seed, has_filter, method, max_depth, threads, stream)
+//             top_p_t, top_p, seed_t, seed, has_filter, method, max_depth, threads, stream, token_bitmask
+//             [B, K, G+1, W] or None)
 //   -> [tokens [B, D+1] int64, num_accepted [B] int32, accepted_nodes [B, D] int64, nonfinite [B] bool]
 std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c10::optional<at::Tensor> parents,
                                     c10::optional<at::Tensor> draft, int64_t draft_mode,
@@ -186,8 +209,7 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
                                     double temperature, c10::optional<at::Tensor> top_k_t, int64_t top_k,
                                     c10::optional<at::Tensor> top_p_t, double top_p, c10::optional<at::Tensor> seed_t,
                                     int64_t seed, bool has_filter, bool by_index, int64_t method, int64_t max_depth,
-                                    int64_t threads,
-                                    int64_t stream) {
+                                    int64_t threads, int64_t stream, c10::optional<at::Tensor> token_bitmask) {
   TORCH_CHECK(target.dim() == 4 && target.stride(3) == 1, "specdec: target must be [B, K, G+1, V], last dim contiguous");
   const int64_t B = target.size(0), K = target.size(1), G = target.size(2) - 1, V = target.size(3);
   const int64_t N = K * G, D = max_depth;
@@ -265,6 +287,7 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
   P.method = int(method);
   P.out_nodes = nodes_out.data_ptr<int64_t>();
   P.stride_nb = nodes_out.stride(0);
+  set_mask(P, token_bitmask, target.sizes().slice(0, 3), V, target, keep);
 
   const int td = dtype_code(target);
   const int dd = has_draft ? dtype_code(*draft) : td;

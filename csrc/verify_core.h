@@ -115,6 +115,23 @@ SK_HD float sanitize_logit(float v, int& bad) {
   return is_bad ? neg_inf() : v;
 }
 
+// Grammar masks (token_bitmask=, specdec_kernels/_bitmask.py): int32 words, bit j of word w set =
+// token 32 w + j allowed; a null row allows everything. A disallowed logit is read as -inf before
+// anything else (sanitising included: a disallowed NaN is no non-finite entry), exactly what the
+// backends without a native mask see in their masked copy of the rows.
+SK_HD bool token_allowed(const int32_t* words, int64_t x) {
+  return words == nullptr || ((uint32_t(words[x >> 5]) >> (x & 31)) & 1u) != 0;
+}
+SK_HD float mask_logit(float v, const int32_t* words, int64_t x) { return token_allowed(words, x) ? v : neg_inf(); }
+
+// mask_logit on the run v = row[x0 .. x0 + N - 1] (x0 % N == 0, N <= 32: one word holds the run).
+template <int N>
+SK_HD void mask_run(const int32_t* words, int64_t x0, float (&v)[N]) {
+  if (words == nullptr) return;
+  const uint32_t bits = uint32_t(words[x0 >> 5]) >> (x0 & 31);
+  for (int e = 0; e < N; ++e) v[e] = ((bits >> e) & 1u) ? v[e] : neg_inf();
+}
+
 // fp32 logit with NaN / +inf replaced by -inf; `bad` counts replacements.
 template <class T>
 SK_HD float load_logit(const T* row, int64_t x, int& bad) {
@@ -450,11 +467,12 @@ SK_HD bool radix_select(R& red, ThresholdScratch& s, Each&& each, Weight&& weigh
 //          THRESHOLD_CANDIDATES survivors) one max pass and the radix passes over the row.
 template <class R, class T>
 SK_HD float filter_threshold(R& red, ThresholdScratch& s, const T* row, int64_t V, float inv_t, int32_t top_k,
-                             float top_p) {
+                             float top_p, const int32_t* mask = nullptr) {
   const auto row_entries = [&](auto&& f) {  // runs of 8: 128-bit loads of bf16 / fp16 rows
     for (int32_t o = int32_t(red.rank()), o_end = int32_t((V + 7) / 8); o < o_end; o += int32_t(red.size())) {
       float v[8];
       load_oct(row, int64_t(o) * 8, V, v);
+      mask_run(mask, int64_t(o) * 8, v);
       int unused = 0;
       for (int e = 0; e < 8; ++e) f(sanitize_logit(v[e], unused));
     }
@@ -561,7 +579,25 @@ struct ChainParams {
   int method;         // 0 kseq, 1 rrs, 2 rrs_wor
   int64_t* out_nodes;  // [B, D] (row stride stride_nb)
   int64_t stride_nb;
+  // token_bitmask (the CPU build; null: none): int32 words [B, (K,) G+1, ceil(V / 32)] laid out like
+  // the target rows (strides in words, the last dim contiguous); draft rows use draft_mask's rows
+  const int32_t* mask = nullptr;
+  int64_t stride_mb = 0, stride_mk = 0, stride_mg = 0;
 };
+
+// The mask words of target row (b, k, i), or null (no mask).
+SK_HD const int32_t* target_mask(const ChainParams& P, int64_t b, int64_t k, int64_t i) {
+  return P.mask == nullptr ? nullptr : P.mask + b * P.stride_mb + k * P.stride_mk + i * P.stride_mg;
+}
+
+// The mask words of draft row (b, k, i) (i < G): those of the target row it is verified at, row i of
+// its chain, or in a tree (parents) row parents[b, i] + 1, the parent clamped to [-1, G - 1] as
+// _bitmask.tree_draft_mask clamps it.
+SK_HD const int32_t* draft_mask(const ChainParams& P, int64_t b, int64_t k, int64_t i) {
+  if (P.mask == nullptr || P.parents == nullptr) return target_mask(P, b, k, i);
+  const int64_t par = P.parents[b * P.stride_pb + i];
+  return target_mask(P, b, k, (par < -1 ? -1 : (par > P.G - 1 ? P.G - 1 : par)) + 1);
+}
 
 struct Request {
   int64_t n;  // drafts to verify
@@ -600,11 +636,14 @@ SK_HD Request load_request(const ChainParams& P, int64_t b) {
 // Rows are (b * K + k) * (G + 1) + i; rows with i > n (past the bonus row / a ragged tree's last
 // node) are skipped.
 // Request b, chain k, position i of row (b * K + k) * (G + 1) + i, and its target / draft rows.
+// tm / dm: the mask words of both rows (null: no mask; dm null past the draft rows).
 template <class TT, class TD>
 struct RowRef {
   int64_t b, i;
   const TT* t;
   const TD* d;
+  const int32_t* tm;
+  const int32_t* dm;
 };
 
 template <class TT, class TD>
@@ -612,7 +651,8 @@ SK_HD RowRef<TT, TD> row_ref(const ChainParams& P, int64_t row) {
   const int64_t bk = row / (P.G + 1), i = row % (P.G + 1);
   const int64_t b = bk / P.K, k = bk % P.K;
   return {b, i, static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg,
-          static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg};
+          static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg,
+          target_mask(P, b, k, i), i < P.G ? draft_mask(P, b, k, i) : nullptr};
 }
 
 // The thresholds (and by-index cuts) of a row computed before the row pass.
@@ -642,9 +682,9 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
     if (P.thresholds_given) {  // computed beforehand (the CPU build: by selection, any chunking)
       given_thresholds(P, row, thr_t, thr_q, cut_t, cut_q);
     } else {  // launched with one chunk and a scratch: the program owns the whole row
-      thr_t = filter_threshold(red, *scratch, t_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
+      thr_t = filter_threshold(red, *scratch, t_row, P.V, rq.inv_t, rq.top_k, rq.top_p, ref.tm);
       if (draft_row && P.draft_mode == DRAFT_LOGITS)
-        thr_q = filter_threshold(red, *scratch, d_row, P.V, rq.inv_t, rq.top_k, rq.top_p);
+        thr_q = filter_threshold(red, *scratch, d_row, P.V, rq.inv_t, rq.top_k, rq.top_p, ref.dm);
       if (red.rank() == 0) {
         P.thr[row * 2 + 0] = thr_t;
         P.thr[row * 2 + 1] = thr_q;
@@ -662,7 +702,11 @@ SK_HD void row_stats_program(const ChainParams& P, int64_t row, int64_t chunk, R
        o += int32_t(red.size())) {
     float tv[8], dv[8];
     load_oct(t_row, int64_t(o) * 8, end, tv);
-    if (draft_logits) load_oct(d_row, int64_t(o) * 8, end, dv);
+    mask_run(ref.tm, int64_t(o) * 8, tv);
+    if (draft_logits) {
+      load_oct(d_row, int64_t(o) * 8, end, dv);
+      mask_run(ref.dm, int64_t(o) * 8, dv);
+    }
     for (int e = 0; e < 8 && o * 8 + e < end; ++e) {
       const int64_t x = o * 8 + e;
       const float v = sanitize_logit(tv[e], bad);
@@ -787,12 +831,13 @@ SK_HD AcceptWalk accept_walk(const ChainParams& P, const Request& rq, int64_t b,
     if (rq.greedy) {
       accept = tok == s.g_idx;
     } else {
-      const float p =
-          prob_of(target_logit<TT, TD>(P, b, j, tok_j, unused), s.t.m, s.t.z, s.thr_t, rq.inv_t, tok_j, s.cut_t);
+      const float xt = mask_logit(target_logit<TT, TD>(P, b, j, tok_j, unused), target_mask(P, b, 0, j), tok_j);
+      const float p = prob_of(xt, s.t.m, s.t.z, s.thr_t, rq.inv_t, tok_j, s.cut_t);
       float q = 1.0f;
       if (P.draft_mode == DRAFT_LOGITS) {
         const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg;
-        q = prob_of(load_logit(d_row, tok_j, unused), s.q.m, s.q.z, s.thr_q, rq.inv_t, tok_j, s.cut_q);
+        const float xd = mask_logit(load_logit(d_row, tok_j, unused), draft_mask(P, b, 0, j), tok_j);
+        q = prob_of(xd, s.q.m, s.q.z, s.thr_q, rq.inv_t, tok_j, s.cut_q);
       } else if (P.draft_mode == DRAFT_PROBS) {
         q = load_prob(static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg, tok_j, unused);
       }
@@ -824,11 +869,17 @@ SK_HD void race_range(const ChainParams& P, const Request& rq, int64_t b, const 
   const float log_z = logf(s.t.z > 0.0f ? s.t.z : 1.0f);
   const float m_ref = safe_max(s.t.m);
   const bool draft_logits = recover && P.draft_mode == DRAFT_LOGITS;
+  const int32_t* t_mask = target_mask(P, b, 0, j);
+  const int32_t* d_mask = draft_logits ? draft_mask(P, b, 0, j) : nullptr;
   SK_FOR_QUADS(red, start, end, q4) {
     const Philox4 words = philox(rq.seed, uint32_t(q4), uint32_t(j), purpose, 0);
     float tv[4], dv[4];
     load_quad(t_row, q4 * 4, end, tv);
-    if (draft_logits) load_quad(d_row, q4 * 4, end, dv);
+    mask_run(t_mask, int64_t(q4) * 4, tv);
+    if (draft_logits) {
+      load_quad(d_row, q4 * 4, end, dv);
+      mask_run(d_mask, int64_t(q4) * 4, dv);
+    }
     for (int e = 0; e < 4 && q4 * 4 + e < end; ++e) {
       const int64_t x = q4 * 4 + e;
       const float xt = sanitize_logit(tv[e], unused);

@@ -30,27 +30,27 @@ namespace {
 // only those whose mass before them is < the goal stay: `cut` gets the lowest index kept of the
 // boundary tie group (kept_at), 0 when the whole group stays.
 // The index of the m-th highest-index entry of the row equal to thr (m >= 1), or 0 when the row
-// holds no more than m of them (the whole tie group stays).
+// holds no more than m of them (the whole tie group stays). `mask`: the row's token_bitmask words.
 template <class T>
-int32_t tie_cut(const T* row, int64_t V, float thr, int64_t m) {
+int32_t tie_cut(const T* row, const int32_t* mask, int64_t V, float thr, int64_t m) {
   int unused = 0;
   int64_t seen = 0, total = 0;
-  for (int64_t x = 0; x < V; ++x) total += load_logit(row, x, unused) == thr ? 1 : 0;
+  for (int64_t x = 0; x < V; ++x) total += mask_logit(load_logit(row, x, unused), mask, x) == thr ? 1 : 0;
   if (total <= m) return 0;
   for (int64_t x = V - 1; x >= 0; --x) {
-    if (load_logit(row, x, unused) == thr && ++seen == m) return int32_t(x);
+    if (mask_logit(load_logit(row, x, unused), mask, x) == thr && ++seen == m) return int32_t(x);
   }
   return 0;
 }
 
 template <class T>
-float selected_threshold(const T* row, int64_t V, float temperature, int32_t top_k, float top_p,
-                         std::vector<float>& buf, bool by_index, int32_t& cut) {
+float selected_threshold(const T* row, const int32_t* mask, int64_t V, float temperature, int32_t top_k,
+                         float top_p, std::vector<float>& buf, bool by_index, int32_t& cut) {
   cut = 0;
   buf.clear();
   int unused = 0;
   for (int64_t x = 0; x < V; ++x) {
-    const float v = load_logit(row, x, unused);
+    const float v = mask_logit(load_logit(row, x, unused), mask, x);
     if (v > neg_inf()) buf.push_back(v);
   }
   float thr = neg_inf();
@@ -77,7 +77,7 @@ float selected_threshold(const T* row, int64_t V, float temperature, int32_t top
     thr = buf[last];
     if (by_index) {  // kept from the tie group: the kept positions past the entries above thr
       const int64_t above = std::lower_bound(buf.begin(), kept_end, thr, descending) - buf.begin();
-      cut = tie_cut(row, V, thr, last + 1 - above);
+      cut = tie_cut(row, mask, V, thr, last + 1 - above);
     }
   }
   return thr;
@@ -115,11 +115,12 @@ void thresholds_by_selection(const ChainParams& P, int64_t rows) {
       const bool by_index = P.cut != nullptr;
       if (i <= rq.n && !rq.greedy) {
         const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
-        P.thr[row * 2 + 0] = selected_threshold(t_row, P.V, rq.temperature, rq.top_k, rq.top_p, buf, by_index, cut[0]);
+        P.thr[row * 2 + 0] = selected_threshold(t_row, target_mask(P, b, k, i), P.V, rq.temperature, rq.top_k,
+                                                rq.top_p, buf, by_index, cut[0]);
         if (P.draft_mode == DRAFT_LOGITS && i < rq.n && i < P.G) {
           const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg;
-          P.thr[row * 2 + 1] =
-              selected_threshold(d_row, P.V, rq.temperature, rq.top_k, rq.top_p, buf, by_index, cut[1]);
+          P.thr[row * 2 + 1] = selected_threshold(d_row, draft_mask(P, b, k, i), P.V, rq.temperature, rq.top_k,
+                                                  rq.top_p, buf, by_index, cut[1]);
         }
       }
       if (by_index) {
@@ -133,23 +134,29 @@ void thresholds_by_selection(const ChainParams& P, int64_t rows) {
 // Program 1 for a greedy row on the CPU: the same record as row_stats_program (greedy needs only
 // the argmax and the non-finite count), in two vectorisable passes instead of a branchy online
 // argmax: the max over the chunk (SIMD reduction), then the first index holding it.
+// `mask`: the row's token_bitmask words (null: none).
 template <class TT>
-void greedy_row_stats(const ChainParams& P, int64_t row, int64_t chunk, const TT* t_row) {
+void greedy_row_stats(const ChainParams& P, int64_t row, int64_t chunk, const TT* t_row, const int32_t* mask) {
   const int64_t start = chunk * P.chunk_size;
   const int64_t end = start + P.chunk_size < P.V ? start + P.chunk_size : P.V;
   float m = neg_inf();
   int bad = 0;
+  if (mask != nullptr) {
+    // masked before sanitised: a disallowed entry is -inf, never a non-finite one
+    for (int64_t x = start; x < end; ++x) m = std::max(m, sanitize_logit(mask_logit(to_float(t_row[x]), mask, x), bad));
+  } else {
 #pragma omp simd reduction(max : m) reduction(+ : bad)
-  for (int64_t x = start; x < end; ++x) {
-    const float v = to_float(t_row[x]);
-    const bool is_bad = (v != v) || v == INFINITY;
-    bad += is_bad ? 1 : 0;
-    m = std::max(m, is_bad ? neg_inf() : v);
+    for (int64_t x = start; x < end; ++x) {
+      const float v = to_float(t_row[x]);
+      const bool is_bad = (v != v) || v == INFINITY;
+      bad += is_bad ? 1 : 0;
+      m = std::max(m, is_bad ? neg_inf() : v);
+    }
   }
   int32_t idx = 0;  // no finite logit: index 0, as index_or_zero() reports
   if (m > neg_inf()) {
     for (int64_t x = start; x < end; ++x) {
-      if (to_float(t_row[x]) == m) {
+      if (mask_logit(to_float(t_row[x]), mask, x) == m) {
         idx = int32_t(x);
         break;
       }
@@ -172,14 +179,15 @@ void row_stats_item(const ChainParams& P, int64_t row, int64_t chunk, bool simd_
   const int64_t b = bk / P.K, k = bk % P.K;
   const Request rq = load_request(P, b);
   const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
+  const int32_t* mask = target_mask(P, b, k, i);
 #ifdef SK_HAVE_AVX2_PATH
-  if (simd_on && rq.greedy && i <= rq.n) return simd::greedy_row_stats(P, row, chunk, t_row);
+  if (simd_on && rq.greedy && i <= rq.n) return simd::greedy_row_stats(P, row, chunk, t_row, mask);
   if (simd_on && !rq.greedy && P.thresholds_given == P.has_filter) return simd::sampled_row_stats<TT, TD>(P, row, chunk);
 #else
   (void)simd_on;
 #endif
   if (rq.greedy && i <= rq.n) {
-    greedy_row_stats(P, row, chunk, t_row);
+    greedy_row_stats(P, row, chunk, t_row, mask);
     return;
   }
   SeqReducer red;

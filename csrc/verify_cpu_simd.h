@@ -65,6 +65,23 @@ SK_AVX2 inline __m256 load8_upto(const T* row, int64_t x, int64_t end) {
   return _mm256_load_ps(v);
 }
 
+// Per-lane shift counts moving bit 8h + e of a mask word into lane e's sign bit (the bit blendv
+// reads), for the four runs of 8 entries h = 0 .. 3 of a word.
+alignas(32) inline constexpr int32_t MASK_SHIFTS[4][8] = {{31, 30, 29, 28, 27, 26, 25, 24},
+                                                         {23, 22, 21, 20, 19, 18, 17, 16},
+                                                         {15, 14, 13, 12, 11, 10, 9, 8},
+                                                         {7, 6, 5, 4, 3, 2, 1, 0}};
+
+// mask_run on eight lanes v = row[x .. x + 7] (x % 8 == 0; words null: no mask): a disallowed lane
+// is -inf. A broadcast of the word from memory, one variable shift and one blend: no scalar shift
+// by x % 32 in the loop.
+SK_AVX2 inline __m256 mask8(__m256 v, const int32_t* words, int64_t x) {
+  if (words == nullptr) return v;
+  const __m256i w = _mm256_set1_epi32(words[x >> 5]);
+  const __m256i counts = _mm256_load_si256(reinterpret_cast<const __m256i*>(MASK_SHIFTS[(x >> 3) & 3]));
+  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, _mm256_castsi256_ps(_mm256_sllv_epi32(w, counts)));
+}
+
 // sanitize_logit on eight lanes: NaN / +inf -> -inf, counted into `bad`.
 SK_AVX2 inline __m256 sanitize8(__m256 v, int& bad) {
   const __m256 is_bad =
@@ -136,7 +153,7 @@ SK_AVX2 inline float hmax(__m256 v) {
 // Greedy row statistics (the record greedy_row_stats writes) in one pass: max, first index of
 // the max, non-finite count.
 template <class TT>
-SK_AVX2 void greedy_row_stats(const ChainParams& P, int64_t row, int64_t chunk, const TT* t_row) {
+SK_AVX2 void greedy_row_stats(const ChainParams& P, int64_t row, int64_t chunk, const TT* t_row, const int32_t* mask) {
   const int64_t start = chunk * P.chunk_size, end = chunk_end(P, chunk);
   // four independent accumulators (32 entries a step) so that the compare-blend chains overlap
   Argmax8 g[4];
@@ -146,13 +163,13 @@ SK_AVX2 void greedy_row_stats(const ChainParams& P, int64_t row, int64_t chunk, 
   int64_t x = start;
   for (; x + 32 <= end; x += 32) {
     for (int h = 0; h < 4; ++h) {
-      const __m256 v = load8(t_row + x + 8 * h);
+      const __m256 v = mask8(load8(t_row + x + 8 * h), mask, x + 8 * h);
       const __m256 is_bad = _mm256_or_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), _mm256_cmp_ps(v, inf, _CMP_EQ_OQ));
       bad4 = _mm256_add_epi32(bad4, _mm256_castps_si256(is_bad));
       g[h].add(_mm256_blendv_ps(v, _mm256_set1_ps(-INFINITY), is_bad), lane_index(x + 8 * h), all);
     }
   }
-  for (; x < end; x += 8) g[0].add(sanitize8(load8_upto(t_row, x, end), bad), lane_index(x), all);
+  for (; x < end; x += 8) g[0].add(sanitize8(mask8(load8_upto(t_row, x, end), mask, x), bad), lane_index(x), all);
   alignas(32) int32_t lanes[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), bad4);
   for (int e = 0; e < 8; ++e) bad -= lanes[e];
@@ -178,10 +195,12 @@ SK_AVX2 void greedy_row_stats(const ChainParams& P, int64_t row, int64_t chunk, 
 // conversion per block (no measurable time).
 constexpr int64_t SUM_BLOCK = 256;
 
-// sum over [start, end) of exp((v - m) * inv_t) for the kept entries (thresholds thr / cut): float
-// lanes per block of SUM_BLOCK entries, the blocks added in double.
+// sum over [start, end) of exp((v - m) * inv_t) for the kept entries (thresholds thr / cut; mask:
+// the row's token_bitmask words or null): float lanes per block of SUM_BLOCK entries, the blocks
+// added in double.
 template <class T>
-SK_AVX2 float sum_exp(const T* row, int64_t start, int64_t end, float m, float inv_t, float thr, int32_t cut) {
+SK_AVX2 float sum_exp(const T* row, const int32_t* mask, int64_t start, int64_t end, float m, float inv_t, float thr,
+                      int32_t cut) {
   if (!(m > neg_inf())) return 0.0f;
   __m256d z_lo = _mm256_setzero_pd(), z_hi = _mm256_setzero_pd();
   const __m256 mv = _mm256_set1_ps(m), it = _mm256_set1_ps(inv_t), ninf = _mm256_set1_ps(-INFINITY);
@@ -190,7 +209,7 @@ SK_AVX2 float sum_exp(const T* row, int64_t start, int64_t end, float m, float i
     const int64_t x1 = x0 + SUM_BLOCK < end ? x0 + SUM_BLOCK : end;
     __m256 z = _mm256_setzero_ps();
     for (int64_t x = x0; x < x1; x += 8) {
-      const __m256 v = sanitize8(load8_upto(row, x, end), unused);
+      const __m256 v = sanitize8(mask8(load8_upto(row, x, end), mask, x), unused);
       const __m256 keep = _mm256_and_ps(kept8(v, lane_index(x), thr, cut), _mm256_cmp_ps(v, ninf, _CMP_GT_OQ));
       const __m256 e = Sleef_expf8_u10(_mm256_mul_ps(_mm256_sub_ps(v, mv), it));
       z = _mm256_add_ps(z, _mm256_and_ps(e, keep));
@@ -227,11 +246,11 @@ SK_AVX2 void sampled_row_stats(const ChainParams& P, int64_t row, int64_t chunk)
   const __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
   for (int64_t x = start; x < end; x += 8) {
     const __m256i idx = lane_index(x);
-    const __m256 v = sanitize8(load8_upto(t_row, x, end), bad);
+    const __m256 v = sanitize8(mask8(load8_upto(t_row, x, end), ref.tm, x), bad);
     g.add(v, idx, all);
     mt = _mm256_max_ps(mt, _mm256_blendv_ps(ninf, v, kept8(v, idx, thr_t, cut_t)));
     if (draft_logits) {
-      const __m256 d = sanitize8(load8_upto(d_row, x, end), bad_q);
+      const __m256 d = sanitize8(mask8(load8_upto(d_row, x, end), ref.dm, x), bad_q);
       mq = _mm256_max_ps(mq, _mm256_blendv_ps(ninf, d, kept8(d, idx, thr_q, cut_q)));
     } else if (draft_row) {
       const int n = end - x < 8 ? int(end - x) : 8;
@@ -242,9 +261,9 @@ SK_AVX2 void sampled_row_stats(const ChainParams& P, int64_t row, int64_t chunk)
   const Argmax a = g.merged();
   float* s = P.stats + (row * P.num_chunks + chunk) * NUM_STATS;
   s[0] = m_t;
-  s[1] = sum_exp(t_row, start, end, m_t, rq.inv_t, thr_t, cut_t);
+  s[1] = sum_exp(t_row, ref.tm, start, end, m_t, rq.inv_t, thr_t, cut_t);
   s[2] = m_q;
-  s[3] = draft_logits ? sum_exp(d_row, start, end, m_q, rq.inv_t, thr_q, cut_q) : 0.0f;
+  s[3] = draft_logits ? sum_exp(d_row, ref.dm, start, end, m_q, rq.inv_t, thr_q, cut_q) : 0.0f;
   s[4] = a.key;
   s[5] = float(bad);
   s[6] = float(bad_q);
@@ -302,6 +321,8 @@ SK_AVX2 void race_range(const ChainParams& P, const Request& rq, int64_t b, cons
   const __m256 m_ref = _mm256_set1_ps(safe_max(s.t.m)), inv_t = _mm256_set1_ps(rq.inv_t);
   const __m256 zero = _mm256_setzero_ps(), tiny = _mm256_set1_ps(1e-38f);
   const __m256i tok = _mm256_set1_epi32(int32_t(aw.tok_j));
+  const int32_t* t_mask = target_mask(P, b, 0, j);
+  const int32_t* d_mask = recover && P.draft_mode == DRAFT_LOGITS ? draft_mask(P, b, 0, j) : nullptr;
   Argmax8 res8, pk8;
   int unused = 0;
   int64_t x0 = start;
@@ -313,7 +334,7 @@ SK_AVX2 void race_range(const ChainParams& P, const Request& rq, int64_t b, cons
       for (int e = 0; e < 8; ++e) bits[e] = words[e % 4][2 * h + e / 4];
       const int64_t x = x0 + 8 * h;
       const __m256i idx = lane_index(x);
-      const __m256 xt = sanitize8(load8(t_row + x), unused);
+      const __m256 xt = sanitize8(mask8(load8(t_row + x), t_mask, x), unused);
       const __m256 p = prob8_of(xt, idx, s.t.m, s.t.z, s.thr_t, s.cut_t, rq.inv_t);
       const __m256 live = _mm256_cmp_ps(p, zero, _CMP_GT_OQ);
       if (_mm256_movemask_ps(live) == 0) continue;
@@ -325,7 +346,7 @@ SK_AVX2 void race_range(const ChainParams& P, const Request& rq, int64_t b, cons
       if (!recover) continue;
       __m256 w;
       if (P.draft_mode == DRAFT_LOGITS) {
-        const __m256 d = sanitize8(load8(d_row + x), unused);
+        const __m256 d = sanitize8(mask8(load8(d_row + x), d_mask, x), unused);
         w = _mm256_max_ps(_mm256_sub_ps(p, prob8_of(d, idx, s.q.m, s.q.z, s.thr_q, s.cut_q, rq.inv_t)), zero);
       } else if (P.draft_mode == DRAFT_PROBS) {
         w = _mm256_max_ps(_mm256_sub_ps(p, prob8(load8(d_row + x))), zero);

@@ -94,6 +94,8 @@ struct Position {
   const TD* d_row;
   float m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t;
   int32_t cut_t = 0, cut_q = 0;  // top_p_ties="by_index" index cuts (kept_at)
+  const int32_t* t_mask = nullptr;  // token_bitmask words of both rows (null: none)
+  const int32_t* d_mask = nullptr;
 };
 
 // q at vocab entry x, given its raw draft value (logits: processed; probs: loaded; n-gram: 0).
@@ -115,7 +117,11 @@ SK_HD void for_each_entry(const ChainParams& P, R& red, const Position<TT, TD>& 
   SK_FOR_QUADS(red, 0, P.V, q4) {
     float tv[4], dv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     load_quad(pos.t_row, q4 * 4, P.V, tv);
-    if (draft_logits) load_quad(pos.d_row, q4 * 4, P.V, dv);
+    mask_run(pos.t_mask, int64_t(q4) * 4, tv);
+    if (draft_logits) {
+      load_quad(pos.d_row, q4 * 4, P.V, dv);
+      mask_run(pos.d_mask, int64_t(q4) * 4, dv);
+    }
     SK_UNROLL  // constant indices into tv / dv / the Philox words: registers, not a stack
     for (int e = 0; e < 4; ++e) {
       const int64_t x = int64_t(q4) * 4 + e;
@@ -138,9 +144,11 @@ SK_HD CandidateDraw candidate_draw(const ChainParams& P, const Request& rq, cons
                                    int64_t token, int rank, uint32_t counter) {
   int unused = 0;  // (the statistics pass flagged unusable entries already)
   CandidateDraw c;
-  c.p = prob_of(load_logit(pos.t_row, token, unused), pos.m_t, pos.z_t, pos.thr_t, rq.inv_t, token, pos.cut_t);
+  const float xt = mask_logit(load_logit(pos.t_row, token, unused), pos.t_mask, token);
+  c.p = prob_of(xt, pos.m_t, pos.z_t, pos.thr_t, rq.inv_t, token, pos.cut_t);
   if (P.draft_mode == DRAFT_LOGITS) {
-    c.q = prob_of(load_logit(pos.d_row, token, unused), pos.m_q, pos.z_q, pos.thr_q, rq.inv_t, token, pos.cut_q);
+    const float xd = mask_logit(load_logit(pos.d_row, token, unused), pos.d_mask, token);
+    c.q = prob_of(xd, pos.m_q, pos.z_q, pos.thr_q, rq.inv_t, token, pos.cut_q);
   } else if (P.draft_mode == DRAFT_PROBS) {
     c.q = load_prob(pos.d_row, token, unused);
   } else {
@@ -297,10 +305,12 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red, TreeWalkSc
     pos.inv_t = rq.inv_t;
     flagged |= st[5] > 0.0f || (stochastic && pos.z_t == 0.0f);
     pos.t_row = tree_row<TT>(P.target, b, rep, P.stride_tb, P.stride_tk, P.stride_tg, P.G, 1);
+    pos.t_mask = target_mask(P, b, node_chain(rep, P.G), node_slot(rep, P.G, 1));
     // draft distribution of the position: the first candidate's draft row
     const int64_t rec_q = tree_record(P, b, first, 0);
     pos.d_row = tree_row<TD>(P.draft, b, first, P.stride_db, P.stride_dk, P.stride_dg, P.G, 0);
     const bool use_q = stochastic && has_cand;
+    pos.d_mask = has_cand ? draft_mask(P, b, node_chain(first, P.G), node_slot(first, P.G, 0)) : nullptr;
     pos.m_q = use_q ? P.stats[rec_q * NUM_STATS + 2] : 0.0f;
     pos.z_q = use_q ? P.stats[rec_q * NUM_STATS + 3] : 0.0f;
     pos.thr_q = (P.draft_mode == DRAFT_LOGITS && P.has_filter && use_q) ? P.thr[rec_q * 2 + 1] : neg_inf();

@@ -228,6 +228,11 @@ def ties_backend(sampling, backend: str, device) -> str:
     )
 
 
+# token_bitmask applied by the backend itself: the reference, and the CPU build's row pass (every
+# other backend runs on the masked copy of _bitmask.apply_chain_mask / apply_tree_mask).
+NATIVE_MASK_BACKENDS = ("torch", "cpu")
+
+
 def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     """Run chain verification (checked VerifyArgs) on the requested backend."""
     backend = ties_backend(args.sampling, backend, args.target_logits.device)
@@ -236,7 +241,7 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     device = args.target_logits.device
     if backend == "auto" and device.type == "cpu":
         backend = cpu_auto_backend()
-    if backend != "torch":  # token_bitmask: the reference applies it itself; the others get masked rows
+    if backend not in NATIVE_MASK_BACKENDS:  # token_bitmask: the others run on masked rows
         args = apply_chain_mask(args)
     # Only the Triton kernels read the flattened layout in place; the others get a padded copy.
     if backend == "cpu":
@@ -296,7 +301,7 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
     block_v, num_chunks = overrides.get("block_v"), overrides.get("num_chunks")
     if backend == "auto" and args.target.device.type == "cpu":
         backend = cpu_auto_backend()
-    if backend != "torch":  # token_bitmask: as in run_verify
+    if backend not in NATIVE_MASK_BACKENDS:  # token_bitmask: as in run_verify
         args = apply_tree_mask(args)
     if backend == "cpu":
         return csrc.verify_tree_cpu(args)

@@ -288,7 +288,8 @@ def _stream(device) -> int:
 
 
 def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int | None = None) -> VerifyOutput:
-    """Call ``ext.verify_chain`` (CPU core or CUDA extension) on checked arguments."""
+    """Call ``ext.verify_chain`` (CPU core or CUDA extension) on checked arguments (padded layout);
+    a ``token_bitmask`` is applied by the CPU build's row pass."""
     target = args.target_logits
     if threads is None:
         threads = 512 if args.has_filter else 256
@@ -305,6 +306,7 @@ def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int
         int(num_chunks),
         int(threads),
         _stream(target.device),
+        args.token_bitmask,  # applied natively (CPU build only: run_verify gives the CUDA path masked rows)
     )
     return VerifyOutput(tokens, accepted, nonfinite)
 
@@ -323,6 +325,7 @@ def run_tree(ext, args, threads: int = 256):
         int(args.max_depth),
         int(threads),
         _stream(args.target.device),
+        args.token_bitmask,
     )
     return TreeVerifyOutput(tokens, accepted, nodes, nonfinite)
 
