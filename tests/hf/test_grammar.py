@@ -5,13 +5,13 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
+from specdec_kernels._bitmask import allowed  # noqa: E402
 from specdec_kernels.demo import EOS_ID, VOCAB_SIZE, ByteTokenizer  # noqa: E402
 from specdec_kernels.hf.grammar import (  # noqa: E402
     GrammarSpec,
     GrammarState,
     as_spec,
     compile_grammar,
-    unpack_bitmask,
 )
 
 SCHEMA = {
@@ -31,15 +31,15 @@ def _fresh_mask(compiled, tokens):
         assert matcher.accept_token(t)
     words = xgr.allocate_token_bitmask(1, VOCAB_SIZE)
     matcher.fill_next_token_bitmask(words)
-    return unpack_bitmask(words[0], VOCAB_SIZE)
+    return allowed(words[0], VOCAB_SIZE)
 
 
-def test_unpack_bitmask_agrees_with_xgrammar_apply():
+def test_bitmask_words_agree_with_xgrammar_apply():
     gen = torch.Generator().manual_seed(0)
     words = torch.randint(-(2**31), 2**31 - 1, (3, 9), generator=gen, dtype=torch.int64).to(torch.int32)
     logits = torch.zeros(3, VOCAB_SIZE)
     xgr.apply_token_bitmask_inplace(logits, words)
-    assert torch.equal(unpack_bitmask(words, VOCAB_SIZE), logits == 0)
+    assert torch.equal(allowed(words, VOCAB_SIZE), logits == 0)
 
 
 def test_masks_along_a_path_and_the_rollback_leave_the_committed_state():
@@ -48,20 +48,44 @@ def test_masks_along_a_path_and_the_rollback_leave_the_committed_state():
     committed = list(b'{"name": "a')
     state.commit(0, committed)
     path = list(b'b", "n": 1')
-    masks, valid = state.masks_along(0, path)
+    words, valid = state.words_along(0, path)
+    masks = allowed(words, VOCAB_SIZE)
     assert valid == len(path)
     for i in range(len(path) + 1):
         assert torch.equal(masks[i], _fresh_mask(compiled, committed + path[:i])), i
-    assert torch.equal(state.masks_along(0, [])[0][0], _fresh_mask(compiled, committed))  # rolled back
-    bad, valid = state.masks_along(0, list(b'b"}x'))  # "n" is required: no '}' after the name
+    assert torch.equal(allowed(state.words_along(0, [])[0][0], VOCAB_SIZE), _fresh_mask(compiled, committed))
+    bad, valid = state.words_along(0, list(b'b"}x'))  # "n" is required: no '}' after the name
     assert valid == 2 and not bad[valid + 1 :].any()
-    assert torch.equal(state.masks_along(1, [])[0][0], _fresh_mask(compiled, []))  # other requests untouched
+    other = state.words_along(1, [])[0][0]
+    assert torch.equal(allowed(other, VOCAB_SIZE), _fresh_mask(compiled, []))  # other requests untouched
+
+
+def test_the_masker_fills_each_prefix_once_per_step(monkeypatch):
+    """Rows of one step share their prefixes' words (the target's rows reuse the draft's); a commit
+    forgets them. Refused paths allow everything (a row no verification reaches)."""
+    from specdec_kernels.hf.grammar import GrammarMasker
+
+    masker = GrammarMasker([_compiled()], VOCAB_SIZE)
+    fills = []
+    fill = masker.state.fill
+    monkeypatch.setattr(masker.state, "fill", lambda b: fills.append(b) or fill(b))
+    first = masker.masks(0, [[], list(b"{")])
+    assert len(fills) == 2
+    again = masker.masks(0, [list(b'{"'), list(b"{"), [], list(b"x")])
+    assert len(fills) == 3  # only '{"' is new; 'x' is refused at the root
+    assert torch.equal(again[1:3], first.flip(0)) and bool((again[3] == -1).all())
+    want = [_fresh_mask(_compiled(), list(p)) for p in (b'{"', b"{", b"")]
+    assert all(torch.equal(allowed(again[r], VOCAB_SIZE), want[r]) for r in range(3))
+    masker.commit([0], [list(b"{")])
+    assert torch.equal(allowed(masker.masks(0, [[]])[0], VOCAB_SIZE), want[1])
+    assert len(fills) == 4
 
 
 def test_a_complete_grammar_allows_only_the_stop_token():
     compiled = _compiled('root ::= "yes" | "no"')
     state = GrammarState([compiled], VOCAB_SIZE)
-    masks, valid = state.masks_along(0, list(b"no") + [EOS_ID])
+    words, valid = state.words_along(0, list(b"no") + [EOS_ID])
+    masks = allowed(words, VOCAB_SIZE)
     assert valid == 3
     assert masks[2].nonzero().flatten().tolist() == [EOS_ID]
     assert masks[3].nonzero().flatten().tolist() == [EOS_ID]  # past the end: the stop token (cut at commit)
@@ -256,3 +280,32 @@ def test_sampled_first_tokens_follow_the_masked_target(pair):
         statistic += float((((counts - expected) ** 2 / expected.clamp_min(1e-12))[big]).sum())
         df += int(big.sum()) - 1
     assert df > 0 and sps.chi2.sf(statistic, df) > ALPHA
+
+
+@pytest.mark.parametrize("K, temperature", [(1, 0.0), (1, 1.0), (2, 1.0)])
+def test_the_grammar_alone_hands_its_words_to_the_verifier(pair, monkeypatch, K, temperature):
+    """Without other processors the target's rows reach the verifier unmasked, with the grammar's
+    words as token_bitmask; the tokens are those of the processor path (the same rows masked by
+    the driver: a no-op processor forces it) for the same seed."""
+    from specdec_kernels.hf import speculative_generate
+    from specdec_kernels.hf.drafters import base
+
+    target, draft, tok = pair
+    batch = tok(["x = ", "    ", "total = count_of("])
+    compiled = [compile_grammar(g, tok, VOCAB_SIZE, [EOS_ID]) for g in GRAMMARS]
+    seen = []
+    verify = base.ops.verify if K == 1 else base.ops.verify_multi
+
+    def spy(logits, *args, token_bitmask=None, **kw):
+        seen.append((bool(logits.isfinite().all()), token_bitmask))
+        return verify(logits, *args, token_bitmask=token_bitmask, **kw)
+
+    kw = dict(num_drafts=K, num_draft_tokens=3, max_new_tokens=12, grammar=compiled, temperature=temperature, seed=5)
+    with monkeypatch.context() as patch:
+        patch.setattr(base.ops, "verify" if K == 1 else "verify_multi", spy)
+        fused = speculative_generate(target, draft, **batch, **kw).sequences
+    assert seen and all(finite and words is not None and words.dtype == torch.int32 for finite, words in seen)
+    rows = 4 if K == 1 else (K, 4)
+    assert seen[0][1].shape[1:-1] == torch.Size([rows] if K == 1 else rows)
+    processed = speculative_generate(target, draft, **batch, **kw, logits_processor=[lambda ids, scores: scores])
+    assert torch.equal(fused, processed.sequences)
