@@ -282,7 +282,6 @@ def test_sampled_output_follows_the_target(monkeypatch):
         (dict(drafter="prompt_lookup", draft=None), "drafter='prompt_lookup'"),
         (dict(verification="block"), "verification='block'"),
         (dict(draft_confidence=0.5), "draft_confidence"),
-        (dict(grammar='root ::= "a"'), "grammar="),
         (dict(generation_config="repetition"), "logits processors"),
     ],
 )

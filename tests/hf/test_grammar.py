@@ -309,3 +309,73 @@ def test_the_grammar_alone_hands_its_words_to_the_verifier(pair, monkeypatch, K,
     assert seen[0][1].shape[1:-1] == torch.Size([rows] if K == 1 else rows)
     processed = speculative_generate(target, draft, **batch, **kw, logits_processor=[lambda ids, scores: scores])
     assert torch.equal(fused, processed.sequences)
+
+
+# ---- dynamic draft trees (draft_tree="dynamic") under a grammar
+
+
+def _dynamic_tree_run(pair, grammars, monkeypatch, **kw):
+    """Batch 2 (ragged), width 2, N = 6; every tree node the verifier sees is allowed by the mask
+    of the row it is a candidate at (its parent's: the draft drew it from its masked row, whose
+    probabilities are 0 outside the mask), and the verifier gets the words [A, N+1, W] with
+    unmasked target rows."""
+    from specdec_kernels.hf import speculative_generate
+    from specdec_kernels.hf.drafters import base
+
+    target, draft, tok = pair
+    batch = tok(["x = ", "total = count_of("])  # ragged
+    compiled = [compile_grammar(g, tok, VOCAB_SIZE, [EOS_ID]) for g in grammars]
+    verify_tree, trees = base.ops.verify_tree, []
+
+    def spy(logits, tokens, parents, *args, token_bitmask=None, num_nodes=None, **kw):
+        assert bool(logits.isfinite().all()) and token_bitmask.shape[:2] == logits.shape[:2]
+        allowed_rows = allowed(token_bitmask, VOCAB_SIZE)
+        for a in range(tokens.shape[0]):
+            for i in range(int(num_nodes[a])):
+                row = allowed_rows[a, int(parents[a, i]) + 1]
+                assert bool(row[int(tokens[a, i])]), (a, i)
+                if "draft_probs" in kw:  # the law it was drawn from: the masked draft row
+                    assert float(kw["draft_probs"][a, i][~row].sum()) == 0.0, (a, i)
+        trees.append(int(num_nodes.max()))
+        return verify_tree(logits, tokens, parents, *args, token_bitmask=token_bitmask, num_nodes=num_nodes, **kw)
+
+    monkeypatch.setattr(base.ops, "verify_tree", spy)
+    out = speculative_generate(
+        target, draft, **batch, draft_tree="dynamic", tree_width=2, num_draft_tokens=6, grammar=compiled,
+        max_new_tokens=20, pad_token_id=EOS_ID, eos_token_id=EOS_ID, **kw,
+    )  # fmt: skip
+    assert trees and max(trees) > 1  # trees (not only chains) were verified
+    width = batch["input_ids"].shape[1]
+    outputs = []
+    for b in range(len(grammars)):
+        ours = out.sequences[b, width:].tolist()
+        ours = ours[: ours.index(EOS_ID) + 1] if EOS_ID in ours else ours
+        assert _valid_prefix(compiled[b], ours), tok.decode(ours)
+        outputs.append(ours)
+    return batch, compiled, out, outputs
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_dynamic_tree_greedy_equals_generate_with_xgrammars_processor(pair, monkeypatch, adaptive):
+    """Batch 2, ragged, width 2, N = 6 (the pinned tree, and the adaptive budget with its chain
+    arms): token for token generate's output with xgrammar's processor; every output valid."""
+    target, _, tok = pair
+    batch, compiled, out, outputs = _dynamic_tree_run(pair, GRAMMARS[1:], monkeypatch, adaptive_draft=adaptive)
+    processor = [xgr.contrib.hf.LogitsProcessor(compiled)]
+    want = target.generate(
+        **batch, do_sample=False, logits_processor=processor, max_new_tokens=20, pad_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+    )  # fmt: skip
+    width = batch["input_ids"].shape[1]
+    for b, ours in enumerate(outputs):
+        theirs = want[b, width:].tolist()
+        assert ours == theirs[: len(ours)], (b, tok.decode(ours), tok.decode(theirs))
+    assert out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dynamic_tree_sampled_outputs_are_valid(pair, monkeypatch, seed):
+    """Sampled (T = 0.9, top-p 0.95): every output a valid prefix of its grammar (the drafts are
+    drawn from the masked draft rows: no node leaves the grammar), and drafts get accepted."""
+    _, _, out, _ = _dynamic_tree_run(pair, GRAMMARS[:2], monkeypatch, temperature=0.9, top_p=0.95, seed=seed)
+    assert out.stats.accepted > 0
