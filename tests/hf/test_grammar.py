@@ -226,10 +226,12 @@ def test_bad_grammar_arguments(pair):
 
 
 @pytest.mark.slow
-def test_sampled_first_tokens_follow_the_masked_target(pair):
+@pytest.mark.parametrize("tree", [{}, dict(draft_tree="dynamic", tree_width=2, num_draft_tokens=6)])
+def test_sampled_first_tokens_follow_the_masked_target(pair, tree):
     """The first two emitted tokens of 1,200 sampled requests (T = 1, a regex over digits and
-    letters) against the exact law of generate with the grammar: the masked target's softmax for
-    the first, and for the second given the first (pairs pooled by chi-square's rule). Power: the
+    letters; chains, and dynamic trees of width 2) against the exact law of generate with the
+    grammar: the masked target's softmax for the first, and for the second given the first (pairs
+    pooled by chi-square's rule). Power: the
     same statistic rejects the law of a verifier that saw unmasked target rows (its first token
     leaves the grammar), as a driver that masked only the draft rows would emit."""
     from scipy import stats as sps
@@ -247,8 +249,9 @@ def test_sampled_first_tokens_follow_the_masked_target(pair):
     firsts, pairs = [], []
     for call in range(n_calls):
         out = speculative_generate(
-            target, draft, **batch, max_new_tokens=2, grammar=compiled, temperature=1.0, seed=call, num_draft_tokens=3
-        )
+            target, draft, **batch, max_new_tokens=2, grammar=compiled, temperature=1.0, seed=call,
+            **({"num_draft_tokens": 3} | tree),
+        )  # fmt: skip
         new = out.sequences[:, -2:]
         firsts.append(new[:, 0])
         pairs.append(new)
