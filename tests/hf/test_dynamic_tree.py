@@ -79,6 +79,25 @@ def test_static_cache_gives_the_dynamic_caches_tokens(target, drafts, N, k, adap
         assert torch.equal(static.sequences, _greedy_reference(target, ids, mask, 12))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_compiled_target_forward_with_trees(target, drafts, temperature):
+    """compile_target (the pinned tree: 1 + N rows every step): one graph, no graph break, reused
+    across steps (one per active batch size), and the eager call's tokens (greedy: generate's)."""
+    from torch._dynamo.utils import counters
+
+    ids, mask = _ragged_prompts()
+    kw = dict(cache_implementation="static", temperature=temperature, seed=4)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _dynamic(target, drafts["near"], ids, mask, 7, 2, compile_target={"backend": "eager"}, **kw)
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] <= 3 < compiled.stats.target_forwards + 1
+    eager = _dynamic(target, drafts["near"], ids, mask, 7, 2, adaptive_draft=False, **kw)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    if temperature == 0.0:
+        assert torch.equal(compiled.sequences, _greedy_reference(target, ids, mask, 12))
+
+
 def test_width_one_is_the_chain(target, drafts):
     """k = 1: the tree is a chain of N drafts, the chain drafter's (same tokens, same steps)."""
     ids, mask = _ragged_prompts()
@@ -290,7 +309,6 @@ def test_sampled_output_follows_the_target(monkeypatch):
         (dict(num_draft_tokens=64), "<= 64"),
         (dict(num_drafts=2), "num_drafts"),
         (dict(method="kseq"), "method='kseq'"),
-        (dict(cache_implementation="static", compile_target=True), "compile_target"),
         (dict(drafter="prompt_lookup", draft=None), "drafter='prompt_lookup'"),
         (dict(verification="block"), "verification='block'"),
         (dict(draft_confidence=0.5), "draft_confidence"),
