@@ -171,9 +171,6 @@ def _check_draft_tree(draft_tree, tree_width, kw: dict, cfg: SpecConfig) -> tupl
         (cfg.drafter != "model", f"drafter={cfg.drafter!r} (dynamic trees are grown by a draft model)"),
         (cfg.num_drafts != 1, "num_drafts > 1 (a dynamic tree's width is tree_width=)"),
         (cfg.method != "rrs_wor", f"method={cfg.method!r} (children are drawn without replacement: 'rrs_wor')"),
-        (bool(cfg.compile_target), "compile_target"),
-        (cfg.cache_implementation != "dynamic", "cache_implementation='static'"),
-        (kw["grammar"] is not None, "grammar="),
         (cfg.verification != "token", f"verification={cfg.verification!r} (block verification verifies chains)"),
         (kw["draft_confidence"] != 0.0, "draft_confidence (chains only)"),
     ]

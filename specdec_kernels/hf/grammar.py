@@ -8,9 +8,17 @@ exact prefix it follows: the committed tokens plus the drafts before it on its o
 samples under the same masks (a draft row i follows the same prefix as target row i), so the
 drafts are valid by construction and the verifier sees exactly the distribution they came from.
 
+Masks are xgrammar's own int32 bitmask words (``_bitmask``'s layout). Without other processors the
+target's logits are not touched: the words go to the verifier as ``token_bitmask=`` (the kernels
+apply them before temperature / top-k / top-p), and only the draft's rows are masked here (the
+draft samples from its masked law). With other processors the mask sits between them and the
+warpers inside ``processors.RowProcessor``, which masks the target's rows too.
+
 ``GrammarState`` keeps one ``xgrammar.GrammarMatcher`` per request at its committed tokens: the
 masks along a path are filled by accepting the path's tokens one by one and rolling them back
-(``rollback``), so the matcher always ends in the state of the committed tokens.
+(``rollback``), so the matcher always ends in the state of the committed tokens. ``GrammarMasker``
+keeps the words of every prefix it filled until the next commit, so the target's rows reuse the
+draft's (a prefix is filled once per step).
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import json
 from dataclasses import dataclass
 
 import torch
+
+from .._bitmask import BITS_PER_WORD, allowed, num_words, pack
 
 GRAMMAR_EXTRA = 'pip install -e ".[grammar]"  (or: pip install xgrammar)'
 
@@ -118,52 +128,53 @@ def compile_grammars(grammar, tokenizer, vocab_size: int, stop_token_ids: list[i
     return [compile_grammar(grammar, tokenizer, vocab_size, stop_token_ids)] * batch
 
 
-def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [..., V] from int32 bitmask words [..., ceil(V / 32)]: bit j of word w = token 32 w + j."""
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = (words[..., :, None] >> shifts) & 1
-    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].bool()
-
-
 class GrammarState:
-    """One matcher per request at its committed tokens; masks of any path from there."""
+    """One matcher per request at its committed tokens; the mask words of any path from there."""
 
     def __init__(self, compiled: list, vocab_size: int):
         """compiled: one compiled grammar per request."""
         xgr = _xgrammar()
         self.V = vocab_size
         self.matchers = [xgr.GrammarMatcher(c) for c in compiled]
-        self._words = xgr.allocate_token_bitmask(1, vocab_size)
+        self._words = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32: _bitmask's layout
         stops = sorted({t for c in compiled for t in c.tokenizer_info.stop_token_ids if 0 <= t < vocab_size})
         # Rows past a request's stop token (drafts after an EOS) are cut by the commit; they allow
         # the stop tokens so that they stay distributions.
-        self._after_end = torch.zeros(vocab_size, dtype=torch.bool)
-        self._after_end[stops] = True
+        after_end = torch.zeros(vocab_size, dtype=torch.bool)
+        after_end[stops] = True
+        self._after_end = pack(after_end)
 
-    def _fill(self, b: int) -> torch.Tensor:
+    def fill(self, b: int) -> torch.Tensor:
+        """int32 [W]: the words of request b's matcher in its current state."""
         matcher = self.matchers[b]
         if matcher.is_terminated():  # past its stop token: rows the commit cuts at the EOS
             return self._after_end.clone()
         matcher.fill_next_token_bitmask(self._words)
-        return unpack_bitmask(self._words[0], self.V)
+        return self._words[0].clone()
 
-    def masks_along(self, b: int, tokens: list[int]) -> tuple[torch.Tensor, int]:
-        """(bool [len(tokens) + 1, V] masks after each prefix of `tokens`, valid): `valid` = how many
-        of the tokens the grammar accepts in a row; masks past them are all False. The matcher ends
-        where it started (the committed tokens)."""
-        masks = torch.zeros((len(tokens) + 1, self.V), dtype=torch.bool)
+    def words_along(self, b: int, tokens: list[int], known: dict | None = None) -> tuple[torch.Tensor, int]:
+        """(int32 [len(tokens) + 1, W] words after each prefix of `tokens`, valid): `valid` = how many
+        of the tokens the grammar accepts in a row; words past them are 0 (nothing allowed). The
+        matcher ends where it started (the committed tokens). known: prefix (tuple) -> words, read
+        instead of filling and completed with what is filled."""
+        known = {} if known is None else known
+        words = torch.zeros((len(tokens) + 1, num_words(self.V)), dtype=torch.int32)
         matcher, valid = self.matchers[b], 0
-        masks[0] = self._fill(b)
-        for token in tokens:
-            if matcher.is_terminated() or not (0 <= token < self.V and bool(masks[valid, token])):
-                break
-            if not matcher.accept_token(int(token)):
-                break
-            valid += 1
-            masks[valid] = self._fill(b)
-        if valid:
-            matcher.rollback(valid)
-        return masks, valid
+        try:
+            for i in range(len(tokens) + 1):
+                prefix = tuple(tokens[:i])
+                if prefix not in known:
+                    known[prefix] = self.fill(b)
+                words[i] = known[prefix]
+                if i == len(tokens) or matcher.is_terminated() or not _allows(words[i], tokens[i], self.V):
+                    break
+                if not matcher.accept_token(int(tokens[i])):
+                    break
+                valid += 1
+        finally:
+            if valid:
+                matcher.rollback(valid)
+        return words, valid
 
     def commit(self, b: int, tokens: list[int]) -> None:
         """Advance request b's matcher over its emitted tokens (verified: each is allowed)."""
@@ -175,39 +186,49 @@ class GrammarState:
                 raise RuntimeError(f"grammar: emitted token {token} is not allowed (a verification bug)")
 
 
+def _allows(words: torch.Tensor, token: int, V: int) -> bool:
+    """Token ``token`` is allowed by mask words [W] (ids outside [0, V) never are)."""
+    return 0 <= token < V and bool((int(words[token // BITS_PER_WORD]) >> (token % BITS_PER_WORD)) & 1)
+
+
 class GrammarMasker:
-    """The grammar as a row processor of the session: ``masker(session, logits, paths)`` masks row
-    (a, r) of logits [A, R, V] with the mask of active request a's committed tokens plus
-    ``paths[a][r]`` (disallowed -> -inf); ``commit`` advances the matchers after each step.
+    """The grammar's masks of the session's rows: ``words(session, paths)`` gives the int32 words
+    [A, R, W] of row (a, r), the mask after active request a's committed tokens plus ``paths[a][r]``
+    (the verifier's ``token_bitmask``); ``masker(session, logits, paths)`` masks logits [A, R, V]
+    with them (disallowed -> -inf: the draft's rows, and the target's inside a RowProcessor);
+    ``commit`` advances the matchers after each step.
 
     A path the grammar refuses (a draft token it does not allow) leads to a row no verification can
-    reach (that token has probability 0 in its own row): such rows are left as they are."""
+    reach (that token has probability 0 in its own row): such rows allow everything."""
 
     def __init__(self, compiled: list, vocab_size: int):
         self.state = GrammarState(compiled, vocab_size)
+        self._known: list[dict] = [{} for _ in compiled]  # per request: prefix -> words, until the next commit
+        self._all = torch.full((num_words(vocab_size),), -1, dtype=torch.int32)  # every bit set
 
     def masks(self, b: int, paths: list[list[int]]) -> torch.Tensor:
-        """bool [len(paths), V]: the mask after each path (all True where the path is refused)."""
-        known: dict[tuple, torch.Tensor] = {}
-        out = torch.ones((len(paths), self.state.V), dtype=torch.bool)
-        for r in sorted(range(len(paths)), key=lambda r: -len(paths[r])):  # longest first: prefixes reuse
-            path = tuple(paths[r])
-            if path not in known:
-                masks, valid = self.state.masks_along(b, list(path))
-                for i in range(valid + 1):
-                    known.setdefault(path[:i], masks[i])
-            if path in known:
-                out[r] = known[path]
+        """int32 [len(paths), W]: the words after each path (all bits set where the path is refused)."""
+        out = self._all.expand(len(paths), -1).clone()
+        for r, path in enumerate(paths):
+            words, valid = self.state.words_along(b, path, self._known[b])
+            if valid == len(path):
+                out[r] = words[valid]
         return out
 
     def valid_prefix(self, b: int, tokens: list[int]) -> int:
         """How many of ``tokens`` (after request b's committed ones) the grammar accepts in a row."""
-        return self.state.masks_along(b, list(tokens))[1]
+        return self.state.words_along(b, list(tokens), self._known[b])[1]
+
+    def words(self, session, paths: list[list[list[int]]]) -> torch.Tensor:
+        """int32 [A, R, W] on the session's device: the words of every row (see the class)."""
+        rows = [self.masks(b, paths[a]) for a, b in enumerate(session.batch.rows)]
+        return torch.stack(rows).to(session.device)
 
     def __call__(self, session, logits: torch.Tensor, paths: list[list[list[int]]]) -> torch.Tensor:
-        allowed = torch.stack([self.masks(b, paths[a]) for a, b in enumerate(session.batch.rows)])
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        keep = allowed(self.words(session, paths), self.state.V).to(logits.device)
+        return logits.masked_fill(~keep, float("-inf"))
 
     def commit(self, rows: list[int], emitted: list[list[int]]) -> None:
         for b, tokens in zip(rows, emitted, strict=True):
             self.state.commit(b, tokens)
+            self._known[b].clear()

@@ -152,11 +152,12 @@ class RowProcessor:
 
     @classmethod
     def build(cls, logits_processor, generation_config, cfg, input_ids, attention_mask):
-        """None when no processor is active (the fused path); else the per-request processors
-        followed (when sampling) by the warpers, with generate's layout of each row's prefix."""
+        """None when no processor is active (the fused path; a grammar alone is applied by the
+        session, its words handed to the verifier); else the per-request processors followed (when
+        sampling) by the warpers, with generate's layout of each row's prefix."""
         sampling = not cfg.greedy
         user = list(logits_processor or [])
-        if not user and not _active_settings(generation_config, sampling) and not cfg.grammar:
+        if not user and not _active_settings(generation_config, sampling):
             return None
         from transformers import LogitsProcessorList
 

@@ -136,7 +136,8 @@ class Session:
 
             self.grammar = GrammarMasker(config.grammar, self.V)
         # The rows' processing (None: the fused path): the processors (with the grammar between them
-        # and the warpers), or the grammar's masks alone (the kernels then apply temperature / top-k / top-p).
+        # and the warpers), or the grammar alone: the draft's rows masked, the target's words handed
+        # to the verifier (token_bitmask=; the kernels then apply temperature / top-k / top-p).
         self.processor = config.row_processor if config.row_processor is not None else self.grammar
         keep_history = keep_history or drafter.keeps_history or self.processor is not None
         self.tokens = Tokens.start(prompts, room, device, keep_history)
@@ -163,12 +164,17 @@ class Session:
         with self.timer("target"):
             tree_start = self.t_len
             logits = self._target_forward(proposal)
+            bitmask = None  # the grammar's words when it is the only processing (the verifier applies them)
             if self.processor is not None:  # each row with its own path's prefix
                 tokens, parents, _ = proposal.nodes()
-                logits = self.processor(self, logits, node_paths(tokens, parents))
+                paths = node_paths(tokens, parents)
+                if self.processor is self.grammar:
+                    bitmask = self.grammar.words(self, paths)
+                else:
+                    logits = self.processor(self, logits, paths)
         with self.timer("verify"):
             out, path = proposal.verify(
-                logits, self.config.method, self.sampling, self.generator, self.config.verification
+                logits, self.config.method, self.sampling, self.generator, self.config.verification, bitmask
             )
         with self.timer("commit"):
             return self._commit(proposal, out, path, tree_start)

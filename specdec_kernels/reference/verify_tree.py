@@ -25,6 +25,8 @@ Methods:
   one-hot  (no draft probabilities, any method) accept candidate x w.p. p_j(x) where p_j is p with
            the earlier rejected tokens removed and renormalised; all rejected: draw from p without them.
   greedy   (temperature 0) follow the first candidate equal to argmax(p); emit argmax at the end.
+           A row with no finite logit (a grammar mask allowing nothing) has argmax 0 and flags the
+           request, as in ``verify``.
 """
 
 from __future__ import annotations
@@ -313,7 +315,8 @@ def _walk(tree: _Tree, mode, method, temperature, top_k, top_p, seed, ties="keep
         cands = [c for c in tree.children_of(current) if 0 <= int(tree.tokens[c]) < x_row.numel()]
         toks = [int(tree.tokens[c]) for c in cands]
         if greedy:
-            best = int(torch.argmax(x_row))
+            best = int(torch.argmax(x_row))  # NaN already -inf; first index on ties
+            flagged |= not bool((x_row > float("-inf")).any())  # nothing to choose from: token 0, flagged
             match = [c for c, t in zip(cands, toks, strict=False) if t == best]
             if not match:
                 return _path_to(tree, accepted_node), best, flagged

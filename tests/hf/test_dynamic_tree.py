@@ -66,6 +66,38 @@ def test_greedy_eos_mid_batch(target, drafts):
     assert torch.equal(out.sequences, expected[:, : out.sequences.shape[1]])
 
 
+@pytest.mark.parametrize("N, k, adaptive, temperature", [(6, 2, False, 0.0), (15, 3, True, 0.9)])
+def test_static_cache_gives_the_dynamic_caches_tokens(target, drafts, N, k, adaptive, temperature):
+    """cache_implementation="static" (buffers allocated once, the accepted path moved in place):
+    the same tokens as the dynamic cache for the same seed (greedy: generate's)."""
+    ids, mask = _ragged_prompts()
+    kw = dict(adaptive_draft=adaptive, temperature=temperature, seed=4)
+    dynamic = _dynamic(target, drafts["near"], ids, mask, N, k, **kw)
+    static = _dynamic(target, drafts["near"], ids, mask, N, k, cache_implementation="static", **kw)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    if temperature == 0.0:
+        assert torch.equal(static.sequences, _greedy_reference(target, ids, mask, 12))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_compiled_target_forward_with_trees(target, drafts, temperature):
+    """compile_target (the pinned tree: 1 + N rows every step): one graph, no graph break, reused
+    across steps (one per active batch size), and the eager call's tokens (greedy: generate's)."""
+    from torch._dynamo.utils import counters
+
+    ids, mask = _ragged_prompts()
+    kw = dict(cache_implementation="static", temperature=temperature, seed=4)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _dynamic(target, drafts["near"], ids, mask, 7, 2, compile_target={"backend": "eager"}, **kw)
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] <= 3 < compiled.stats.target_forwards + 1
+    eager = _dynamic(target, drafts["near"], ids, mask, 7, 2, adaptive_draft=False, **kw)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    if temperature == 0.0:
+        assert torch.equal(compiled.sequences, _greedy_reference(target, ids, mask, 12))
+
+
 def test_width_one_is_the_chain(target, drafts):
     """k = 1: the tree is a chain of N drafts, the chain drafter's (same tokens, same steps)."""
     ids, mask = _ragged_prompts()
@@ -277,12 +309,9 @@ def test_sampled_output_follows_the_target(monkeypatch):
         (dict(num_draft_tokens=64), "<= 64"),
         (dict(num_drafts=2), "num_drafts"),
         (dict(method="kseq"), "method='kseq'"),
-        (dict(cache_implementation="static"), "cache_implementation='static'"),
-        (dict(cache_implementation="static", compile_target=True), "compile_target"),
         (dict(drafter="prompt_lookup", draft=None), "drafter='prompt_lookup'"),
         (dict(verification="block"), "verification='block'"),
         (dict(draft_confidence=0.5), "draft_confidence"),
-        (dict(grammar='root ::= "a"'), "grammar="),
         (dict(generation_config="repetition"), "logits processors"),
     ],
 )
@@ -319,8 +348,11 @@ def _peaked_draft():
     return fixed_logits_model(row)
 
 
-@pytest.mark.parametrize("which, temperature", [("near", 0.0), ("near", 0.9), ("peaked", 0.9)])
-def test_draft_cache_equals_a_fresh_prefill(target, drafts, which, temperature):
+@pytest.mark.parametrize(
+    "which, temperature, cache", [("near", 0.0, "dynamic"), ("near", 0.9, "dynamic"), ("peaked", 0.9, "dynamic"),
+                                  ("near", 0.9, "static")]
+)  # fmt: skip
+def test_draft_cache_equals_a_fresh_prefill(target, drafts, which, temperature, cache):
     """After every step the draft cache holds exactly the committed tokens it should (all but the
     last 1 or 2), as a fresh forward of them computes their keys and values."""
     draft = drafts["near"] if which == "near" else _peaked_draft()
@@ -328,7 +360,7 @@ def test_draft_cache_equals_a_fresh_prefill(target, drafts, which, temperature):
     ids, mask = _ragged_prompts()
     with open_session(
         target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=15, draft_tree="dynamic",
-        tree_width=3, temperature=temperature, seed=3, eos_token_id=[], pad_token_id=PAD,
+        tree_width=3, temperature=temperature, seed=3, eos_token_id=[], pad_token_id=PAD, cache_implementation=cache,
     ) as session:  # fmt: skip
         drafter = session.drafter
         for _ in range(3):

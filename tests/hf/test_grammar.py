@@ -5,13 +5,13 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
+from specdec_kernels._bitmask import allowed  # noqa: E402
 from specdec_kernels.demo import EOS_ID, VOCAB_SIZE, ByteTokenizer  # noqa: E402
 from specdec_kernels.hf.grammar import (  # noqa: E402
     GrammarSpec,
     GrammarState,
     as_spec,
     compile_grammar,
-    unpack_bitmask,
 )
 
 SCHEMA = {
@@ -31,15 +31,15 @@ def _fresh_mask(compiled, tokens):
         assert matcher.accept_token(t)
     words = xgr.allocate_token_bitmask(1, VOCAB_SIZE)
     matcher.fill_next_token_bitmask(words)
-    return unpack_bitmask(words[0], VOCAB_SIZE)
+    return allowed(words[0], VOCAB_SIZE)
 
 
-def test_unpack_bitmask_agrees_with_xgrammar_apply():
+def test_bitmask_words_agree_with_xgrammar_apply():
     gen = torch.Generator().manual_seed(0)
     words = torch.randint(-(2**31), 2**31 - 1, (3, 9), generator=gen, dtype=torch.int64).to(torch.int32)
     logits = torch.zeros(3, VOCAB_SIZE)
     xgr.apply_token_bitmask_inplace(logits, words)
-    assert torch.equal(unpack_bitmask(words, VOCAB_SIZE), logits == 0)
+    assert torch.equal(allowed(words, VOCAB_SIZE), logits == 0)
 
 
 def test_masks_along_a_path_and_the_rollback_leave_the_committed_state():
@@ -48,20 +48,44 @@ def test_masks_along_a_path_and_the_rollback_leave_the_committed_state():
     committed = list(b'{"name": "a')
     state.commit(0, committed)
     path = list(b'b", "n": 1')
-    masks, valid = state.masks_along(0, path)
+    words, valid = state.words_along(0, path)
+    masks = allowed(words, VOCAB_SIZE)
     assert valid == len(path)
     for i in range(len(path) + 1):
         assert torch.equal(masks[i], _fresh_mask(compiled, committed + path[:i])), i
-    assert torch.equal(state.masks_along(0, [])[0][0], _fresh_mask(compiled, committed))  # rolled back
-    bad, valid = state.masks_along(0, list(b'b"}x'))  # "n" is required: no '}' after the name
+    assert torch.equal(allowed(state.words_along(0, [])[0][0], VOCAB_SIZE), _fresh_mask(compiled, committed))
+    bad, valid = state.words_along(0, list(b'b"}x'))  # "n" is required: no '}' after the name
     assert valid == 2 and not bad[valid + 1 :].any()
-    assert torch.equal(state.masks_along(1, [])[0][0], _fresh_mask(compiled, []))  # other requests untouched
+    other = state.words_along(1, [])[0][0]
+    assert torch.equal(allowed(other, VOCAB_SIZE), _fresh_mask(compiled, []))  # other requests untouched
+
+
+def test_the_masker_fills_each_prefix_once_per_step(monkeypatch):
+    """Rows of one step share their prefixes' words (the target's rows reuse the draft's); a commit
+    forgets them. Refused paths allow everything (a row no verification reaches)."""
+    from specdec_kernels.hf.grammar import GrammarMasker
+
+    masker = GrammarMasker([_compiled()], VOCAB_SIZE)
+    fills = []
+    fill = masker.state.fill
+    monkeypatch.setattr(masker.state, "fill", lambda b: fills.append(b) or fill(b))
+    first = masker.masks(0, [[], list(b"{")])
+    assert len(fills) == 2
+    again = masker.masks(0, [list(b'{"'), list(b"{"), [], list(b"x")])
+    assert len(fills) == 3  # only '{"' is new; 'x' is refused at the root
+    assert torch.equal(again[1:3], first.flip(0)) and bool((again[3] == -1).all())
+    want = [_fresh_mask(_compiled(), list(p)) for p in (b'{"', b"{", b"")]
+    assert all(torch.equal(allowed(again[r], VOCAB_SIZE), want[r]) for r in range(3))
+    masker.commit([0], [list(b"{")])
+    assert torch.equal(allowed(masker.masks(0, [[]])[0], VOCAB_SIZE), want[1])
+    assert len(fills) == 4
 
 
 def test_a_complete_grammar_allows_only_the_stop_token():
     compiled = _compiled('root ::= "yes" | "no"')
     state = GrammarState([compiled], VOCAB_SIZE)
-    masks, valid = state.masks_along(0, list(b"no") + [EOS_ID])
+    words, valid = state.words_along(0, list(b"no") + [EOS_ID])
+    masks = allowed(words, VOCAB_SIZE)
     assert valid == 3
     assert masks[2].nonzero().flatten().tolist() == [EOS_ID]
     assert masks[3].nonzero().flatten().tolist() == [EOS_ID]  # past the end: the stop token (cut at commit)
@@ -202,10 +226,12 @@ def test_bad_grammar_arguments(pair):
 
 
 @pytest.mark.slow
-def test_sampled_first_tokens_follow_the_masked_target(pair):
+@pytest.mark.parametrize("tree", [{}, dict(draft_tree="dynamic", tree_width=2, num_draft_tokens=6)])
+def test_sampled_first_tokens_follow_the_masked_target(pair, tree):
     """The first two emitted tokens of 1,200 sampled requests (T = 1, a regex over digits and
-    letters) against the exact law of generate with the grammar: the masked target's softmax for
-    the first, and for the second given the first (pairs pooled by chi-square's rule). Power: the
+    letters; chains, and dynamic trees of width 2) against the exact law of generate with the
+    grammar: the masked target's softmax for the first, and for the second given the first (pairs
+    pooled by chi-square's rule). Power: the
     same statistic rejects the law of a verifier that saw unmasked target rows (its first token
     leaves the grammar), as a driver that masked only the draft rows would emit."""
     from scipy import stats as sps
@@ -223,8 +249,9 @@ def test_sampled_first_tokens_follow_the_masked_target(pair):
     firsts, pairs = [], []
     for call in range(n_calls):
         out = speculative_generate(
-            target, draft, **batch, max_new_tokens=2, grammar=compiled, temperature=1.0, seed=call, num_draft_tokens=3
-        )
+            target, draft, **batch, max_new_tokens=2, grammar=compiled, temperature=1.0, seed=call,
+            **({"num_draft_tokens": 3} | tree),
+        )  # fmt: skip
         new = out.sequences[:, -2:]
         firsts.append(new[:, 0])
         pairs.append(new)
@@ -256,3 +283,102 @@ def test_sampled_first_tokens_follow_the_masked_target(pair):
         statistic += float((((counts - expected) ** 2 / expected.clamp_min(1e-12))[big]).sum())
         df += int(big.sum()) - 1
     assert df > 0 and sps.chi2.sf(statistic, df) > ALPHA
+
+
+@pytest.mark.parametrize("K, temperature", [(1, 0.0), (1, 1.0), (2, 1.0)])
+def test_the_grammar_alone_hands_its_words_to_the_verifier(pair, monkeypatch, K, temperature):
+    """Without other processors the target's rows reach the verifier unmasked, with the grammar's
+    words as token_bitmask; the tokens are those of the processor path (the same rows masked by
+    the driver: a no-op processor forces it) for the same seed."""
+    from specdec_kernels.hf import speculative_generate
+    from specdec_kernels.hf.drafters import base
+
+    target, draft, tok = pair
+    batch = tok(["x = ", "    ", "total = count_of("])
+    compiled = [compile_grammar(g, tok, VOCAB_SIZE, [EOS_ID]) for g in GRAMMARS]
+    seen = []
+    verify = base.ops.verify if K == 1 else base.ops.verify_multi
+
+    def spy(logits, *args, token_bitmask=None, **kw):
+        seen.append((bool(logits.isfinite().all()), token_bitmask))
+        assert token_bitmask is not None and token_bitmask.shape[:-1] == logits.shape[:-1]  # a row per target row
+        return verify(logits, *args, token_bitmask=token_bitmask, **kw)
+
+    kw = dict(num_drafts=K, num_draft_tokens=3, max_new_tokens=12, grammar=compiled, temperature=temperature, seed=5)
+    with monkeypatch.context() as patch:
+        patch.setattr(base.ops, "verify" if K == 1 else "verify_multi", spy)
+        fused = speculative_generate(target, draft, **batch, **kw).sequences
+    assert seen and all(finite and words is not None and words.dtype == torch.int32 for finite, words in seen)
+    processed = speculative_generate(target, draft, **batch, **kw, logits_processor=[lambda ids, scores: scores])
+    assert torch.equal(fused, processed.sequences)
+
+
+# ---- dynamic draft trees (draft_tree="dynamic") under a grammar
+
+
+def _dynamic_tree_run(pair, grammars, monkeypatch, **kw):
+    """Batch 2 (ragged), width 2, N = 6; every tree node the verifier sees is allowed by the mask
+    of the row it is a candidate at (its parent's: the draft drew it from its masked row, whose
+    probabilities are 0 outside the mask), and the verifier gets the words [A, N+1, W] with
+    unmasked target rows."""
+    from specdec_kernels.hf import speculative_generate
+    from specdec_kernels.hf.drafters import base
+
+    target, draft, tok = pair
+    batch = tok(["x = ", "total = count_of("])  # ragged
+    compiled = [compile_grammar(g, tok, VOCAB_SIZE, [EOS_ID]) for g in grammars]
+    verify_tree, trees = base.ops.verify_tree, []
+
+    def spy(logits, tokens, parents, *args, token_bitmask=None, num_nodes=None, **kw):
+        assert bool(logits.isfinite().all()) and token_bitmask.shape[:2] == logits.shape[:2]
+        allowed_rows = allowed(token_bitmask, VOCAB_SIZE)
+        for a in range(tokens.shape[0]):
+            for i in range(int(num_nodes[a])):
+                row = allowed_rows[a, int(parents[a, i]) + 1]
+                assert bool(row[int(tokens[a, i])]), (a, i)
+                if "draft_probs" in kw:  # the law it was drawn from: the masked draft row
+                    assert float(kw["draft_probs"][a, i][~row].sum()) == 0.0, (a, i)
+        trees.append(int(num_nodes.max()))
+        return verify_tree(logits, tokens, parents, *args, token_bitmask=token_bitmask, num_nodes=num_nodes, **kw)
+
+    monkeypatch.setattr(base.ops, "verify_tree", spy)
+    out = speculative_generate(
+        target, draft, **batch, draft_tree="dynamic", tree_width=2, num_draft_tokens=6, grammar=compiled,
+        max_new_tokens=20, pad_token_id=EOS_ID, eos_token_id=EOS_ID, **kw,
+    )  # fmt: skip
+    # trees (not only chains) were verified; greedy adaptive budgets follow measured times: not checked
+    assert trees and (kw.get("adaptive_draft") is True or max(trees) > 1)
+    width = batch["input_ids"].shape[1]
+    outputs = []
+    for b in range(len(grammars)):
+        ours = out.sequences[b, width:].tolist()
+        ours = ours[: ours.index(EOS_ID) + 1] if EOS_ID in ours else ours
+        assert _valid_prefix(compiled[b], ours), tok.decode(ours)
+        outputs.append(ours)
+    return batch, compiled, out, outputs
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_dynamic_tree_greedy_equals_generate_with_xgrammars_processor(pair, monkeypatch, adaptive):
+    """Batch 2, ragged, width 2, N = 6 (the pinned tree, and the adaptive budget with its chain
+    arms): token for token generate's output with xgrammar's processor; every output valid."""
+    target, _, tok = pair
+    batch, compiled, out, outputs = _dynamic_tree_run(pair, GRAMMARS[1:], monkeypatch, adaptive_draft=adaptive)
+    processor = [xgr.contrib.hf.LogitsProcessor(compiled)]
+    want = target.generate(
+        **batch, do_sample=False, logits_processor=processor, max_new_tokens=20, pad_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+    )  # fmt: skip
+    width = batch["input_ids"].shape[1]
+    for b, ours in enumerate(outputs):
+        theirs = want[b, width:].tolist()
+        assert ours == theirs[: len(ours)], (b, tok.decode(ours), tok.decode(theirs))
+    assert out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dynamic_tree_sampled_outputs_are_valid(pair, monkeypatch, seed):
+    """Sampled (T = 0.9, top-p 0.95): every output a valid prefix of its grammar (the drafts are
+    drawn from the masked draft rows: no node leaves the grammar), and drafts get accepted."""
+    _, _, out, _ = _dynamic_tree_run(pair, GRAMMARS[:2], monkeypatch, temperature=0.9, top_p=0.95, seed=seed)
+    assert out.stats.accepted > 0

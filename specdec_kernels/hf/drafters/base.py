@@ -29,6 +29,12 @@ def _seeds(A: int, generator: torch.Generator, device) -> torch.Tensor:
     return torch.randint(0, SEED_RANGE, (A,), generator=generator).to(device)
 
 
+def _chains_view(rows: torch.Tensor, K: int, G: int) -> torch.Tensor:
+    """[A, K, G+1, X] of the forward's rows [A, 1 + K*G, X]: the root's row, then chain k's G rows."""
+    A, X = rows.shape[0], rows.shape[-1]
+    return torch.cat([rows[:, :1, None, :].expand(A, K, 1, X), rows[:, 1:].reshape(A, K, G, X)], dim=2)
+
+
 @dataclass
 class ChainProposal:
     """K chains of g drafts per request, each hanging off the root (the last committed token).
@@ -62,10 +68,13 @@ class ChainProposal:
         parents = chains_tree_parents(K, g, self.drafts.device).expand(A, 1 + K * g)
         return self.drafts.reshape(A, K * g), parents, None if self.n_drafts is None else 1 + self.n_drafts
 
-    def verify(self, logits: torch.Tensor, method: str, sampling: dict, generator, chain_rule: str = "token"):
+    def verify(
+        self, logits: torch.Tensor, method: str, sampling: dict, generator, chain_rule: str = "token", bitmask=None
+    ):
         """The fused verification of the target's logits [A, 1 + K*g, V]; returns (out, path), path
         [A, g] the accepted nodes' forward indices (1 + chain*g + slot), -1 padding. chain_rule: K = 1's
-        rule (``sk.verify``'s method: "token" or "block")."""
+        rule (``sk.verify``'s method: "token" or "block"). bitmask: grammar words [A, 1 + K*g, W] of
+        the target's rows (``token_bitmask``) or None."""
         A, N, V = logits.shape
         A, K, G = self.drafts.shape
         device = logits.device
@@ -79,6 +88,7 @@ class ChainProposal:
                 logits,
                 self.drafts[:, 0],
                 **draft_kw,
+                token_bitmask=bitmask,
                 num_draft_tokens=self.n_drafts,
                 seed=seeds,
                 validate=False,
@@ -88,8 +98,10 @@ class ChainProposal:
             slots = torch.arange(1, G + 1, device=device).expand(A, G)
             path = torch.where(slots <= out.num_accepted.long()[:, None], slots, -1)
             return out, path
-        rows = torch.cat([logits[:, :1, None, :].expand(A, K, 1, V), logits[:, 1:].reshape(A, K, G, V)], dim=2)
-        out = ops.verify_multi(rows, self.drafts, **draft_kw, seed=seeds, method=method, validate=False, **sampling)
+        rows, words = _chains_view(logits, K, G), None if bitmask is None else _chains_view(bitmask, K, G)
+        out = ops.verify_multi(
+            rows, self.drafts, **draft_kw, token_bitmask=words, seed=seeds, method=method, validate=False, **sampling
+        )
         path = torch.where(out.accepted_nodes >= 0, out.accepted_nodes + 1, -1)
         return out, path
 
@@ -118,9 +130,12 @@ class TreeProposal:
         root = torch.full_like(self.parents[:, :1], -1)
         return self.tokens, torch.cat([root, self.parents.clamp_min(-1) + 1], dim=1), 1 + self.num_nodes
 
-    def verify(self, logits: torch.Tensor, method: str, sampling: dict, generator, chain_rule: str = "token"):
+    def verify(
+        self, logits: torch.Tensor, method: str, sampling: dict, generator, chain_rule: str = "token", bitmask=None
+    ):
         """``sk.verify_tree`` of the target's logits [A, 1 + N, V]; (out, path) as for chains (a tree
-        has no chain rule: ``SpecConfig`` refuses verification="block" for trees)."""
+        has no chain rule: ``SpecConfig`` refuses verification="block" for trees); bitmask: grammar
+        words [A, 1 + N, W] of the target's rows or None."""
         seeds = _seeds(logits.shape[0], generator, logits.device)
         draft_kw = {} if self.probs is None else {"draft_probs": self.probs}
         out = ops.verify_tree(
@@ -128,6 +143,7 @@ class TreeProposal:
             self.tokens,
             self.parents,
             **draft_kw,
+            token_bitmask=bitmask,
             num_nodes=self.num_nodes,
             seed=seeds,
             method=method,

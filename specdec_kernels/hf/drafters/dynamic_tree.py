@@ -31,6 +31,12 @@ Exactness when sampling (``method="rrs_wor"``, each node's draft row = its paren
 Scoring a child by the probability of the token actually drawn would break (2): a node would be kept
 or dropped according to its own token, and the kept children would no longer be distributed as q.
 
+Under a grammar (``grammar=``, ``hf/grammar.py``) every fed node's row is masked with the grammar
+state of its own path before its children are drawn or ranked (one host read of the depth's nodes per
+depth), so every node is valid and its draft row is the masked law it was drawn from; the verifier
+masks the target's rows with the same words (``token_bitmask``). The tree's shape stays a function
+of q rows (now the masked ones) and of earlier draws only, so points 1 and 2 hold as they stand.
+
 Cache invariant between steps (as the chain drafter's): the draft cache holds every committed token
 but the last u (1, or 2 when the accepted path reached the tree's last depth, whose nodes were never
 fed). After the step the cache keeps the fed nodes of the accepted path, gathered into place.
@@ -93,8 +99,9 @@ class DynamicTreeDrafter(ModelDrafter):
         return candidate_tokens(probs, logits, (k,), greedy=False, generator=gen), log_sorted
 
     def propose(self, session, g: int) -> TreeProposal:
-        if session.processor is not None:  # SpecConfig refuses it; a drafter used directly must too
-            raise ValueError("draft_tree='dynamic' does not support logits processors or grammar= yet")
+        grammar = session.grammar
+        if session.processor is not grammar:  # SpecConfig refuses it; a drafter used directly must too
+            raise ValueError("draft_tree='dynamic' does not support logits processors yet")
         k = self.policy.width if self.policy is not None else self.width
         self.per_depth = tree_depths(g, k)
         batch, device, V = session.batch, session.device, session.V
@@ -104,6 +111,10 @@ class DynamicTreeDrafter(ModelDrafter):
         self.fed = (self.length, U)
         session.check_room("draft", self.length, fed_slots)
         logits, meta0 = self._first_forward(session)
+        # grammar: per request, the draft tokens on each node's path (the rows' prefixes; None: no node)
+        paths = None if grammar is None else [[] for _ in range(A)]
+        if grammar is not None:  # the root's row follows the committed tokens
+            logits = grammar(session, logits[:, None], [[[]]] * A)[:, 0]
         gen = gen_for(session.generator, device)
         probs = None if greedy else drafting.draft_distribution(logits, **sampling)
         # the candidates of the depth being built: tokens, scores, parent (node index), parent's q row
@@ -143,6 +154,8 @@ class DynamicTreeDrafter(ModelDrafter):
             )
             logits = forward(self.model, self.cache, tokens[-1], meta, V)  # [A, width, V]
             self.length += width
+            if grammar is not None:  # each node's row follows its own path: its children obey the grammar
+                logits = grammar(session, logits, _extend_paths(paths, tokens[-1], parents[-1], ok))
             probs = None if greedy else drafting.draft_distribution(logits, **sampling)
             cand, log_rank = self._children(logits, probs, gen, k)  # [A, width, k]
             cand_score = (score[:, :, None] + log_rank).reshape(A, width * k)
@@ -182,3 +195,15 @@ class DynamicTreeDrafter(ModelDrafter):
         src = torch.where(j < u[:, None], S + j, S + self.node_slot.gather(1, node).clamp_min(0))
         kept = u + torch.clamp(accepted, max=D - 1)
         return src, torch.where(verified.finished, 0, kept)
+
+
+def _extend_paths(paths: list[list], tokens: torch.Tensor, parents: torch.Tensor, ok: torch.Tensor) -> list[list]:
+    """Appends one depth's nodes (tokens, parents (-1: the root), ok [A, width]) to ``paths`` (per
+    request, each node's draft tokens from the root, None for no node) and returns their paths as the
+    grammar takes them: a slot without a node gets the root's ([]), read by no child (score -inf)."""
+    rows = []
+    for path, tok, par, real in zip(paths, tokens.tolist(), parents.tolist(), ok.tolist(), strict=True):
+        new = [(path[p] if p >= 0 else []) + [t] if r else None for t, p, r in zip(tok, par, real, strict=True)]
+        path.extend(new)
+        rows.append([[] if n is None else n for n in new])
+    return rows

@@ -87,6 +87,7 @@ class _Walk:
         greedy = self.greedy[b]
         if bool(greedy.any()):
             g = greedy.nonzero().squeeze(1)
+            self.flagged[b[g]] |= m[g] == _NEG_INF  # nothing to choose from: token 0, flagged
             self._greedy_step(b[g], cand[g], toks[g], idx[g])
         if not bool(greedy.all()):
             s = (~greedy).nonzero().squeeze(1)
