@@ -303,7 +303,9 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red, TreeWalkSc
     pos.thr_t = (P.has_filter && stochastic) ? P.thr[rec_t * 2] : neg_inf();
     pos.cut_t = (P.cut && P.has_filter && stochastic) ? P.cut[rec_t * 2] : 0;
     pos.inv_t = rq.inv_t;
-    flagged |= st[5] > 0.0f || (stochastic && pos.z_t == 0.0f);
+    // a row without a finite logit (all -inf, or a mask allowing nothing) flags the request in
+    // every mode, as the chain does: its greedy argmax is the documented token 0
+    flagged |= st[5] > 0.0f || (stochastic ? pos.z_t == 0.0f : !(st[4] > neg_inf()));
     pos.t_row = tree_row<TT>(P.target, b, rep, P.stride_tb, P.stride_tk, P.stride_tg, P.G, 1);
     pos.t_mask = target_mask(P, b, node_chain(rep, P.G), node_slot(rep, P.G, 1));
     // draft distribution of the position: the first candidate's draft row
