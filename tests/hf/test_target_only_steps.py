@@ -39,9 +39,9 @@ def pair():
     return target, _near_copy(target, 0.3, seed=5)
 
 
-def _greedy(pair, schedule, new=14, **kw):
+def _greedy(pair, schedule, new=14, prompt_seed=0, **kw):
     target, draft = pair
-    ids, mask = _ragged_prompts()
+    ids, mask = _ragged_prompts(seed=prompt_seed)
     settings = dict(max_new_tokens=new, num_draft_tokens=3, eos_token_id=[], pad_token_id=PAD) | kw
     with forced_lengths(schedule):
         return ids, mask, speculative_generate(target, draft, ids, mask, **settings)
@@ -63,32 +63,15 @@ def test_greedy_with_target_only_steps_equals_generate(pair, schedule, cache):
 def test_greedy_with_target_only_steps_and_a_processor_and_eos(pair):
     """The root row of a target-only step is processed with the committed prefix (repetition
     penalty), and a request that meets EOS in one leaves the batch."""
-    target, draft = pair
+    target = pair[0]
     ids, mask = _ragged_prompts(seed=4)
     free = _greedy_reference(target, ids, mask, 10)
     eos = int(free[1, ids.shape[1] + 2])  # request 1's third token becomes EOS
     config = GenerationConfig(repetition_penalty=3.0)
-    expected = target.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=10,
-        do_sample=False,
-        pad_token_id=PAD,
-        eos_token_id=eos,
-        **config.to_diff_dict(),
-    )
-    with forced_lengths([0, 0, 2]):
-        out = speculative_generate(
-            target,
-            draft,
-            ids,
-            mask,
-            max_new_tokens=10,
-            num_draft_tokens=3,
-            eos_token_id=eos,
-            pad_token_id=PAD,
-            generation_config=config,
-        )
+    settings = dict(max_new_tokens=10, pad_token_id=PAD, eos_token_id=eos)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, **settings, **config.to_diff_dict())
+    assert int((expected[:, -1] == PAD).sum()) == 2 and not torch.equal(expected[0, :10], free[0, :10])  # (power)
+    _, _, out = _greedy(pair, [0, 0, 2], prompt_seed=4, generation_config=config, **settings)
     assert torch.equal(out.sequences, expected)
 
 
