@@ -17,10 +17,34 @@ expected tokens per second with one of two cost models:
 
 Either way the length is decided on the host from past steps only (no synchronisation), so the
 output stays exact: the number of drafts never depends on the drafts it would propose.
+
+**Target-only steps (G = 0).** When the draft accepts little, a draft forward costs more than the
+tokens it adds: a step of g drafts commits ``expected_tokens(a, g)`` tokens for its cost, a plain
+target step (no draft forward, one target forward over the pending token, the next token drawn
+from the target's row as a bonus token is) commits exactly 1 for its own. The policy takes G = 0
+when its rate beats every g >= 1 (ties go to drafting); its cost is measured as any arm's
+(``measured``) or is 1 target forward (``shapes``). A target-only step tests no draft, so nothing
+would ever bring the policy back: after ``PROBE_EVERY`` of them in a row it drafts once (the best
+g >= 1) to re-test the draft, and the acceptance it reads forgets old steps (``ACCEPTANCE_MEMORY``),
+so a few accepted probes make it draft again when the text becomes predictable. The draft cache
+lags behind during target-only steps; the next drafting step feeds the draft the tokens it missed
+in its first forward (``hf/drafters/model.py``). That catch-up inflates the step's time, so a
+drafting step right after a target-only one is not timed. ``adaptive_draft=False`` (G pinned)
+never takes a target-only step: that call has no policy.
+
+Why the output law is unchanged: a step's G (0 included) is a function of the past steps' accepted
+counts and wall times only, fixed before the step's drafts are drawn and before its verification
+draws its random numbers. Given G, the step's tokens follow the target's law exactly: for G >= 1 by
+the verifier's theorem, for G = 0 because the verifier with zero drafts draws the bonus token from
+the target's processed row (``sk.verify``, as after an all-accepted chain). So every committed token
+is drawn from the target's law given the tokens before it, whatever sequence of G's ran; only the
+random numbers consumed differ (a seeded ``measured`` call is reproducible only up to timing, as before).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -30,6 +54,16 @@ PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 4  # acceptance before any test: 0.7, wort
 EXPLORE_WITHIN = 0.7  # an unmeasured length is tried once if its predicted rate is within 70% of the best
 REFRESH_EVERY = 16  # every 16th timed step re-measures a neighbour of the best length
 SMOOTHING = 0.3  # weight of a new step time in its length's running mean
+# After 8 target-only steps in a row one drafting step re-tests the draft: it costs at most the
+# drafting arm's loss (a draft forward over the ~9 tokens it missed plus its chain) once per 9 steps,
+# a few % of a step when drafting loses, and lets the policy see the text become predictable again.
+PROBE_EVERY = 8
+# The policy's acceptance weighs a tested draft by (1 - 1/32)^(drafts tested after it): stationary
+# text gets the estimate of the last ~32 drafts (error ~0.08 at a = 0.3), and after a change a few
+# probes move it (5 accepted one-draft probes take 0.15 to ~0.3 when the draft becomes good).
+ACCEPTANCE_MEMORY = 32
+# Set to 1 to turn the target-only arm off (benchmarks of before / after in one checkout).
+NO_TARGET_ONLY_ENV = "SPECDEC_NO_TARGET_ONLY_STEPS"
 
 
 # A CPU forward's fixed cost per decoder layer (framework dispatch, norms, rotary, attention over a short
@@ -90,15 +124,16 @@ def expected_tokens(a: float, g: int) -> float:
     return (1 - a ** (g + 1)) / (1 - a)
 
 
-def best_by_shapes(a: float, G_max: int, cost: float) -> int:
+def best_by_shapes(a: float, G_max: int, cost: float, target_only: bool = False) -> int:
     """The g in 1..G_max with the most expected tokens per ``1 + g * cost`` target forwards
-    (shorter on near-ties)."""
+    (shorter on near-ties); with ``target_only``, 0 (1 token per target forward) where it beats them
+    all by more than a near-tie."""
     best, best_rate = 1, 0.0
     for g in range(1, G_max + 1):
         rate = expected_tokens(a, g) / (1 + g * cost)
         if rate > best_rate * (1 + 1e-3):
             best, best_rate = g, rate
-    return best
+    return 0 if target_only and 1.0 > best_rate * (1 + 1e-3) else best
 
 
 @dataclass
@@ -131,31 +166,83 @@ def pair_step_times(target, draft, active: int) -> StepTimes:
     return per_draft.setdefault(draft, {}).setdefault(active, StepTimes())
 
 
-class DraftLengthPolicy:
-    """Chooses the drafts of each step (at most G_max) and learns from the steps' wall times when
-    ``measured`` (see the module docstring)."""
+_FORCED: list[list[int]] = []  # test hook: the schedules of ``forced_lengths`` blocks, innermost last
 
-    def __init__(self, target, draft, G_max: int, cost: float, measured: bool):
+
+@contextlib.contextmanager
+def forced_lengths(schedule: list[int]):
+    """Test hook: inside the block the i-th step of every adaptive call drafts
+    ``min(schedule[i % len(schedule)], G_max)`` tokens, 0 being a target-only step. It forces the
+    policy's choice only: a call with ``adaptive_draft=False`` (no policy) still drafts G every step."""
+    if not schedule or any(int(g) != g or g < 0 for g in schedule):
+        raise ValueError(f"forced_lengths needs a non-empty list of ints >= 0, got {schedule!r}")
+    _FORCED.append([int(g) for g in schedule])
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+class DraftLengthPolicy:
+    """Chooses the drafts of each step (0 to G_max; 0 is a target-only step) and learns from the
+    steps' wall times when ``measured`` (see the module docstring). ``target_only=False`` (or the
+    environment variable ``SPECDEC_NO_TARGET_ONLY_STEPS=1``) keeps every step at g >= 1."""
+
+    def __init__(self, target, draft, G_max: int, cost: float, measured: bool, target_only: bool = True):
         self.target, self.draft, self.G_max, self.cost, self.measured = target, draft, G_max, cost, measured
-        self.steps = 0
+        self.lowest = 1 if not target_only or os.environ.get(NO_TARGET_ONLY_ENV, "0") not in ("", "0") else 0
+        self.steps = 0  # steps recorded
+        self.chosen = 0  # steps chosen (the forced schedule's index)
+        self.target_only_run = 0  # target-only steps since the last drafting step
+        self.previous: int | None = None  # the last recorded step's drafts
+        # decayed (accepted, rejections), starting at the prior; the call's totals seen so far
+        self.recent = [PRIOR_ACCEPTANCE * PRIOR_WEIGHT, (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT]
+        self.seen = (0, 0)
+
+    def acceptance(self, accepted: float, rejections: float) -> float:
+        """The per-draft acceptance from the call's running totals: the geometric model's estimate
+        (as :func:`acceptance_estimate`) over exponentially forgotten counts, the prior included."""
+        new_accepted, new_rejections = accepted - self.seen[0], rejections - self.seen[1]
+        self.seen = (accepted, rejections)
+        if new_accepted or new_rejections:
+            keep = (1 - 1 / ACCEPTANCE_MEMORY) ** (new_accepted + new_rejections)
+            self.recent = [keep * self.recent[0] + new_accepted, keep * self.recent[1] + new_rejections]
+        return min(max(self.recent[0] / sum(self.recent), 0.01), 0.99)
 
     def choose(self, accepted: int, rejections: int, active: int) -> int:
-        a = acceptance_estimate(accepted, rejections)
+        a = self.acceptance(accepted, rejections)
+        if _FORCED:
+            schedule = _FORCED[-1]
+            g = min(schedule[self.chosen % len(schedule)], self.G_max)
+        else:
+            g = self._best(a, active, self.lowest)
+            if g == 0 and self.target_only_run >= PROBE_EVERY:  # re-test the draft now and then
+                g = self._best(a, active, 1)
+        self.chosen += 1
+        self.target_only_run = self.target_only_run + 1 if g == 0 else 0
+        return g
+
+    def _best(self, a: float, active: int, lowest: int) -> int:
+        """The arm in lowest..G_max to run next: the best, an unmeasured plausible one, or now and
+        then a neighbour of the best (to keep its time fresh)."""
         times = pair_step_times(self.target, self.draft, active) if self.measured else None
         if times is None or not times.seconds:
-            return best_by_shapes(a, self.G_max, self.cost)
-        rates = {g: expected_tokens(a, g) / times.predicted(g, self.cost) for g in range(1, self.G_max + 1)}
-        best = max(rates, key=lambda g: (rates[g], -g))
+            return best_by_shapes(a, self.G_max, self.cost, target_only=lowest == 0)
+        rates = {g: expected_tokens(a, g) / times.predicted(g, self.cost) for g in range(lowest, self.G_max + 1)}
+        best = max(rates, key=lambda g: (rates[g], g > 0, -g))  # ties: drafting, then shorter
         unmeasured = [g for g in rates if g not in times.seconds and rates[g] >= EXPLORE_WITHIN * rates[best]]
         if unmeasured:  # try each plausible length once (then the measurements decide)
             return min(unmeasured, key=lambda g: (abs(g - best), g))
         if times.timed_steps % REFRESH_EVERY == REFRESH_EVERY - 1:  # keep the neighbours' times fresh
             side = -1 if (times.timed_steps // REFRESH_EVERY) % 2 else 1
-            return min(max(best + side, 1), self.G_max)
+            return min(max(best + side, lowest), self.G_max)
         return best
 
     def record(self, g: int, active: int, seconds: float) -> None:
-        """A step's wall time (the call's first step is skipped: it pays one-off costs)."""
+        """A step's wall time. Not timed: the call's first step (it pays one-off costs) and a
+        drafting step right after a target-only one (its draft forward also catches up)."""
         self.steps += 1
-        if self.measured and self.steps > 1:
+        catching_up = g > 0 and self.previous == 0
+        self.previous = g
+        if self.measured and self.steps > 1 and not catching_up:
             pair_step_times(self.target, self.draft, active).add(g, seconds)

@@ -49,13 +49,14 @@ def prefill(model, prompts: list[list[int]], device, static_len: int | None = No
 
 
 def forward(
-    model, cache, ids: torch.Tensor, meta: TreeAttentionMetadata, V: int, compiled=None, keep_last: bool = False
+    model, cache, ids: torch.Tensor, meta: TreeAttentionMetadata, V: int, compiled=None, keep_last: bool | int = False
 ) -> torch.Tensor:
-    """The model's logits [A, N, V] for the N input tokens, or [A, 1, V] (the last) with ``keep_last``
-    when the model can restrict its output layer (else [A, N, V] all the same: callers take [:, -1])."""
+    """The model's logits [A, N, V] for the N input tokens, or [A, n, V] (the last n; True: 1) with
+    ``keep_last`` when the model can restrict its output layer (else [A, N, V] all the same: callers
+    index from the end)."""
     with tree_attention_context(meta):
         if compiled is None:
-            kw = last_logits_only(model) if keep_last else {}
+            kw = last_logits_only(model, int(keep_last)) if keep_last else {}
             kw.update(cache_kwargs(model, cache))
             out = model(input_ids=ids, position_ids=meta.position_ids, use_cache=True, **kw)
         else:  # the metadata as an argument: its tensors become graph inputs (the context is not traceable)
@@ -64,10 +65,10 @@ def forward(
     return out.logits[..., :V]
 
 
-def last_logits_only(model) -> dict:
-    """``{"logits_to_keep": 1}`` where the model's forward takes it (``transformers`` causal LMs):
-    the output layer, V rows of the hidden size, then runs on the last position only."""
-    return {"logits_to_keep": 1} if _takes_logits_to_keep(type(model)) else {}
+def last_logits_only(model, n: int = 1) -> dict:
+    """``{"logits_to_keep": n}`` where the model's forward takes it (``transformers`` causal LMs):
+    the output layer, V rows of the hidden size, then runs on the last n positions only."""
+    return {"logits_to_keep": n} if _takes_logits_to_keep(type(model)) else {}
 
 
 @functools.cache

@@ -109,7 +109,8 @@ def speculative_generate(
             defaults, or a dict of ``torch.compile`` keyword arguments. Needs
             ``cache_implementation="static"`` (and fixes the draft length: one graph per shape).
         adaptive_draft: chains (K = 1, draft model) choose the drafts per step (at most
-            ``num_draft_tokens``) from the running acceptance and the measured draft/target cost;
+            ``num_draft_tokens``; none, a target-only step, when drafting loses) from the running
+            acceptance and the measured draft/target cost;
             dynamic trees choose their depth per step, down to a chain (``draft_tree``).
         draft_confidence: with ``adaptive_draft``, a request's chain ends at the first draft whose most
             likely token has probability below this (a property of q, not of its sample: still exact).

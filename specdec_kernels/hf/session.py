@@ -218,7 +218,7 @@ class Session:
         # batch): its accepted drafts past the max_new_tokens cut would otherwise hold the caches'
         # shared end past the static bound for the others.
         t_lengths = torch.where(finished, 0, 1 + accepted)
-        t_src = torch.cat([torch.zeros_like(path[:, :1]), path.clamp_min(0)], dim=1) + tree_start
+        t_src = torch.cat([path.new_zeros(A, 1), path.clamp_min(0)], dim=1) + tree_start  # (path: [A, 0] when g = 0)
         verified = Verified(proposal, out, path, accepted, finished)
         lens = [(batch.target_cached + t_lengths).max()] + self.drafter.host_values(self, verified)
         packed = [accepted, emitted, finished.long(), proposal.offered(), torch.stack(lens)]

@@ -67,12 +67,13 @@ def fixed_logits_model(row: list[float]):
 def perfect_draft_run(row: list[float], samples: int, *, max_new_tokens: int, **kw):
     """``samples`` generations from the prompt [3] of a fixed-logits target with a perfect draft (a
     copy of it: every token after the first follows an accepted draft); ``kw`` go to
-    speculative_generate (temperature, seed, num_drafts, ...)."""
+    speculative_generate (temperature, seed, num_drafts, ...). One draft every step (adaptive
+    drafting off: it would take target-only steps, a draft as large as the target never paying)."""
     import copy
 
     from specdec_kernels.hf import speculative_generate
 
     target = fixed_logits_model(row)
     prompts = torch.full((samples, 1), 3)
-    kw = dict(num_draft_tokens=1, eos_token_id=[]) | kw
+    kw = dict(num_draft_tokens=1, eos_token_id=[], adaptive_draft=False) | kw
     return speculative_generate(target, copy.deepcopy(target), prompts, max_new_tokens=max_new_tokens, **kw)

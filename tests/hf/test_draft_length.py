@@ -8,11 +8,14 @@ import torch
 from specdec_kernels.hf import speculative_generate
 from specdec_kernels.hf.draft_length import (
     CPU_LAYER_BYTES,
+    NO_TARGET_ONLY_ENV,
+    PROBE_EVERY,
     DraftLengthPolicy,
     acceptance_estimate,
     best_by_shapes,
     draft_cost_estimate,
     expected_tokens,
+    forced_lengths,
     pair_step_times,
 )
 
@@ -23,9 +26,11 @@ class _Model(torch.nn.Module):
     """A stand-in model: the policy keys its timings on the (target, draft) objects."""
 
 
-def _run(policy, step_seconds, accept_rate: float, steps: int, active: int = 1) -> list[int]:
-    """Drive the policy like speculative_generate: choose, 'run' a step of step_seconds(g), record."""
-    chosen, accepted, rejections = [], 0, 0
+def _run(policy, step_seconds, accept_rate: float, steps: int, active: int = 1, totals=None) -> list[int]:
+    """Drive the policy like speculative_generate: choose, 'run' a step of step_seconds(g), record.
+    totals: the call's [accepted, rejections] to continue from (updated)."""
+    chosen = []
+    accepted, rejections = totals or (0, 0)
     for _ in range(steps):
         g = policy.choose(accepted, rejections, active)
         chosen.append(g)
@@ -33,6 +38,8 @@ def _run(policy, step_seconds, accept_rate: float, steps: int, active: int = 1) 
         accepted += sum(accept_rate**i for i in range(1, g + 1))
         rejections += 1 - accept_rate**g
         policy.record(g, active, step_seconds(g))
+    if totals is not None:
+        totals[:] = [accepted, rejections]
     return chosen
 
 
@@ -133,3 +140,67 @@ def test_sampled_calls_are_reproducible_and_draft_cost_is_checked():
     for bad in ("fast", -1.0, True):
         with pytest.raises(ValueError, match="draft_cost"):
             speculative_generate(target, draft, ids, draft_cost=bad, **kw)
+
+
+def _longest_run_of(value, chosen: list[int]) -> int:
+    longest = run = 0
+    for g in chosen:
+        run = run + 1 if g == value else 0
+        longest = max(longest, run)
+    return longest
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_policy_takes_target_only_steps_when_drafting_loses_and_drafts_again_when_it_wins(measured):
+    """A draft forward costs 0.4 of a target step. At acceptance 0.1 no chain pays for itself
+    (g = 1: 1.1 tokens for 1.4 steps): the policy settles on target-only steps (G = 0), drafting
+    once every PROBE_EVERY + 1 steps to re-test the draft. When acceptance rises to 0.9 (the text
+    became predictable) the probes see it and it drafts again within a few probes."""
+    policy = DraftLengthPolicy(_Model(), _Model(), 4, 0.4, measured=measured)
+    seconds, totals = (lambda g: 1.0 + 0.4 * g), [0, 0]
+    low = _run(policy, seconds, 0.1, 90, totals=totals)
+    tail = low[45:]
+    assert tail.count(0) >= 0.8 * len(tail)
+    assert _longest_run_of(0, low) <= PROBE_EVERY and min(tail) == 0 < max(tail)  # probes
+    high = _run(policy, seconds, 0.9, 60, totals=totals)
+    first = next(i for i in range(len(high) - 3) if min(high[i : i + 3]) > 0)  # drafting again
+    assert first <= 5 * (PROBE_EVERY + 1)  # (after 4 probes here)
+    assert 0 not in high[first:] and max(high[-5:]) >= 2  # and longer chains as the estimate climbs
+
+
+def test_shapes_model_takes_target_only_steps_when_drafts_are_rarely_accepted():
+    assert best_by_shapes(0.1, 4, 0.3, target_only=True) == 0  # 1.1 tokens for 1.3 forwards < 1
+    assert best_by_shapes(0.1, 4, 0.3) == 1  # (the arm is off by default)
+    assert best_by_shapes(0.5, 4, 0.3, target_only=True) >= 1  # 1.5 for 1.3 > 1
+    assert best_by_shapes(0.3, 4, 0.3, target_only=True) == 1  # a near-tie goes to drafting
+
+
+def test_target_only_arm_can_be_turned_off(monkeypatch):
+    """target_only=False or SPECDEC_NO_TARGET_ONLY_STEPS=1: every step drafts (benchmarks of before / after)."""
+    off = DraftLengthPolicy(_Model(), _Model(), 4, 0.4, measured=True, target_only=False)
+    assert 0 not in _run(off, lambda g: 1.0 + 0.4 * g, 0.1, 40)
+    monkeypatch.setenv(NO_TARGET_ONLY_ENV, "1")
+    env_off = DraftLengthPolicy(_Model(), _Model(), 4, 0.4, measured=False)
+    assert 0 not in _run(env_off, lambda g: 1.0, 0.1, 40)
+
+
+def test_a_step_catching_up_is_not_timed():
+    """The drafting step after a target-only one also feeds the draft the tokens it missed: its
+    time is not the arm's and is not recorded."""
+    target, draft = _Model(), _Model()
+    policy = DraftLengthPolicy(target, draft, 4, 0.3, measured=True)
+    policy.record(1, 1, 100.0)  # the call's first step: not timed
+    policy.record(0, 1, 0.5)
+    policy.record(2, 1, 9.0)  # catching up
+    policy.record(2, 1, 1.5)
+    assert pair_step_times(target, draft, 1).seconds == {0: 0.5, 2: 1.5}
+
+
+def test_forced_lengths_schedule():
+    policy = DraftLengthPolicy(_Model(), _Model(), 3, 0.3, measured=False)
+    with forced_lengths([0, 5, 2]):
+        assert [policy.choose(0, 0, 1) for _ in range(5)] == [0, 3, 2, 0, 3]  # capped at G_max
+    assert policy.choose(0, 0, 1) >= 1  # the prior (0.7) drafts
+    for bad in ([], [-1], [1.5]):
+        with pytest.raises(ValueError, match="forced_lengths"), forced_lengths(bad):
+            pass

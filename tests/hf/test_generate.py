@@ -227,27 +227,31 @@ def test_cache_after_a_step_equals_fresh_prefill(pair, same_draft, static):
             result = session.step()
             if same_draft:
                 assert result.accepted == [3, 3, 3] and session.drafter.uncached.tolist() == [2, 2, 2]
-            batch, tokens = session.batch, session.tokens
-            for model, cache, cached in (
-                (target, session.t_cache, batch.target_cached),
-                (draft, session.drafter.cache, session.drafter.cached),
-            ):
-                assert cache_length(cache) == int(cached.max())
-                for b in range(3):
-                    n = int(cached[b])
-                    assert n <= int(tokens.length[b])
-                    fresh = DynamicCache(config=model.config)
-                    model(input_ids=tokens.seq[b : b + 1, :n], **cache_kwargs(model, fresh))
-                    for layer, fresh_layer in zip(cache.layers, fresh.layers):
-                        torch.testing.assert_close(layer.keys[b : b + 1, :, :n], fresh_layer.keys, atol=1e-5, rtol=1e-5)
-                        torch.testing.assert_close(
-                            layer.values[b : b + 1, :, :n], fresh_layer.values, atol=1e-5, rtol=1e-5
-                        )
+            assert_caches_hold_the_committed_tokens(session, target, draft)
             if static:
                 now = [(layer.keys.data_ptr(), layer.keys.shape[2]) for layer in session.t_cache.layers]
                 assert all(length == session.static_len for _, length in now)
                 assert addresses is None or now == addresses
                 addresses = now
+
+
+def assert_caches_hold_the_committed_tokens(session, target, draft) -> None:
+    """Both caches hold exactly request b's first C_b committed tokens in slots [0, C_b), as a fresh
+    prefill of them would (C_b: the target's / the drafter's cached counts), and no slot past the longest."""
+    batch, tokens = session.batch, session.tokens
+    for model, cache, cached in (
+        (target, session.t_cache, batch.target_cached),
+        (draft, session.drafter.cache, session.drafter.cached),
+    ):
+        assert cache_length(cache) == int(cached.max())
+        for a, b in enumerate(batch.rows):
+            n = int(cached[a])
+            assert n <= int(tokens.length[b])
+            fresh = DynamicCache(config=model.config)
+            model(input_ids=tokens.seq[b : b + 1, :n], **cache_kwargs(model, fresh))
+            for layer, fresh_layer in zip(cache.layers, fresh.layers):
+                torch.testing.assert_close(layer.keys[a : a + 1, :, :n], fresh_layer.keys, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(layer.values[a : a + 1, :, :n], fresh_layer.values, atol=1e-5, rtol=1e-5)
 
 
 def _static_runs_equal_generate(target, draft, batch: dict, pad: int, longest: int = 13, G: int = 4):

@@ -4,13 +4,16 @@ One batched draft forward per depth (forward 0 feeds the uncached committed toke
 request; forward t feeds the K depth-t tokens), all through the tree-attention backend so the chains
 share the prompt's KV cache. Invariant between steps: the draft cache holds every committed token
 but the last u_b (u_b = 2 when all g drafts were accepted, since the draft never fed its own last
-draft, else 1).
+draft, else 1), plus one per target-only step (g = 0: no draft forward, ``hf/draft_length.py``) since
+the last drafting step. The next drafting step feeds those tokens in its forward 0 (a catch-up: one
+forward whatever their number, up to the tree's 64 slots; more first go through ``_catch_up``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..._types import MAX_NODES
 from .. import drafting
 from ..attention import TreeAttentionMetadata, tree_attention_metadata, using_tree_attention
 from ..cache import commit_paths, select_requests
@@ -29,7 +32,7 @@ class ModelDrafter(Drafter):
         self.max_tree_nodes, self.max_depth = K * G, G
         self.cache = None
         self.length = 0  # slots in use in the draft cache (tracked on the host)
-        self.cached = self.uncached = None  # [A] int64: committed tokens cached / not fed yet (1 or 2)
+        self.cached = self.uncached = None  # [A] int64: committed tokens cached / not fed yet (>= 1)
         self.uncached_host: list[int] = []  # the same on the host (known from the last step's transfer)
         self.fed = (0, 1)  # this step's (first slot, forward-0 width): what the commit gathers from
 
@@ -53,8 +56,8 @@ class ModelDrafter(Drafter):
         return DraftLengthPolicy(session.target, self.model, cfg.num_draft_tokens, float(cost), measured)
 
     def _first_forward(self, session):
-        """Forward 0: the uncached committed tokens (1 or 2 per request), right-aligned; the last is
-        the root. Returns the root's logits [A, V] and the forward's metadata."""
+        """Forward 0: the uncached committed tokens (1 or 2 per request, more after target-only
+        steps), left-aligned; the last is the root. Returns the root's logits [A, V] and the forward's metadata."""
         batch, device = session.batch, session.device
         A, u, U = len(batch.rows), self.uncached, max(self.uncached_host)  # known on the host: no sync
         ids0 = session.tokens.last(batch.index, U)  # right-aligned; left-align the u real ones (the rest is padding)
@@ -63,17 +66,23 @@ class ModelDrafter(Drafter):
         meta0 = tree_attention_metadata(
             parents0, self.cached, self.length, num_nodes=u, backend=batch.attention_backend, validate=False
         )
-        # Only the root's logits are needed: when every request feeds U tokens (always at batch 1),
-        # the root is the last position and the output layer runs on it alone.
-        uniform = min(self.uncached_host) == U
-        logits0 = forward(self.model, self.cache, ids0, meta0, session.V, keep_last=uniform)
+        # Only the roots' logits are needed: request b's is position u_b - 1, so the output layer
+        # runs on the last U - min(u) + 1 positions only (1 when every request feeds U tokens, as at
+        # batch 1; 2 otherwise: the requests' u differ by one at most).
+        keep = U - min(self.uncached_host) + 1
+        logits0 = forward(self.model, self.cache, ids0, meta0, session.V, keep_last=keep)
         self.length += U
-        return (logits0[:, -1] if uniform else logits0[torch.arange(A, device=device), u - 1]), meta0
+        if keep == 1:
+            return logits0[:, -1], meta0
+        return logits0[torch.arange(A, device=device), u - 1 - (U - logits0.shape[1])], meta0
 
     def propose(self, session, g: int) -> ChainProposal:
         """K chains of g draft tokens per request with the probabilities [A, K, g, V] each draft was
         sampled from (what the verifier is told q is; None when greedy) and, with a confidence cut,
-        ragged draft counts."""
+        ragged draft counts. g = 0: a target-only step (no drafts, no draft forward)."""
+        if g == 0:
+            return self._target_only(session)
+        catch_up = self._catch_up(session, g)
         batch, cfg, device = session.batch, self.config, session.device
         K, sampling, greedy = cfg.num_drafts, cfg.sampling, cfg.greedy
         A, u, U = len(batch.rows), self.uncached, max(self.uncached_host)
@@ -123,7 +132,44 @@ class ModelDrafter(Drafter):
             sure_run = torch.stack(confident, dim=1).long().cumprod(dim=1).sum(dim=1)
             n_drafts = (sure_run + 1).clamp_max(drafts.shape[2])
         draft_rows = None if greedy else torch.stack(rows, dim=2)
-        return ChainProposal(drafts, draft_rows, n_drafts, draft_forwards=drafts.shape[2])
+        return ChainProposal(drafts, draft_rows, n_drafts, draft_forwards=catch_up + drafts.shape[2])
+
+    def _target_only(self, session) -> ChainProposal:
+        """No drafts: the verifier draws the next token from the target's root row (its bonus
+        token); the draft cache falls one more token behind (``update``)."""
+        A = len(session.batch.rows)
+        return ChainProposal(torch.zeros(A, 1, 0, dtype=torch.long, device=session.device))
+
+    def _catch_up(self, session, g: int) -> int:
+        """Feeds the draft the committed tokens it missed (target-only steps) that forward 0 cannot
+        take with this step's chains (its tree of ``MAX_NODES`` slots: the uncached tokens plus
+        (g - 1) * K draft slots): the oldest ones, the same number for every request (the requests
+        lag by one token at most: all fall behind together), as a chain in their own forward, then
+        commits them. Returns the forwards run (usually 0)."""
+        K, forwards = self.config.num_drafts, 0
+        while max(self.uncached_host) + (g - 1) * K > MAX_NODES:
+            C = min(min(self.uncached_host) - 1, MAX_NODES)  # keep >= 1 each: forward 0 needs a root
+            if C < 1:
+                raise RuntimeError(
+                    f"internal error: the draft lags by {self.uncached_host} tokens, which no forward can take; "
+                    "please report this with the call's arguments"
+                )
+            batch, device, A = session.batch, session.device, len(session.batch.rows)
+            session.check_room("draft", self.length, C)
+            # the draft cache holds tokens [0, cached) of each request: feed tokens [cached, cached + C)
+            ids = session.tokens.seq[batch.index].gather(1, self.cached[:, None] + torch.arange(C, device=device))
+            parents = (torch.arange(C, device=device) - 1).expand(A, C)
+            meta = tree_attention_metadata(
+                parents, self.cached, self.length, backend=batch.attention_backend, validate=False
+            )
+            forward(self.model, self.cache, ids, meta, session.V, keep_last=True)  # (its logits are not needed)
+            slots = (self.length + torch.arange(C, device=device)).expand(A, C)
+            commit_paths(self.cache, slots, self.cached, torch.full_like(self.cached, C), self.length + C)
+            self.length += C  # (stale slots stay up to the next commit's crop)
+            self.cached, self.uncached = self.cached + C, self.uncached - C
+            self.uncached_host = [u - C for u in self.uncached_host]
+            forwards += 1
+        return forwards
 
     def _confident(self, logits: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
         """[A] bool: the draft's distribution at this position has a token of probability >= the
@@ -149,10 +195,16 @@ class ModelDrafter(Drafter):
         return src, torch.where(verified.finished, 0, kept)  # a finishing request keeps nothing
 
     def host_values(self, session, verified: Verified) -> list[torch.Tensor]:
+        if verified.proposal.depth == 0:  # a target-only step: the draft cache is untouched
+            return []
         self._src, self._kept = self._commit_slots(verified)
         return [(self.cached + self._kept).max()]
 
     def update(self, session, verified: Verified, host: list[int]) -> None:
+        if verified.proposal.depth == 0:  # one more committed token the draft has not fed
+            self.uncached = self.uncached + 1
+            self.uncached_host = [u + 1 for u in self.uncached_host]
+            return
         commit_paths(self.cache, self._src, self.cached, self._kept, host[0])
         self.length = host[0]
         self.cached = self.cached + self._kept
