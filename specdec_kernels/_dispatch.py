@@ -228,6 +228,12 @@ def ties_backend(sampling, backend: str, device) -> str:
     )
 
 
+# Backends that apply token_bitmask themselves (the reference; the Triton kernels as they read each row);
+# the others run on a masked copy of the rows (_bitmask.apply_chain_mask / apply_tree_mask). "auto" is
+# resolved on CPU tensors before the mask is applied; on CUDA its "cuda" candidate masks a copy itself.
+NATIVE_MASK_BACKENDS = {"torch", "triton", "auto"}
+
+
 def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     """Run chain verification (checked VerifyArgs) on the requested backend."""
     backend = ties_backend(args.sampling, backend, args.target_logits.device)
@@ -236,7 +242,7 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     device = args.target_logits.device
     if backend == "auto" and device.type == "cpu":
         backend = cpu_auto_backend()
-    if backend != "torch":  # token_bitmask: the reference applies it itself; the others get masked rows
+    if backend not in NATIVE_MASK_BACKENDS:  # token_bitmask: the others get masked rows
         args = apply_chain_mask(args)
     # Only the Triton kernels read the flattened layout in place; the others get a padded copy.
     if backend == "cpu":
@@ -251,7 +257,7 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
     candidates = {"triton": lambda: launch_verify(args, num_chunks, block_v, *threshold)}
     if backend == "auto" and device.type == "cuda" and csrc.cuda_extension_ready():
-        candidates["cuda"] = lambda: csrc.verify_chain(args.padded(), num_chunks=num_chunks)
+        candidates["cuda"] = lambda: csrc.verify_chain(apply_chain_mask(args).padded(), num_chunks=num_chunks)
     chosen = resolve(backend, device, chain_shape_class(args), candidates)
     return candidates[chosen]()
 
@@ -296,7 +302,7 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
     block_v, num_chunks = overrides.get("block_v"), overrides.get("num_chunks")
     if backend == "auto" and args.target.device.type == "cpu":
         backend = cpu_auto_backend()
-    if backend != "torch":  # token_bitmask: as in run_verify
+    if backend not in NATIVE_MASK_BACKENDS:  # token_bitmask: as in run_verify
         args = apply_tree_mask(args)
     if backend == "cpu":
         return csrc.verify_tree_cpu(args)
@@ -310,7 +316,7 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
     candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks, *threshold)}
     if backend == "auto" and args.target.device.type == "cuda" and csrc.cuda_extension_ready():
-        candidates["cuda"] = lambda: csrc.verify_tree(args)
+        candidates["cuda"] = lambda: csrc.verify_tree(apply_tree_mask(args))
     chosen = resolve(backend, args.target.device, tree_shape_class(args), candidates)
     return candidates[chosen]()
 

@@ -128,6 +128,21 @@ def load_logits(ptrs, mask):
     return tl.where(bad, float("-inf"), x), bad
 
 
+BITS_PER_WORD = tl.constexpr(32)  # token_bitmask: 32 token bits per int32 word (_bitmask)
+
+
+@triton.jit
+def allowed_at(mask_rows, cols, ok, HAS_MASK: tl.constexpr):
+    """``ok``, and with HAS_MASK only where the grammar words allow the columns: bit cols % 32 of
+    word cols // 32 of the mask row at ``mask_rows`` (int32 words, ``_bitmask``; any broadcastable
+    shapes). Loading a row under this mask with other=-inf gives the masked copy's -inf (a NaN at a
+    disallowed column is never seen, as there)."""
+    if HAS_MASK:
+        words = tl.load(mask_rows + cols // BITS_PER_WORD, mask=ok, other=0)
+        ok = ok & (((words >> (cols % BITS_PER_WORD)) & 1) != 0)  # bit 31: sign-extended, & 1 still reads it
+    return ok
+
+
 @triton.jit
 def load_probs(ptrs, mask):
     """fp32 draft probabilities with NaN / +inf / negative entries replaced by 0 (no probability:
