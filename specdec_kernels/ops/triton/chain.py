@@ -43,6 +43,7 @@ from .helpers import (
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
     allowed_at,
+    allowed_tile,
     cdiv,
     inverse_temperature,
     kept_at,
@@ -128,11 +129,15 @@ def _race_row_j(
         cols = start + tl.arange(0, BLOCK_V)[None, :]
         lane_ok = need[:, None] & (cols < end_col)
         lane_q = lane_ok & recover[:, None]  # no draft row at the bonus position
-        t_ok = allowed_at(mj_row, cols, lane_ok, HAS_MASK)
-        x = tl.load(tj_row + cols, mask=t_ok, other=float("-inf")).to(tl.float32)
+        bits = allowed_tile(mj_row, start, end_col, need, BLOCK_V, HAS_MASK)  # target and draft row j
+        x = tl.load(tj_row + cols, mask=lane_ok, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            x = tl.where(bits, x, float("-inf"))
         p = _kept_prob(x, mj_t, c, inv_zt, thrj_t, cols, cutj_t, BY_INDEX)
         if DRAFT_MODE == DRAFT_LOGITS:
-            xd = tl.load(dj_row + cols, mask=t_ok & recover[:, None], other=float("-inf")).to(tl.float32)
+            xd = tl.load(dj_row + cols, mask=lane_q, other=float("-inf")).to(tl.float32)
+            if HAS_MASK:
+                xd = tl.where(bits, xd, float("-inf"))
             q = _kept_prob(xd, mj_q, c, inv_zq, thrj_q, cols, cutj_q, BY_INDEX)
             residual = tl.maximum(p - q, 0.0)
         elif DRAFT_MODE == DRAFT_PROBS:

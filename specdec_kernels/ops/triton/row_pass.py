@@ -23,7 +23,7 @@ from .helpers import (
     DRAFT_PROBS,
     LOG2E,
     NO_MAX,
-    allowed_at,
+    allowed_tile,
     cdiv,
     inverse_temperature,
     kept_at,
@@ -71,7 +71,7 @@ from .threshold_phases import (
 @triton.jit
 def _row_pass_fast(
     t_rows, d_rows, tm_rows, dm_rows, row_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col,
-    DRAFT_MODE, HAS_FILTER, BY_INDEX, HAS_MASK, BLOCK_V
+    DRAFT_MODE, HAS_FILTER, BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V
 ):  # fmt: skip
     """One pass over [start_col, end_col) of each row: (max, sum-exp) of the processed target and
     draft logits, greedy argmax, count of unusable draft probabilities. About 12 instructions per
@@ -91,16 +91,22 @@ def _row_pass_fast(
     for start in range(start_col, end_col, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)[None, :]
         in_chunk = cols < end_col
-        t_ok = allowed_at(tm_rows, cols, row_ok[:, None] & in_chunk, HAS_MASK)
-        x = tl.load(t_rows + cols, mask=t_ok, other=float("-inf")).to(tl.float32)
+        t_bits = allowed_tile(tm_rows, start, end_col, row_ok | draft_ok, BLOCK_V, HAS_MASK)
+        x = tl.load(t_rows + cols, mask=row_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            x = tl.where(t_bits, x, float("-inf"))
         top_idx = tl.where(x > top_t, cols, top_idx)
         top_t = tl.maximum(top_t, x, propagate_nan=tl.PropagateNan.ALL)
         if HAS_FILTER:
             x = tl.where(kept_at(x, cols, thr_t[:, None], cut_t[:, None], BY_INDEX), x, float("-inf"))
         m_t, z_t = lane_exp_update(m_t, z_t, x, c)
         if DRAFT_MODE == DRAFT_LOGITS:
-            d_ok = allowed_at(dm_rows, cols, draft_ok[:, None] & in_chunk, HAS_MASK)
-            xd = tl.load(d_rows + cols, mask=d_ok, other=float("-inf")).to(tl.float32)
+            d_bits = t_bits  # a chain's / verify_multi's draft row i uses its target row's words
+            if MASK_PARENTS:
+                d_bits = allowed_tile(dm_rows, start, end_col, draft_ok, BLOCK_V, HAS_MASK)
+            xd = tl.load(d_rows + cols, mask=draft_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
+            if HAS_MASK:
+                xd = tl.where(d_bits, xd, float("-inf"))
             top_q = tl.maximum(top_q, xd, propagate_nan=tl.PropagateNan.ALL)
             if HAS_FILTER:
                 xd = tl.where(kept_at(xd, cols, thr_q[:, None], cut_q[:, None], BY_INDEX), xd, float("-inf"))
@@ -120,7 +126,7 @@ def _row_pass_fast(
 @triton.jit
 def _row_pass_exact(
     t_rows, d_rows, tm_rows, dm_rows, row_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col,
-    DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V,
+    DRAFT_MODE, BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V,
 ):  # fmt: skip
     """The row pass with every entry sanitised (NaN / +inf count as -inf and are counted): for
     the rare rows whose fast pass met such entries."""
@@ -137,12 +143,16 @@ def _row_pass_exact(
     for start in range(start_col, end_col, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)[None, :]
         in_chunk = cols < end_col
-        x, x_bad = load_logits(t_rows + cols, allowed_at(tm_rows, cols, row_ok[:, None] & in_chunk, HAS_MASK))
+        t_bits = allowed_tile(tm_rows, start, end_col, row_ok | draft_ok, BLOCK_V, HAS_MASK)
+        x, x_bad = load_logits(t_rows + cols, row_ok[:, None] & in_chunk, t_bits)
         bad += x_bad.to(tl.int32)
         g_max, g_idx = lane_argmax_update(g_max, g_idx, x, cols)
         m_t, z_t = lane_softmax_update(m_t, z_t, x, kept_at(x, cols, thr_t[:, None], cut_t[:, None], BY_INDEX), inv_t2)
         if DRAFT_MODE == DRAFT_LOGITS:
-            xd, xd_bad = load_logits(d_rows + cols, allowed_at(dm_rows, cols, draft_ok[:, None] & in_chunk, HAS_MASK))
+            d_bits = t_bits
+            if MASK_PARENTS:
+                d_bits = allowed_tile(dm_rows, start, end_col, draft_ok, BLOCK_V, HAS_MASK)
+            xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk, d_bits)
             bad_q += xd_bad.to(tl.int32)
             kept_q = kept_at(xd, cols, thr_q[:, None], cut_q[:, None], BY_INDEX)
             m_q, z_q = lane_softmax_update(m_q, z_q, xd, kept_q, inv_t2)
@@ -240,7 +250,7 @@ def _verify_row_stats_kernel(
             t_rows, d_rows, tm_rows, dm_rows, stats_ptr + (rows * num_chunks + chunk) * NUM_STATS,
             idx_ptr + (rows * num_chunks + chunk) * NUM_IDX, row_ok, target_ok, draft_ok, thr_t, thr_q, cut_t, cut_q,
             inv_t, chunk * chunk_size, tl.minimum(chunk * chunk_size + chunk_size, V), DRAFT_MODE, HAS_FILTER,
-            BY_INDEX, HAS_MASK, BLOCK_V,
+            BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V,
         )  # fmt: skip
     elif HAS_FILTER:
         top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int64)
@@ -310,6 +320,7 @@ def _row_stats_pass(
     HAS_FILTER: tl.constexpr,
     BY_INDEX: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    MASK_PARENTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Statistics of each row's chunk [start_col, end_col), written to its records rec_ptr /
@@ -320,7 +331,7 @@ def _row_stats_pass(
     # (which is also the row max and the greedy max); such rows are redone exactly below.
     row_m_t, row_z_t, row_g_idx, row_m_q, row_z_q, bad_q = _row_pass_fast(
         t_rows, d_rows, tm_rows, dm_rows, target_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col,
-        DRAFT_MODE, HAS_FILTER, BY_INDEX, HAS_MASK, BLOCK_V,
+        DRAFT_MODE, HAS_FILTER, BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V,
     )  # fmt: skip
     redo = target_ok & ~(row_m_t < float("inf"))
     if DRAFT_MODE == DRAFT_LOGITS:
@@ -329,7 +340,7 @@ def _row_stats_pass(
     if tl.max(redo.to(tl.int32), axis=0) > 0:
         e_m_t, e_z_t, e_g_max, e_g_idx, e_bad_t, e_m_q, e_z_q, e_bad_q = _row_pass_exact(
             t_rows, d_rows, tm_rows, dm_rows, redo & target_ok, redo & draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t,
-            start_col, end_col, DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V,
+            start_col, end_col, DRAFT_MODE, BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V,
         )  # fmt: skip
         row_m_t = tl.where(redo, e_m_t, row_m_t)
         row_z_t = tl.where(redo, e_z_t, row_z_t)

@@ -299,7 +299,15 @@ def chunk_candidates(
     (``_unsigned_key >> 16``) is >= tau was written, so the union of a row's chunks holds every entry
     of the row at or above the largest tau (``select_candidates``)."""
     cols = start + tl.arange(0, CW)
-    x, _bad = load_logits(row_ptr + cols, allowed_at(mask_row, cols, active & (cols < end), HAS_MASK))
+    bits = None
+    if HAS_MASK:  # the chunk's words, expanded in registers (as ``allowed_tile``, one row)
+        if CW >= 32:
+            w = start // 32 + tl.arange(0, CW // 32)
+            words = tl.load(mask_row + w, mask=active & (w * 32 < end), other=0)
+            bits = tl.reshape((words[:, None] & (1 << tl.arange(0, 32))[None, :]) != 0, [CW])
+        else:
+            bits = allowed_at(mask_row, cols, active & (cols < end), HAS_MASK)
+    x, _bad = load_logits(row_ptr + cols, active & (cols < end), bits)
     groups = tl.reshape(x, [CW // E, E])
     g_max = tl.max(groups, axis=1)
     m = tl.max(g_max, axis=0)

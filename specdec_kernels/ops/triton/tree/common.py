@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ....reference import verify_tree as _ref_tree
-from ..helpers import DRAFT_LOGITS, DRAFT_PROBS, allowed_at, load_logits, load_probs
+from ..helpers import DRAFT_LOGITS, DRAFT_PROBS, allowed_tile, load_logits, load_probs
 from ..records import CUT_Q, CUT_T, NUM_STATS, NUM_THR, STAT_M_Q, STAT_M_T, STAT_Z_Q, STAT_Z_T, THR_Q, THR_T, load_cut
 from ..row_pass import prob_of
 
@@ -102,15 +102,24 @@ def _pick(vals, cols, j):
 
 @triton.jit
 def _position_tiles(
-    t_row, d_row, tm_row, dm_row, cols, lane, lane_q, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q,
-    DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr,
+    t_row, d_row, tm_row, dm_row, start, end, rows, rows_q, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q,
+    DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """(target logits, p, q) on a [BB, BLOCK_V] tile of the position's target and draft rows
-    (the draft row is read where lane_q holds), under their mask rows tm_row / dm_row (HAS_MASK)."""
-    xt, _bad_t = load_logits(t_row[:, None] + cols, allowed_at(tm_row[:, None], cols, lane, HAS_MASK))
+    """(target logits, p, q) on the [BB, BLOCK_V] tile at columns start + arange(BLOCK_V) (< end) of
+    the position's target rows (where `rows`) and draft rows (where `rows_q`), under their
+    token_bitmask rows tm_row / dm_row (HAS_MASK)."""
+    cols = start + tl.arange(0, BLOCK_V)[None, :]
+    lane = rows[:, None] & (cols < end)
+    lane_q = rows_q[:, None] & (cols < end)
+    t_bits = None
+    d_bits = None
+    if HAS_MASK:
+        t_bits = allowed_tile(tm_row[:, None], start, end, rows, BLOCK_V, HAS_MASK)
+        d_bits = allowed_tile(dm_row[:, None], start, end, rows_q, BLOCK_V, HAS_MASK)
+    xt, _bad_t = load_logits(t_row[:, None] + cols, lane, t_bits)
     pv = prob_of(xt, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None], cols, cut_t[:, None], BY_INDEX)
     if DRAFT_MODE == DRAFT_LOGITS:
-        xq, _bad_q = load_logits(d_row[:, None] + cols, allowed_at(dm_row[:, None], cols, lane_q, HAS_MASK))
+        xq, _bad_q = load_logits(d_row[:, None] + cols, lane_q, d_bits)
         qv = prob_of(xq, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None], cols, cut_q[:, None], BY_INDEX)
     elif DRAFT_MODE == DRAFT_PROBS:
         qv, _bad_qv = load_probs(d_row[:, None] + cols, lane_q)

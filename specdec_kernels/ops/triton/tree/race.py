@@ -100,8 +100,8 @@ def _tree_race_kernel(
             cols = start + vcols
             lane = race[:, None] & (cols < end_col)
             xt, pv, qv = _position_tiles(
-                t_row, d_row, tm_row, dm_row, cols, lane, lane & has_cand[:, None], m_t, z_t, thr_t, m_q, z_q, thr_q,
-                inv_t, cut_t, cut_q, DRAFT_MODE, BY_INDEX, HAS_MASK,
+                t_row, d_row, tm_row, dm_row, start, end_col, race, race & has_cand, m_t, z_t, thr_t, m_q, z_q, thr_q,
+                inv_t, cut_t, cut_q, DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V,
             )  # fmt: skip
             w = _race_weights(
                 pv, qv, cols, lane, has_cand, steps, rho, scale, zs, ds, xs, nodes, DRAFT_MODE, METHOD, NP2

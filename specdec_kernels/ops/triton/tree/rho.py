@@ -9,7 +9,8 @@ import triton.language as tl
 from ..helpers import (
     DRAFT_LOGITS,
     LOG2E,
-    allowed_at,
+    NEG_INF,
+    allowed_tile,
     fast_div,
     inverse_temperature,
     kept_at,
@@ -246,8 +247,6 @@ def _rho_chunk_sums(
     # tiles, in the accumulator's layout: broadcasting over the points moves no data.
     t_row = t_row[:, :, None]
     d_row = d_row[:, :, None]
-    tm_row = tm_row[:, :, None]
-    dm_row = dm_row[:, :, None]
     c = c[:, :, None]
     m_t, m_q = m_t[:, :, None], m_q[:, :, None]
     inv_zt, inv_zq = inv_zt[:, :, None], inv_zq[:, :, None]
@@ -262,12 +261,16 @@ def _rho_chunk_sums(
     for start in range(start_col, end_col, BLOCK_V):
         cols = start + vcols
         lane = active[:, None, None] & (cols < end_col)
-        x = tl.load(t_row + cols, mask=allowed_at(tm_row, cols, lane, HAS_MASK), other=float("-inf")).to(tl.float32)
+        x = tl.load(t_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:  # the words of the [BP, BLOCK_V] tile, expanded in registers
+            t_bits = allowed_tile(tm_row, start, end_col, active, BLOCK_V, HAS_MASK)[:, None, :]
+            x = tl.where(t_bits, x, float("-inf"))
         kept_t = kept_at(x, cols, thr_t, cut_t, BY_INDEX) & (x > float("-inf")) & (x < float("inf"))
         if DRAFT_MODE == DRAFT_LOGITS:
             # p = 2^a_t, q = 2^a_q with a = x c - (m c + log2 z); p / q = 2^(a_t - a_q): no division
-            q_ok = allowed_at(dm_row, cols, lane, HAS_MASK)
-            xq = tl.load(d_row + cols, mask=q_ok, other=float("-inf")).to(tl.float32)
+            xq = tl.load(d_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
+            if HAS_MASK:
+                xq = tl.where(allowed_tile(dm_row, start, end_col, active, BLOCK_V, HAS_MASK)[:, None, :], xq, NEG_INF)
             kept_q = kept_at(xq, cols, thr_q, cut_q, BY_INDEX) & (xq > float("-inf")) & (xq < float("inf"))
             a_t = x * c - off_t
             a_q = xq * c - off_q

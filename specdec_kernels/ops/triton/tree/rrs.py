@@ -91,8 +91,8 @@ def _tree_rrs_kernel(
             cols = start + vcols
             lane = active[:, None] & (cols < end_col)
             _x, pv, qv = _position_tiles(
-                t_row, d_row, tm_row, dm_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q,
-                DRAFT_MODE, BY_INDEX, HAS_MASK,
+                t_row, d_row, tm_row, dm_row, start, end_col, active, active, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t,
+                cut_t, cut_q, DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V,
             )  # fmt: skip
             r = _rrs_residual(pv, qv, steps, zs, xs32, ds, cols, ranks, WOR)
             acc += tl.where(lane, r, 0.0)

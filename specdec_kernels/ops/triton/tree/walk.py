@@ -347,8 +347,8 @@ def _rrs_z_j(
             cols = start + vcols
             lane = live[:, None] & (cols < V)
             _x, pv, qv = _position_tiles(
-                t_row, d_row, tm_row, dm_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q,
-                DRAFT_MODE, BY_INDEX, HAS_MASK,
+                t_row, d_row, tm_row, dm_row, start, V, live, live, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t,
+                cut_q, DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V,
             )  # fmt: skip
             r = _rrs_residual(pv, qv, steps, zs, xs, ds, cols.to(tl.int64), nodes, METHOD == 2)
             z_j += tl.sum(tl.where(lane, r, 0.0), axis=1)
