@@ -22,7 +22,11 @@ ints equal to 1 as constants). From the cubin (Triton's bundled ``cuobjdump`` / 
 These are estimates from compiled code, not measurements: latency, cache behaviour and
 instruction mix are not modelled. ``bench/run_gpu.sh`` measures when a GPU is lent.
 
-Usage: python bench/bench_static.py [--smoke] [--csv PATH]
+Grammar masks (``token_bitmask=``, read natively by the Triton kernels): ``--cases mask`` compiles
+the chain and tree calls with and without a mask and writes them as the commit's section; a mask adds
+its words, ceil(V / 32) int32 = V / 8 bytes, per row read (``mask_bytes``).
+
+Usage: python bench/bench_static.py [--smoke] [--csv PATH] [--cases all|chain|tree|mask]
 """
 
 from __future__ import annotations
@@ -343,6 +347,30 @@ def one_read(case: dict) -> float:
     return V * (B * (G + 1) * esize + B * G * draft)
 
 
+def mask_row_bytes(V: int) -> int:
+    """Bytes of one token_bitmask row: ceil(V / 32) int32 words (V / 8 rounded up to a word)."""
+    return 4 * ((V + 31) // 32)
+
+
+def mask_bytes(case: dict, launch: Launch, logits_bytes: float) -> float:
+    """Bytes of token_bitmask words a launch reads (0 without ``case["mask"]``): one mask row per
+    logits row it reads, except that a chain's draft row i shares target row i's words, read by the
+    same program (the row pass, the accept kernel's row j) or by its neighbour (the threshold phases'
+    draft programs, L2), so chains count target rows only; a tree's draft row uses its parent's mask
+    row, another program's, so every target and draft row counts."""
+    if not case.get("mask") or not logits_bytes:
+        return 0.0
+    V, e, name = case["V"], case["esize"], launch.kernel.fn.__name__
+    if "op" in case:  # trees: every logits row read (bf16 rows; the bytes model counts them at esize)
+        return logits_bytes / (V * e) * mask_row_bytes(V)
+    B, G, phase = case["B"], case["G"], launch.kwargs.get("PHASE", 0)
+    if name == "_verify_row_stats_kernel" and phase in (0, 1):  # statistics / threshold candidates: target rows
+        return B * (G + 1) * mask_row_bytes(V)
+    if name == "_verify_accept_kernel":  # row j of each sampled request (the accept test's entries: noise)
+        return B * mask_row_bytes(V)
+    return 0.0
+
+
 _PHASES = ["", " (threshold candidates)", " (select)"]
 
 
@@ -360,6 +388,7 @@ def launch_row(case: dict, launch: Launch) -> dict:
     busiest = math.ceil(programs / H100["sms"]) * per_program
     issue_us = busiest / (4 * H100["ghz"] * 1e3)
     nbytes = model.bytes(case, launch) if model else _bytes(case, launch)
+    nbytes += mask_bytes(case, launch, nbytes)
     floor_us = nbytes / H100["hbm"] * 1e6
     first = hot[-1][0]["sass"] if hot else 0
     return {
@@ -430,6 +459,8 @@ def capture_chain(case: dict) -> list[Launch]:
     }[case["draft"]]
     kw = dict(temperature=case["temperature"], top_k=case["top_k"], top_p=case["top_p"], seed=STATIC_SEED)
     kw["top_p_ties"] = case.get("top_p_ties", "keep")
+    if case.get("mask"):  # grammar words of every target row (draft row i uses row i)
+        kw["token_bitmask"] = torch.zeros(B, G + 1, (V + 31) // 32, dtype=torch.int32)
     with plan_as_gpu(H100["sms"]), captured_launches() as launches:
         sk.verify(target, tokens, **draft, **kw, validate=False, backend="triton")
     return launches
@@ -644,11 +675,14 @@ def capture_tree(case: dict) -> list[Launch]:
     B, V = case["B"], case["V"]
     kw = dict(temperature=case["temperature"], seed=STATIC_SEED, method=case["method"], validate=False)
     kw["backend"] = "triton"
+    W = (V + 31) // 32
     with plan_as_gpu(H100["sms"]), captured_launches() as launches:
         if case["op"] == "verify_multi":
             K, G = case["K"], case["G"]
             target = torch.empty(B, K, G + 1, V, dtype=torch.bfloat16)
             draft = torch.empty(B, K, G, V, dtype=torch.bfloat16)
+            if case.get("mask"):
+                kw["token_bitmask"] = torch.zeros(B, K, G + 1, W, dtype=torch.int32)
             sk.verify_multi(target, torch.zeros(B, K, G, dtype=torch.int64), draft_logits=draft, **kw)
         else:
             N = case["N"]
@@ -657,6 +691,8 @@ def capture_tree(case: dict) -> list[Launch]:
             target = torch.empty(B, N + 1, V, dtype=torch.bfloat16)
             draft = torch.empty(B, N, V, dtype=torch.bfloat16)
             tokens = torch.zeros(B, N, dtype=torch.int64)
+            if case.get("mask"):
+                kw["token_bitmask"] = torch.zeros(B, N + 1, W, dtype=torch.int32)
             sk.verify_tree(target, tokens, parents, draft_logits=draft, max_depth=depth, **kw)
     return launches
 
@@ -825,10 +861,25 @@ def run_tree(smoke: bool, which: str = "all") -> list[dict]:
     return rows
 
 
-def run(smoke: bool) -> list[dict]:
+def mask_cases() -> tuple[list[dict], list[dict]]:
+    """(chain, tree) calls with and without token_bitmask: the chain at V = 151,936, G = 4, bf16, B = 1
+    and 64, greedy / sampled / top-k 50 + top-p 0.9 (draft logits), and verify_tree N = 60 B = 64."""
+    chain = []
+    for case in chain_cases(False):
+        if case["V"] == 151936 and case["B"] in (1, 64) and case["draft"] == "logits":
+            if case["top_p_ties"] == "keep":
+                chain += [dict(case, name=case["name"] + " mask=" + str(m).lower(), mask=m) for m in (False, True)]
+    tree = []
+    for case in tree_cases(False):
+        if case["op"] == "verify_tree" and case["B"] == 64:
+            tree += [dict(case, name=case["name"] + " mask=" + str(m).lower(), mask=m) for m in (False, True)]
+    return chain, tree
+
+
+def run(smoke: bool, cases: list[dict] | None = None) -> list[dict]:
     meta = environment_metadata("cpu")
     rows = []
-    for case in chain_cases(smoke):
+    for case in chain_cases(smoke) if cases is None else cases:
         launches = capture_chain(case)
         kernel_rows = [launch_row(case, launch) for launch in launches]
         total = {k: sum(r[k] for r in kernel_rows) for k in ("bytes", "byte_floor_us", "issue_bound_us", "estimate_us")}
@@ -925,8 +976,15 @@ def main(argv=None) -> int:
         "--no-csrc", dest="csrc", action="store_false", help="skip the csrc kernels (compiled when nvcc is found)"
     )
     parser.add_argument("--csv", default=str(Path(__file__).parent / "results" / "static_sm90.csv"))
-    parser.add_argument("--cases", choices=["all", "chain", "tree"], default="all", help="which calls")
+    parser.add_argument(
+        "--cases",
+        choices=["all", "chain", "tree", "mask"],
+        default="all",
+        help="which calls (mask: the token_bitmask comparison, written as the commit's section)",
+    )
     args = parser.parse_args(argv)
+    if args.cases == "mask":
+        return _main_mask(args.csv)
     rows = run(args.smoke) if args.cases in ("all", "chain") else []
     rows += run_tree(args.smoke) if args.cases in ("all", "tree") else []
     print("# static model, sm_90 (H100 SXM: 132 SMs, 3.35 TB/s): *estimates*, not measurements")
@@ -945,6 +1003,28 @@ def main(argv=None) -> int:
         print(f"{len(rows)} rows: the section of commit {rows[0]['commit']} in {args.csv}")
     elif not args.smoke:
         print(f"not written to {args.csv}: a commit's section holds every case (run without --cases / --no-csrc)")
+    return 0
+
+
+def _main_mask(csv: str) -> int:
+    """The token_bitmask rows (``mask_cases``): printed with the mask's cost per call, written as the
+    commit's section of `csv`."""
+    from bench._common import replace_commit_rows_csv
+
+    chain, tree = mask_cases()
+    meta = environment_metadata("cpu")
+    rows = run(False, chain)
+    for case in tree:
+        rows += _call_rows(case, capture_tree(case), meta)
+    print("# static model, sm_90 (H100 SXM: 132 SMs, 3.35 TB/s): *estimates*, not measurements")
+    print_table(rows, ["case", "kernel", "regs", "spill_bytes", "sass_per_entry", "bytes", "estimate_us"])
+    calls = {r["case"]: r["estimate_us"] for r in rows if r["kernel"] == "(call)"}
+    for name, masked in calls.items():
+        if name.endswith(" mask=true"):
+            plain = calls[name[: -len("true")] + "false"]
+            print(f"{name[: -len(' mask=true')]}: {plain:.2f} -> {masked:.2f} us ({100 * (masked / plain - 1):+.1f}%)")
+    replace_commit_rows_csv(csv, rows, COLUMNS)
+    print(f"{len(rows)} rows: the section of commit {rows[0]['commit']} in {csv}")
     return 0
 
 

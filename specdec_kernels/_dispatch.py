@@ -228,9 +228,11 @@ def ties_backend(sampling, backend: str, device) -> str:
     )
 
 
-# token_bitmask applied by the backend itself: the reference, and the CPU build's row pass (every
-# other backend runs on the masked copy of _bitmask.apply_chain_mask / apply_tree_mask).
-NATIVE_MASK_BACKENDS = ("torch", "cpu")
+# Backends that apply token_bitmask themselves: the reference, the CPU build's row pass, the Triton
+# kernels as they read each row; the others run on a masked copy of the rows
+# (_bitmask.apply_chain_mask / apply_tree_mask). "auto" is resolved on CPU tensors before the mask is
+# applied; on CUDA its "cuda" candidate masks a copy itself.
+NATIVE_MASK_BACKENDS = {"torch", "cpu", "triton", "auto"}
 
 
 def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
@@ -241,7 +243,7 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     device = args.target_logits.device
     if backend == "auto" and device.type == "cpu":
         backend = cpu_auto_backend()
-    if backend not in NATIVE_MASK_BACKENDS:  # token_bitmask: the others run on masked rows
+    if backend not in NATIVE_MASK_BACKENDS:  # token_bitmask: the others get masked rows
         args = apply_chain_mask(args)
     # Only the Triton kernels read the flattened layout in place; the others get a padded copy.
     if backend == "cpu":
@@ -256,7 +258,7 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
     candidates = {"triton": lambda: launch_verify(args, num_chunks, block_v, *threshold)}
     if backend == "auto" and device.type == "cuda" and csrc.cuda_extension_ready():
-        candidates["cuda"] = lambda: csrc.verify_chain(args.padded(), num_chunks=num_chunks)
+        candidates["cuda"] = lambda: csrc.verify_chain(apply_chain_mask(args).padded(), num_chunks=num_chunks)
     chosen = resolve(backend, device, chain_shape_class(args), candidates)
     return candidates[chosen]()
 
@@ -315,7 +317,7 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
     candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks, *threshold)}
     if backend == "auto" and args.target.device.type == "cuda" and csrc.cuda_extension_ready():
-        candidates["cuda"] = lambda: csrc.verify_tree(args)
+        candidates["cuda"] = lambda: csrc.verify_tree(apply_tree_mask(args))
     chosen = resolve(backend, args.target.device, tree_shape_class(args), candidates)
     return candidates[chosen]()
 

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ..._interpreter import multiprocessors, plans_for_interpreter
 from ..._types import VerifyOutput
-from ..._validation import VerifyArgs
+from ..._validation import VerifyArgs, _last_dim_contiguous
 from .helpers import (
     DRAFT_LOGITS,
     DRAFT_PROBS,
@@ -42,6 +42,8 @@ from .helpers import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
+    allowed_at,
+    allowed_tile,
     cdiv,
     inverse_temperature,
     kept_at,
@@ -92,9 +94,9 @@ def _kept_prob(x, m, c, inv_z, thr, cols, cut, BY_INDEX: tl.constexpr):
 
 @triton.jit
 def _race_row_j(
-    target_ptr, draft_ptr, t_base, d_base, stride_tg, stride_dg, i, j, need, recover, seed, tok, m_t, z_t, thr_t, cut_t,
-    m_q, z_q, thr_q, cut_q, inv_t, start_col, end_col, DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    target_ptr, draft_ptr, mask_ptr, t_base, d_base, m_base, stride_tg, stride_dg, stride_mg, i, j, need, recover, seed,
+    tok, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, start_col, end_col, DRAFT_MODE: tl.constexpr,
+    BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """The exponential races over [start_col, end_col) of row j of each request: argmax_x r(x) / E_x
     with E_x ~ Exp(1) (the same winner as argmax log r(x) - log E_x, without the logs) over the
@@ -115,6 +117,7 @@ def _race_row_j(
     zj_q = _select_row(z_q, i, j)
     tj_row = target_ptr + t_base[:, None] + j[:, None].to(tl.int64) * stride_tg
     dj_row = draft_ptr + d_base[:, None] + j[:, None].to(tl.int64) * stride_dg
+    mj_row = mask_ptr + m_base[:, None] + j[:, None].to(tl.int64) * stride_mg  # target and draft row j's words
     c = (inv_t * LOG2E)[:, None]
     inv_zt = tl.where(zj_t > 0.0, 1.0 / tl.where(zj_t > 0.0, zj_t, 1.0), 0.0)[:, None]
     inv_zq = tl.where(zj_q > 0.0, 1.0 / tl.where(zj_q > 0.0, zj_q, 1.0), 0.0)[:, None]
@@ -126,10 +129,15 @@ def _race_row_j(
         cols = start + tl.arange(0, BLOCK_V)[None, :]
         lane_ok = need[:, None] & (cols < end_col)
         lane_q = lane_ok & recover[:, None]  # no draft row at the bonus position
+        bits = allowed_tile(mj_row, start, end_col, need, BLOCK_V, HAS_MASK)  # target and draft row j
         x = tl.load(tj_row + cols, mask=lane_ok, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            x = tl.where(bits, x, float("-inf"))
         p = _kept_prob(x, mj_t, c, inv_zt, thrj_t, cols, cutj_t, BY_INDEX)
         if DRAFT_MODE == DRAFT_LOGITS:
             xd = tl.load(dj_row + cols, mask=lane_q, other=float("-inf")).to(tl.float32)
+            if HAS_MASK:
+                xd = tl.where(bits, xd, float("-inf"))
             q = _kept_prob(xd, mj_q, c, inv_zq, thrj_q, cols, cutj_q, BY_INDEX)
             residual = tl.maximum(p - q, 0.0)
         elif DRAFT_MODE == DRAFT_PROBS:
@@ -153,8 +161,8 @@ def _race_row_j(
 
 @triton.jit
 def _first_rejection(
-    t_rows, d_rows, x_rows, i, n_b, b_ok, greedy, seed, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, g_idx, inv_t,
-    V, DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, ROWS: tl.constexpr,
+    t_rows, d_rows, m_rows, x_rows, i, n_b, b_ok, greedy, seed, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, g_idx,
+    inv_t, V, DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """The accept test of every draft i < n_b (columns i of [BLOCK_B, ROWS] tiles; t_rows / d_rows
     point at the rows): (j = the first rejected draft, n_b when none is; the draft ids, 0 where
@@ -163,10 +171,11 @@ def _first_rejection(
     tok = tl.load(x_rows[:, None] + i, mask=is_draft, other=0).to(tl.int64)
     tok_ok = (tok >= 0) & (tok < V)  # out-of-range ids (validate=False) are rejected, never loaded
     tok_safe = tl.where(tok_ok, tok, 0)
-    x_t, _bad_t = load_logits(t_rows + tok_safe, is_draft)
+    tok_allowed = allowed_at(m_rows, tok_safe, is_draft, HAS_MASK)  # row i's words: target and draft row i
+    x_t, _bad_t = load_logits(t_rows + tok_safe, tok_allowed)
     p_tok = prob_of(x_t, m_t, z_t, thr_t, inv_t, tok_safe, cut_t, BY_INDEX)
     if DRAFT_MODE == DRAFT_LOGITS:
-        x_q, _bad_q = load_logits(d_rows + tok_safe, is_draft)
+        x_q, _bad_q = load_logits(d_rows + tok_safe, tok_allowed)
         q_tok = prob_of(x_q, m_q, z_q, thr_q, inv_t, tok_safe, cut_q, BY_INDEX)
     elif DRAFT_MODE == DRAFT_PROBS:
         q_tok, _bad_qt = load_probs(d_rows + tok_safe, is_draft)
@@ -198,12 +207,15 @@ def _verify_accept_kernel(
     nonfinite_ptr,  # [B] bool out
     race_key_ptr,  # [B, C, 2] fp32 out: best residual key, best fallback (p) key per chunk
     race_idx_ptr,  # [B, C, 2] int32 out
+    mask_ptr,  # [B, G+1, W] int32 (HAS_MASK; flattened: [N+B, W]): grammar words, draft row i uses row i
     # strides
     stride_tb,
     stride_tg,
     stride_db,
     stride_dg,
     stride_xb,
+    stride_mb,  # in words, as the target's (flattened: row strides)
+    stride_mg,
     # sizes
     B,
     G,
@@ -222,6 +234,7 @@ def _verify_accept_kernel(
     HAS_FILTER: tl.constexpr,
     BY_INDEX: tl.constexpr,  # top_p_ties="by_index": thresholds carry an index cut (CUT_T, CUT_Q)
     FLAT: tl.constexpr,
+    HAS_MASK: tl.constexpr,  # token_bitmask: disallowed logits are -inf in target and draft rows
     BLOCK_B: tl.constexpr,
     ROWS: tl.constexpr,  # next power of two >= G + 1
     BLOCK_V: tl.constexpr,
@@ -234,6 +247,7 @@ def _verify_accept_kernel(
     b_ok = b < B
     t_base = request_base(cu_ptr, b, b_ok, stride_tb, 1, FLAT)
     d_base = request_base(cu_ptr, b, b_ok, stride_db, 0, FLAT)
+    m_base = request_base(cu_ptr, b, b_ok, stride_mb, 1, FLAT)
     x_rows = draft_tokens_ptr + request_base(cu_ptr, b, b_ok, stride_xb, 0, FLAT)
     n_b = per_request(num_draft_ptr, G, b, b_ok, PER_REQ_N).to(tl.int32)
     n_b = drafted(x_rows, b_ok, n_b, V, ROWS)
@@ -258,9 +272,10 @@ def _verify_accept_kernel(
     # ---- accept test of every draft, first rejection j
     t_rows = target_ptr + t_base[:, None] + i.to(tl.int64) * stride_tg
     d_rows = draft_ptr + d_base[:, None] + i.to(tl.int64) * stride_dg
+    m_rows = mask_ptr + m_base[:, None] + i.to(tl.int64) * stride_mg
     j, tok = _first_rejection(
-        t_rows, d_rows, x_rows, i, n_b, b_ok, greedy, seed, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, g_idx,
-        inv_t2, V, DRAFT_MODE, BY_INDEX, ROWS,
+        t_rows, d_rows, m_rows, x_rows, i, n_b, b_ok, greedy, seed, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q,
+        g_idx, inv_t2, V, DRAFT_MODE, BY_INDEX, HAS_MASK, ROWS,
     )  # fmt: skip
 
     # ---- outputs that need no second pass: the greedy token; the nonfinite flag
@@ -283,9 +298,9 @@ def _verify_accept_kernel(
     p_idx = tl.zeros([BLOCK_B], tl.int32)
     if tl.max(need.to(tl.int32), axis=0) > 0:
         res_key, res_idx, p_key, p_idx = _race_row_j(
-            target_ptr, draft_ptr, t_base, d_base, stride_tg, stride_dg, i, j, need, j < n_b, seed, tok, m_t, z_t,
-            thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, chunk * chunk_size,
-            tl.minimum(chunk * chunk_size + chunk_size, V), DRAFT_MODE, BY_INDEX, BLOCK_V,
+            target_ptr, draft_ptr, mask_ptr, t_base, d_base, m_base, stride_tg, stride_dg, stride_mg, i, j, need,
+            j < n_b, seed, tok, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, chunk * chunk_size,
+            tl.minimum(chunk * chunk_size + chunk_size, V), DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V,
         )  # fmt: skip
     rec = (b * num_chunks + chunk) * NUM_RACES
     tl.store(race_key_ptr + rec + RACE_RESIDUAL, res_key, mask=b_ok)
@@ -421,9 +436,11 @@ def _row_layout(args: VerifyArgs) -> RowPassLayout:
             return (0, 0, 0)
         return (t.stride(0), 0, t.stride(0) if flat else t.stride(1))
 
+    mask = args.token_bitmask  # the kernels step through a mask row's words with stride 1
+    mask = _last_dim_contiguous(mask) if mask is not None else None
     return RowPassLayout(
         target, draft, args.draft_mode, args.B, 1, args.G, args.V, strides(target), strides(draft),
-        counts=args.num_draft_tokens, draft_tokens=draft_tokens, cu=args.cu,
+        counts=args.num_draft_tokens, draft_tokens=draft_tokens, cu=args.cu, mask=mask, mask_strides=strides(mask),
     )  # fmt: skip
 
 
@@ -495,12 +512,15 @@ def _launch_accept(args: VerifyArgs, layout: RowPassLayout, plan: ChainPlan, rec
         nonfinite_ptr=nonfinite,  # [B] out
         race_key_ptr=races.key,  # [B, C, NUM_RACES] out
         race_idx_ptr=races.idx,  # [B, C, NUM_RACES] out
+        mask_ptr=layout.mask if layout.mask is not None else layout.target,  # [B, G+1, W] (HAS_MASK)
         # strides
         stride_tb=layout.target_strides[0],
         stride_tg=layout.target_strides[2],
         stride_db=layout.draft_strides[0],
         stride_dg=layout.draft_strides[2],
         stride_xb=layout.draft_tokens.stride(0),
+        stride_mb=layout.mask_strides[0],
+        stride_mg=layout.mask_strides[2],
         # sizes
         B=B,
         G=args.G,
@@ -519,6 +539,7 @@ def _launch_accept(args: VerifyArgs, layout: RowPassLayout, plan: ChainPlan, rec
         HAS_FILTER=has_filter,
         BY_INDEX=has_filter and args.sampling.ties_by_index(),
         FLAT=layout.cu is not None,
+        HAS_MASK=layout.mask is not None,
         BLOCK_B=plan.block_b,
         ROWS=next_pow2(args.G + 1),
         BLOCK_V=plan.block_v,

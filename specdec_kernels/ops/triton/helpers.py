@@ -121,11 +121,53 @@ def race_inv_exp(seed, start, c1, c2, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def load_logits(ptrs, mask):
-    """fp32 logits with NaN / +inf replaced by -inf; also returns the mask of replaced entries."""
+def load_logits(ptrs, mask, allowed=None):
+    """fp32 logits with NaN / +inf replaced by -inf; also returns the mask of replaced entries.
+    allowed (token_bitmask bits, ``allowed_tile``): -inf where False before the check (a NaN at a
+    disallowed entry is not counted, as in the masked copy)."""
     x = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+    if allowed is not None:
+        x = tl.where(allowed, x, float("-inf"))
     bad = (x != x) | (x == float("inf"))
     return tl.where(bad, float("-inf"), x), bad
+
+
+BITS_PER_WORD = tl.constexpr(32)  # token_bitmask: 32 token bits per int32 word (_bitmask)
+
+
+@triton.jit
+def allowed_at(mask_rows, cols, ok, HAS_MASK: tl.constexpr):
+    """``ok``, and with HAS_MASK only where the grammar words allow the columns: bit cols % 32 of
+    word cols // 32 of the mask row at ``mask_rows`` (int32 words, ``_bitmask``; any broadcastable
+    shapes). Loading a row under this mask with other=-inf gives the masked copy's -inf (a NaN at a
+    disallowed column is never seen, as there)."""
+    if HAS_MASK:
+        words = tl.load(mask_rows + cols // BITS_PER_WORD, mask=ok, other=0)
+        ok = ok & (((words >> (cols % BITS_PER_WORD)) & 1) != 0)  # bit 31: sign-extended, & 1 still reads it
+    return ok
+
+
+@triton.jit
+def allowed_tile(mask_rows, start, end, row_ok, BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr):
+    """[R, BLOCK_V] bits of the grammar words at the columns start + arange(BLOCK_V) of R mask rows
+    (``mask_rows``: [R, 1] pointers; rows where ``row_ok``, columns < end), True everywhere without
+    HAS_MASK. The hot loops' form of ``allowed_at``: one word load per 32 columns, the bits expanded
+    in registers (a word per lane group instead of a load and a 64-bit address per entry); start is a
+    multiple of BLOCK_V (chunks are whole tiles), so of 32 when BLOCK_V >= 32. Apply the bits after a
+    load (``where``, ``load_logits(..., allowed)``), not in its mask: the row loads stay vectorised."""
+    R: tl.constexpr = mask_rows.shape[0]
+    cols = start + tl.arange(0, BLOCK_V)[None, :]
+    bits = tl.full([R, BLOCK_V], 1, tl.int1)
+    if HAS_MASK:
+        if BLOCK_V >= BITS_PER_WORD:
+            WORDS: tl.constexpr = BLOCK_V // BITS_PER_WORD
+            w = start // BITS_PER_WORD + tl.arange(0, WORDS)[None, :]
+            words = tl.load(mask_rows + w, mask=row_ok[:, None] & (w * BITS_PER_WORD < end), other=0)
+            lane_bit = 1 << tl.arange(0, BITS_PER_WORD)[None, None, :]  # loop-invariant: one AND per entry
+            bits = tl.reshape((words[:, :, None] & lane_bit) != 0, [R, BLOCK_V])
+        else:
+            bits = allowed_at(mask_rows, cols, row_ok[:, None] & (cols < end), HAS_MASK)
+    return bits
 
 
 @triton.jit

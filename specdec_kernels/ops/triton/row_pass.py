@@ -23,6 +23,7 @@ from .helpers import (
     DRAFT_PROBS,
     LOG2E,
     NO_MAX,
+    allowed_tile,
     cdiv,
     inverse_temperature,
     kept_at,
@@ -69,8 +70,8 @@ from .threshold_phases import (
 
 @triton.jit
 def _row_pass_fast(
-    t_rows, d_rows, row_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col, DRAFT_MODE, HAS_FILTER,
-    BY_INDEX, BLOCK_V
+    t_rows, d_rows, tm_rows, dm_rows, row_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col,
+    DRAFT_MODE, HAS_FILTER, BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V
 ):  # fmt: skip
     """One pass over [start_col, end_col) of each row: (max, sum-exp) of the processed target and
     draft logits, greedy argmax, count of unusable draft probabilities. About 12 instructions per
@@ -90,14 +91,22 @@ def _row_pass_fast(
     for start in range(start_col, end_col, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)[None, :]
         in_chunk = cols < end_col
+        t_bits = allowed_tile(tm_rows, start, end_col, row_ok | draft_ok, BLOCK_V, HAS_MASK)
         x = tl.load(t_rows + cols, mask=row_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            x = tl.where(t_bits, x, float("-inf"))
         top_idx = tl.where(x > top_t, cols, top_idx)
         top_t = tl.maximum(top_t, x, propagate_nan=tl.PropagateNan.ALL)
         if HAS_FILTER:
             x = tl.where(kept_at(x, cols, thr_t[:, None], cut_t[:, None], BY_INDEX), x, float("-inf"))
         m_t, z_t = lane_exp_update(m_t, z_t, x, c)
         if DRAFT_MODE == DRAFT_LOGITS:
+            d_bits = t_bits  # a chain's / verify_multi's draft row i uses its target row's words
+            if MASK_PARENTS:
+                d_bits = allowed_tile(dm_rows, start, end_col, draft_ok, BLOCK_V, HAS_MASK)
             xd = tl.load(d_rows + cols, mask=draft_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
+            if HAS_MASK:
+                xd = tl.where(d_bits, xd, float("-inf"))
             top_q = tl.maximum(top_q, xd, propagate_nan=tl.PropagateNan.ALL)
             if HAS_FILTER:
                 xd = tl.where(kept_at(xd, cols, thr_q[:, None], cut_q[:, None], BY_INDEX), xd, float("-inf"))
@@ -116,8 +125,8 @@ def _row_pass_fast(
 
 @triton.jit
 def _row_pass_exact(
-    t_rows, d_rows, row_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col, DRAFT_MODE, BY_INDEX,
-    BLOCK_V,
+    t_rows, d_rows, tm_rows, dm_rows, row_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col,
+    DRAFT_MODE, BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V,
 ):  # fmt: skip
     """The row pass with every entry sanitised (NaN / +inf count as -inf and are counted): for
     the rare rows whose fast pass met such entries."""
@@ -134,12 +143,16 @@ def _row_pass_exact(
     for start in range(start_col, end_col, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)[None, :]
         in_chunk = cols < end_col
-        x, x_bad = load_logits(t_rows + cols, row_ok[:, None] & in_chunk)
+        t_bits = allowed_tile(tm_rows, start, end_col, row_ok | draft_ok, BLOCK_V, HAS_MASK)
+        x, x_bad = load_logits(t_rows + cols, row_ok[:, None] & in_chunk, t_bits)
         bad += x_bad.to(tl.int32)
         g_max, g_idx = lane_argmax_update(g_max, g_idx, x, cols)
         m_t, z_t = lane_softmax_update(m_t, z_t, x, kept_at(x, cols, thr_t[:, None], cut_t[:, None], BY_INDEX), inv_t2)
         if DRAFT_MODE == DRAFT_LOGITS:
-            xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk)
+            d_bits = t_bits
+            if MASK_PARENTS:
+                d_bits = allowed_tile(dm_rows, start, end_col, draft_ok, BLOCK_V, HAS_MASK)
+            xd, xd_bad = load_logits(d_rows + cols, draft_ok[:, None] & in_chunk, d_bits)
             bad_q += xd_bad.to(tl.int32)
             kept_q = kept_at(xd, cols, thr_q[:, None], cut_q[:, None], BY_INDEX)
             m_q, z_q = lane_softmax_update(m_q, z_q, xd, kept_q, inv_t2)
@@ -166,6 +179,8 @@ def _verify_row_stats_kernel(
     filter_buf_ptr,  # fp32 scratch of the threshold phases: candidates [2R, TC, FILTER_CAP], chunk (m, z)
     filter_int_ptr,  # int32 scratch of the threshold phases: each chunk's candidate bound [2R, TC] (not PHASE_WHOLE)
     use_ptr,  # [B*K*(G+1), 2] int8 (ROW_USE): nonzero where the record's target / draft row is used
+    mask_ptr,  # [B, (K,) G+1, W] int32 (HAS_MASK): grammar words of the target rows (flattened: [N+B, W])
+    parents_ptr,  # [B, N] int (MASK_PARENTS): a tree's draft row i uses mask row parents[i] + 1
     # strides
     stride_tb,
     stride_tk,
@@ -174,6 +189,10 @@ def _verify_row_stats_kernel(
     stride_dk,
     stride_dg,
     stride_xb,
+    stride_mb,  # mask strides in words, as the target's (flattened: row strides)
+    stride_mk,
+    stride_mg,
+    stride_pb,
     # sizes
     B,
     K,  # chains per request (1 for verify; tree ops view a tree as K chains of G slots)
@@ -202,6 +221,8 @@ def _verify_row_stats_kernel(
     GP2: tl.constexpr,  # next power of two >= G (PLACEHOLDERS_END)
     FLAT: tl.constexpr,  # flattened ragged layout (chains): bases from cu_ptr, strides are row strides
     ROW_USE: tl.constexpr,  # trees: rows no walk can use (use_ptr) are never read
+    HAS_MASK: tl.constexpr,  # token_bitmask: disallowed logits are -inf in target and draft rows
+    MASK_PARENTS: tl.constexpr,  # draft row i's mask row is parents[i] + 1 (verify_tree), else row i
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -216,16 +237,20 @@ def _verify_row_stats_kernel(
     d_base = request_base(cu_ptr, b, rows < B * K * (G + 1), stride_db, 0, FLAT)
     t_rows = target_ptr + t_base[:, None] + k[:, None] * stride_tk + i[:, None].to(tl.int64) * stride_tg
     d_rows = draft_ptr + d_base[:, None] + k[:, None] * stride_dk + i[:, None].to(tl.int64) * stride_dg
+    tm_rows, dm_rows = mask_rows(
+        mask_ptr, parents_ptr, cu_ptr, b, k, i, rows < B * K * (G + 1), draft_ok, stride_mb, stride_mk, stride_mg,
+        stride_pb, G, FLAT, MASK_PARENTS,
+    )  # fmt: skip
     chunk = tl.program_id(1)
     if PHASE == PHASE_STATS:  # thresholds (when filtering) from the threshold phases
         thr_t, cut_t, thr_q, cut_q = load_thresholds(
             thr_ptr + rows * NUM_THR, target_ok & ~greedy, draft_ok, HAS_FILTER, DRAFT_MODE, BY_INDEX
         )
         _row_stats_pass(
-            t_rows, d_rows, stats_ptr + (rows * num_chunks + chunk) * NUM_STATS,
+            t_rows, d_rows, tm_rows, dm_rows, stats_ptr + (rows * num_chunks + chunk) * NUM_STATS,
             idx_ptr + (rows * num_chunks + chunk) * NUM_IDX, row_ok, target_ok, draft_ok, thr_t, thr_q, cut_t, cut_q,
             inv_t, chunk * chunk_size, tl.minimum(chunk * chunk_size + chunk_size, V), DRAFT_MODE, HAS_FILTER,
-            BY_INDEX, BLOCK_V,
+            BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V,
         )  # fmt: skip
     elif HAS_FILTER:
         top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int64)
@@ -236,9 +261,10 @@ def _verify_row_stats_kernel(
         d_shift: tl.constexpr = key_shift(draft_ptr.dtype.element_ty)
         d_group: tl.constexpr = candidate_group(draft_ptr.dtype.element_ty)
         threshold_phases(
-            t_rows, d_rows, rows, target_ok & ~greedy, draft_ok, thr_ptr + rows * NUM_THR, filter_buf_ptr,
-            filter_int_ptr, B * K * (G + 1) * 2, num_chunks, chunk_size, V, inv_t, top_k, top_p, PHASE, DRAFT_MODE,
-            FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group, d_shift, d_group, BY_INDEX,
+            t_rows, d_rows, tm_rows, dm_rows, rows, target_ok & ~greedy, draft_ok, thr_ptr + rows * NUM_THR,
+            filter_buf_ptr, filter_int_ptr, B * K * (G + 1) * 2, num_chunks, chunk_size, V, inv_t, top_k, top_p, PHASE,
+            DRAFT_MODE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group, d_shift, d_group,
+            BY_INDEX, HAS_MASK,
         )  # fmt: skip
 
 
@@ -276,6 +302,8 @@ def _row_tile(
 def _row_stats_pass(
     t_rows,
     d_rows,
+    tm_rows,
+    dm_rows,
     rec_ptr,
     idx_rec_ptr,
     row_ok,
@@ -291,6 +319,8 @@ def _row_stats_pass(
     DRAFT_MODE: tl.constexpr,
     HAS_FILTER: tl.constexpr,
     BY_INDEX: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_PARENTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Statistics of each row's chunk [start_col, end_col), written to its records rec_ptr /
@@ -300,8 +330,8 @@ def _row_stats_pass(
     # Fast pass: no per-entry sanitising. NaN / +inf entries poison the NaN-propagating running max
     # (which is also the row max and the greedy max); such rows are redone exactly below.
     row_m_t, row_z_t, row_g_idx, row_m_q, row_z_q, bad_q = _row_pass_fast(
-        t_rows, d_rows, target_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col, DRAFT_MODE,
-        HAS_FILTER, BY_INDEX, BLOCK_V,
+        t_rows, d_rows, tm_rows, dm_rows, target_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col,
+        DRAFT_MODE, HAS_FILTER, BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V,
     )  # fmt: skip
     redo = target_ok & ~(row_m_t < float("inf"))
     if DRAFT_MODE == DRAFT_LOGITS:
@@ -309,8 +339,8 @@ def _row_stats_pass(
     bad_t = tl.zeros([BLOCK_R], tl.int32)
     if tl.max(redo.to(tl.int32), axis=0) > 0:
         e_m_t, e_z_t, e_g_max, e_g_idx, e_bad_t, e_m_q, e_z_q, e_bad_q = _row_pass_exact(
-            t_rows, d_rows, redo & target_ok, redo & draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col,
-            DRAFT_MODE, BY_INDEX, BLOCK_V,
+            t_rows, d_rows, tm_rows, dm_rows, redo & target_ok, redo & draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t,
+            start_col, end_col, DRAFT_MODE, BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V,
         )  # fmt: skip
         row_m_t = tl.where(redo, e_m_t, row_m_t)
         row_z_t = tl.where(redo, e_z_t, row_z_t)
@@ -380,6 +410,24 @@ def request_base(cu_ptr, b, mask, stride_b, BONUS_ROW: tl.constexpr, FLAT: tl.co
         return (tl.load(cu_ptr + b, mask=mask, other=0).to(tl.int64) + BONUS_ROW * b) * stride_b
     else:
         return b * stride_b
+
+
+@triton.jit
+def mask_rows(
+    mask_ptr, parents_ptr, cu_ptr, b, k, i, ok, draft_ok, stride_mb, stride_mk, stride_mg, stride_pb, G,
+    FLAT: tl.constexpr, MASK_PARENTS: tl.constexpr,
+):  # fmt: skip
+    """[R, 1] pointers to the mask rows (token_bitmask words) of the target and draft rows of records
+    (b, k, i): target row i uses mask row i (flattened: the target's row cu[b] + b + i); draft row i
+    the same row, or with MASK_PARENTS (verify_tree) row parents[b, i] + 1, clamped to [0, G] as
+    ``_bitmask.tree_draft_mask`` clamps it (unchecked ids stay in range)."""
+    base = mask_ptr + request_base(cu_ptr, b, ok, stride_mb, 1, FLAT) + k * stride_mk
+    t_rows = base + i.to(tl.int64) * stride_mg
+    d_rows = t_rows
+    if MASK_PARENTS:
+        par = tl.load(parents_ptr + b * stride_pb + i, mask=draft_ok & (i < G), other=-1)
+        d_rows = base + (tl.minimum(tl.maximum(par, -1), G - 1) + 1).to(tl.int64) * stride_mg
+    return t_rows[:, None], d_rows[:, None]
 
 
 @triton.jit
@@ -488,6 +536,9 @@ class RowPassLayout:
     draft_tokens: torch.Tensor | None = None  # [B, G] (flattened: [N]) ids; a placeholder ends the chain (K = 1)
     cu: torch.Tensor | None = None  # [B+1] int64 offsets of the flattened layout (K = 1)
     use: torch.Tensor | None = None  # [rows, 2] int8: records whose target / draft row is read (trees)
+    mask: torch.Tensor | None = None  # token_bitmask [B, (K,) G+1, W] int32 (flattened: [N + B, W]); None: no mask
+    mask_strides: tuple[int, int, int] = (0, 0, 0)  # (request, chain, row) in words, as target_strides
+    parents: torch.Tensor | None = None  # [B, N] (verify_tree with a mask): draft row i uses mask row parents[i] + 1
 
     @property
     def rows(self) -> int:
@@ -556,6 +607,8 @@ def launch_row_stats(layout: RowPassLayout, sampling: SamplingParams, plan: RowP
         GP2=next_pow2(max(layout.G, 1)) if layout.draft_tokens is not None else 1,
         FLAT=layout.cu is not None,
         ROW_USE=layout.use is not None,
+        HAS_MASK=layout.mask is not None,
+        MASK_PARENTS=layout.mask is not None and layout.parents is not None,
         BLOCK_V=plan.tiles.block_v,
     )
 
@@ -576,6 +629,8 @@ def launch_row_stats(layout: RowPassLayout, sampling: SamplingParams, plan: RowP
             filter_buf_ptr=filter_buf,  # fp32 scratch of the threshold phases
             filter_int_ptr=filter_int,  # int32 scratch of the threshold phases
             use_ptr=layout.use if layout.use is not None else filter_int,  # [rows, 2]
+            mask_ptr=layout.mask if layout.mask is not None else unused,  # [B, (K,) G+1, W] int32
+            parents_ptr=layout.parents if layout.parents is not None else unused,  # [B, N]
             # strides
             stride_tb=layout.target_strides[0],
             stride_tk=layout.target_strides[1],
@@ -584,6 +639,10 @@ def launch_row_stats(layout: RowPassLayout, sampling: SamplingParams, plan: RowP
             stride_dk=layout.draft_strides[1],
             stride_dg=layout.draft_strides[2],
             stride_xb=layout.draft_tokens.stride(0) if layout.draft_tokens is not None else 0,
+            stride_mb=layout.mask_strides[0],
+            stride_mk=layout.mask_strides[1],
+            stride_mg=layout.mask_strides[2],
+            stride_pb=layout.parents.stride(0) if layout.parents is not None else 0,
             # sizes
             B=layout.B,
             K=layout.K,

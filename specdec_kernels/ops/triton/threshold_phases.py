@@ -40,6 +40,8 @@ from .thresholds import (
 def threshold_phases(
     t_rows,  # [R, 1] pointers to the target rows
     d_rows,  # [R, 1] pointers to the draft rows (DRAFT_LOGITS)
+    tm_rows,  # [R, 1] pointers to the target rows' mask rows (HAS_MASK: token_bitmask words)
+    dm_rows,  # [R, 1] pointers to the draft rows' mask rows (HAS_MASK)
     rows,  # [R] int64 the rows' records (flattened row index)
     t_ok,  # [R] target rows that sample (greedy rows never filter)
     d_ok,  # [R] draft rows that sample
@@ -49,7 +51,7 @@ def threshold_phases(
     RS, TC, CW, V, inv_t, top_k, top_p,
     PHASE: tl.constexpr, DRAFT_MODE: tl.constexpr, FILTER_BLOCK: tl.constexpr, FILTER_CAP: tl.constexpr,
     FILTER_BINS: tl.constexpr, FILTER_CHUNKS: tl.constexpr, T_SHIFT: tl.constexpr, T_GROUP: tl.constexpr,
-    D_SHIFT: tl.constexpr, D_GROUP: tl.constexpr, BY_INDEX: tl.constexpr,
+    D_SHIFT: tl.constexpr, D_GROUP: tl.constexpr, BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     """The threshold phases of the row-stats kernel (RS scratch slots, TC threshold chunks of CW
     entries): PHASE_WHOLE, the interpreter's plan, takes BLOCK_R whole rows per program, target then
@@ -57,13 +59,13 @@ def threshold_phases(
     axis 1 = (program of the row) x W + (0: target, 1: draft; W = 2 with draft logits)."""
     if PHASE == PHASE_WHOLE:
         _whole_rows(
-            t_rows, rows * 2, t_ok, thr_rec + THR_T, filter_buf_ptr, V, inv_t, top_k, top_p, FILTER_BLOCK, FILTER_CAP,
-            FILTER_BINS, BY_INDEX,
+            t_rows, tm_rows, rows * 2, t_ok, thr_rec + THR_T, filter_buf_ptr, V, inv_t, top_k, top_p, FILTER_BLOCK,
+            FILTER_CAP, FILTER_BINS, BY_INDEX, HAS_MASK,
         )  # fmt: skip
         if DRAFT_MODE == DRAFT_LOGITS:
             _whole_rows(
-                d_rows, rows * 2 + 1, d_ok, thr_rec + THR_Q, filter_buf_ptr, V, inv_t, top_k, top_p, FILTER_BLOCK,
-                FILTER_CAP, FILTER_BINS, BY_INDEX,
+                d_rows, dm_rows, rows * 2 + 1, d_ok, thr_rec + THR_Q, filter_buf_ptr, V, inv_t, top_k, top_p,
+                FILTER_BLOCK, FILTER_CAP, FILTER_BINS, BY_INDEX, HAS_MASK,
             )  # fmt: skip
     else:
         chunk = tl.program_id(1)
@@ -76,28 +78,29 @@ def threshold_phases(
             parts = parts // 2
         if DRAFT_MODE != DRAFT_LOGITS:
             _threshold_phase(
-                t_rows, rows * 2, t_ok, thr_rec + THR_T, filter_buf_ptr, filter_int_ptr, RS, TC, part, parts, CW, V,
-                inv_t, top_k, top_p, PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, T_SHIFT, T_GROUP,
-                BY_INDEX,
+                t_rows, tm_rows, rows * 2, t_ok, thr_rec + THR_T, filter_buf_ptr, filter_int_ptr, RS, TC, part, parts,
+                CW, V, inv_t, top_k, top_p, PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, T_SHIFT,
+                T_GROUP, BY_INDEX, HAS_MASK,
             )  # fmt: skip
         elif D_SHIFT == T_SHIFT:  # same dtype: one copy of the code, the rows picked by `which`
             is_d = which == 1
             _threshold_phase(
-                tl.where(is_d, d_rows, t_rows), rows * 2 + which, tl.where(is_d, d_ok, t_ok), thr_rec + which,
-                filter_buf_ptr, filter_int_ptr, RS, TC, part, parts, CW, V, inv_t, top_k, top_p, PHASE, FILTER_BLOCK,
-                FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, T_SHIFT, T_GROUP, BY_INDEX,
+                tl.where(is_d, d_rows, t_rows), tl.where(is_d, dm_rows, tm_rows), rows * 2 + which,
+                tl.where(is_d, d_ok, t_ok), thr_rec + which, filter_buf_ptr, filter_int_ptr, RS, TC, part, parts, CW, V,
+                inv_t, top_k, top_p, PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, T_SHIFT, T_GROUP,
+                BY_INDEX, HAS_MASK,
             )  # fmt: skip
         elif which == 0:
             _threshold_phase(
-                t_rows, rows * 2, t_ok, thr_rec + THR_T, filter_buf_ptr, filter_int_ptr, RS, TC, part, parts, CW, V,
-                inv_t, top_k, top_p, PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, T_SHIFT, T_GROUP,
-                BY_INDEX,
+                t_rows, tm_rows, rows * 2, t_ok, thr_rec + THR_T, filter_buf_ptr, filter_int_ptr, RS, TC, part, parts,
+                CW, V, inv_t, top_k, top_p, PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, T_SHIFT,
+                T_GROUP, BY_INDEX, HAS_MASK,
             )  # fmt: skip
         else:  # draft logits of another dtype than the target's
             _threshold_phase(
-                d_rows, rows * 2 + 1, d_ok, thr_rec + THR_Q, filter_buf_ptr, filter_int_ptr, RS, TC, part, parts, CW,
-                V, inv_t, top_k, top_p, PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, D_SHIFT, D_GROUP,
-                BY_INDEX,
+                d_rows, dm_rows, rows * 2 + 1, d_ok, thr_rec + THR_Q, filter_buf_ptr, filter_int_ptr, RS, TC, part,
+                parts, CW, V, inv_t, top_k, top_p, PHASE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, D_SHIFT,
+                D_GROUP, BY_INDEX, HAS_MASK,
             )  # fmt: skip
 
 
@@ -110,13 +113,26 @@ def key_shift(ty):
 
 @triton.jit
 def _candidate_chunks(
-    row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E: tl.constexpr, WITH_Z: tl.constexpr
-):
+    row, mask_row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E: tl.constexpr,
+    WITH_Z: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
     """Chunks part, part + parts, ... of one row: candidates, (max, sum-exp) and bound of each."""
     for c in range(part, TC, parts):
         start = c * CW
         m, z, bound = chunk_candidates(
-            row, cand + c * CAP, active, start, tl.minimum(start + CW, V), inv_t, BLOCK, CAP, NB, E, WITH_Z
+            row,
+            cand + c * CAP,
+            active,
+            start,
+            tl.minimum(start + CW, V),
+            inv_t,
+            BLOCK,
+            CAP,
+            NB,
+            E,
+            WITH_Z,
+            mask_row,
+            HAS_MASK,
         )
         tl.store(rec + c * 2, m, mask=active)
         tl.store(rec + c * 2 + 1, z, mask=active)
@@ -137,27 +153,30 @@ def fallback_block(block):
 @triton.jit
 def _whole_rows(
     row_ptrs,  # [R, 1] pointers to the rows (target or draft)
+    mask_rows,  # [R, 1] pointers to their mask rows (HAS_MASK)
     slot,  # [R] scratch slot of each row: 2 * row (+ 1 for the draft)
     ok,  # [R] rows that sample (greedy rows never filter)
     thr_out,  # [R] pointers: where the thresholds go
     filter_buf_ptr,  # fp32 scratch: candidates [2R, CAP]
     V, inv_t, top_k, top_p, BLOCK: tl.constexpr, CAP: tl.constexpr, NB_BITS: tl.constexpr, BY_INDEX: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     """PHASE_WHOLE: the thresholds of R whole rows in one program (``filter_threshold``: key
     histogram -> pivot, copy of the candidates, selection among them; bisection when they overflow
     CAP). The interpreter's plan: it pays per operation, so many rows per program are cheap."""
     cand = filter_buf_ptr + slot.to(tl.int64) * CAP
     thr, _fast, need = filter_threshold_ties(
-        row_ptrs, cand[:, None], ok, V, inv_t, top_k, top_p, BLOCK, CAP, NB_BITS, BY_INDEX
+        row_ptrs, cand[:, None], ok, V, inv_t, top_k, top_p, BLOCK, CAP, NB_BITS, BY_INDEX, mask_rows, HAS_MASK
     )
     tl.store(thr_out, thr, mask=ok)
     if BY_INDEX:
-        store_cut(thr_out + CUT_OF_THR, tie_index(row_ptrs, need, thr, V, BLOCK), ok)
+        store_cut(thr_out + CUT_OF_THR, tie_index(row_ptrs, need, thr, V, BLOCK, mask_rows, HAS_MASK), ok)
 
 
 @triton.jit
 def _threshold_phase(
-    row_ptrs,  # row_ptrs, slot, ok, thr_out: as for _whole_rows
+    row_ptrs,  # row_ptrs, mask_rows, slot, ok, thr_out: as for _whole_rows
+    mask_rows,
     slot,
     ok,
     thr_out,
@@ -180,6 +199,7 @@ def _threshold_phase(
     SHIFT: tl.constexpr,
     E: tl.constexpr,
     BY_INDEX: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     """The top-k/top-p thresholds in two launches: the candidates of each vocabulary chunk, read
     once and kept in registers (PHASE_CANDIDATES, ``chunk_candidates``: a program takes chunks
@@ -197,10 +217,17 @@ def _threshold_phase(
     if PHASE == PHASE_CANDIDATES:
         if tl.max(active.to(tl.int32), axis=0) > 0:
             row = tl.reshape(row_ptrs, [1])
+            mask_row = tl.reshape(mask_rows, [1])
             if tl.max((use_p & ~use_k).to(tl.int32), axis=0) > 0:  # top-p alone: the row's sum-exp too
-                _candidate_chunks(row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, True)
+                _candidate_chunks(
+                    row, mask_row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, True,
+                    HAS_MASK,
+                )  # fmt: skip
             else:
-                _candidate_chunks(row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, False)
+                _candidate_chunks(
+                    row, mask_row, cand, rec, tau, active, part, parts, TC, CW, V, inv_t, BLOCK, CAP, NB, E, False,
+                    HAS_MASK,
+                )  # fmt: skip
     elif BY_INDEX:  # PHASE_SELECT with the index cuts
         thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
         need = tl.zeros(inv_t.shape, tl.int32)
@@ -211,19 +238,22 @@ def _threshold_phase(
             slow = active & ~fast
             if tl.max(slow.to(tl.int32), axis=0) > 0:
                 exact, exact_need = bisect_threshold_ties(
-                    row_ptrs, slow, V, inv_t, top_k, top_p, fallback_block(BLOCK), True
+                    row_ptrs, slow, V, inv_t, top_k, top_p, fallback_block(BLOCK), True, mask_rows, HAS_MASK
                 )
                 thr = tl.where(slow, exact, thr)
                 need = tl.where(slow, exact_need, need)
         tl.store(thr_out, thr, mask=ok)
-        store_cut(thr_out + CUT_OF_THR, tie_index(row_ptrs, need, thr, V, fallback_block(BLOCK)), ok)
+        cut = tie_index(row_ptrs, need, thr, V, fallback_block(BLOCK), mask_rows, HAS_MASK)
+        store_cut(thr_out + CUT_OF_THR, cut, ok)
     else:  # PHASE_SELECT (the keep rule: no tie count carried through the branches)
         thr = tl.full(inv_t.shape, float("-inf"), tl.float32)
         if tl.max(active.to(tl.int32), axis=0) > 0:
             thr, fast = select_candidates(cand, rec, tau, TC, ok, V, inv_t, top_k, top_p, TCP2, CAP, NB, SHIFT)
             slow = active & ~fast
             if tl.max(slow.to(tl.int32), axis=0) > 0:
-                exact = bisect_threshold(row_ptrs, slow, V, inv_t, top_k, top_p, fallback_block(BLOCK))
+                exact = bisect_threshold(
+                    row_ptrs, slow, V, inv_t, top_k, top_p, fallback_block(BLOCK), mask_rows, HAS_MASK
+                )
                 thr = tl.where(slow, exact, thr)
         tl.store(thr_out, thr, mask=ok)
 

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .helpers import (
     LOG2E,
+    allowed_at,
     key_to_float,
     lane_softmax_update,
     lanes_softmax,
@@ -75,7 +76,9 @@ def _mass_threshold(vals, weights, goal, lo_val, hi_val):
 
 
 @triton.jit
-def pivot_histogram(row_ptrs, active, start, end, inv_t, BLOCK: tl.constexpr, NB_BITS: tl.constexpr):
+def pivot_histogram(
+    row_ptrs, active, start, end, inv_t, BLOCK: tl.constexpr, NB_BITS: tl.constexpr, mask_rows, HAS_MASK: tl.constexpr
+):
     """Pass 1 of ``filter_threshold`` over [start, end) of each row: counts [R, 2**NB_BITS] int32
     of the key bins of the finite entries, and the range's (max, sum-exp) per row."""
     NB: tl.constexpr = 1 << NB_BITS
@@ -87,7 +90,7 @@ def pivot_histogram(row_ptrs, active, start, end, inv_t, BLOCK: tl.constexpr, NB
     slot = (tl.arange(0, R) * NB)[:, None]
     for begin in range(start, end, BLOCK):
         cols = begin + offs
-        x, _bad = load_logits(row_ptrs + cols, active[:, None] & (cols < end))
+        x, _bad = load_logits(row_ptrs + cols, allowed_at(mask_rows, cols, active[:, None] & (cols < end), HAS_MASK))
         m, z = lane_softmax_update(m, z, x, x > float("-inf"), inv_t[:, None])
         b = slot + (_unsigned_key(x) >> (32 - NB_BITS)).to(tl.int32)
         counts += tl.histogram(tl.reshape(b, [R * BLOCK]), R * NB, mask=tl.reshape(x > float("-inf"), [R * BLOCK]))
@@ -129,13 +132,15 @@ def copy_candidates(
     BLOCK: tl.constexpr,
     CAP: tl.constexpr,
     NB_BITS: tl.constexpr,
+    mask_rows,
+    HAS_MASK: tl.constexpr,
 ):
     """Pass 2 of ``filter_threshold`` over [start, end): append the entries in bins >= pivot_bin to
     each row's scratch buffer from slot `filled` on; returns the new fill."""
     offs = tl.arange(0, BLOCK)[None, :]
     for begin in range(start, end, BLOCK):
         cols = begin + offs
-        x, _bad = load_logits(row_ptrs + cols, rows_ok[:, None] & (cols < end))
+        x, _bad = load_logits(row_ptrs + cols, allowed_at(mask_rows, cols, rows_ok[:, None] & (cols < end), HAS_MASK))
         # the key, not the float compare: -0.0 sits in the bin below +0.0
         in_bins = (_unsigned_key(x) >> (32 - NB_BITS)).to(tl.int32) >= pivot_bin[:, None]
         take = in_bins & (x > float("-inf")) & rows_ok[:, None]
@@ -200,7 +205,7 @@ def filter_threshold(
 @triton.jit
 def filter_threshold_ties(
     row_ptrs, buf_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK: tl.constexpr, CAP: tl.constexpr,
-    NB_BITS: tl.constexpr, TIES: tl.constexpr,
+    NB_BITS: tl.constexpr, TIES: tl.constexpr, mask_rows=None, HAS_MASK: tl.constexpr = False,
 ):  # fmt: skip
     """Raw-logit threshold per row implementing top-k then top-p (keep x >= threshold).
 
@@ -208,7 +213,8 @@ def filter_threshold_ties(
     fp32 scratch row each; row_ok, inv_t, top_k, top_p: [R].
       top-k: the k-th largest value t (largest t with #{x >= t} >= k); ties at t are kept.
       top-p: after top-k, the largest t with sum_{x >= t} p(x) >= top_p; ties at t are kept.
-    Rows with top_k in {0} or >= V and top_p >= 1 get -inf (no filtering).
+    Rows with top_k in {0} or >= V and top_p >= 1 get -inf (no filtering). HAS_MASK: the rows are
+    read under their token_bitmask rows mask_rows ([R, 1] pointers; ``helpers.allowed_at``).
 
     Exact, without sorting, in two passes over the row (pivot, then compaction):
     1. the row max, its sum-exp and a histogram of the float order key's top NB_BITS bits (sign,
@@ -230,11 +236,22 @@ def filter_threshold_ties(
     need = tl.zeros(inv_t.shape, tl.int32)
     fast = active & False
     if tl.max(active.to(tl.int32), axis=0) > 0:
-        counts, row_m, row_z = pivot_histogram(row_ptrs, active, 0, V, inv_t, BLOCK, NB_BITS)
+        counts, row_m, row_z = pivot_histogram(row_ptrs, active, 0, V, inv_t, BLOCK, NB_BITS, mask_rows, HAS_MASK)
         pivot_bin, has_k, fast = choose_pivot(at_or_above(counts), use_k, use_p, top_k, CAP)
         if tl.max(fast.to(tl.int32), axis=0) > 0:
             filled = copy_candidates(
-                row_ptrs, buf_ptrs, fast, pivot_bin, 0, V, tl.zeros(inv_t.shape, tl.int32), BLOCK, CAP, NB_BITS
+                row_ptrs,
+                buf_ptrs,
+                fast,
+                pivot_bin,
+                0,
+                V,
+                tl.zeros(inv_t.shape, tl.int32),
+                BLOCK,
+                CAP,
+                NB_BITS,
+                mask_rows,
+                HAS_MASK,
             )
             tl.debug_barrier()  # the copies of other threads must be visible before reading back
             fast_thr, fast, fast_need = select_thresholds(
@@ -244,7 +261,9 @@ def filter_threshold_ties(
             need = tl.where(fast, fast_need, need)
         slow = (has_k | use_p) & ~fast
         if tl.max(slow.to(tl.int32), axis=0) > 0:
-            slow_thr, slow_need = bisect_threshold_ties(row_ptrs, slow, V, inv_t, top_k, top_p, BLOCK, TIES)
+            slow_thr, slow_need = bisect_threshold_ties(
+                row_ptrs, slow, V, inv_t, top_k, top_p, BLOCK, TIES, mask_rows, HAS_MASK
+            )
             thr = tl.where(slow, slow_thr, thr)
             need = tl.where(slow, slow_need, need)
     return thr, fast, need
@@ -263,6 +282,8 @@ def chunk_candidates(
     NB: tl.constexpr,
     E: tl.constexpr,
     WITH_Z: tl.constexpr,
+    mask_row=None,
+    HAS_MASK: tl.constexpr = False,
 ):
     """The top-k/top-p candidates of one vocabulary chunk [start, end) of one row (end - start <= CW),
     read once and kept in registers (the threshold phases of threshold_phases.py).
@@ -278,7 +299,15 @@ def chunk_candidates(
     (``_unsigned_key >> 16``) is >= tau was written, so the union of a row's chunks holds every entry
     of the row at or above the largest tau (``select_candidates``)."""
     cols = start + tl.arange(0, CW)
-    x, _bad = load_logits(row_ptr + cols, active & (cols < end))
+    bits = None
+    if HAS_MASK:  # the chunk's words, expanded in registers (as ``allowed_tile``, one row)
+        if CW >= 32:
+            w = start // 32 + tl.arange(0, CW // 32)
+            words = tl.load(mask_row + w, mask=active & (w * 32 < end), other=0)
+            bits = tl.reshape((words[:, None] & (1 << tl.arange(0, 32))[None, :]) != 0, [CW])
+        else:
+            bits = allowed_at(mask_row, cols, active & (cols < end), HAS_MASK)
+    x, _bad = load_logits(row_ptr + cols, active & (cols < end), bits)
     groups = tl.reshape(x, [CW // E, E])
     g_max = tl.max(groups, axis=1)
     m = tl.max(g_max, axis=0)
@@ -424,14 +453,19 @@ def select_candidates_ties(
 
 
 @triton.jit
-def bisect_threshold(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.constexpr):
+def bisect_threshold(
+    row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.constexpr, mask_rows=None, HAS_MASK: tl.constexpr = False
+):
     """``bisect_threshold_ties`` without the tie count."""
-    thr, _need = bisect_threshold_ties(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V, False)
+    thr, _need = bisect_threshold_ties(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V, False, mask_rows, HAS_MASK)
     return thr
 
 
 @triton.jit
-def bisect_threshold_ties(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.constexpr, TIES: tl.constexpr):
+def bisect_threshold_ties(
+    row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.constexpr, TIES: tl.constexpr, mask_rows,
+    HAS_MASK: tl.constexpr,
+):  # fmt: skip
     """``filter_threshold`` by bisection on the float order key: 32 passes over the row per
     selection. The fallback for rows whose candidate set does not fit the selection buffer.
 
@@ -452,26 +486,29 @@ def bisect_threshold_ties(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.
     if tl.max(use_k.to(tl.int32), axis=0) > 0:
         lo = order_key(thr).to(tl.int64)
         hi = order_key(tl.full(inv_t.shape, float("inf"), tl.float32)).to(tl.int64)
-        lo = _bisect_key(row_ptrs, use_k, lo, hi, top_k, thr, thr, inv_t, V, BLOCK_V, False)
+        lo = _bisect_key(row_ptrs, mask_rows, use_k, lo, hi, top_k, thr, thr, inv_t, V, BLOCK_V, False, HAS_MASK)
         thr = tl.where(use_k, key_to_float(lo), thr)
     if tl.max(use_p.to(tl.int32), axis=0) > 0:
         m = tl.full(inv_t.shape, float("-inf"), tl.float32)
         z = tl.zeros(inv_t.shape, tl.float32)
         for start in range(0, V, BLOCK_V):
             cols = start + offs
-            x, _bad = load_logits(row_ptrs + cols, use_p[:, None] & (cols < V))
+            x, _bad = load_logits(row_ptrs + cols, allowed_at(mask_rows, cols, use_p[:, None] & (cols < V), HAS_MASK))
             m, z = online_softmax_update(m, z, x, x >= thr[:, None], inv_t)
         goal = top_p * z
         m_ref = safe_max(m)
         lo = order_key(thr).to(tl.int64)
         hi = order_key(m).to(tl.int64) + 1
-        t_p = key_to_float(_bisect_key(row_ptrs, use_p, lo, hi, goal, thr, m_ref, inv_t, V, BLOCK_V, True))
+        t_p = key_to_float(
+            _bisect_key(row_ptrs, mask_rows, use_p, lo, hi, goal, thr, m_ref, inv_t, V, BLOCK_V, True, HAS_MASK)
+        )
         if TIES:  # the mass above t_p and the entries equal to it (all >= the top-k threshold)
             above = tl.zeros(inv_t.shape, tl.float32)
             n_tie = tl.zeros(inv_t.shape, tl.int32)
             for start in range(0, V, BLOCK_V):
                 cols = start + offs
-                x, _bad = load_logits(row_ptrs + cols, use_p[:, None] & (cols < V))
+                ok = allowed_at(mask_rows, cols, use_p[:, None] & (cols < V), HAS_MASK)
+                x, _bad = load_logits(row_ptrs + cols, ok)
                 hit = x > t_p[:, None]
                 above += tl.sum(tl.where(hit, tl.exp((x - m_ref[:, None]) * inv_t[:, None]), 0.0), axis=1)
                 n_tie += tl.sum((x == t_p[:, None]).to(tl.int32), axis=1)
@@ -482,7 +519,10 @@ def bisect_threshold_ties(row_ptrs, row_ok, V, inv_t, top_k, top_p, BLOCK_V: tl.
 
 
 @triton.jit
-def _bisect_key(row_ptrs, use, lo, hi, goal, thr, m_ref, inv_t, V, BLOCK_V: tl.constexpr, MASS: tl.constexpr):
+def _bisect_key(
+    row_ptrs, mask_rows, use, lo, hi, goal, thr, m_ref, inv_t, V, BLOCK_V: tl.constexpr, MASS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):  # fmt: skip
     """``bisect_threshold_ties``'s search: the largest order key in [lo, hi) (32 passes over each row)
     whose entries at or above it reach the goal: their count (top-k; -inf entries never count), or
     with MASS their weight exp((x - m_ref) * inv_t) among the entries >= thr (top-p after top-k)."""
@@ -495,7 +535,7 @@ def _bisect_key(row_ptrs, use, lo, hi, goal, thr, m_ref, inv_t, V, BLOCK_V: tl.c
             total = tl.zeros(inv_t.shape, tl.int32)
         for start in range(0, V, BLOCK_V):
             cols = start + offs
-            x, _bad = load_logits(row_ptrs + cols, use[:, None] & (cols < V))
+            x, _bad = load_logits(row_ptrs + cols, allowed_at(mask_rows, cols, use[:, None] & (cols < V), HAS_MASK))
             at_or_above = order_key(x).to(tl.int64) >= mid[:, None]
             if MASS:
                 weight = tl.exp((x - m_ref[:, None]) * inv_t[:, None])
@@ -521,7 +561,7 @@ def tie_need(above, w, goal, n_tie, active):
 
 
 @triton.jit
-def tie_index(row_ptrs, need, thr, V, BLOCK: tl.constexpr):
+def tie_index(row_ptrs, need, thr, V, BLOCK: tl.constexpr, mask_rows, HAS_MASK: tl.constexpr):
     """The by_index cut of each row: the index of the need-th highest-index entry equal to thr
     (``tie_need``), 0 where need = 0 (the whole tie group stays). Kept entries are then x > thr,
     and x == thr at an index >= the cut (``kept_at``). Reads the row's blocks from its end until
@@ -533,7 +573,8 @@ def tie_index(row_ptrs, need, thr, V, BLOCK: tl.constexpr):
     while tl.max(left, axis=0) > 0:
         cols = blk * BLOCK + offs
         looking = left > 0
-        x = tl.load(row_ptrs + cols, mask=looking[:, None] & (cols < V), other=float("-inf")).to(tl.float32)
+        ok = allowed_at(mask_rows, cols, looking[:, None] & (cols < V), HAS_MASK)
+        x = tl.load(row_ptrs + cols, mask=ok, other=float("-inf")).to(tl.float32)
         tie = ((x == thr[:, None]) & looking[:, None]).to(tl.int32)
         count = tl.sum(tie, axis=1)
         at_or_after = count[:, None] - tl.cumsum(tie, axis=1) + tie  # ties of the block at columns >= col

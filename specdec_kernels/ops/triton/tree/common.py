@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ....reference import verify_tree as _ref_tree
-from ..helpers import DRAFT_LOGITS, DRAFT_PROBS, load_logits, load_probs
+from ..helpers import DRAFT_LOGITS, DRAFT_PROBS, allowed_tile, load_logits, load_probs
 from ..records import CUT_Q, CUT_T, NUM_STATS, NUM_THR, STAT_M_Q, STAT_M_T, STAT_Z_Q, STAT_Z_T, THR_Q, THR_T, load_cut
 from ..row_pass import prob_of
 
@@ -74,6 +74,27 @@ def _row_ptr(base, b, node, stride_b, stride_k, stride_g, G, TARGET: tl.constexp
 
 
 @triton.jit
+def _mask_rows(
+    mask_ptr, parents_ptr, b, rep, first, ok, stride_mb, stride_mk, stride_mg, stride_pb, G, CHAINS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """The token_bitmask rows (HAS_MASK; else any pointer, never read) of a position's target row
+    (node rep's, as ``_row_ptr``) and of its first candidate's draft row: verify_multi's draft row
+    [k, i] uses mask row [k, i]; verify_tree's node uses the row of its parent, parents[first] + 1
+    (clamped as ``_bitmask.tree_draft_mask``; row 0 for the root's children)."""
+    t_mask = _row_ptr(mask_ptr, b, rep, stride_mb, stride_mk, stride_mg, G, 1)
+    d_mask = t_mask
+    if HAS_MASK:
+        if CHAINS:
+            d_mask = _row_ptr(mask_ptr, b, first, stride_mb, stride_mk, stride_mg, G, 0)
+        else:
+            par = tl.load(parents_ptr + b * stride_pb + first, mask=ok, other=-1)
+            par = tl.minimum(tl.maximum(par, -1), G - 1)
+            d_mask = _row_ptr(mask_ptr, b, par, stride_mb, stride_mk, stride_mg, G, 1)
+    return t_mask, d_mask
+
+
+@triton.jit
 def _pick(vals, cols, j):
     """vals[b, j[b]] of a [BLOCK_B, N] tile."""
     return tl.sum(tl.where(cols == j[:, None], vals, 0), axis=1)
@@ -81,15 +102,24 @@ def _pick(vals, cols, j):
 
 @triton.jit
 def _position_tiles(
-    t_row, d_row, cols, lane, lane_q, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q, DRAFT_MODE: tl.constexpr,
-    BY_INDEX: tl.constexpr,
+    t_row, d_row, tm_row, dm_row, start, end, rows, rows_q, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q,
+    DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """(target logits, p, q) on a [BB, BLOCK_V] tile of the position's target and draft rows
-    (the draft row is read where lane_q holds)."""
-    xt, _bad_t = load_logits(t_row[:, None] + cols, lane)
+    """(target logits, p, q) on the [BB, BLOCK_V] tile at columns start + arange(BLOCK_V) (< end) of
+    the position's target rows (where `rows`) and draft rows (where `rows_q`), under their
+    token_bitmask rows tm_row / dm_row (HAS_MASK)."""
+    cols = start + tl.arange(0, BLOCK_V)[None, :]
+    lane = rows[:, None] & (cols < end)
+    lane_q = rows_q[:, None] & (cols < end)
+    t_bits = None
+    d_bits = None
+    if HAS_MASK:
+        t_bits = allowed_tile(tm_row[:, None], start, end, rows, BLOCK_V, HAS_MASK)
+        d_bits = allowed_tile(dm_row[:, None], start, end, rows_q, BLOCK_V, HAS_MASK)
+    xt, _bad_t = load_logits(t_row[:, None] + cols, lane, t_bits)
     pv = prob_of(xt, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None], cols, cut_t[:, None], BY_INDEX)
     if DRAFT_MODE == DRAFT_LOGITS:
-        xq, _bad_q = load_logits(d_row[:, None] + cols, lane_q)
+        xq, _bad_q = load_logits(d_row[:, None] + cols, lane_q, d_bits)
         qv = prob_of(xq, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None], cols, cut_q[:, None], BY_INDEX)
     elif DRAFT_MODE == DRAFT_PROBS:
         qv, _bad_qv = load_probs(d_row[:, None] + cols, lane_q)

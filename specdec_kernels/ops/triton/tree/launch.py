@@ -3,10 +3,13 @@ phase, all reading one ``TreePlan``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...._tree_args import TreeArgs
 from ...._types import TreeVerifyOutput
+from ...._validation import _last_dim_contiguous
 from ..helpers import cdiv, next_pow2
 from ..row_pass import RowPassLayout, launch_row_stats
 from .common import POS_REC_HOST, RACE_F_HOST, RACE_I_HOST, RB_REC_HOST, RHO_POINTS, RHO_ROUNDS, RRS_MAX_HOST
@@ -30,6 +33,8 @@ def launch_tree(args: TreeArgs, *overrides) -> TreeVerifyOutput:
     out = TreeVerifyOutput(tokens, num_accepted, nodes, nonfinite)
     if B == 0:
         return out
+    if args.token_bitmask is not None:  # the kernels step through a mask row's words with stride 1
+        args = dataclasses.replace(args, token_bitmask=_last_dim_contiguous(args.token_bitmask))
     plan = plan_tree(args, *overrides)
     pos = use = None  # the row pass reads every row unless the positions say which are used
     if plan.with_positions:
@@ -65,9 +70,11 @@ def _launch_row_pass(plan: TreePlan, use: torch.Tensor | None) -> tuple[torch.Te
     (row i of a single chain belongs to node i - 1); chains of verify_multi are never ragged;
     placeholder drafts are the walk's, not the row pass's."""
     a = plan.args
+    m = _mask_args(plan)  # token_bitmask [B, K, G+1, W] (verify_tree: K = 1, G = N)
     layout = RowPassLayout(
         a.target, a.draft, a.draft_mode, a.B, a.K, a.G, a.V, tuple(a.target.stride()[:3]), plan.d_strides,
-        counts=a.num_nodes, use=use,
+        counts=a.num_nodes, use=use, mask=a.token_bitmask, parents=a.parents,
+        mask_strides=(m["stride_mb"], m["stride_mk"], m["stride_mg"]),
     )  # fmt: skip
     rows = launch_row_stats(layout, a.sampling, plan.row_pass)
     return rows.stats, rows.idx, rows.thr
@@ -93,24 +100,40 @@ def _row_args(plan: TreePlan) -> dict:
         DRAFT_MODE=a.draft_mode,
         HAS_FILTER=plan.has_filter,
         BY_INDEX=plan.by_index,
+    ) | _mask_args(plan)
+
+
+def _mask_args(plan: TreePlan) -> dict:
+    """The token_bitmask (a placeholder and HAS_MASK False without one): its words [B, K, G+1, W] and
+    strides; a tree's draft rows find their mask rows through the parents (``_parents_args``)."""
+    mask = plan.args.token_bitmask
+    strides = tuple(mask.stride()[:3]) if mask is not None else (0, 0, 0)
+    return dict(
+        mask_ptr=mask if mask is not None else plan.args.target,
+        stride_mb=strides[0],
+        stride_mk=strides[1],
+        stride_mg=strides[2],
+        HAS_MASK=mask is not None,
     )
+
+
+def _parents_args(plan: TreePlan) -> dict:
+    """The tree's parents (verify_tree) or CHAINS (verify_multi: implicit parents)."""
+    return dict(parents_ptr=plan.parents, stride_pb=plan.stride_pb, CHAINS=plan.args.parents is None)
 
 
 def _tree_args(plan: TreePlan) -> dict:
     """What the kernels that read the tree take (positions, walk): its tokens, parents and node
     counts, their strides, and how they are laid out."""
     a = plan.args
-    return dict(
+    return _parents_args(plan) | dict(
         tokens_ptr=a.tokens,
-        parents_ptr=plan.parents,
         num_nodes_ptr=plan.n_ptr,
         stride_xb=a.tokens.stride(0),
         stride_xk=a.tokens.stride(1),
-        stride_pb=plan.stride_pb,
         N=a.N,
         D=a.max_depth,
         PER_REQ_N=plan.per_req_n,
-        CHAINS=a.parents is None,
         NP2=plan.np2,
     )
 
@@ -118,7 +141,7 @@ def _tree_args(plan: TreePlan) -> dict:
 def _position_args(plan: TreePlan, pos: torch.Tensor, stats: torch.Tensor, thr: torch.Tensor) -> dict:
     """What the kernels that sum over the vocabulary at each position take (rho, RRS): the rows,
     the temperature, the positions and the row pass's records."""
-    rows = _row_args(plan) | _sampling_args(plan, "temperature")
+    rows = _row_args(plan) | _parents_args(plan) | _sampling_args(plan, "temperature")
     return rows | dict(pos_ptr=pos, stats_ptr=stats, thr_ptr=thr, N=plan.args.N)
 
 
@@ -211,7 +234,8 @@ def _launch_race(plan: TreePlan, race: tuple[torch.Tensor, ...], stats: torch.Te
     key = torch.empty((B, C, 2), dtype=torch.float32, device=dev)
     idx = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
     _tree_race_kernel[(cdiv(B, plan.race_block_b), C)](
-        **_row_args(plan), **_sampling_args(plan, "temperature", "seed"), **_race_args(race), stats_ptr=stats,
+        **_row_args(plan), **_parents_args(plan), **_sampling_args(plan, "temperature", "seed"), **_race_args(race),
+        stats_ptr=stats,
         thr_ptr=thr, key_ptr=key, idx_ptr=idx, chunk_size=plan.race_chunk, num_chunks=C, METHOD=plan.method,
         NP2=plan.np2, BLOCK_B=plan.race_block_b, BLOCK_V=plan.block_v, num_warps=4,
     )  # fmt: skip

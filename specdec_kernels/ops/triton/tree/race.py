@@ -23,6 +23,7 @@ from .common import (
     RI_DEPTH,
     RI_FLAG,
     _load_race,
+    _mask_rows,
     _position_stats,
     _position_tiles,
     _record,
@@ -47,8 +48,10 @@ def _tree_race_kernel(
     race_xs_ptr,  # [B, NP2] int64 (walk)
     key_ptr,  # [B, C, 2] fp32 out: best residual key, best key of p (the fallback) per chunk
     idx_ptr,  # [B, C, 2] int32 out
-    # strides
-    stride_tb, stride_tk, stride_tg, stride_db, stride_dk, stride_dg,
+    mask_ptr,  # [B, K, G+1, W] int32 (HAS_MASK): token_bitmask words of the target rows (_mask_rows)
+    parents_ptr,  # [B, N] int (unless CHAINS): a tree's draft rows use their parent's mask row
+    # strides: target, draft, mask (words), parents
+    stride_tb, stride_tk, stride_tg, stride_db, stride_dk, stride_dg, stride_mb, stride_mk, stride_mg, stride_pb,
     # sizes
     B, K, G, V, chunk_size, num_chunks,
     # scalar parameters
@@ -58,6 +61,7 @@ def _tree_race_kernel(
     PER_REQ_T: tl.constexpr, PER_REQ_SEED: tl.constexpr, DRAFT_MODE: tl.constexpr, HAS_FILTER: tl.constexpr,
     BY_INDEX: tl.constexpr, METHOD: tl.constexpr, NP2: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    HAS_MASK: tl.constexpr, CHAINS: tl.constexpr,  # token_bitmask; implicit parents (verify_multi)
 ):  # fmt: skip
     """The recovered / bonus token's exponential race over one vocabulary chunk of the position where
     each request's walk ended: over the method's residual (over p at a leaf) and over p itself (the
@@ -82,6 +86,10 @@ def _tree_race_kernel(
         )  # fmt: skip
         t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)
         d_row = _row_ptr(draft_ptr, b, first, stride_db, stride_dk, stride_dg, G, 0)
+        tm_row, dm_row = _mask_rows(
+            mask_ptr, parents_ptr, b, rep, first, race & has_cand, stride_mb, stride_mk, stride_mg, stride_pb, G,
+            CHAINS, HAS_MASK,
+        )  # fmt: skip
         counter = rep + 1
         purpose = tl.where(has_cand, PURPOSE_RECOVER, PURPOSE_BONUS)
         log_z = tl.log(tl.where(z_t > 0.0, z_t, 1.0))
@@ -92,8 +100,8 @@ def _tree_race_kernel(
             cols = start + vcols
             lane = race[:, None] & (cols < end_col)
             xt, pv, qv = _position_tiles(
-                t_row, d_row, cols, lane, lane & has_cand[:, None], m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t,
-                cut_q, DRAFT_MODE, BY_INDEX,
+                t_row, d_row, tm_row, dm_row, start, end_col, race, race & has_cand, m_t, z_t, thr_t, m_q, z_q, thr_q,
+                inv_t, cut_t, cut_q, DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V,
             )  # fmt: skip
             w = _race_weights(
                 pv, qv, cols, lane, has_cand, steps, rho, scale, zs, ds, xs, nodes, DRAFT_MODE, METHOD, NP2

@@ -6,7 +6,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..helpers import DRAFT_LOGITS, LOG2E, fast_div, inverse_temperature, kept_at, load_probs, per_request, safe_max
+from ..helpers import (
+    DRAFT_LOGITS,
+    LOG2E,
+    NEG_INF,
+    allowed_tile,
+    fast_div,
+    inverse_temperature,
+    kept_at,
+    load_probs,
+    per_request,
+    safe_max,
+)
 from .common import (
     POS_FIRST,
     POS_K,
@@ -22,6 +33,7 @@ from .common import (
     RHO_EPS,
     RHO_MARGIN,
     RHO_TOL,
+    _mask_rows,
     _pick,
     _position_stats,
     _position_tile,
@@ -167,8 +179,10 @@ def _tree_rho_kernel(
     thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 (HAS_FILTER; index cuts: BY_INDEX)
     brk_ptr,  # [B*(N+1), RB_REC] fp32: the search's record (_tree_rho_step_kernel; this round's points)
     sums_ptr,  # [B*(N+1), C, RHO_P] fp32 out: sum over the chunk of min(rho q, p) per point
-    # strides
-    stride_tb, stride_tk, stride_tg, stride_db, stride_dk, stride_dg,
+    mask_ptr,  # [B, K, G+1, W] int32 (HAS_MASK): token_bitmask words of the target rows (_mask_rows)
+    parents_ptr,  # [B, N] int (unless CHAINS): a tree's draft rows use their parent's mask row
+    # strides: target, draft, mask (words), parents
+    stride_tb, stride_tk, stride_tg, stride_db, stride_dk, stride_dg, stride_mb, stride_mk, stride_mg, stride_pb,
     # sizes
     B, K, G, V, N, chunk_size, num_chunks,
     rnd,  # this round (0 .. RHO_ROUNDS - 1): round 0 takes the first points, later ones the record's
@@ -177,6 +191,7 @@ def _tree_rho_kernel(
     # constexprs
     PER_REQ_T: tl.constexpr, DRAFT_MODE: tl.constexpr, HAS_FILTER: tl.constexpr,
     BY_INDEX: tl.constexpr,  # top_p_ties="by_index": thresholds carry an index cut (verify.CUT_T)
+    HAS_MASK: tl.constexpr, CHAINS: tl.constexpr,  # token_bitmask; implicit parents (verify_multi)
     RHO_P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """K-SEQ's rho search, vocabulary-parallel: g = sum_x min(rho q, p) at this round's points for
@@ -200,20 +215,24 @@ def _tree_rho_kernel(
         )  # fmt: skip
         t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)[:, None]
         d_row = _row_ptr(draft_ptr, b, first, stride_db, stride_dk, stride_dg, G, 0)[:, None]
+        tm_row, dm_row = _mask_rows(
+            mask_ptr, parents_ptr, b, rep, first, active, stride_mb, stride_mk, stride_mg, stride_pb, G, CHAINS,
+            HAS_MASK,
+        )  # fmt: skip
         start_col = chunk * chunk_size
         end_col = tl.minimum(start_col + chunk_size, V)
         sums = _rho_chunk_sums(
-            t_row, d_row, active, pts, inv_t, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, start_col, end_col,
-            DRAFT_MODE, BY_INDEX, RHO_P, BLOCK_P, BLOCK_V,
+            t_row, d_row, tm_row[:, None], dm_row[:, None], active, pts, inv_t, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q,
+            cut_q, start_col, end_col, DRAFT_MODE, BY_INDEX, HAS_MASK, RHO_P, BLOCK_P, BLOCK_V,
         )  # fmt: skip
         tl.store(sums_ptr + (pos[:, None] * num_chunks + chunk) * RHO_P + pts_i, sums, mask=active[:, None])
 
 
 @triton.jit
 def _rho_chunk_sums(
-    t_row, d_row, active, pts, inv_t, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, start_col, end_col,
-    DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, RHO_P: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    t_row, d_row, tm_row, dm_row, active, pts, inv_t, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, start_col,
+    end_col, DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr, RHO_P: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """sum over columns [start_col, end_col) of min(rho q, p) at each of the [BP, RHO_P] points pts,
     from the rows' statistics ([BP] each) and [BP, 1] row pointers."""
@@ -243,10 +262,15 @@ def _rho_chunk_sums(
         cols = start + vcols
         lane = active[:, None, None] & (cols < end_col)
         x = tl.load(t_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:  # the words of the [BP, BLOCK_V] tile, expanded in registers
+            t_bits = allowed_tile(tm_row, start, end_col, active, BLOCK_V, HAS_MASK)[:, None, :]
+            x = tl.where(t_bits, x, float("-inf"))
         kept_t = kept_at(x, cols, thr_t, cut_t, BY_INDEX) & (x > float("-inf")) & (x < float("inf"))
         if DRAFT_MODE == DRAFT_LOGITS:
             # p = 2^a_t, q = 2^a_q with a = x c - (m c + log2 z); p / q = 2^(a_t - a_q): no division
             xq = tl.load(d_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
+            if HAS_MASK:
+                xq = tl.where(allowed_tile(dm_row, start, end_col, active, BLOCK_V, HAS_MASK)[:, None, :], xq, NEG_INF)
             kept_q = kept_at(xq, cols, thr_q, cut_q, BY_INDEX) & (xq > float("-inf")) & (xq < float("inf"))
             a_t = x * c - off_t
             a_q = xq * c - off_q

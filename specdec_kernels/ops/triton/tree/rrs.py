@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..helpers import DRAFT_LOGITS, inverse_temperature, load_logits, load_probs, per_request
+from ..helpers import DRAFT_LOGITS, allowed_at, inverse_temperature, load_logits, load_probs, per_request
 from ..row_pass import prob_of
 from .common import (
     POS_FIRST,
@@ -14,6 +14,7 @@ from .common import (
     POS_REC,
     POS_TOK,
     RRS_MAX,
+    _mask_rows,
     _position_stats,
     _position_tile,
     _position_tiles,
@@ -34,8 +35,10 @@ def _tree_rrs_kernel(
     stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 (row statistics)
     thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 (HAS_FILTER; index cuts: BY_INDEX)
     sums_ptr,  # [RRS_MAX - 1, B*(N+1), C] fp32: chunk sums of Z_j (round j at j - 1)
-    # strides
-    stride_tb, stride_tk, stride_tg, stride_db, stride_dk, stride_dg,
+    mask_ptr,  # [B, K, G+1, W] int32 (HAS_MASK): token_bitmask words of the target rows (_mask_rows)
+    parents_ptr,  # [B, N] int (unless CHAINS): a tree's draft rows use their parent's mask row
+    # strides: target, draft, mask (words), parents
+    stride_tb, stride_tk, stride_tg, stride_db, stride_dk, stride_dg, stride_mb, stride_mk, stride_mg, stride_pb,
     # sizes
     B, K, G, V, N, chunk_size, num_chunks,
     rnd,  # j in 1 .. RRS_MAX - 1: the mass Z_j of the residual after j rejections
@@ -44,6 +47,7 @@ def _tree_rrs_kernel(
     # constexprs
     PER_REQ_T: tl.constexpr, DRAFT_MODE: tl.constexpr, HAS_FILTER: tl.constexpr, BY_INDEX: tl.constexpr,
     WOR: tl.constexpr, FIRST_ROUND: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_MASK: tl.constexpr, CHAINS: tl.constexpr,  # token_bitmask; implicit parents (verify_multi)
 ):  # fmt: skip
     """RRS's residual masses before the walk, split over the vocabulary: round j sums the residual
     left after the first j candidates of a position are rejected (the candidates and their order
@@ -68,10 +72,14 @@ def _tree_rrs_kernel(
         )  # fmt: skip
         t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)
         d_row = _row_ptr(draft_ptr, b, first, stride_db, stride_dk, stride_dg, G, 0)
+        tm_row, dm_row = _mask_rows(
+            mask_ptr, parents_ptr, b, rep, first, active, stride_mb, stride_mk, stride_mg, stride_pb, G, CHAINS,
+            HAS_MASK,
+        )  # fmt: skip
         ranks = tl.arange(0, RRS_MAX)[None, :]
         zs, ds, xs = _rrs_prefix(
-            pos_ptr, sums_ptr, d_row, pos, active, B * (N + 1), num_chunks, rnd, m_q, z_q, thr_q, cut_q, inv_t, ranks,
-            DRAFT_MODE, BY_INDEX, WOR, BLOCK_P,
+            pos_ptr, sums_ptr, d_row, dm_row, pos, active, B * (N + 1), num_chunks, rnd, m_q, z_q, thr_q, cut_q, inv_t,
+            ranks, DRAFT_MODE, BY_INDEX, WOR, HAS_MASK, BLOCK_P,
         )  # fmt: skip
         steps = tl.zeros([BLOCK_P], tl.int32) + rnd
         xs32 = xs.to(tl.int32)  # -1 or token ids from the int32 position records: exact in int32
@@ -83,8 +91,8 @@ def _tree_rrs_kernel(
             cols = start + vcols
             lane = active[:, None] & (cols < end_col)
             _x, pv, qv = _position_tiles(
-                t_row, d_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q, DRAFT_MODE,
-                BY_INDEX,
+                t_row, d_row, tm_row, dm_row, start, end_col, active, active, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t,
+                cut_t, cut_q, DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V,
             )  # fmt: skip
             r = _rrs_residual(pv, qv, steps, zs, xs32, ds, cols, ranks, WOR)
             acc += tl.where(lane, r, 0.0)
@@ -93,8 +101,9 @@ def _tree_rrs_kernel(
 
 @triton.jit
 def _rrs_prefix(
-    pos_ptr, sums_ptr, d_row, pos, active, P, num_chunks, rnd, m_q, z_q, thr_q, cut_q, inv_t, ranks,
-    DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, WOR: tl.constexpr, BLOCK_P: tl.constexpr,
+    pos_ptr, sums_ptr, d_row, dm_row, pos, active, P, num_chunks, rnd, m_q, z_q, thr_q, cut_q, inv_t, ranks,
+    DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, WOR: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):  # fmt: skip
     """The walk's RRS state after the first rnd rejections, by rank (as in _tree_walk_kernel): the
     normalisers Z_1 .. Z_{rnd-1} of earlier rounds, WOR's q masses and rejected tokens."""
@@ -108,7 +117,7 @@ def _rrs_prefix(
             zs = tl.where(ranks == j, z_j[:, None], zs)
         if WOR:
             if DRAFT_MODE == DRAFT_LOGITS:
-                xq, _bad = load_logits(d_row + x_j, active)
+                xq, _bad = load_logits(d_row + x_j, allowed_at(dm_row, x_j, active, HAS_MASK))
                 q_x = prob_of(xq, m_q, z_q, thr_q, inv_t, x_j, cut_q, BY_INDEX)
             else:
                 q_x, _bad = load_probs(d_row + x_j, active)

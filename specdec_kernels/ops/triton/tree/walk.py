@@ -11,6 +11,7 @@ from ..helpers import (
     DRAFT_NONE,
     DRAFT_PROBS,
     PURPOSE_ACCEPT,
+    allowed_at,
     inverse_temperature,
     load_logits,
     load_probs,
@@ -25,6 +26,7 @@ from .common import (
     RB_HI,
     RB_REC,
     RRS_MAX,
+    _mask_rows,
     _pick,
     _position_stats,
     _position_tiles,
@@ -61,8 +63,9 @@ def _tree_walk_kernel(
     race_ds_ptr,  # [B, NP2] fp32 out: RRS-WOR q masses by rank
     race_xs_ptr,  # [B, NP2] int64 out: RRS-WOR rejected tokens by rank (one-hot: the candidates' tokens)
     rrs_ptr,  # [RRS_MAX - 1, B*(N+1), rrs_chunks] fp32 (_tree_rrs_kernel, RRS)
-    # strides: target, draft, tokens, parents, out tokens, out nodes
-    stride_tb, stride_tk, stride_tg, stride_db, stride_dk, stride_dg,
+    mask_ptr,  # [B, K, G+1, W] int32 (HAS_MASK): token_bitmask words of the target rows (_mask_rows)
+    # strides: target, draft, mask (words), tokens, parents, out tokens, out nodes
+    stride_tb, stride_tk, stride_tg, stride_db, stride_dk, stride_dg, stride_mb, stride_mk, stride_mg,
     stride_xb, stride_xk, stride_pb, stride_ob, stride_nb,
     # sizes
     B, K, G, V, N, D, rrs_chunks,
@@ -78,6 +81,7 @@ def _tree_walk_kernel(
     NP2: tl.constexpr,  # next power of two >= N
     DP2: tl.constexpr,  # next power of two >= D + 1
     BLOCK_V: tl.constexpr,
+    HAS_MASK: tl.constexpr,  # token_bitmask: disallowed logits are -inf in target and draft rows
 ):  # fmt: skip
     """Walks each request's tree from the root (BLOCK_B requests per program): at each position the
     method's test over its candidates, then the accepted child's node set or the end of the walk,
@@ -106,6 +110,10 @@ def _tree_walk_kernel(
         first_safe = tl.where(has_cand, first, 0)
         t_row = _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1)
         d_row = _row_ptr(draft_ptr, b, first_safe, stride_db, stride_dk, stride_dg, G, 0)
+        tm_row, dm_row = _mask_rows(
+            mask_ptr, parents_ptr, b, rep, first_safe, active, stride_mb, stride_mk, stride_mg, stride_pb, G, CHAINS,
+            HAS_MASK,
+        )  # fmt: skip
         rec_t = _record(b, rep, K, G, 1)
         rec_q = _record(b, first_safe, K, G, 0)
         m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q = _position_stats(
@@ -116,8 +124,9 @@ def _tree_walk_kernel(
             stats_ptr, idx_ptr, rec_t, rec_q, active, stochastic, has_cand, z_t, flagged, DRAFT_MODE
         )
         p_c, q_c = _candidate_probs(
-            t_row, d_row, tok, cand, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, DRAFT_MODE, BY_INDEX
-        )
+            t_row, d_row, tm_row, dm_row, tok, cand, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, DRAFT_MODE,
+            BY_INDEX, HAS_MASK,
+        )  # fmt: skip
         u = uniform_open(seed[:, None], rank, (rep + 1)[:, None], PURPOSE_ACCEPT)  # counter: the position
         # ---- decide: index of the accepted candidate (NP2 = none)
         rho, scale, steps = _decide_start(BLOCK_B)
@@ -129,8 +138,8 @@ def _tree_walk_kernel(
         else:
             accept, zs, ds, xs, steps = _accept_rrs(
                 rrs_ptr, b, rep, k, tok, cand, rank, p_c, q_c, u, stochastic, zs, ds, xs, steps, nodes, t_row, d_row,
-                m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, B, N, V, rrs_chunks, DRAFT_MODE, BY_INDEX,
-                METHOD, BLOCK_V,
+                tm_row, dm_row, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, B, N, V, rrs_chunks, DRAFT_MODE,
+                BY_INDEX, METHOD, HAS_MASK, BLOCK_V,
             )  # fmt: skip
         chosen, accepted, emit = _choose(accept, cand, tok, g_idx, greedy, active, nodes, NP2)
         # ---- recovered / bonus token: recorded here, raced by _tree_race_kernel over vocabulary chunks
@@ -218,17 +227,19 @@ def _walk_row_checks(
 
 @triton.jit
 def _candidate_probs(
-    t_row, d_row, tok, cand, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, DRAFT_MODE: tl.constexpr,
-    BY_INDEX: tl.constexpr,
+    t_row, d_row, tm_row, dm_row, tok, cand, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t,
+    DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
-    """p(x) and q(x) of the candidates' tokens ([BLOCK_B, NP2]; one-hot drafts: q = 1)."""
-    x_c, _bad_c = load_logits(t_row[:, None] + tl.maximum(tok, 0), cand)
+    """p(x) and q(x) of the candidates' tokens ([BLOCK_B, NP2]; one-hot drafts: q = 1), under the
+    rows' token_bitmask rows tm_row / dm_row (HAS_MASK)."""
+    tok_safe = tl.maximum(tok, 0)
+    x_c, _bad_c = load_logits(t_row[:, None] + tok_safe, allowed_at(tm_row[:, None], tok_safe, cand, HAS_MASK))
     p_c = prob_of(x_c, m_t[:, None], z_t[:, None], thr_t[:, None], inv_t[:, None], tok, cut_t[:, None], BY_INDEX)
     if DRAFT_MODE == DRAFT_LOGITS:
-        xq_c, _bad_qc = load_logits(d_row[:, None] + tl.maximum(tok, 0), cand)
+        xq_c, _bad_qc = load_logits(d_row[:, None] + tok_safe, allowed_at(dm_row[:, None], tok_safe, cand, HAS_MASK))
         q_c = prob_of(xq_c, m_q[:, None], z_q[:, None], thr_q[:, None], inv_t[:, None], tok, cut_q[:, None], BY_INDEX)
     elif DRAFT_MODE == DRAFT_PROBS:
-        q_c, _bad_qc = load_probs(d_row[:, None] + tl.maximum(tok, 0), cand)
+        q_c, _bad_qc = load_probs(d_row[:, None] + tok_safe, cand)
     else:
         q_c = tl.where(cand, 1.0, 0.0)
     return p_c, q_c
@@ -277,9 +288,9 @@ def _accept_kseq(brk_ptr, b, rep, k, cand, p_c, q_c, u, stochastic, N, BLOCK_B: 
 
 @triton.jit
 def _accept_rrs(
-    rrs_ptr, b, rep, k, tok, cand, rank, p_c, q_c, u, stochastic, zs, ds, xs, steps, nodes, t_row, d_row, m_t, z_t,
-    thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, B, N, V, rrs_chunks, DRAFT_MODE: tl.constexpr,
-    BY_INDEX: tl.constexpr, METHOD: tl.constexpr, BLOCK_V: tl.constexpr,
+    rrs_ptr, b, rep, k, tok, cand, rank, p_c, q_c, u, stochastic, zs, ds, xs, steps, nodes, t_row, d_row, tm_row,
+    dm_row, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, B, N, V, rrs_chunks, DRAFT_MODE: tl.constexpr,
+    BY_INDEX: tl.constexpr, METHOD: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """RRS: test candidates in rank order; each rejection renormalises the residual (one pass).
     (accepted candidates, and the RRS state zs, ds, xs, steps the position ends with)."""
@@ -290,8 +301,8 @@ def _accept_rrs(
         live = ~decided & (j < k)
         x_j = tl.sum(tl.where(at_j, tok, 0), axis=1)
         zs = _rrs_z_j(
-            rrs_ptr, b, rep, j, live, steps, zs, xs, ds, nodes, t_row, d_row, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q,
-            cut_q, inv_t, B, N, V, rrs_chunks, DRAFT_MODE, BY_INDEX, METHOD, BLOCK_V,
+            rrs_ptr, b, rep, j, live, steps, zs, xs, ds, nodes, t_row, d_row, tm_row, dm_row, m_t, z_t, thr_t, cut_t,
+            m_q, z_q, thr_q, cut_q, inv_t, B, N, V, rrs_chunks, DRAFT_MODE, BY_INDEX, METHOD, HAS_MASK, BLOCK_V,
         )  # fmt: skip
         p_x = tl.sum(tl.where(at_j, p_c, 0.0), axis=1)
         q_x = tl.sum(tl.where(at_j, q_c, 0.0), axis=1)
@@ -317,9 +328,9 @@ def _accept_rrs(
 
 @triton.jit
 def _rrs_z_j(
-    rrs_ptr, b, rep, j, live, steps, zs, xs, ds, nodes, t_row, d_row, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q,
-    inv_t, B, N, V, rrs_chunks, DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, METHOD: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    rrs_ptr, b, rep, j, live, steps, zs, xs, ds, nodes, t_row, d_row, tm_row, dm_row, m_t, z_t, thr_t, cut_t, m_q, z_q,
+    thr_q, cut_q, inv_t, B, N, V, rrs_chunks, DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, METHOD: tl.constexpr,
+    HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """zs with the normaliser Z_j of the residual after j rejections set on live lanes (j > 0): from
     _tree_rrs_kernel below RRS_MAX, from one pass over the vocabulary at and beyond it."""
@@ -336,8 +347,8 @@ def _rrs_z_j(
             cols = start + vcols
             lane = live[:, None] & (cols < V)
             _x, pv, qv = _position_tiles(
-                t_row, d_row, cols, lane, lane, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t, cut_q, DRAFT_MODE,
-                BY_INDEX,
+                t_row, d_row, tm_row, dm_row, start, V, live, live, m_t, z_t, thr_t, m_q, z_q, thr_q, inv_t, cut_t,
+                cut_q, DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V,
             )  # fmt: skip
             r = _rrs_residual(pv, qv, steps, zs, xs, ds, cols.to(tl.int64), nodes, METHOD == 2)
             z_j += tl.sum(tl.where(lane, r, 0.0), axis=1)
