@@ -16,9 +16,7 @@ from specdec_kernels._bitmask import pack
 from .conftest import cpu_core_or_skip
 
 V = 70
-# The Triton kernels: expected to fail until their greedy tree walks flag the row too.
-_NOT_YET = pytest.mark.xfail(reason="the Triton greedy tree walks do not flag an empty row yet", strict=False)
-BACKENDS = ["torch", "vectorized", "cpu", pytest.param("triton", marks=_NOT_YET)]
+BACKENDS = ["torch", "vectorized", "cpu", "triton"]
 
 
 def _backend(backend: str) -> dict:

@@ -19,7 +19,7 @@ from ..helpers import (
     request_seed,
     uniform_open,
 )
-from ..records import IDX_GREEDY, NUM_IDX, NUM_STATS, STAT_BAD_Q, STAT_BAD_T
+from ..records import IDX_GREEDY, NUM_IDX, NUM_STATS, STAT_BAD_Q, STAT_BAD_T, STAT_GMAX
 from ..row_pass import prob_of
 from .common import (
     RB_GHI,
@@ -214,11 +214,14 @@ def _walk_row_checks(
     stats_ptr, idx_ptr, rec_t, rec_q, active, stochastic, has_cand, z_t, flagged, DRAFT_MODE: tl.constexpr
 ):
     """(greedy argmax of the position's target row, flagged updated): unusable target logits, an
-    empty filtered target row (sampled requests), unusable draft logits / probabilities in the
-    position's draft row."""
+    empty filtered target row (sampled requests), a row without a finite logit (greedy requests),
+    unusable draft logits / probabilities in the position's draft row."""
     bad_t = tl.load(stats_ptr + rec_t * NUM_STATS + STAT_BAD_T, mask=active, other=0.0)
     g_idx = tl.load(idx_ptr + rec_t * NUM_IDX + IDX_GREEDY, mask=active, other=0).to(tl.int64)
     flagged = flagged | (active & (bad_t > 0.0)) | (stochastic & (z_t == 0.0))
+    # a greedy row without a finite logit (all -inf, or a mask allowing nothing): flagged, as the chain
+    g_max = tl.load(stats_ptr + rec_t * NUM_STATS + STAT_GMAX, mask=active & ~stochastic, other=0.0)
+    flagged = flagged | (active & ~stochastic & ~(g_max > float("-inf")))
     if DRAFT_MODE != DRAFT_NONE:
         bad_q = tl.load(stats_ptr + rec_q * NUM_STATS + STAT_BAD_Q, mask=stochastic & has_cand, other=0.0)
         flagged = flagged | (stochastic & has_cand & (bad_q > 0.0))
