@@ -572,7 +572,8 @@ struct ChainParams {
   int32_t* out_accepted;  // [B]
   bool* out_nonfinite;    // [B]
   // return_logprobs (the CPU build, chains; null: not asked for): [B, G+1] float32 (row stride
-  // stride_lb). Greedy rows then also get thresholds and (m, z) at temperature 1 (row_stats_item).
+  // stride_lb). The emitted rows of greedy requests then get thresholds and (m, z) at temperature 1
+  // after the accept program (verify_cpu.cpp greedy_logprob_stats).
   float* out_logprobs = nullptr;
   int64_t stride_lb = 0;
   // tree walk only

@@ -113,12 +113,11 @@ void thresholds_by_selection(const ChainParams& P, int64_t rows) {
       P.thr[row * 2 + 1] = neg_inf();
       int32_t cut[2] = {0, 0};
       const bool by_index = P.cut != nullptr;
-      // greedy rows need thresholds only for the logprobs, which score them at temperature 1
-      if (i <= rq.n && (!rq.greedy || P.out_logprobs != nullptr)) {
+      if (i <= rq.n && !rq.greedy) {
         const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
-        P.thr[row * 2 + 0] = selected_threshold(t_row, target_mask(P, b, k, i), P.V, rq.greedy ? 1.0f : rq.temperature,
-                                                rq.top_k, rq.top_p, buf, by_index, cut[0]);
-        if (P.draft_mode == DRAFT_LOGITS && i < rq.n && i < P.G && !rq.greedy) {
+        P.thr[row * 2 + 0] = selected_threshold(t_row, target_mask(P, b, k, i), P.V, rq.temperature, rq.top_k,
+                                                rq.top_p, buf, by_index, cut[0]);
+        if (P.draft_mode == DRAFT_LOGITS && i < rq.n && i < P.G) {
           const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + k * P.stride_dk + i * P.stride_dg;
           P.thr[row * 2 + 1] = selected_threshold(d_row, draft_mask(P, b, k, i), P.V, rq.temperature, rq.top_k,
                                                   rq.top_p, buf, by_index, cut[1]);
@@ -174,34 +173,6 @@ void greedy_row_stats(const ChainParams& P, int64_t row, int64_t chunk, const TT
   P.g_idx[row * P.num_chunks + chunk] = idx;
 }
 
-// return_logprobs on a greedy row: its (m, z) at temperature 1 over the kept entries (thresholds
-// given), into the chunk record greedy_row_stats wrote (m: the chunk's max, s[4]); the accept
-// program reads only the argmax of a greedy row, the logprobs these.
-template <class TT>
-void greedy_softmax(const ChainParams& P, int64_t row, int64_t chunk, const TT* t_row, const int32_t* mask,
-                    bool simd_on) {
-  const int64_t start = chunk * P.chunk_size, end = chunk_end(P, chunk);
-  float* s = P.stats + (row * P.num_chunks + chunk) * NUM_STATS;
-  const float m = s[4];
-  const float thr = P.has_filter ? P.thr[row * 2] : neg_inf();
-  const int32_t cut = P.has_filter && P.cut ? P.cut[row * 2] : 0;
-  double z = 0.0;
-#ifdef SK_HAVE_AVX2_PATH
-  if (simd_on) z = simd::sum_exp(t_row, mask, start, end, m, 1.0f, thr, cut);
-#else
-  (void)simd_on;
-#endif
-  if (!simd_on && m > neg_inf()) {
-    int unused = 0;
-    for (int64_t x = start; x < end; ++x) {
-      const float v = sanitize_logit(mask_logit(to_float(t_row[x]), mask, x), unused);
-      if (v > neg_inf() && kept_at(v, x, thr, cut)) z += double(expf(v - m));
-    }
-  }
-  s[0] = m;
-  s[1] = float(z);
-}
-
 template <class TT, class TD>
 void row_stats_item(const ChainParams& P, int64_t row, int64_t chunk, bool simd_on) {
   const int64_t bk = row / (P.G + 1), i = row % (P.G + 1);
@@ -209,19 +180,16 @@ void row_stats_item(const ChainParams& P, int64_t row, int64_t chunk, bool simd_
   const Request rq = load_request(P, b);
   const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
   const int32_t* mask = target_mask(P, b, k, i);
-  if (rq.greedy && i <= rq.n) {
 #ifdef SK_HAVE_AVX2_PATH
-    if (simd_on) simd::greedy_row_stats(P, row, chunk, t_row, mask);
-    else greedy_row_stats(P, row, chunk, t_row, mask);
+  if (simd_on && rq.greedy && i <= rq.n) return simd::greedy_row_stats(P, row, chunk, t_row, mask);
+  if (simd_on && !rq.greedy && P.thresholds_given == P.has_filter) return simd::sampled_row_stats<TT, TD>(P, row, chunk);
 #else
-    greedy_row_stats(P, row, chunk, t_row, mask);
+  (void)simd_on;
 #endif
-    if (P.out_logprobs != nullptr) greedy_softmax(P, row, chunk, t_row, mask, simd_on);
+  if (rq.greedy && i <= rq.n) {
+    greedy_row_stats(P, row, chunk, t_row, mask);
     return;
   }
-#ifdef SK_HAVE_AVX2_PATH
-  if (simd_on && !rq.greedy && P.thresholds_given == P.has_filter) return simd::sampled_row_stats<TT, TD>(P, row, chunk);
-#endif
   SeqReducer red;
   row_stats_program<SeqReducer, TT, TD>(P, row, chunk, red);
 }
@@ -244,6 +212,47 @@ void accept_item(const ChainParams& P, int64_t b, int64_t chunk, bool simd_on) {
 #endif
   }
   store_race(P, b, chunk, red, res, pk);
+}
+
+// return_logprobs of a greedy request b (after its accept program): the row pass kept only the
+// argmax of its rows, so its emitted rows 0 .. j (no others) get the statistics the logprobs score
+// them with, temperature 1 with the request's top-k / top-p: the threshold (selection, as for
+// sampled rows) and (m, z) over the kept entries, recorded as chunk 0's (the other chunks: empty)
+// for emitted_logprobs. One pass over each emitted row (two with a filter).
+template <class TT>
+void greedy_logprob_stats(const ChainParams& P, int64_t b, std::vector<float>& buf, bool simd_on) {
+  const Request rq = load_request(P, b);
+  if (!rq.greedy) return;
+  for (int64_t i = 0; i <= P.first_reject[b]; ++i) {
+    const int64_t row = b * (P.G + 1) + i;
+    const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + i * P.stride_tg;
+    const int32_t* mask = target_mask(P, b, 0, i);
+    float thr = neg_inf();
+    int32_t cut = 0;
+    if (P.has_filter) {
+      thr = selected_threshold(t_row, mask, P.V, 1.0f, rq.top_k, rq.top_p, buf, P.cut != nullptr, cut);
+      P.thr[row * 2] = thr;
+      if (P.cut != nullptr) P.cut[row * 2] = cut;
+    }
+    float m = neg_inf();
+    for (int64_t c = 0; c < P.num_chunks; ++c) m = std::max(m, P.stats[(row * P.num_chunks + c) * NUM_STATS + 4]);
+    double z = 0.0;
+#ifdef SK_HAVE_AVX2_PATH
+    if (simd_on) z = simd::sum_exp(t_row, mask, 0, P.V, m, 1.0f, thr, cut);
+#endif
+    if (!simd_on && m > neg_inf()) {
+      int unused = 0;
+      for (int64_t x = 0; x < P.V; ++x) {
+        const float v = sanitize_logit(mask_logit(to_float(t_row[x]), mask, x), unused);
+        if (v > neg_inf() && kept_at(v, x, thr, cut)) z += double(expf(v - m));
+      }
+    }
+    for (int64_t c = 0; c < P.num_chunks; ++c) {
+      float* s = P.stats + (row * P.num_chunks + c) * NUM_STATS;
+      s[0] = c == 0 ? m : neg_inf();
+      s[1] = c == 0 ? float(z) : 0.0f;
+    }
+  }
 }
 
 template <class TT, class TD>
@@ -289,8 +298,16 @@ void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dty
 #pragma omp parallel for if (worth_threads(P.B, P.V))
       for (int64_t b = 0; b < P.B; ++b) finalize_request(P, b);
     }
-    if (P.out_logprobs != nullptr) {  // G + 1 logits per request: no threads
-      for (int64_t b = 0; b < P.B; ++b) emitted_logprobs<TT, TD>(P, b);
+    if (P.out_logprobs != nullptr) {
+#pragma omp parallel if (worth_threads(P.B, P.V))
+      {
+        std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < P.B; ++b) {
+          greedy_logprob_stats<TT>(P, b, buf, simd_on);
+          emitted_logprobs<TT, TD>(P, b);
+        }
+      }
     }
   });
 }
