@@ -18,7 +18,7 @@ from specdec_kernels._validation import check_verify_call
 from specdec_kernels.ops import logprobs as post_pass
 from specdec_kernels.reference.logprobs import chain_rows, logprobs_reference
 
-from ._inputs import make_problem
+from ._inputs import flattened_problem, make_problem
 from .conftest import cpu_core_or_skip
 
 TOL = 1e-5  # absolute, float32: the bound between the native values and the post-pass
@@ -121,11 +121,7 @@ def test_top_p_tie_rules(no_post_pass, ties, temperature):
 
 
 def test_flattened_layout(no_post_pass):
-    V, counts = 37, torch.tensor([3, 0, 2])
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
-    gen = torch.Generator().manual_seed(8)
-    rows, ids = torch.randn(8, V, generator=gen), torch.randint(0, V, (5,), generator=gen)
-    draft = rows[torch.tensor([0, 1, 2, 4, 5])] + 0.3 * torch.randn(5, V, generator=gen)
+    cu, rows, ids, draft = flattened_problem(37, seed=8)
     kw = dict(temperature=torch.tensor([0.7, 0.0, 1.0]), top_k=9, cu_num_draft_tokens=cu, max_num_draft_tokens=4)
     out, after, ref = _native_and_expected(no_post_pass, rows, ids, draft, **kw)
     assert out.tokens.shape == (3, 5)
