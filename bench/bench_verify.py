@@ -21,10 +21,11 @@ passed but not counted as must-read bytes: greedy verification never needs them)
 (temperature 1, no draft logits: one-hot q, as for n-gram / prompt-lookup drafters),
 ``topk_topp`` (temperature 1, top_k=50, top_p=0.9), ``t0.7`` and ``t0.7_topk_topp`` (the same
 at temperature 0.7), ``t0.7_topk_topp_logprobs`` (that with ``return_logprobs=True,
-num_logprobs=5``: the post-pass's cost, for the sk providers), ``grammar`` (stochastic with
-``token_bitmask=``: a random grammar mask allowing half the vocabulary, the drafts allowed; eager
-masks the target and draft rows by hand first, as engines do today; compare its rows with
-``stochastic`` for the cost of the mask).
+num_logprobs=5``: the post-pass's cost, for the sk providers), ``t0.7_topk_topp_logprobs0`` and
+``greedy_logprobs0`` (``return_logprobs=True`` alone, with ``t0.7_topk_topp`` / ``greedy``),
+``grammar`` (stochastic with ``token_bitmask=``: a random grammar mask allowing half the
+vocabulary, the drafts allowed; eager masks the target and draft rows by hand first, as engines do
+today; compare its rows with ``stochastic`` for the cost of the mask).
 
 Columns (``median_us``, ``GBps``, ``floor_us``, ``frac_of_floor``, ``copy_GBps``: ``bench/_common.py``):
 
@@ -55,7 +56,10 @@ from _baselines import eager_verify, probs_from_logits  # noqa: E402
 PROVIDERS = ("eager", "reference", "ours", "cuda", "auto", "vectorized")
 # Providers also timed as a CUDA-graph replay (graph_us): compiled kernels, no host synchronisation.
 GRAPH_PROVIDERS = ("ours", "cuda")
-MODES = ("stochastic", "greedy", "ngram", "topk_topp", "t0.7", "t0.7_topk_topp", "t0.7_topk_topp_logprobs", "grammar")
+MODES = (
+    "stochastic", "greedy", "ngram", "topk_topp", "t0.7", "t0.7_topk_topp", "t0.7_topk_topp_logprobs",
+    "t0.7_topk_topp_logprobs0", "greedy_logprobs0", "grammar",
+)  # fmt: skip
 AXES = {
     "B": common.Axis("batch sizes", (1, 8, 64, 256), (2,)),
     "G": common.Axis("draft lengths", (1, 4, 8), (2,)),
@@ -102,6 +106,10 @@ MODE_SETTINGS = {
     "t0.7_topk_topp": Mode("t0.7_topk_topp", temperature=0.7, top_k=50, top_p=0.9),
     # the cost of return_logprobs (the post-pass): compare with the t0.7_topk_topp rows
     "t0.7_topk_topp_logprobs": Mode("t0.7_topk_topp_logprobs", temperature=0.7, top_k=50, top_p=0.9, num_logprobs=5),
+    # return_logprobs=True without top-n (the CPU build computes it in its row pass): compare with
+    # the t0.7_topk_topp / greedy rows
+    "t0.7_topk_topp_logprobs0": Mode("t0.7_topk_topp_logprobs0", temperature=0.7, top_k=50, top_p=0.9, num_logprobs=0),
+    "greedy_logprobs0": Mode("greedy_logprobs0", temperature=0.0, needs_draft_logits=False, num_logprobs=0),
     "grammar": Mode("grammar", temperature=1.0, grammar_mask=True),
 }
 GRAMMAR_ALLOWED = 0.5  # share of the vocabulary the synthetic grammar mask allows

@@ -2,8 +2,9 @@
 //
 //   verify_chain(target, draft_tokens, draft, draft_mode, num_draft, temperature_t, temperature,
 //                top_k_t, top_k, top_p_t, top_p, seed_t, seed, has_filter, num_chunks, threads, stream,
-//                token_bitmask)
+//                token_bitmask, logprobs)
 //     -> [tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool]
+//        (+ logprobs [B, G+1] float32 with `logprobs`: return_logprobs from the row statistics; CPU only)
 //
 // Arguments are the checked ones of specdec_kernels._validation (shapes, dtypes and devices are
 // not re-checked beyond what memory safety needs). Per-request tensors are cast to the canonical
@@ -109,7 +110,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
                                      c10::optional<at::Tensor> top_p_t, double top_p,
                                      c10::optional<at::Tensor> seed_t, int64_t seed, bool has_filter, bool by_index,
                                      int64_t num_chunks, int64_t threads, int64_t stream,
-                                     c10::optional<at::Tensor> token_bitmask) {
+                                     c10::optional<at::Tensor> token_bitmask, bool logprobs) {
   TORCH_CHECK(target.dim() == 3 && target.stride(2) == 1, "specdec: target_logits must be [B, G+1, V], last dim contiguous");
   const int64_t B = target.size(0), G = target.size(1) - 1, V = target.size(2);
   // Zero sizes: B = 0 returns empty outputs below; G = 0 is a bonus token per request. An empty
@@ -127,7 +128,10 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   at::Tensor tokens = at::empty({B, G + 1}, opts.dtype(at::kLong));
   at::Tensor accepted = at::empty({B}, opts.dtype(at::kInt));
   at::Tensor nonfinite = at::empty({B}, opts.dtype(at::kBool));
-  if (B == 0) return {tokens, accepted, nonfinite};
+  TORCH_CHECK(!logprobs || dev.is_cpu(), "specdec: native return_logprobs is implemented by the CPU build only");
+  at::Tensor lp = at::empty({logprobs ? B : 0, G + 1}, opts.dtype(at::kFloat));
+  if (B == 0) return logprobs ? std::vector<at::Tensor>{tokens, accepted, nonfinite, lp}
+                              : std::vector<at::Tensor>{tokens, accepted, nonfinite};
 
   if (has_filter && !dev.is_cpu()) num_chunks = 1;  // the GPU's radix-select thresholds need whole rows
   const int64_t chunk_size = chunk_size_for(V, num_chunks);
@@ -180,6 +184,8 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   P.stride_ob = tokens.stride(0);
   P.out_accepted = accepted.data_ptr<int32_t>();
   P.out_nonfinite = nonfinite.data_ptr<bool>();
+  P.out_logprobs = logprobs ? lp.data_ptr<float>() : nullptr;
+  P.stride_lb = lp.stride(0);
   set_mask(P, token_bitmask, target.sizes().slice(0, 2), V, target, keep);
 
   const int td = dtype_code(target);
@@ -195,6 +201,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
     TORCH_CHECK(false, "specdec: this build of the extension has no CUDA kernels (device ", dev, ")");
 #endif
   }
+  if (logprobs) return {tokens, accepted, nonfinite, lp};
   return {tokens, accepted, nonfinite};
 }
 

@@ -571,6 +571,11 @@ struct ChainParams {
   int64_t stride_ob;
   int32_t* out_accepted;  // [B]
   bool* out_nonfinite;    // [B]
+  // return_logprobs (the CPU build, chains; null: not asked for): [B, G+1] float32 (row stride
+  // stride_lb). The emitted rows of greedy requests then get thresholds and (m, z) at temperature 1
+  // after the accept program (verify_cpu.cpp greedy_logprob_stats).
+  float* out_logprobs = nullptr;
+  int64_t stride_lb = 0;
   // tree walk only
   const int64_t* parents;  // [B, N] (row stride stride_pb), or null: K chains (verify_multi)
   int64_t stride_pb;
@@ -761,7 +766,7 @@ SK_HD RowStats combine_row(const ChainParams& P, int64_t row, const Request& rq)
     }
     r.bad += s[5] + s[6];
   }
-  if (P.has_filter && !rq.greedy) {
+  if (P.has_filter && (!rq.greedy || P.out_logprobs != nullptr)) {  // greedy rows: for the logprobs only
     r.thr_t = P.thr[row * 2 + 0];
     r.thr_q = P.thr[row * 2 + 1];
     if (P.cut) {
@@ -798,6 +803,31 @@ SK_HD void finalize_request(const ChainParams& P, int64_t b) {
   for (int64_t t = 0; t <= P.G; ++t) out[t] = t < j ? P.draft_tokens[b * P.stride_xb + t] : (t == j ? token : -1);
   P.out_accepted[b] = int32_t(j);
   P.out_nonfinite[b] = P.flagged[b] != 0;
+}
+
+// return_logprobs of request b (after finalize_request): log p(token) of each emitted position i
+// under row i's processed target distribution, from the row statistics the row pass already has:
+// (x_tok - m) / T - log z for a kept token (greedy requests: T = 1 with their top-k / top-p, as
+// reference/logprobs.py defines it), -inf for a token outside the kept set, NaN where no token was
+// emitted or the row has no finite logit. In double, like the post-pass (ops/logprobs.py).
+template <class TT, class TD>
+SK_HD void emitted_logprobs(const ChainParams& P, int64_t b) {
+  const Request rq = load_request(P, b);
+  const double t = rq.greedy ? 1.0 : double(rq.temperature);
+  const int64_t* out = P.out_tokens + b * P.stride_ob;
+  float* lp = P.out_logprobs + b * P.stride_lb;
+  int unused = 0;
+  for (int64_t i = 0; i <= P.G; ++i) {
+    const int64_t tok = out[i];
+    const RowStats s = tok >= 0 ? combine_row(P, b * (P.G + 1) + i, rq) : RowStats{};
+    if (tok < 0 || tok >= P.V || !(s.g_max > neg_inf())) {
+      lp[i] = NAN;
+      continue;
+    }
+    const float x = mask_logit(target_logit<TT, TD>(P, b, i, tok, unused), target_mask(P, b, 0, i), tok);
+    const bool kept = kept_at(x, tok, s.thr_t, s.cut_t) && x > neg_inf() && s.t.z > 0.0f;
+    lp[i] = kept ? float((double(x) - double(safe_max(s.t.m))) / t - log(double(s.t.z))) : neg_inf();
+  }
 }
 
 // Where the accept tests of request b stopped: j (the first rejection, or n when every draft

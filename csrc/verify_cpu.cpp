@@ -214,6 +214,47 @@ void accept_item(const ChainParams& P, int64_t b, int64_t chunk, bool simd_on) {
   store_race(P, b, chunk, red, res, pk);
 }
 
+// return_logprobs of a greedy request b (after its accept program): the row pass kept only the
+// argmax of its rows, so its emitted rows 0 .. j (no others) get the statistics the logprobs score
+// them with, temperature 1 with the request's top-k / top-p: the threshold (selection, as for
+// sampled rows) and (m, z) over the kept entries, recorded as chunk 0's (the other chunks: empty)
+// for emitted_logprobs. One pass over each emitted row (two with a filter).
+template <class TT>
+void greedy_logprob_stats(const ChainParams& P, int64_t b, std::vector<float>& buf, bool simd_on) {
+  const Request rq = load_request(P, b);
+  if (!rq.greedy) return;
+  for (int64_t i = 0; i <= P.first_reject[b]; ++i) {
+    const int64_t row = b * (P.G + 1) + i;
+    const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + i * P.stride_tg;
+    const int32_t* mask = target_mask(P, b, 0, i);
+    float thr = neg_inf();
+    int32_t cut = 0;
+    if (P.has_filter) {
+      thr = selected_threshold(t_row, mask, P.V, 1.0f, rq.top_k, rq.top_p, buf, P.cut != nullptr, cut);
+      P.thr[row * 2] = thr;
+      if (P.cut != nullptr) P.cut[row * 2] = cut;
+    }
+    float m = neg_inf();
+    for (int64_t c = 0; c < P.num_chunks; ++c) m = std::max(m, P.stats[(row * P.num_chunks + c) * NUM_STATS + 4]);
+    double z = 0.0;
+#ifdef SK_HAVE_AVX2_PATH
+    if (simd_on) z = simd::sum_exp(t_row, mask, 0, P.V, m, 1.0f, thr, cut);
+#endif
+    if (!simd_on && m > neg_inf()) {
+      int unused = 0;
+      for (int64_t x = 0; x < P.V; ++x) {
+        const float v = sanitize_logit(mask_logit(to_float(t_row[x]), mask, x), unused);
+        if (v > neg_inf() && kept_at(v, x, thr, cut)) z += double(expf(v - m));
+      }
+    }
+    for (int64_t c = 0; c < P.num_chunks; ++c) {
+      float* s = P.stats + (row * P.num_chunks + c) * NUM_STATS;
+      s[0] = c == 0 ? m : neg_inf();
+      s[1] = c == 0 ? float(z) : 0.0f;
+    }
+  }
+}
+
 template <class TT, class TD>
 void row_pass(ChainParams& P, int64_t rows) {
   if (P.has_filter) {
@@ -256,6 +297,17 @@ void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dty
     if (C > 1) {
 #pragma omp parallel for if (worth_threads(P.B, P.V))
       for (int64_t b = 0; b < P.B; ++b) finalize_request(P, b);
+    }
+    if (P.out_logprobs != nullptr) {
+#pragma omp parallel if (worth_threads(P.B, P.V))
+      {
+        std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < P.B; ++b) {
+          greedy_logprob_stats<TT>(P, b, buf, simd_on);
+          emitted_logprobs<TT, TD>(P, b);
+        }
+      }
     }
   });
 }

@@ -235,8 +235,10 @@ def ties_backend(sampling, backend: str, device) -> str:
 NATIVE_MASK_BACKENDS = {"torch", "cpu", "triton", "auto"}
 
 
-def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
-    """Run chain verification (checked VerifyArgs) on the requested backend."""
+def run_verify(args: VerifyArgs, backend: str = "auto", logprobs: int | None = None) -> VerifyOutput:
+    """Run chain verification (checked VerifyArgs) on the requested backend. logprobs: the call's
+    logprobs request (``ops/logprobs.logprobs_request``); the CPU build fills ``out.logprobs``
+    itself for return_logprobs without top-n (0), so the post-pass skips it."""
     backend = ties_backend(args.sampling, backend, args.target_logits.device)
     overrides = _OVERRIDES.get() or {}
     num_chunks, block_v = overrides.get("num_chunks"), overrides.get("block_v")
@@ -247,7 +249,7 @@ def run_verify(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
         args = apply_chain_mask(args)
     # Only the Triton kernels read the flattened layout in place; the others get a padded copy.
     if backend == "cpu":
-        return csrc.verify_chain_cpu(args.padded(), num_chunks)
+        return csrc.verify_chain_cpu(args.padded(), num_chunks, logprobs=logprobs == 0)
     if backend == "torch":
         return reference_verify(args.padded())
     if backend == "vectorized":

@@ -85,6 +85,7 @@ Logprobs (return_logprobs=True, num_logprobs=n with 0 <= n <= 20):
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -218,7 +219,7 @@ def verify(
     if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
         out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate, logprobs)
     else:
-        run = _dispatch.run_verify_block if method == "block" else _dispatch.run_verify
+        run = _dispatch.run_verify_block if method == "block" else partial(_dispatch.run_verify, logprobs=logprobs)
         out = _run_local(checked(), backend, run, _dispatch.call_verify_chain, chain_logprobs, logprobs)
     return out if out_dtype == torch.int64 else replace(out, tokens=out.tokens.to(out_dtype))
 

@@ -7,6 +7,8 @@ not changed and every backend (and layout) gets the same numbers. Cost: one gath
 B (G+1) rows and one processing pass over them; ``num_logprobs`` adds one ``torch.topk`` per row
 (no sort of the vocabulary). The specification is ``reference/logprobs.py``. On vocabulary
 shards the same post-pass runs with the shards' scorer (``ops/vocab_parallel/logprobs.py``).
+Exception: the CPU build (backend="cpu", chains, no top-n) writes the logprobs itself from its row
+statistics (``csrc/verify_core.h``'s ``emitted_logprobs``), and this post-pass returns at once.
 
 The value at an emitted token x of row r: log p_r(x) = (x_r - max_r) / T - log Z_r on the entries
 temperature, top-k and top-p keep (-inf elsewhere), computed in float64 and returned as float32.
@@ -66,7 +68,10 @@ def _emitted(tokens: Tensor) -> tuple[Tensor, Tensor]:
 def chain_logprobs(args: VerifyArgs, out: VerifyOutput, num_logprobs: int, score=None):
     """``out`` with logprobs (and the top ``num_logprobs``) of its emitted tokens, under the call's
     grammar mask if any (``args.token_bitmask``). score: ``emitted_logprobs`` (default) or the
-    vocabulary shards' scorer (``ops/vocab_parallel/logprobs.py``)."""
+    vocabulary shards' scorer (``ops/vocab_parallel/logprobs.py``). A backend that computed
+    the logprobs itself (the CPU build, ``num_logprobs=0``) leaves nothing to do."""
+    if num_logprobs == 0 and out.logprobs is not None and score is None:
+        return out
     b, d = _emitted(out.tokens)
     if args.cu is None:
         index = (b, d)

@@ -64,3 +64,14 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
     padded[..., :V] = allowed.to(torch.int64)
     words = (padded.view(*allowed.shape[:-1], W, 32) << torch.arange(32, device=allowed.device)).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def flattened_problem(V: int, seed: int):
+    """A flattened-layout call of 3 requests drafting 3, 0 and 2 tokens: (cu [4], target rows [8, V],
+    draft ids [5], draft logits [5, V] near the rows they were drafted at)."""
+    counts = torch.tensor([3, 0, 2])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    gen = torch.Generator().manual_seed(seed)
+    rows, ids = torch.randn(8, V, generator=gen), torch.randint(0, V, (5,), generator=gen)
+    draft = rows[torch.tensor([0, 1, 2, 4, 5])] + 0.3 * torch.randn(5, V, generator=gen)
+    return cu, rows, ids, draft

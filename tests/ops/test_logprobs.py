@@ -13,7 +13,7 @@ from specdec_kernels._validation import check_verify_call
 from specdec_kernels.ops.logprobs import top_n
 from specdec_kernels.reference.logprobs import chain_rows, logprobs_reference, processed_log_probs, tree_rows
 
-from ._inputs import make_problem
+from ._inputs import flattened_problem, make_problem
 from ._trees import make_tree_problem
 from .conftest import cpu_core_or_skip
 
@@ -126,11 +126,7 @@ def test_chain_every_backend(backend):
 
 @pytest.mark.parametrize("backend", ["triton", "vectorized", "torch"])
 def test_flattened_layout(backend):
-    V, counts = 40, torch.tensor([3, 0, 2])
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
-    gen = torch.Generator().manual_seed(8)
-    rows, ids = torch.randn(8, V, generator=gen), torch.randint(0, V, (5,), generator=gen)
-    draft = rows[torch.tensor([0, 1, 2, 4, 5])] + 0.3 * torch.randn(5, V, generator=gen)
+    cu, rows, ids, draft = flattened_problem(40, seed=8)
     kw = dict(temperature=0.7, top_k=9, cu_num_draft_tokens=cu, max_num_draft_tokens=4)
     out = sk.verify(rows, ids, draft, seed=4, backend=backend, return_logprobs=True, num_logprobs=2, **kw)
     assert out.tokens.shape == (3, 5)

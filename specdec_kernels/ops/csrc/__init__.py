@@ -271,14 +271,17 @@ def _cpu_chunks(args: VerifyArgs) -> int:
     return max(1, min(math.ceil(2 * threads / rows), args.V // 8192))
 
 
-def _sampling_args(args) -> tuple:
+def _sampling_args(args, logprobs: bool = False) -> tuple:
     """The sampling arguments both csrc entry points take, in binding.cpp's order: (temperature
     tensor, scalar), (top_k tensor, scalar), (top_p tensor, scalar), (seed tensor, scalar), whether
-    any filter is on, whether top-p ties break by index."""
-    (t_t, k_t, p_t), (t, k, p), s_t, s = args.sampling.op_args()
+    any filter is on, whether top-p ties break by index (with logprobs also for a greedy call: the
+    logprobs score greedy rows at temperature 1 with their top-p and its tie rule)."""
+    sampling = args.sampling
+    (t_t, k_t, p_t), (t, k, p), s_t, s = sampling.op_args()
+    by_index = sampling.ties_by_index() or (logprobs and sampling.top_p_ties == "by_index")
     return (
         t_t, float(t), k_t, int(k), p_t, float(p), s_t, int(s),
-        bool(args.has_filter), bool(args.sampling.ties_by_index()),
+        bool(args.has_filter), bool(by_index),
     )  # fmt: skip
 
 
@@ -287,28 +290,32 @@ def _stream(device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-def run_chain(ext, args: VerifyArgs, num_chunks: int | None = None, threads: int | None = None) -> VerifyOutput:
+def run_chain(
+    ext, args: VerifyArgs, num_chunks: int | None = None, threads: int | None = None, logprobs: bool = False
+) -> VerifyOutput:
     """Call ``ext.verify_chain`` (CPU core or CUDA extension) on checked arguments (padded layout);
-    a ``token_bitmask`` is applied by the CPU build's row pass."""
+    a ``token_bitmask`` is applied by the CPU build's row pass. logprobs (CPU build only): the
+    output's ``logprobs`` (return_logprobs) from the row statistics, no post-pass."""
     target = args.target_logits
     if threads is None:
         threads = 512 if args.has_filter else 256
     if num_chunks is None:
         num_chunks = _num_chunks(args, threads) if target.device.type == "cuda" else _cpu_chunks(args)
 
-    tokens, accepted, nonfinite = ext.verify_chain(
+    tokens, accepted, nonfinite, *lp = ext.verify_chain(
         target,
         args.draft_tokens,
         args.draft,
         args.draft_mode,
         args.num_draft_tokens,
-        *_sampling_args(args),
+        *_sampling_args(args, logprobs),
         int(num_chunks),
         int(threads),
         _stream(target.device),
         args.token_bitmask,  # applied natively (CPU build only: run_verify gives the CUDA path masked rows)
+        bool(logprobs),
     )
-    return VerifyOutput(tokens, accepted, nonfinite)
+    return VerifyOutput(tokens, accepted, nonfinite, logprobs=lp[0] if lp else None)
 
 
 def run_tree(ext, args, threads: int = 256):
@@ -357,10 +364,10 @@ def _require_cpu_tensors(device) -> None:
         raise RuntimeError(f"backend='cpu' needs CPU tensors, got target_logits on {device}")
 
 
-def verify_chain_cpu(args: VerifyArgs, num_chunks: int | None = None) -> VerifyOutput:
-    """backend='cpu' for ``sk.verify``."""
+def verify_chain_cpu(args: VerifyArgs, num_chunks: int | None = None, logprobs: bool = False) -> VerifyOutput:
+    """backend='cpu' for ``sk.verify``; logprobs: return_logprobs computed natively (``run_chain``)."""
     _require_cpu_tensors(args.target_logits.device)
-    return run_chain(load_cpu_core(), args, num_chunks)
+    return run_chain(load_cpu_core(), args, num_chunks, logprobs=logprobs)
 
 
 def verify_tree_cpu(args) -> TreeVerifyOutput:
