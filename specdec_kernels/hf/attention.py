@@ -34,6 +34,7 @@ from .._types import MAX_NODES
 from ..ops.tree_attention import (
     tree_attention_allowed,
     tree_attention_from_masks,
+    tree_attention_sdpa,
     tree_attention_torch,
     window_start,
 )
@@ -55,8 +56,9 @@ class TreeAttentionMetadata:
     query_masks:  [B, Nq] int64: bit j set iff query n may attend tree slot j; 0 = padding query.
     position_ids: [B, Nq] int64: rotary positions of the query tokens (pass them to the model).
     tree_slots:   number of tree slots the masks reference (<= 64).
-    backend:      "auto" (the Triton kernel on CUDA, plain PyTorch on CPU where Triton only has its
-                  slow interpreter), "triton" or "torch".
+    backend:      "auto" (the Triton kernel on CUDA; elsewhere, where Triton only has its slow
+                  interpreter, PyTorch's fused SDPA over the dense mask), "triton", or "torch"
+                  (``tree_attention_torch``: the matmul path guarded against NaN in unattended keys).
     """
 
     key_start: torch.Tensor
@@ -151,7 +153,10 @@ def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0
         out = tree_attention_from_masks(*args, tree_slots=meta.tree_slots, window_lo=window_lo)
     else:
         mask = _dense_mask(meta, key.shape[2], window, window_lo)
-        out = tree_attention_torch(*args, tree_slots=meta.tree_slots, window_lo=window_lo, allowed=mask)
+        if meta.backend == "torch":
+            out = tree_attention_torch(*args, tree_slots=meta.tree_slots, window_lo=window_lo, allowed=mask)
+        else:  # CPU "auto": SDPA's fused kernel over the dense mask, as transformers' "sdpa" runs
+            out = tree_attention_sdpa(query, key, value, mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

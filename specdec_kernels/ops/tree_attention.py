@@ -155,6 +155,22 @@ def tree_attention_torch(
     return out.view(B, Hq, Nq, D).to(q.dtype)
 
 
+def tree_attention_sdpa(q, k, v, allowed, scale=None):
+    """The dense-mask attention (``allowed`` [B, Nq, S] of :func:`tree_attention_allowed`) through
+    PyTorch's fused ``scaled_dot_product_attention`` - the Hugging Face backend's CPU path, 3-9x
+    faster than :func:`tree_attention_torch` on decode shapes (its CPU flash kernel, in the model's
+    dtype, as ``transformers``' "sdpa" attention runs). Unlike :func:`tree_attention_torch` it has
+    no guard for NaN/inf at keys nobody attends (the fused kernel multiplies such a value by its
+    zero weight): like "sdpa", it expects the model's own finite caches. A query attending nothing
+    (padding) outputs zeros. No host synchronisation; traceable by torch.compile."""
+    real = allowed.any(-1)  # [B, Nq]
+    mask = allowed | ~real[:, :, None]  # a padding query attends every key; zeroed below
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.masked_fill(~real[:, None, :, None], 0.0)
+
+
 def tree_attention_from_masks(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     key_start: torch.Tensor, prefix_end: torch.Tensor, tree_start: torch.Tensor, query_masks: torch.Tensor,

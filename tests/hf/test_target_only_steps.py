@@ -183,10 +183,10 @@ def test_a_target_only_step_that_forgets_the_processing_fails(monkeypatch):
 
     verify = ChainProposal.verify
 
-    def forgetful(self, logits, method, sampling, generator, chain_rule="token"):
+    def forgetful(self, logits, method, sampling, generator, *rest, **kw):
         if self.depth == 0:
             sampling = dict(sampling, temperature=1.0, top_k=0, top_p=1.0)
-        return verify(self, logits, method, sampling, generator, chain_rule)
+        return verify(self, logits, method, sampling, generator, *rest, **kw)
 
     monkeypatch.setattr(ChainProposal, "verify", forgetful)
     V, n, sampling = 6, 3000, dict(temperature=0.8, top_k=4, top_p=0.9)

@@ -394,3 +394,37 @@ def test_prefix_keys_read_once_per_request_and_kv_head(monkeypatch, N, splits):
         c = torch.from_numpy(counts[name]).view(B, Hkv, S, D)
         for b in range(B):
             assert (c[b, :, : int(prefix[b])] == 1).all(), f"{name}: prefix elements read {c[b].unique().tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 12])
+def test_sdpa_path_equals_the_matmul_path(dtype, window):
+    """tree_attention_sdpa (the Hugging Face backend's CPU path) computes tree_attention_torch's
+    attention on finite caches: ragged prefixes, left padding, stale slots, GQA, a padding query
+    (zeros), a sliding window."""
+    from specdec_kernels.ops.tree_attention import (
+        tree_attention_allowed,
+        tree_attention_sdpa,
+        tree_attention_torch,
+        window_start,
+    )
+
+    B, Hq, Hkv, N, D, S = 3, 6, 2, 5, 32, 40
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(B, Hq, N, D, generator=gen).to(dtype)
+    k, v = (torch.randn(B, Hkv, S, D, generator=gen).to(dtype) for _ in range(2))
+    key_start = torch.tensor([0, 4, 9], dtype=torch.int32)
+    prefix_end = torch.tensor([30, 20, 25], dtype=torch.int32)
+    tree_start = torch.tensor([30, 24, 33], dtype=torch.int32)  # stale slots [prefix_end, tree_start)
+    parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3], [-1, -1, 0, 1, 1]])
+    meta = sk.tree_metadata(parents, torch.tensor([5, 5, 4]))  # request 2: query 4 is padding
+    masks = meta.ancestor_mask
+    positions = prefix_end[:, None].to(torch.int64) + meta.depth - 1 - key_start[:, None]
+    lo = None if window is None else window_start(key_start, positions, window)
+    allowed = tree_attention_allowed(key_start, prefix_end, tree_start, masks, S, tree_slots=N, window_lo=lo)
+    want = tree_attention_torch(q, k, v, key_start, prefix_end, tree_start, masks, tree_slots=N, window_lo=lo)
+    got = tree_attention_sdpa(q, k, v, allowed)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert torch.equal(got[2, :, 4], torch.zeros_like(got[2, :, 4]))  # the padding query
+    assert not torch.equal(got[0], tree_attention_sdpa(q, k, v, allowed | True)[0])  # the mask matters
