@@ -99,8 +99,7 @@ def speculative_generate(
         seed: reproducible sampling. eos/pad_token_id: the target's generation config's. streamer: batch 1.
         vocab_size: real token count when the two models pad their embedding matrices differently
             (e.g. ``len(tokenizer)``); logits past it are dropped.
-        attention_backend: tree attention in the verification/draft forwards: "auto" (Triton kernel on
-            CUDA, PyTorch on CPU), "triton" or "torch".
+        attention_backend: tree attention of the forwards: "auto" (Triton on CUDA, SDPA on CPU), "triton", "torch".
         cache_implementation: "dynamic" (``DynamicCache``, grown and cropped every step) or "static"
             (``StaticCache`` of max prompt + ``max_new_tokens`` + K*G + 2 slots per request, allocated
             once; the committed path is moved in place and the buffers never change address).

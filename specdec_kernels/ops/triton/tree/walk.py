@@ -41,7 +41,6 @@ from .common import (
 
 @triton.jit(do_not_specialize=["B", "rrs_chunks", "seed"])  # per-call scalars: triton/helpers.py
 def _tree_walk_kernel(
-    # pointers
     target_ptr,  # [B, K, G+1, V] raw target logits
     draft_ptr,  # [B, K, G, V] draft logits (mode 1) or probs (mode 2)
     tokens_ptr,  # [B, K, G] int: node tokens (node = chain * G + slot)
@@ -67,10 +66,8 @@ def _tree_walk_kernel(
     # strides: target, draft, mask (words), tokens, parents, out tokens, out nodes
     stride_tb, stride_tk, stride_tg, stride_db, stride_dk, stride_dg, stride_mb, stride_mk, stride_mg,
     stride_xb, stride_xk, stride_pb, stride_ob, stride_nb,
-    # sizes
-    B, K, G, V, N, D, rrs_chunks,
-    # scalar parameters
-    temperature,
+    B, K, G, V, N, D, rrs_chunks,  # sizes
+    temperature,  # scalar parameters
     seed: tl.int64,  # one signature for every seed (see triton/helpers.py)
     # constexprs
     PER_REQ_N: tl.constexpr, PER_REQ_T: tl.constexpr, PER_REQ_SEED: tl.constexpr,
