@@ -241,10 +241,29 @@ FAMILIES = {
 }
 
 
+def with_mask_variant(fn, types: dict, constexprs: dict, nth: int) -> tuple[dict, dict]:
+    """Kernels reading token_bitmask words (HAS_MASK): every other variant of each kernel compiles
+    the masked form (int32 words; every fourth, in the row-statistics kernel, with the tree's
+    parents mapping), so both forms are covered without doubling the compile time."""
+    if "HAS_MASK" not in fn.arg_names or "HAS_MASK" in constexprs:
+        return types, constexprs
+    has_mask = nth % 2 == 1
+    constexprs = dict(constexprs, HAS_MASK=has_mask)
+    if "MASK_PARENTS" in fn.arg_names:
+        constexprs["MASK_PARENTS"] = has_mask and nth % 4 == 3
+    types = dict(types)
+    types.setdefault("mask_ptr", "*i32")
+    types.setdefault("parents_ptr", "*i64")
+    return types, constexprs
+
+
 def main(families=None) -> int:
     count = 0
     chosen = [FAMILIES[name]() for name in (families or FAMILIES)]
+    seen: dict[str, int] = {}
     for fn, types, constexprs in itertools.chain(*chosen):
+        nth = seen[fn.__name__] = seen.get(fn.__name__, -1) + 1
+        types, constexprs = with_mask_variant(fn, types, constexprs, nth)
         try:
             compile_kernel(fn, types, constexprs)
         except Exception as exc:  # report which variant broke, then fail
