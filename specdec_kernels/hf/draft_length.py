@@ -54,6 +54,9 @@ PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 4  # acceptance before any test: 0.7, wort
 EXPLORE_WITHIN = 0.7  # an unmeasured length is tried once if its predicted rate is within 70% of the best
 REFRESH_EVERY = 16  # every 16th timed step re-measures a neighbour of the best length
 SMOOTHING = 0.3  # weight of a new step time in its length's running mean
+# Acceptance estimates stay inside [1%, 99%]: expected_tokens divides by 1 - a, and a draft never
+# judged hopeless (or perfect) keeps every arm comparable.
+ACCEPTANCE_BOUNDS = (0.01, 0.99)
 # After 8 target-only steps in a row one drafting step re-tests the draft: it costs at most the
 # drafting arm's loss (a draft forward over the ~9 tokens it missed plus its chain) once per 9 steps,
 # a few % of a step when drafting loses, and lets the policy see the text become predictable again.
@@ -116,7 +119,12 @@ def acceptance_estimate(accepted: int, rejections: int) -> float:
     drafts over drafts tested: every accepted one, plus one rejection per step that ended in one),
     shrunk towards the prior while few drafts have been tested."""
     a = (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (accepted + rejections + PRIOR_WEIGHT)
-    return min(max(a, 0.01), 0.99)
+    return _bounded(a)
+
+
+def _bounded(a: float) -> float:
+    lo, hi = ACCEPTANCE_BOUNDS
+    return min(max(a, lo), hi)
 
 
 def expected_tokens(a: float, g: int) -> float:
@@ -207,7 +215,7 @@ class DraftLengthPolicy:
         if new_accepted or new_rejections:
             keep = (1 - 1 / ACCEPTANCE_MEMORY) ** (new_accepted + new_rejections)
             self.recent = [keep * self.recent[0] + new_accepted, keep * self.recent[1] + new_rejections]
-        return min(max(self.recent[0] / sum(self.recent), 0.01), 0.99)
+        return _bounded(self.recent[0] / sum(self.recent))
 
     def choose(self, accepted: int, rejections: int, active: int) -> int:
         a = self.acceptance(accepted, rejections)

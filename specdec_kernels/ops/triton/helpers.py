@@ -28,7 +28,7 @@ import inspect
 import triton
 import triton.language as tl
 
-from ... import _params, _types
+from ... import _bitmask, _params, _types
 from ...reference import sampling as _reference
 
 # Draft modes as kernel constants (values from specdec_kernels._types).
@@ -132,7 +132,7 @@ def load_logits(ptrs, mask, allowed=None):
     return tl.where(bad, float("-inf"), x), bad
 
 
-BITS_PER_WORD = tl.constexpr(32)  # token_bitmask: 32 token bits per int32 word (_bitmask)
+BITS_PER_WORD = tl.constexpr(_bitmask.BITS_PER_WORD)  # token_bitmask: token bits per int32 word
 
 
 @triton.jit
