@@ -97,6 +97,7 @@ def test_cu_compiles_for_sm80_and_sm90(source, tmp_path):
     _remember(cmd, result.stderr)
 
 
+@pytest.mark.slow  # a syntax-only pass over torch's headers: ~60 s, beside the slow nvcc compiles
 def test_binding_compiles_with_cuda_flag():
     cxx = _cxx()
     if cxx is None:

@@ -114,7 +114,7 @@ def test_filtered_rows_with_few_candidate_slots(threshold_chunks, capacity, devi
     """One group of candidates per chunk (or 8 slots for a whole row): most rows are not decided by
     the candidates and take the bisection over the row inside the selection launch - target and
     draft rows, top-k, top-p and both - with the same tokens as the reference."""
-    B, G, V = 4, 3, 1000
+    B, G, V = 4, 3, 500
     target, tokens, draft = make_problem(B, G, V, device=device, seed=6)
     kw = dict(
         draft_logits=draft,
