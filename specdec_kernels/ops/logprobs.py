@@ -7,8 +7,13 @@ not changed and every backend (and layout) gets the same numbers. Cost: one gath
 B (G+1) rows and one processing pass over them; ``num_logprobs`` adds one ``torch.topk`` per row
 (no sort of the vocabulary). The specification is ``reference/logprobs.py``. On vocabulary
 shards the same post-pass runs with the shards' scorer (``ops/vocab_parallel/logprobs.py``).
-Exception: the CPU build (backend="cpu", chains, no top-n) writes the logprobs itself from its row
-statistics (``csrc/verify_core.h``'s ``emitted_logprobs``), and this post-pass returns at once.
+Exception (native logprobs, ``return_logprobs`` without top-n): these backends write the logprobs
+themselves from the row statistics their pass already has, and this post-pass returns at once:
+the CPU build for chains (backend="cpu", also "auto" on CPU tensors when it picks the build:
+``csrc/verify_core.h``'s ``emitted_logprobs``) and the Triton chain kernels (backend="triton",
+and "auto" on CUDA when it picks Triton; padded and flattened layouts: ``ops/triton/chain.py``'s
+``_emitted_logprobs``). Every other backend, ``num_logprobs > 0``, vocabulary shards and
+torch.compile graphs (one custom-op node) run this post-pass.
 
 The value at an emitted token x of row r: log p_r(x) = (x_r - max_r) / T - log Z_r on the entries
 temperature, top-k and top-p keep (-inf elsewhere), computed in float64 and returned as float32.

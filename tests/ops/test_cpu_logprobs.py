@@ -36,9 +36,10 @@ def no_post_pass(monkeypatch):
     return monkeypatch
 
 
-def _native_and_expected(monkeypatch, target, drafts, draft, *, probs=False, mask=None, **kw):
-    """(native output, the post-pass's logprobs on it, the reference's) for one backend="cpu" call."""
-    call = dict(kw, seed=kw.get("seed", 5), backend="cpu", token_bitmask=mask)
+def _native_and_expected(monkeypatch, target, drafts, draft, *, probs=False, mask=None, backend="cpu", **kw):
+    """(native output, the post-pass's logprobs on it, the reference's) for one call (backend="cpu",
+    or "triton": tests/ops/test_native_logprobs.py)."""
+    call = dict(kw, seed=kw.get("seed", 5), backend=backend, token_bitmask=mask)
     if probs:
         call["draft_probs"] = draft
         draft = None
