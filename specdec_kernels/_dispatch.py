@@ -299,8 +299,9 @@ def run_verify_block(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
 # tree / multi-draft verification
 
 
-def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
-    """Run tree / multi-draft verification (checked TreeArgs)."""
+def run_tree(args: TreeArgs, backend: str = "auto", logprobs: int | None = None) -> TreeVerifyOutput:
+    """Run tree / multi-draft verification (checked TreeArgs). logprobs: as for :func:`run_verify`
+    (the CPU build fills ``out.logprobs`` of the accepted path itself without top-n)."""
     backend = ties_backend(args.sampling, backend, args.target.device)
     overrides = _OVERRIDES.get() or {}
     block_v, num_chunks = overrides.get("block_v"), overrides.get("num_chunks")
@@ -309,7 +310,7 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
     if backend not in NATIVE_MASK_BACKENDS:  # token_bitmask: as in run_verify
         args = apply_tree_mask(args)
     if backend == "cpu":
-        return csrc.verify_tree_cpu(args)
+        return csrc.verify_tree_cpu(args, logprobs=logprobs == 0)
     if backend == "torch":
         return reference_tree(args)
     if backend == "vectorized":
