@@ -56,14 +56,18 @@ def _native_and_expected(monkeypatch, target, drafts, draft, *, backend, probs=F
         token_bitmask=mask,
     )  # fmt: skip
     after = post_pass.chain_logprobs(args, replace(out, logprobs=None), 0).logprobs
-    allowed = None
-    if mask is not None:  # the reference's allowed mask: bit x of the row's words
-        bits = (mask[..., :, None] >> torch.arange(32)) & 1
-        allowed = bits.flatten(-2)[..., : args.V].bool()
-        if args.cu is None:
-            allowed = allowed.reshape(args.target_logits.shape)
+    allowed = allowed_of(mask, args.target_logits.shape)
     ref = logprobs_reference(args, args.target_logits, out.tokens, chain_rows(args, out.tokens), 0, allowed)
     return out, after, ref["logprobs"]
+
+
+def allowed_of(mask, shape):
+    """The reference's allowed mask (bool, ``shape``: the target's) of token_bitmask words: bit x of
+    each row's words; None without a mask."""
+    if mask is None:
+        return None
+    bits = (mask[..., :, None] >> torch.arange(32)) & 1
+    return bits.flatten(-2)[..., : shape[-1]].bool().reshape(shape)
 
 
 def _check(out, after, ref):

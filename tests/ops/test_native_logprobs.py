@@ -20,7 +20,7 @@ from specdec_kernels.reference.logprobs import logprobs_reference, tree_rows
 
 from ._trees import make_tree_problem
 from .conftest import cpu_core_or_skip
-from .test_cpu_logprobs import TOL, _check
+from .test_cpu_logprobs import TOL, _check, allowed_of
 
 # ---- trees and multi-draft on the CPU build (csrc/verify_cpu.cpp ``tree_logprobs``: the walk records
 # the row it scored each position with, the logprobs come from that row's record)
@@ -42,10 +42,7 @@ def _tree_native_and_expected(monkeypatch, op, *inputs, mask=None, **kw):
         token_bitmask=mask,
     )  # fmt: skip
     after = post_pass.tree_logprobs(args, replace(out, logprobs=None), 0).logprobs
-    allowed = None
-    if mask is not None:  # the reference's allowed mask: bit x of the row's words
-        bits = (mask[..., :, None] >> torch.arange(32)) & 1
-        allowed = bits.flatten(-2)[..., : args.V].bool().reshape(args.target.shape)
+    allowed = allowed_of(mask, args.target.shape)
     ref = logprobs_reference(args, args.target, out.tokens, tree_rows(args, out.tokens, out.num_accepted), 0, allowed)
     return out, after, ref["logprobs"]
 
