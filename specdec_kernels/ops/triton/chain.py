@@ -57,7 +57,7 @@ from .helpers import (
     safe_max,
     uniform_open,
 )
-from .launch import TileSettings, chunks_to_fill, tile_settings, vocab_chunks
+from .launch import TileSettings, chunks_to_fill, ties_by_index_at_unit_t, tile_settings, vocab_chunks
 from .records import NUM_STATS, NUM_THR, STAT_GMAX, STAT_M_T, STAT_Z_T, load_thresholds
 from .row_pass import (
     RowPassLayout,
@@ -69,7 +69,6 @@ from .row_pass import (
     prob_of,
     request_base,
     threshold_plan,
-    ties_by_index_at_unit_t,
 )
 
 # Race records of kernel 2, per (request, chunk): key and index of two races.

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._params import MIN_TEMPERATURE, SamplingParams
+from ..._params import SamplingParams
 from .helpers import (
     DRAFT_LOGITS,
     DRAFT_PROBS,
@@ -39,7 +39,7 @@ from .helpers import (
     per_request,
     safe_max,
 )
-from .launch import TileSettings, vocab_chunks
+from .launch import TileSettings, greedy_logprobs_filter, ties_by_index_at_unit_t, vocab_chunks
 from .records import (
     IDX_GREEDY,
     NUM_IDX,
@@ -580,21 +580,6 @@ class RowStats(NamedTuple):
     stats: torch.Tensor  # [rows, 1, NUM_STATS] fp32
     idx: torch.Tensor  # [rows, 1, NUM_IDX] int32
     thr: torch.Tensor  # [rows, NUM_THR] fp32 thresholds (a [1, NUM_THR] placeholder without top-k / top-p)
-
-
-def greedy_logprobs_filter(sampling: SamplingParams, V: int) -> bool:
-    """Whether return_logprobs needs the threshold phases on greedy rows: some request may be
-    greedy and top-k / top-p may be active (the logprobs score greedy rows at T = 1 with them).
-    Cost: those greedy rows go through the threshold phases, one more read of each (their records
-    already hold the T = 1 normaliser: the row pass runs greedy rows at T = 1)."""
-    t = sampling.temperature
-    return sampling.has_filter(V) and (isinstance(t, torch.Tensor) or t < MIN_TEMPERATURE)
-
-
-def ties_by_index_at_unit_t(sampling: SamplingParams) -> bool:
-    """``sampling.ties_by_index()`` with greedy requests counted (their logprobs apply top-p)."""
-    p = sampling.top_p
-    return sampling.top_p_ties == "by_index" and (isinstance(p, torch.Tensor) or p < 1.0)
 
 
 def launch_row_stats(
