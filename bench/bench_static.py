@@ -26,7 +26,12 @@ Grammar masks (``token_bitmask=``, read natively by the Triton kernels): ``--cas
 the chain and tree calls with and without a mask and writes them as the commit's section; a mask adds
 its words, ceil(V / 32) int32 = V / 8 bytes, per row read (``mask_bytes``).
 
-Usage: python bench/bench_static.py [--smoke] [--csv PATH] [--cases all|chain|tree|mask]
+Native logprobs (``return_logprobs=True``, read from the row records by the Triton finalize kernel):
+``--cases logprobs`` compiles the chain calls with and without them and writes them as the commit's
+section; the finalize kernel adds one logit per emitted position (noise), and greedy rows with top-k /
+top-p go through the threshold phases too (their logprobs apply the filters at T = 1).
+
+Usage: python bench/bench_static.py [--smoke] [--csv PATH] [--cases all|chain|tree|mask|logprobs]
 """
 
 from __future__ import annotations
@@ -331,7 +336,7 @@ def _bytes(case: dict, launch: Launch) -> float:
     if name == "_verify_row_stats_kernel" and kw.get("PHASE", 0) == 2:  # scratch only (and the select
         return 0.0  # phase's bisection fallback, which a row needs only when the candidates miss its kept set)
     if name == "_verify_row_stats_kernel" and kw.get("PHASE", 0) == 1:  # candidates: one read
-        filtered = B * (G + 1) if sampled else 0
+        filtered = B * (G + 1) if sampled or case.get("logprobs") else 0  # logprobs: greedy rows' thresholds too
         return V * (filtered * esize + (draft_rows * esize if case["draft"] == "logits" else 0))
     if name == "_verify_row_stats_kernel":
         return V * (B * (G + 1) * esize + draft_rows * draft_esize)
@@ -461,6 +466,8 @@ def capture_chain(case: dict) -> list[Launch]:
     kw["top_p_ties"] = case.get("top_p_ties", "keep")
     if case.get("mask"):  # grammar words of every target row (draft row i uses row i)
         kw["token_bitmask"] = torch.zeros(B, G + 1, (V + 31) // 32, dtype=torch.int32)
+    if case.get("logprobs"):  # native: the finalize kernel's LOGPROBS variant, no post-pass
+        kw["return_logprobs"] = True
     with plan_as_gpu(H100["sms"]), captured_launches() as launches:
         sk.verify(target, tokens, **draft, **kw, validate=False, backend="triton")
     return launches
@@ -876,6 +883,20 @@ def mask_cases() -> tuple[list[dict], list[dict]]:
     return chain, tree
 
 
+def logprobs_cases() -> list[dict]:
+    """Chain calls with and without return_logprobs: V = 151,936, G = 4, bf16, B = 1 and 64, draft
+    logits; greedy, sampled, top-k 50 + top-p 0.9, and greedy with top-k 50 + top-p 0.9."""
+    cases = []
+    for case in chain_cases(False):
+        if case["V"] == 151936 and case["B"] in (1, 64) and case["draft"] == "logits" and case["top_p_ties"] == "keep":
+            cases.append(case)
+            if case["top_k"] > 0:
+                name = case["name"].replace("topk50", "greedy_topk50")
+                cases.append(dict(case, name=name, temperature=0.0))
+    both = itertools.product(cases, (False, True))
+    return [dict(c, name=c["name"] + " logprobs=" + str(lp).lower(), logprobs=lp) for c, lp in both]
+
+
 def run(smoke: bool, cases: list[dict] | None = None) -> list[dict]:
     meta = environment_metadata("cpu")
     rows = []
@@ -978,13 +999,16 @@ def main(argv=None) -> int:
     parser.add_argument("--csv", default=str(Path(__file__).parent / "results" / "static_sm90.csv"))
     parser.add_argument(
         "--cases",
-        choices=["all", "chain", "tree", "mask"],
+        choices=["all", "chain", "tree", "mask", "logprobs"],
         default="all",
-        help="which calls (mask: the token_bitmask comparison, written as the commit's section)",
+        help="which calls (mask / logprobs: the token_bitmask / return_logprobs comparison, written as the "
+        "commit's section)",
     )
     args = parser.parse_args(argv)
     if args.cases == "mask":
         return _main_mask(args.csv)
+    if args.cases == "logprobs":
+        return _main_compare(args.csv, run(False, logprobs_cases()), "logprobs")
     rows = run(args.smoke) if args.cases in ("all", "chain") else []
     rows += run_tree(args.smoke) if args.cases in ("all", "tree") else []
     print("# static model, sm_90 (H100 SXM: 132 SMs, 3.35 TB/s): *estimates*, not measurements")
@@ -1009,20 +1033,28 @@ def main(argv=None) -> int:
 def _main_mask(csv: str) -> int:
     """The token_bitmask rows (``mask_cases``): printed with the mask's cost per call, written as the
     commit's section of `csv`."""
-    from bench._common import replace_commit_rows_csv
-
     chain, tree = mask_cases()
     meta = environment_metadata("cpu")
     rows = run(False, chain)
     for case in tree:
         rows += _call_rows(case, capture_tree(case), meta)
+    return _main_compare(csv, rows, "mask")
+
+
+def _main_compare(csv: str, rows: list[dict], option: str) -> int:
+    """Rows of calls named ``... {option}=false`` / ``=true`` printed with the option's cost per call,
+    written as the commit's section of `csv`."""
+    from bench._common import replace_commit_rows_csv
+
     print("# static model, sm_90 (H100 SXM: 132 SMs, 3.35 TB/s): *estimates*, not measurements")
     print_table(rows, ["case", "kernel", "regs", "spill_bytes", "sass_per_entry", "bytes", "estimate_us"])
     calls = {r["case"]: r["estimate_us"] for r in rows if r["kernel"] == "(call)"}
-    for name, masked in calls.items():
-        if name.endswith(" mask=true"):
+    on = f" {option}=true"
+    for name, with_option in calls.items():
+        if name.endswith(on):
             plain = calls[name[: -len("true")] + "false"]
-            print(f"{name[: -len(' mask=true')]}: {plain:.2f} -> {masked:.2f} us ({100 * (masked / plain - 1):+.1f}%)")
+            change = 100 * (with_option / plain - 1)
+            print(f"{name[: -len(on)]}: {plain:.2f} -> {with_option:.2f} us ({change:+.1f}%)")
     replace_commit_rows_csv(csv, rows, COLUMNS)
     print(f"{len(rows)} rows: the section of commit {rows[0]['commit']} in {csv}")
     return 0

@@ -208,15 +208,18 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
 // verify_tree(target [B, K, G+1, V], tokens [B, K, G], parents [B, N] or None (K chains), draft
 //             [B, K, G, V] or None, draft_mode, num_nodes, temperature_t, temperature, top_k_t, top_k,
 //             top_p_t, top_p, seed_t, seed, has_filter, method, max_depth, threads, stream, token_bitmask
-//             [B, K, G+1, W] or None)
+//             [B, K, G+1, W] or None, logprobs)
 //   -> [tokens [B, D+1] int64, num_accepted [B] int32, accepted_nodes [B, D] int64, nonfinite [B] bool]
+//      (+ logprobs [B, D+1] float32 with `logprobs`: return_logprobs of the accepted path from the row
+//      statistics; CPU only)
 std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c10::optional<at::Tensor> parents,
                                     c10::optional<at::Tensor> draft, int64_t draft_mode,
                                     c10::optional<at::Tensor> num_nodes, c10::optional<at::Tensor> temperature_t,
                                     double temperature, c10::optional<at::Tensor> top_k_t, int64_t top_k,
                                     c10::optional<at::Tensor> top_p_t, double top_p, c10::optional<at::Tensor> seed_t,
                                     int64_t seed, bool has_filter, bool by_index, int64_t method, int64_t max_depth,
-                                    int64_t threads, int64_t stream, c10::optional<at::Tensor> token_bitmask) {
+                                    int64_t threads, int64_t stream, c10::optional<at::Tensor> token_bitmask,
+                                    bool logprobs) {
   TORCH_CHECK(target.dim() == 4 && target.stride(3) == 1, "specdec: target must be [B, K, G+1, V], last dim contiguous");
   const int64_t B = target.size(0), K = target.size(1), G = target.size(2) - 1, V = target.size(3);
   const int64_t N = K * G, D = max_depth;
@@ -238,7 +241,11 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
   at::Tensor accepted = at::empty({B}, opts.dtype(at::kInt));
   at::Tensor nodes = at::empty({B, D}, opts.dtype(at::kLong));
   at::Tensor nonfinite = at::empty({B}, opts.dtype(at::kBool));
-  if (B == 0) return {tokens, accepted, nodes, nonfinite};
+  TORCH_CHECK(!logprobs || target.device().is_cpu(), "specdec: native return_logprobs is implemented by the CPU build only");
+  at::Tensor lp = at::empty({logprobs ? B : 0, D + 1}, opts.dtype(at::kFloat));
+  at::Tensor walk_rows = at::empty({logprobs ? B : 0, D + 1}, opts.dtype(at::kLong));  // tree_logprobs' rows
+  if (B == 0) return logprobs ? std::vector<at::Tensor>{tokens, accepted, nodes, nonfinite, lp}
+                              : std::vector<at::Tensor>{tokens, accepted, nodes, nonfinite};
 
   const int64_t rows = B * K * (G + 1);
   std::vector<at::Tensor> keep;
@@ -294,6 +301,9 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
   P.method = int(method);
   P.out_nodes = nodes_out.data_ptr<int64_t>();
   P.stride_nb = nodes_out.stride(0);
+  P.out_logprobs = logprobs ? lp.data_ptr<float>() : nullptr;
+  P.stride_lb = logprobs ? lp.stride(0) : 0;
+  P.walk_rows = logprobs ? walk_rows.data_ptr<int64_t>() : nullptr;
   set_mask(P, token_bitmask, target.sizes().slice(0, 3), V, target, keep);
 
   const int td = dtype_code(target);
@@ -310,6 +320,7 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
     TORCH_CHECK(false, "specdec: this build of the extension has no CUDA kernels (device ", dev, ")");
 #endif
   }
+  if (logprobs) return {tokens, accepted, nodes, nonfinite, lp};
   return {tokens, accepted, nodes, nonfinite};
 }
 

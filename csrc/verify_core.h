@@ -584,6 +584,9 @@ struct ChainParams {
   int method;         // 0 kseq, 1 rrs, 2 rrs_wor
   int64_t* out_nodes;  // [B, D] (row stride stride_nb)
   int64_t stride_nb;
+  // return_logprobs (the CPU build's trees; null: not asked for): [B, D+1] the record of the target
+  // row the walk scored each position with (out_logprobs, stride_lb: [B, D+1], verify_cpu.cpp tree_logprobs)
+  int64_t* walk_rows = nullptr;
   // token_bitmask (the CPU build; null: none): int32 words [B, (K,) G+1, ceil(V / 32)] laid out like
   // the target rows (strides in words, the last dim contiguous); draft rows use draft_mask's rows
   const int32_t* mask = nullptr;

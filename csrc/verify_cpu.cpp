@@ -214,11 +214,33 @@ void accept_item(const ChainParams& P, int64_t b, int64_t chunk, bool simd_on) {
   store_race(P, b, chunk, red, res, pk);
 }
 
-// return_logprobs of a greedy request b (after its accept program): the row pass kept only the
-// argmax of its rows, so its emitted rows 0 .. j (no others) get the statistics the logprobs score
-// them with, temperature 1 with the request's top-k / top-p: the threshold (selection, as for
-// sampled rows) and (m, z) over the kept entries, recorded as chunk 0's (the other chunks: empty)
-// for emitted_logprobs. One pass over each emitted row (two with a filter).
+// The statistics return_logprobs scores a greedy request's row with, which the row pass did not
+// keep (only the argmax): temperature 1 with the request's top-k / top-p - the threshold (thr, cut:
+// selection, as for sampled rows) and z, the sum of exp(x - m) over the kept entries (m: the row's
+// max). One pass over the row (two with a filter).
+template <class TT>
+double greedy_row_normaliser(const ChainParams& P, const Request& rq, const TT* t_row, const int32_t* mask, float m,
+                             std::vector<float>& buf, bool simd_on, float& thr, int32_t& cut) {
+  thr = neg_inf();
+  cut = 0;
+  if (P.has_filter) thr = selected_threshold(t_row, mask, P.V, 1.0f, rq.top_k, rq.top_p, buf, P.cut != nullptr, cut);
+  double z = 0.0;
+#ifdef SK_HAVE_AVX2_PATH
+  if (simd_on) z = simd::sum_exp(t_row, mask, 0, P.V, m, 1.0f, thr, cut);
+#endif
+  if (!simd_on && m > neg_inf()) {
+    int unused = 0;
+    for (int64_t x = 0; x < P.V; ++x) {
+      const float v = sanitize_logit(mask_logit(to_float(t_row[x]), mask, x), unused);
+      if (v > neg_inf() && kept_at(v, x, thr, cut)) z += double(expf(v - m));
+    }
+  }
+  return z;
+}
+
+// return_logprobs of a greedy request b (after its accept program): its emitted rows 0 .. j (no
+// others) get the statistics the logprobs score them with (greedy_row_normaliser), recorded as
+// chunk 0's (the other chunks: empty) for emitted_logprobs.
 template <class TT>
 void greedy_logprob_stats(const ChainParams& P, int64_t b, std::vector<float>& buf, bool simd_on) {
   const Request rq = load_request(P, b);
@@ -226,32 +248,58 @@ void greedy_logprob_stats(const ChainParams& P, int64_t b, std::vector<float>& b
   for (int64_t i = 0; i <= P.first_reject[b]; ++i) {
     const int64_t row = b * (P.G + 1) + i;
     const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + i * P.stride_tg;
-    const int32_t* mask = target_mask(P, b, 0, i);
-    float thr = neg_inf();
-    int32_t cut = 0;
-    if (P.has_filter) {
-      thr = selected_threshold(t_row, mask, P.V, 1.0f, rq.top_k, rq.top_p, buf, P.cut != nullptr, cut);
-      P.thr[row * 2] = thr;
-      if (P.cut != nullptr) P.cut[row * 2] = cut;
-    }
     float m = neg_inf();
     for (int64_t c = 0; c < P.num_chunks; ++c) m = std::max(m, P.stats[(row * P.num_chunks + c) * NUM_STATS + 4]);
-    double z = 0.0;
-#ifdef SK_HAVE_AVX2_PATH
-    if (simd_on) z = simd::sum_exp(t_row, mask, 0, P.V, m, 1.0f, thr, cut);
-#endif
-    if (!simd_on && m > neg_inf()) {
-      int unused = 0;
-      for (int64_t x = 0; x < P.V; ++x) {
-        const float v = sanitize_logit(mask_logit(to_float(t_row[x]), mask, x), unused);
-        if (v > neg_inf() && kept_at(v, x, thr, cut)) z += double(expf(v - m));
-      }
+    float thr = neg_inf();
+    int32_t cut = 0;
+    const double z = greedy_row_normaliser(P, rq, t_row, target_mask(P, b, 0, i), m, buf, simd_on, thr, cut);
+    if (P.has_filter) {
+      P.thr[row * 2] = thr;
+      if (P.cut != nullptr) P.cut[row * 2] = cut;
     }
     for (int64_t c = 0; c < P.num_chunks; ++c) {
       float* s = P.stats + (row * P.num_chunks + c) * NUM_STATS;
       s[0] = c == 0 ? m : neg_inf();
       s[1] = c == 0 ? float(z) : 0.0f;
     }
+  }
+}
+
+// return_logprobs of tree request b (after its walk): log p(token) of each emitted position d under
+// the processed target row the walk scored it with (P.walk_rows: the root's, then that of the first
+// node of the set spelling the accepted prefix), from the row's record (one chunk): (x - m) / T -
+// log z for a kept token, -inf outside the kept set, NaN where no token was emitted or the row has
+// no finite logit (reference/logprobs.py). Greedy requests: T = 1 with their top-k / top-p, whose
+// statistics the row pass did not keep (greedy_row_normaliser: one pass over each emitted row, two
+// with a filter). In double, like the post-pass (ops/logprobs.py) and emitted_logprobs.
+template <class TT>
+void tree_logprobs(const ChainParams& P, int64_t b, std::vector<float>& buf, bool simd_on) {
+  const Request rq = load_request(P, b);
+  const int64_t* out = P.out_tokens + b * P.stride_ob;
+  float* lp = P.out_logprobs + b * P.stride_lb;
+  for (int64_t d = 0; d <= P.D; ++d) {
+    const int64_t tok = out[d];
+    const int64_t rec = d <= P.out_accepted[b] ? P.walk_rows[b * (P.D + 1) + d] : -1;
+    const float* st = P.stats + (rec < 0 ? 0 : rec) * NUM_STATS;
+    if (rec < 0 || tok < 0 || tok >= P.V || !(st[4] > neg_inf())) {
+      lp[d] = NAN;
+      continue;
+    }
+    const int64_t k = (rec / (P.G + 1)) % P.K, i = rec % (P.G + 1);
+    const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
+    const int32_t* mask = target_mask(P, b, k, i);
+    float m = st[0], thr = P.has_filter ? P.thr[rec * 2] : neg_inf();
+    int32_t cut = P.cut != nullptr ? P.cut[rec * 2] : 0;
+    double z = st[1];
+    if (rq.greedy) {
+      m = st[4];
+      z = greedy_row_normaliser(P, rq, t_row, mask, m, buf, simd_on, thr, cut);
+    }
+    int unused = 0;
+    const float x = sanitize_logit(mask_logit(to_float(t_row[tok]), mask, tok), unused);
+    const bool kept = kept_at(x, tok, thr, cut) && x > neg_inf() && z > 0.0;
+    const double t = rq.greedy ? 1.0 : double(rq.temperature);
+    lp[d] = kept ? float((double(x) - double(safe_max(m))) / t - log(z)) : neg_inf();
   }
 }
 
@@ -318,11 +366,17 @@ void verify_tree_cpu(const ChainParams& params, int target_dtype, int draft_dtyp
     using TT = decltype(tt);
     using TD = decltype(td);
     row_pass<TT, TD>(P, P.B * P.K * (P.G + 1));
-#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(P.B, P.V))
-    for (int64_t b = 0; b < P.B; ++b) {
-      SeqReducer red;
-      TreeWalkScratch scratch;
-      tree_walk_program<SeqReducer, TT, TD>(P, b, red, scratch);
+    const bool simd_on = simd_enabled();
+#pragma omp parallel if (worth_threads(P.B, P.V))
+    {
+      std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t b = 0; b < P.B; ++b) {
+        SeqReducer red;
+        TreeWalkScratch scratch;
+        tree_walk_program<SeqReducer, TT, TD>(P, b, red, scratch);
+        if (P.out_logprobs != nullptr) tree_logprobs<TT>(P, b, buf, simd_on);
+      }
     }
   });
 }

@@ -453,6 +453,7 @@ SK_HD void tree_walk_program(const ChainParams& P, int64_t b, R& red, TreeWalkSc
     // ---- advance
     const int64_t chosen_tok = accepted ? s.tok[chosen] : 0;
     if (red.rank() == 0) out_tok[d] = accepted ? chosen_tok : final_tok;
+    if (red.rank() == 0 && P.walk_rows != nullptr) P.walk_rows[b * (P.D + 1) + d] = rec_t;  // its logprob's row
     if (accepted) {
       uint64_t new_set = 0;
       for (uint64_t rest = cand; rest; rest &= rest - 1)

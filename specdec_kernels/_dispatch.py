@@ -237,8 +237,8 @@ NATIVE_MASK_BACKENDS = {"torch", "cpu", "triton", "auto"}
 
 def run_verify(args: VerifyArgs, backend: str = "auto", logprobs: int | None = None) -> VerifyOutput:
     """Run chain verification (checked VerifyArgs) on the requested backend. logprobs: the call's
-    logprobs request (``ops/logprobs.logprobs_request``); the CPU build fills ``out.logprobs``
-    itself for return_logprobs without top-n (0), so the post-pass skips it."""
+    logprobs request (``ops/logprobs.logprobs_request``); the CPU build and the Triton kernels fill
+    ``out.logprobs`` themselves for return_logprobs without top-n (0), so the post-pass skips it."""
     backend = ties_backend(args.sampling, backend, args.target_logits.device)
     overrides = _OVERRIDES.get() or {}
     num_chunks, block_v = overrides.get("num_chunks"), overrides.get("block_v")
@@ -258,7 +258,8 @@ def run_verify(args: VerifyArgs, backend: str = "auto", logprobs: int | None = N
         return csrc.verify_chain(args.padded(), num_chunks=num_chunks)
     require_triton_device(device, "sk.verify")
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
-    candidates = {"triton": lambda: launch_verify(args, num_chunks, block_v, *threshold)}
+    native_logprobs = logprobs == 0  # return_logprobs without top-n: the Triton kernels write them too
+    candidates = {"triton": lambda: launch_verify(args, num_chunks, block_v, *threshold, logprobs=native_logprobs)}
     if backend == "auto" and device.type == "cuda" and csrc.cuda_extension_ready():
         candidates["cuda"] = lambda: csrc.verify_chain(apply_chain_mask(args).padded(), num_chunks=num_chunks)
     chosen = resolve(backend, device, chain_shape_class(args), candidates)
@@ -298,8 +299,9 @@ def run_verify_block(args: VerifyArgs, backend: str = "auto") -> VerifyOutput:
 # tree / multi-draft verification
 
 
-def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
-    """Run tree / multi-draft verification (checked TreeArgs)."""
+def run_tree(args: TreeArgs, backend: str = "auto", logprobs: int | None = None) -> TreeVerifyOutput:
+    """Run tree / multi-draft verification (checked TreeArgs). logprobs: as for :func:`run_verify`
+    (the CPU build fills ``out.logprobs`` of the accepted path itself without top-n)."""
     backend = ties_backend(args.sampling, backend, args.target.device)
     overrides = _OVERRIDES.get() or {}
     block_v, num_chunks = overrides.get("block_v"), overrides.get("num_chunks")
@@ -308,7 +310,7 @@ def run_tree(args: TreeArgs, backend: str = "auto") -> TreeVerifyOutput:
     if backend not in NATIVE_MASK_BACKENDS:  # token_bitmask: as in run_verify
         args = apply_tree_mask(args)
     if backend == "cpu":
-        return csrc.verify_tree_cpu(args)
+        return csrc.verify_tree_cpu(args, logprobs=logprobs == 0)
     if backend == "torch":
         return reference_tree(args)
     if backend == "vectorized":

@@ -388,7 +388,8 @@ def _run_tree(
         args = check_tree_args(
             *tree_args, validate=validate, multi=multi, top_p_ties=top_p_ties, token_bitmask=token_bitmask
         )
-        out = _run_local(args, backend, _dispatch.run_tree, _dispatch.call_verify_tree, tree_logprobs, logprobs)
+        run = partial(_dispatch.run_tree, logprobs=logprobs)
+        out = _run_local(args, backend, run, _dispatch.call_verify_tree, tree_logprobs, logprobs)
     if out_dtype == torch.int64:
         return out
     return replace(out, tokens=out.tokens.to(out_dtype), accepted_nodes=out.accepted_nodes.to(out_dtype))

@@ -7,11 +7,18 @@ not changed and every backend (and layout) gets the same numbers. Cost: one gath
 B (G+1) rows and one processing pass over them; ``num_logprobs`` adds one ``torch.topk`` per row
 (no sort of the vocabulary). The specification is ``reference/logprobs.py``. On vocabulary
 shards the same post-pass runs with the shards' scorer (``ops/vocab_parallel/logprobs.py``).
-Exception: the CPU build (backend="cpu", chains, no top-n) writes the logprobs itself from its row
-statistics (``csrc/verify_core.h``'s ``emitted_logprobs``), and this post-pass returns at once.
+Exception (native logprobs, ``return_logprobs`` without top-n): these backends write the logprobs
+themselves from the row statistics their pass already has, and this post-pass returns at once:
+the CPU build (backend="cpu", also "auto" on CPU tensors when it picks the build) for chains
+(``csrc/verify_core.h``'s ``emitted_logprobs``) and for trees and verify_multi (the accepted path:
+``csrc/verify_cpu.cpp``'s ``tree_logprobs``), and the Triton chain kernels (backend="triton",
+and "auto" on CUDA when it picks Triton; padded and flattened layouts: ``ops/triton/chain.py``'s
+``_emitted_logprobs``). Every other backend (the Triton tree walk included), ``num_logprobs > 0``,
+vocabulary shards and torch.compile graphs (one custom-op node) run this post-pass.
 
 The value at an emitted token x of row r: log p_r(x) = (x_r - max_r) / T - log Z_r on the entries
-temperature, top-k and top-p keep (-inf elsewhere), computed in float64 and returned as float32.
+temperature, top-k and top-p keep (-inf elsewhere), computed in float64 (the Triton kernels: from
+their float32 records, within 1e-5) and returned as float32.
 Greedy requests (temperature 0) are scored at temperature 1 with their top-k / top-p: the
 log_softmax an engine reports for a greedy request. NaN where no token was emitted (tokens == -1)
 and for a row without a finite logit (flagged in ``nonfinite``).
@@ -84,7 +91,9 @@ def chain_logprobs(args: VerifyArgs, out: VerifyOutput, num_logprobs: int, score
 @torch.compiler.disable  # inside torch.compile: a graph break, the post-pass runs eagerly
 def tree_logprobs(args: TreeArgs, out: TreeVerifyOutput, num_logprobs: int, score=None):
     """``out`` with logprobs of the accepted path's tokens and the emitted one; mask and score as
-    for :func:`chain_logprobs`."""
+    for :func:`chain_logprobs` (the CPU build's native logprobs: nothing to do)."""
+    if num_logprobs == 0 and out.logprobs is not None and score is None:
+        return out
     b, d = _emitted(out.tokens)
     k_row, s_row = walk_rows(args, out.tokens, out.num_accepted)
     index = (b, k_row[b, d], s_row[b, d])

@@ -89,6 +89,7 @@ def verify_kernels():
                     ROW_USE=not per_req,  # trees' row use rides on the scalar variant
                     BLOCK_R=block if phase == 0 else 1,  # the threshold phases: one row per program
                     BLOCK_V=bv,
+                    LOGPROBS=has_filter and mode != 1,  # return_logprobs: greedy rows' thresholds
                 ),
             )
         types2 = dict(
@@ -118,11 +119,13 @@ def verify_kernels():
     for per_req in (False, True):
         types4 = {"idx_ptr": "*i32", "out_idx_ptr": "*i32", "temperature": "fp32"}
         yield v._combine_row_stats_kernel, types4, dict(PER_REQ_T=per_req, BLOCK_R=128)
-        yield (
-            v._verify_finalize_kernel,
-            types3,
-            dict(PER_REQ_T=per_req, FLAT=per_req, BLOCK_B=128, ROWS=8),
-        )
+        for logprobs in (False, True):  # return_logprobs: the logprobs from the row records, filtered or not
+            flags = dict(LOGPROBS=logprobs, HAS_FILTER=logprobs and per_req, BY_INDEX=logprobs and per_req)
+            yield (
+                v._verify_finalize_kernel,
+                dict(types3, target_ptr="*bf16" if per_req else "*fp32"),
+                dict(PER_REQ_T=per_req, FLAT=per_req, BLOCK_B=128, ROWS=8, **flags),
+            )
 
 
 def tree_kernels():

@@ -16,6 +16,19 @@ def auto_means_triton_on_cpu(monkeypatch):
         monkeypatch.setattr(_dispatch, "_CPU_AUTO", "triton")
 
 
+@pytest.fixture
+def no_post_pass(monkeypatch):
+    """The logprobs post-pass's row gather (ops/logprobs.py ``_fill``) made to raise: a backend's
+    native logprobs must not need it (test_cpu_logprobs.py, test_native_logprobs.py)."""
+    from specdec_kernels.ops import logprobs as post_pass
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the logprobs post-pass ran")
+
+    monkeypatch.setattr(post_pass, "_fill", refuse)
+    return monkeypatch
+
+
 @pytest.fixture(scope="module")
 def one_rank_group():
     """A gloo process group of this process alone: the vocabulary-parallel path (process_group=)

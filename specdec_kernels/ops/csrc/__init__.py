@@ -318,23 +318,26 @@ def run_chain(
     return VerifyOutput(tokens, accepted, nonfinite, logprobs=lp[0] if lp else None)
 
 
-def run_tree(ext, args, threads: int = 256):
-    """Call ``ext.verify_tree`` (CPU core or CUDA extension) on checked TreeArgs."""
-    tokens, accepted, nodes, nonfinite = ext.verify_tree(
+def run_tree(ext, args, threads: int = 256, logprobs: bool = False):
+    """Call ``ext.verify_tree`` (CPU core or CUDA extension) on checked TreeArgs. logprobs (CPU
+    build only): the output's ``logprobs`` (return_logprobs) of the accepted path from the row
+    statistics, no post-pass."""
+    tokens, accepted, nodes, nonfinite, *lp = ext.verify_tree(
         args.target,
         args.tokens,
         args.parents,
         args.draft,
         args.draft_mode,
         args.num_nodes,
-        *_sampling_args(args),
+        *_sampling_args(args, logprobs),
         METHODS[args.method],
         int(args.max_depth),
         int(threads),
         _stream(args.target.device),
         args.token_bitmask,
+        bool(logprobs),
     )
-    return TreeVerifyOutput(tokens, accepted, nodes, nonfinite)
+    return TreeVerifyOutput(tokens, accepted, nodes, nonfinite, logprobs=lp[0] if lp else None)
 
 
 def _require_cuda_tensors(device) -> None:
@@ -370,7 +373,8 @@ def verify_chain_cpu(args: VerifyArgs, num_chunks: int | None = None, logprobs: 
     return run_chain(load_cpu_core(), args, num_chunks, logprobs=logprobs)
 
 
-def verify_tree_cpu(args) -> TreeVerifyOutput:
-    """backend='cpu' for ``sk.verify_tree`` / ``sk.verify_multi``."""
+def verify_tree_cpu(args, logprobs: bool = False) -> TreeVerifyOutput:
+    """backend='cpu' for ``sk.verify_tree`` / ``sk.verify_multi``; logprobs: return_logprobs of the
+    accepted path computed natively (``run_tree``)."""
     _require_cpu_tensors(args.target.device)
-    return run_tree(load_cpu_core(), args)
+    return run_tree(load_cpu_core(), args, logprobs=logprobs)

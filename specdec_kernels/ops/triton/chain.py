@@ -57,8 +57,8 @@ from .helpers import (
     safe_max,
     uniform_open,
 )
-from .launch import TileSettings, chunks_to_fill, tile_settings, vocab_chunks
-from .records import NUM_THR, load_thresholds
+from .launch import TileSettings, chunks_to_fill, ties_by_index_at_unit_t, tile_settings, vocab_chunks
+from .records import NUM_STATS, NUM_THR, STAT_GMAX, STAT_M_T, STAT_Z_T, load_thresholds
 from .row_pass import (
     RowPassLayout,
     RowPassPlan,
@@ -321,9 +321,19 @@ def _verify_finalize_kernel(
     race_idx_ptr,  # [B, C, 2] int32 (kernel 2)
     out_tokens_ptr,  # [B, G+1] int64 out
     out_accepted_ptr,  # [B] int32 out
+    target_ptr,  # [B, G+1, V] raw target logits (flattened: [N+B, V]) (LOGPROBS)
+    mask_ptr,  # [B, G+1, W] int32 grammar words (flattened: [N+B, W]) (LOGPROBS and HAS_MASK)
+    stats_ptr,  # [B*(G+1), 1, NUM_STATS] fp32 whole-row records of the row pass (LOGPROBS)
+    thr_ptr,  # [B*(G+1), NUM_THR] fp32 thresholds of the row pass (LOGPROBS and HAS_FILTER)
+    out_logprobs_ptr,  # [B, G+1] fp32 out (LOGPROBS)
     # strides
     stride_xb,
     stride_ob,
+    stride_tb,  # target strides as the accept kernel's (flattened: row strides) (LOGPROBS)
+    stride_tg,
+    stride_mb,  # in words (LOGPROBS and HAS_MASK)
+    stride_mg,
+    stride_lb,  # out_logprobs row stride (LOGPROBS)
     # sizes
     B,
     G,
@@ -336,6 +346,10 @@ def _verify_finalize_kernel(
     FLAT: tl.constexpr,
     BLOCK_B: tl.constexpr,
     ROWS: tl.constexpr,  # next power of two >= G + 1
+    LOGPROBS: tl.constexpr,  # return_logprobs: out_logprobs from the row records (``_emitted_logprobs``)
+    HAS_FILTER: tl.constexpr,  # (LOGPROBS) top-k / top-p thresholds in thr_ptr
+    BY_INDEX: tl.constexpr,  # (LOGPROBS) the thresholds carry index cuts
+    HAS_MASK: tl.constexpr,  # (LOGPROBS) token_bitmask words in mask_ptr
 ):
     pid_b = tl.program_id(0).to(tl.int64)
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
@@ -370,6 +384,40 @@ def _verify_finalize_kernel(
     out = tl.where(t < j[:, None], drafts.to(tl.int64), tl.where(t == j[:, None], token[:, None], -1))
     tl.store(out_tokens_ptr + b[:, None] * stride_ob + t, out, mask=b_ok[:, None] & (t <= G))
     tl.store(out_accepted_ptr + b, j, mask=b_ok)
+    if LOGPROBS:
+        t_rows = target_ptr + request_base(cu_ptr, b, b_ok, stride_tb, 1, FLAT)[:, None] + t.to(tl.int64) * stride_tg
+        m_rows = mask_ptr + request_base(cu_ptr, b, b_ok, stride_mb, 1, FLAT)[:, None] + t.to(tl.int64) * stride_mg
+        emitted = b_ok[:, None] & (t <= j[:, None]) & (t <= G)
+        unit_t = tl.where(greedy, 1.0, temperature)[:, None]  # greedy requests: scored at T = 1
+        lp = _emitted_logprobs(
+            t_rows, m_rows, stats_ptr, thr_ptr, b[:, None] * (G + 1) + t, emitted, out, unit_t, HAS_FILTER, BY_INDEX,
+            HAS_MASK,
+        )  # fmt: skip
+        tl.store(out_logprobs_ptr + b[:, None] * stride_lb + t, lp, mask=b_ok[:, None] & (t <= G))
+
+
+@triton.jit
+def _emitted_logprobs(
+    t_rows, m_rows, stats_ptr, thr_ptr, rows, emitted, tok, unit_t, HAS_FILTER: tl.constexpr, BY_INDEX: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """log p(tok) under each emitted row's processed target distribution, from the row pass's
+    records (no pass over the logits: one logit load per position): (x - m) / T - log z for a kept
+    token, -inf for one outside the kept set, NaN where nothing was emitted or the row has no
+    finite logit (``reference/logprobs.py``). [BLOCK_B, ROWS] tiles: t_rows / m_rows point at the
+    target / mask rows, rows index the records, unit_t is T (1 for greedy requests, whose records
+    the row pass computed at T = 1 and, with LOGPROBS, with their thresholds)."""
+    rec = stats_ptr + rows * NUM_STATS
+    m = tl.load(rec + STAT_M_T, mask=emitted, other=float("-inf"))
+    z = tl.load(rec + STAT_Z_T, mask=emitted, other=0.0)
+    g_max = tl.load(rec + STAT_GMAX, mask=emitted, other=float("-inf"))  # the sanitised row max
+    thr, cut, _thr_q, _cut_q = load_thresholds(thr_ptr + rows * NUM_THR, emitted, emitted, HAS_FILTER, 0, BY_INDEX)
+    tok_safe = tl.where(emitted, tok, 0)
+    x, _bad = load_logits(t_rows + tok_safe, emitted, allowed_at(m_rows, tok_safe, emitted, HAS_MASK))
+    kept = kept_at(x, tok_safe, thr, cut, BY_INDEX) & (x > float("-inf")) & (z > 0.0)
+    lp = (x - safe_max(m)) / unit_t - tl.log(tl.where(z > 0.0, z, 1.0))
+    lp = tl.where(kept, lp, float("-inf"))
+    return tl.where(emitted & (g_max > float("-inf")), lp, float("nan"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,17 +498,21 @@ def launch_verify(
     block_v: int | None = None,
     threshold_chunks: int | None = None,
     threshold_capacity: int | None = None,
+    logprobs: bool = False,
 ) -> VerifyOutput:
     """Run the kernels on checked arguments (``_validation.check_verify_args``).
 
     num_chunks / block_v / threshold_chunks / threshold_capacity override the launch plan (tests
-    use them to split small vocabularies and to force the bisection fallback)."""
+    use them to split small vocabularies and to force the bisection fallback). logprobs
+    (return_logprobs without top-n): the finalize kernel also writes ``out.logprobs`` from the row
+    records (``_emitted_logprobs``), so the post-pass (``ops/logprobs.py``) returns at once."""
     B, G, V = args.B, args.G, args.V
     dev = args.target_logits.device
     out = VerifyOutput(
         torch.empty((B, G + 1), dtype=torch.int64, device=dev),
         torch.empty((B,), dtype=torch.int32, device=dev),
         torch.empty((B,), dtype=torch.bool, device=dev),
+        logprobs=torch.empty((B, G + 1), dtype=torch.float32, device=dev) if logprobs else None,
     )
     if B == 0:
         return out
@@ -468,9 +520,10 @@ def launch_verify(
     layout = _row_layout(args)
     logits = args.draft_mode == DRAFT_LOGITS
     tplan = threshold_plan(args.target_logits, layout.rows, V, threshold_chunks, logits, threshold_capacity)
-    records = launch_row_stats(layout, args.sampling, RowPassPlan(plan.tiles, plan.num_chunks, plan.chunk_size, tplan))
+    row_plan = RowPassPlan(plan.tiles, plan.num_chunks, plan.chunk_size, tplan)
+    records = launch_row_stats(layout, args.sampling, row_plan, logprobs=logprobs)
     races = _launch_accept(args, layout, plan, records, out.nonfinite)
-    _launch_finalize(args, layout, races, out)
+    _launch_finalize(args, layout, races, out, records)
     return out
 
 
@@ -548,10 +601,15 @@ def _launch_accept(args: VerifyArgs, layout: RowPassLayout, plan: ChainPlan, rec
     return races
 
 
-def _launch_finalize(args: VerifyArgs, layout: RowPassLayout, races: _Races, out: VerifyOutput) -> None:
+def _launch_finalize(
+    args: VerifyArgs, layout: RowPassLayout, races: _Races, out: VerifyOutput, records: RowStats
+) -> None:
     B = args.B
     t_ptr, t_val, per_req_t = args.sampling.kernel_args(layout.target)["temperature"]
     block_b = min(next_pow2(B), 128)
+    lp = out.logprobs is not None  # without logprobs: the kernel and its arguments as before (unused: 0 / False)
+    has_filter = lp and args.has_filter  # the row pass wrote thresholds
+    mask = layout.mask if lp and layout.mask is not None else None
     _verify_finalize_kernel[(cdiv(B, block_b),)](
         # pointers
         draft_tokens_ptr=layout.draft_tokens,  # [B, G] (flattened: [N])
@@ -563,9 +621,19 @@ def _launch_finalize(args: VerifyArgs, layout: RowPassLayout, races: _Races, out
         race_idx_ptr=races.idx,  # [B, C, NUM_RACES]
         out_tokens_ptr=out.tokens,  # [B, G+1] out
         out_accepted_ptr=out.num_accepted,  # [B] out
+        target_ptr=layout.target,  # [B, G+1, V] (flattened: [N+B, V]) (LOGPROBS)
+        mask_ptr=mask if mask is not None else layout.target,  # [B, G+1, W] (HAS_MASK)
+        stats_ptr=records.stats,  # [B*(G+1), 1, NUM_STATS] (LOGPROBS)
+        thr_ptr=records.thr,  # [B*(G+1), NUM_THR] (HAS_FILTER)
+        out_logprobs_ptr=out.logprobs if lp else out.tokens,  # [B, G+1] out (LOGPROBS)
         # strides
         stride_xb=layout.draft_tokens.stride(0),
         stride_ob=out.tokens.stride(0),
+        stride_tb=layout.target_strides[0] if lp else 0,
+        stride_tg=layout.target_strides[2] if lp else 0,
+        stride_mb=layout.mask_strides[0] if mask is not None else 0,
+        stride_mg=layout.mask_strides[2] if mask is not None else 0,
+        stride_lb=out.logprobs.stride(0) if lp else 0,
         # sizes
         B=B,
         G=args.G,
@@ -578,4 +646,8 @@ def _launch_finalize(args: VerifyArgs, layout: RowPassLayout, races: _Races, out
         FLAT=layout.cu is not None,
         BLOCK_B=block_b,
         ROWS=next_pow2(args.G + 1),
+        LOGPROBS=lp,
+        HAS_FILTER=has_filter,
+        BY_INDEX=has_filter and ties_by_index_at_unit_t(args.sampling),
+        HAS_MASK=mask is not None,
     )

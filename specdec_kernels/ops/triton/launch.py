@@ -6,12 +6,16 @@ row pass and the threshold phases all take their settings from here.
 the number of rows it gives the vocabulary tile (BLOCK_V), the rows per program (BLOCK_R) and the
 warps; ``vocab_chunks`` splits a row into chunks of whole tiles; ``chunks_to_fill`` says how many
 chunks keep every SM busy; ``num_warps`` is the warp rule on its own (the threshold phases' tiles).
+``greedy_logprobs_filter`` and ``ties_by_index_at_unit_t`` pick the row pass's native-logprobs variant.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from ..._params import MIN_TEMPERATURE, SamplingParams
 from .helpers import cdiv, next_pow2
 
 # The interpreter pays per operation, not per element: it gets big tiles (a whole row when it fits).
@@ -67,3 +71,18 @@ def vocab_chunks(V: int, block_v: int, num_chunks: int) -> tuple[int, int]:
     num_chunks = max(1, min(int(num_chunks), blocks))
     chunk_size = cdiv(blocks, num_chunks) * block_v
     return cdiv(V, chunk_size), chunk_size
+
+
+def greedy_logprobs_filter(sampling: SamplingParams, V: int) -> bool:
+    """Whether return_logprobs needs the threshold phases on greedy rows: some request may be
+    greedy and top-k / top-p may be active (the logprobs score greedy rows at T = 1 with them).
+    Cost: those greedy rows go through the threshold phases, one more read of each (their records
+    already hold the T = 1 normaliser: the row pass runs greedy rows at T = 1)."""
+    t = sampling.temperature
+    return sampling.has_filter(V) and (isinstance(t, torch.Tensor) or t < MIN_TEMPERATURE)
+
+
+def ties_by_index_at_unit_t(sampling: SamplingParams) -> bool:
+    """``sampling.ties_by_index()`` with greedy requests counted (their logprobs apply top-p)."""
+    p = sampling.top_p
+    return sampling.top_p_ties == "by_index" and (isinstance(p, torch.Tensor) or p < 1.0)

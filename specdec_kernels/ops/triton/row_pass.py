@@ -39,7 +39,7 @@ from .helpers import (
     per_request,
     safe_max,
 )
-from .launch import TileSettings, vocab_chunks
+from .launch import TileSettings, greedy_logprobs_filter, ties_by_index_at_unit_t, vocab_chunks
 from .records import (
     IDX_GREEDY,
     NUM_IDX,
@@ -225,6 +225,7 @@ def _verify_row_stats_kernel(
     MASK_PARENTS: tl.constexpr,  # draft row i's mask row is parents[i] + 1 (verify_tree), else row i
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    LOGPROBS: tl.constexpr,  # return_logprobs: greedy rows get top-k/top-p thresholds too (at T = 1)
 ):
     """One pass over each row's chunk: (max, sum-exp) of the processed target and draft logits, the
     greedy argmax and the count of non-finite logits (PHASE_STATS, ``_row_stats_pass``); or one of
@@ -242,9 +243,12 @@ def _verify_row_stats_kernel(
         stride_pb, G, FLAT, MASK_PARENTS,
     )  # fmt: skip
     chunk = tl.program_id(1)
+    filtered = target_ok & ~greedy  # greedy rows need no thresholds to pick the argmax ...
+    if LOGPROBS:  # ... but their logprobs are scored at T = 1 with their top-k / top-p (the greedy max stays)
+        filtered = target_ok
     if PHASE == PHASE_STATS:  # thresholds (when filtering) from the threshold phases
         thr_t, cut_t, thr_q, cut_q = load_thresholds(
-            thr_ptr + rows * NUM_THR, target_ok & ~greedy, draft_ok, HAS_FILTER, DRAFT_MODE, BY_INDEX
+            thr_ptr + rows * NUM_THR, filtered, draft_ok, HAS_FILTER, DRAFT_MODE, BY_INDEX
         )
         _row_stats_pass(
             t_rows, d_rows, tm_rows, dm_rows, stats_ptr + (rows * num_chunks + chunk) * NUM_STATS,
@@ -261,7 +265,7 @@ def _verify_row_stats_kernel(
         d_shift: tl.constexpr = key_shift(draft_ptr.dtype.element_ty)
         d_group: tl.constexpr = candidate_group(draft_ptr.dtype.element_ty)
         threshold_phases(
-            t_rows, d_rows, tm_rows, dm_rows, rows, target_ok & ~greedy, draft_ok, thr_ptr + rows * NUM_THR,
+            t_rows, d_rows, tm_rows, dm_rows, rows, filtered, draft_ok, thr_ptr + rows * NUM_THR,
             filter_buf_ptr, filter_int_ptr, B * K * (G + 1) * 2, num_chunks, chunk_size, V, inv_t, top_k, top_p, PHASE,
             DRAFT_MODE, FILTER_BLOCK, FILTER_CAP, FILTER_BINS, FILTER_CHUNKS, t_shift, t_group, d_shift, d_group,
             BY_INDEX, HAS_MASK,
@@ -578,12 +582,17 @@ class RowStats(NamedTuple):
     thr: torch.Tensor  # [rows, NUM_THR] fp32 thresholds (a [1, NUM_THR] placeholder without top-k / top-p)
 
 
-def launch_row_stats(layout: RowPassLayout, sampling: SamplingParams, plan: RowPassPlan) -> RowStats:
+def launch_row_stats(
+    layout: RowPassLayout, sampling: SamplingParams, plan: RowPassPlan, logprobs: bool = False
+) -> RowStats:
     """The row pass of a call: with top-k / top-p the threshold phases first (candidates per chunk,
     selection per row; ``launch_threshold_phases``), then the statistics pass over ``plan.num_chunks``
-    chunks per row, merged into whole-row records when there are several."""
+    chunks per row, merged into whole-row records when there are several. logprobs (return_logprobs,
+    ``chain.launch_verify``): greedy rows get thresholds too, so their records score the logprobs
+    at T = 1 with their top-k / top-p (``greedy_logprobs_filter``)."""
     rows, V, dev = layout.rows, layout.V, layout.target.device
     has_filter = sampling.has_filter(V)
+    greedy_filter = logprobs and greedy_logprobs_filter(sampling, V)
     C, tplan = plan.num_chunks, plan.thresholds
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
     idx = torch.empty((rows, C, NUM_IDX_HOST), dtype=torch.int32, device=dev)
@@ -601,7 +610,7 @@ def launch_row_stats(layout: RowPassLayout, sampling: SamplingParams, plan: RowP
         PER_REQ_P=per_req_p,
         DRAFT_MODE=layout.draft_mode,
         HAS_FILTER=has_filter,
-        BY_INDEX=has_filter and sampling.ties_by_index(),
+        BY_INDEX=has_filter and (sampling.ties_by_index() or greedy_filter and ties_by_index_at_unit_t(sampling)),
         **tplan.constexprs,
         PLACEHOLDERS_END=layout.draft_tokens is not None,
         GP2=next_pow2(max(layout.G, 1)) if layout.draft_tokens is not None else 1,
@@ -610,6 +619,7 @@ def launch_row_stats(layout: RowPassLayout, sampling: SamplingParams, plan: RowP
         HAS_MASK=layout.mask is not None,
         MASK_PARENTS=layout.mask is not None and layout.parents is not None,
         BLOCK_V=plan.tiles.block_v,
+        LOGPROBS=greedy_filter,
     )
 
     def row_pass(phase: int, block_r: int, grid_chunks: int, chunks: int, chunk_size: int, num_warps: int) -> None:
