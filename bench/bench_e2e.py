@@ -66,10 +66,10 @@ One row per (temperature, prompt set, mode):
 * ``G`` / ``K``: draft tokens per chain and chains (``hf`` for HF's own assistant-token schedule);
   for the dynamic trees G = N, the tree's node budget. ``--G 2 4 8 16`` sweeps it (baselines once),
   ``plot.py`` draws speedup against it, chain against tree.
-* Per step (ours): ``nodes_per_step`` the draft tokens the step was allowed (the adaptive length or
-  tree budget, times K), ``depth_mean`` (trees: draft forwards per target forward, i.e. the tree's
-  depth), ``mean_accepted_length``, ``draft_ms_per_step`` / ``target_ms_per_step`` (the driver's draft
-  and target-forward phases, wall milliseconds per step).
+* Per step (ours): ``nodes_per_step`` the draft-token slots the target scored per request (a tree's
+  nodes, the step's budget; K times the drafts for chains), ``depth_mean`` (trees: draft forwards
+  per target forward, i.e. the tree's depth), ``mean_accepted_length``, ``draft_ms_per_step`` /
+  ``target_ms_per_step`` (the driver's draft and target-forward phases, wall milliseconds per step).
 * ``status``: ``ok``, ``skipped: ...`` or ``error`` (see stderr).
 
 Usage
@@ -112,15 +112,7 @@ MODES = (
 )
 DEFAULT_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup")
 SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_prompt_lookup")
-DRAFT_MODES = (  # need a draft model
-    "hf_assisted",
-    "ours_k1",
-    "ours_block",
-    "ours_k2",
-    "ours_k4",
-    "ours_dyntree",
-    "ours_dyntree_lookup",
-)
+DRAFT_MODES = tuple(m for m in MODES if m not in ("target_only", "ours_prompt_lookup", "hf_prompt_lookup"))
 PROMPT_SETS = ("code", "prose")
 
 AXES = {
@@ -313,6 +305,7 @@ class Totals:
     request_steps: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
+    nodes: int = 0  # draft-token slots the target scored, summed over requests and steps
     has_stats: bool = False
     compared: int = 0
     equal: int = 0
@@ -346,6 +339,7 @@ class Totals:
             self.request_steps += st.request_steps
             self.target_forwards += st.target_forwards
             self.draft_forwards += st.draft_forwards
+            self.nodes += st.nodes
 
 
 def batches(prompts: list[str], size: int) -> list[list[str]]:
@@ -473,7 +467,7 @@ def make_rows(
                 target_forwards=t.target_forwards,
                 draft_forwards=t.draft_forwards,
             )
-            row.update(per_step(t, s["K"]))
+            row.update(per_step(t))
             if "draft_tree" in s and t.target_forwards:  # one target forward and `depth` draft ones per step
                 row["depth_mean"] = t.draft_forwards / t.target_forwards
         if temperature == 0.0 and t.compared:
@@ -491,13 +485,13 @@ def make_rows(
     return rows
 
 
-def per_step(t: Totals, K) -> dict:
-    """nodes_per_step (the steps' draft-token budgets, times K chains) and the draft / target phases
-    in wall milliseconds per step."""
+def per_step(t: Totals) -> dict:
+    """nodes_per_step (draft-token slots the target scored per request and step: a tree's nodes, K
+    times the drafts for chains) and the draft / target phases in wall milliseconds per step."""
     steps = sum(t.drafts_per_step.values())
-    if not steps:
+    if not steps or not t.request_steps:
         return {}
-    nodes = sum(g * n for g, n in t.drafts_per_step.items()) / steps * (K if isinstance(K, int) else 1)
+    nodes = t.nodes / t.request_steps
     ms = {f"{phase}_ms_per_step": 1e3 * t.time_s.get(phase, 0.0) / steps for phase in ("draft", "target")}
     return {"nodes_per_step": nodes, **ms}
 

@@ -537,3 +537,13 @@ def test_sampled_lookup_output_follows_the_target(monkeypatch):
     monkeypatch.setattr(api, "verify_tree", with_q_rows)
     wrong = run().sequences[:, len(prompt)]
     assert chi_square_pvalue(wrong, p1) < ALPHA
+
+
+def test_stats_count_the_nodes_scored(target, drafts, monkeypatch):
+    """stats.nodes sums the node slots the target scored per request and step (the trees' widths in
+    nodes), the histogram the trees' depths."""
+    seen = _lookup_proposals(monkeypatch)
+    ids, mask = _repetitive_prompts()
+    out = _dynamic(target, drafts["near"], ids, mask, 9, 3, adaptive_draft=False, prompt_lookup=True)
+    assert out.stats.nodes == sum(p.tokens.shape[1] * p.tokens.shape[0] for p, *_ in seen) > 0
+    assert out.stats.draft_length_histogram == {3: len(seen)}
