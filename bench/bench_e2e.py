@@ -17,6 +17,8 @@ tokens / wall time summed over every prompt of a prompt set. Modes (``--modes``)
                             (default ``kseq``, SpecTr K-SEQ).
 * ``ours_dyntree``       -- ``draft_tree="dynamic"``: a token tree of N = ``--G`` nodes, ``--tree-width``
                             children per node, grown by the draft (rows: nodes per step, mean depth).
+* ``ours_dyntree_lookup`` -- the same with ``prompt_lookup=True``: the request's n-gram continuation is
+                            one more branch of the tree, within its N nodes.
 * ``ours_prompt_lookup`` -- ``speculative_generate(drafter="prompt_lookup")``: n-gram drafts from the
                             request's own tokens, no draft model.
 * ``hf_prompt_lookup``   -- (not run by default) ``target.generate(prompt_lookup_num_tokens=G)``,
@@ -61,7 +63,13 @@ One row per (temperature, prompt set, mode):
   so in fp32 a ``no`` is a bug; in bf16/fp16 a tree forward and one-token decoding round differently,
   which can flip a near-tie and change the rest of that output (HF assisted generation has the same
   effect).
-* ``G`` / ``K``: draft tokens per chain and chains (``hf`` for HF's own assistant-token schedule).
+* ``G`` / ``K``: draft tokens per chain and chains (``hf`` for HF's own assistant-token schedule);
+  for the dynamic trees G = N, the tree's node budget. ``--G 2 4 8 16`` sweeps it (baselines once),
+  ``plot.py`` draws speedup against it, chain against tree.
+* Per step (ours): ``nodes_per_step`` the draft-token slots the target scored per request (a tree's
+  nodes, the step's budget; K times the drafts for chains), ``depth_mean`` (trees: draft forwards
+  per target forward, i.e. the tree's depth), ``mean_accepted_length``, ``draft_ms_per_step`` /
+  ``target_ms_per_step`` (the driver's draft and target-forward phases, wall milliseconds per step).
 * ``status``: ``ok``, ``skipped: ...`` or ``error`` (see stderr).
 
 Usage
@@ -98,12 +106,13 @@ MODES = (
     "ours_k2",
     "ours_k4",
     "ours_dyntree",
+    "ours_dyntree_lookup",
     "ours_prompt_lookup",
     "hf_prompt_lookup",
 )
 DEFAULT_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup")
 SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_prompt_lookup")
-DRAFT_MODES = ("hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_k4", "ours_dyntree")  # need a draft model
+DRAFT_MODES = tuple(m for m in MODES if m not in ("target_only", "ours_prompt_lookup", "hf_prompt_lookup"))
 PROMPT_SETS = ("code", "prose")
 
 AXES = {
@@ -126,6 +135,7 @@ CSV_COLUMNS = (
     "batch_size max_new_tokens rep new_tokens wall_s cpu_s tokens_per_s speedup_vs_target "
     "cpu_speedup_vs_target speedup_vs_hf_assisted acceptance_rate mean_accepted_length target_forwards "
     "draft_forwards time_draft time_target time_verify time_commit time_other drafts_per_step depth_mean "
+    "nodes_per_step draft_ms_per_step target_ms_per_step "
     "greedy_equal greedy_equal_prompts grammar grammar_valid grammar_complete seed warmup cache compiled "
     "triton_interpret cuda python"
 ).split()
@@ -183,8 +193,9 @@ def mode_settings(mode: str, args) -> dict:
         return {"G": args.G, "K": 1, "method": None, "drafter": "prompt_lookup"}
     if mode == "ours_block":  # the draft model's chain under block verification
         return {"G": args.G, "K": 1, "method": "block", "drafter": "model", "verification": "block"}
-    if mode == "ours_dyntree":  # G = the tree's nodes
-        return {"G": args.G, "K": 1, "method": "rrs_wor", "drafter": "model", "draft_tree": "dynamic"}
+    if mode in ("ours_dyntree", "ours_dyntree_lookup"):  # G = the tree's nodes
+        lookup = mode == "ours_dyntree_lookup"
+        return {"G": args.G, "K": 1, "method": "rrs_wor", "drafter": "model", "draft_tree": "dynamic", "lookup": lookup}
     K = int(mode.removeprefix("ours_k"))
     return {"G": args.G, "K": K, "method": args.method if K > 1 else None, "drafter": "model"}
 
@@ -236,7 +247,11 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
             num_draft_tokens=s["G"],
             num_drafts=s["K"],
             method=s["method"] if s["K"] > 1 or "draft_tree" in s else "kseq",
-            **({"draft_tree": "dynamic", "tree_width": args.tree_width} if "draft_tree" in s else {}),
+            **(
+                {"draft_tree": "dynamic", "tree_width": args.tree_width, "prompt_lookup": s["lookup"]}
+                if "draft_tree" in s
+                else {}
+            ),
             verification=s.get("verification", "token"),
             drafter=s["drafter"],
             temperature=temperature,
@@ -290,6 +305,7 @@ class Totals:
     request_steps: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
+    nodes: int = 0  # draft-token slots the target scored, summed over requests and steps
     has_stats: bool = False
     compared: int = 0
     equal: int = 0
@@ -323,6 +339,7 @@ class Totals:
             self.request_steps += st.request_steps
             self.target_forwards += st.target_forwards
             self.draft_forwards += st.draft_forwards
+            self.nodes += st.nodes
 
 
 def batches(prompts: list[str], size: int) -> list[list[str]]:
@@ -450,7 +467,8 @@ def make_rows(
                 target_forwards=t.target_forwards,
                 draft_forwards=t.draft_forwards,
             )
-            if mode == "ours_dyntree" and t.target_forwards:  # one target forward and `depth` draft ones per step
+            row.update(per_step(t))
+            if "draft_tree" in s and t.target_forwards:  # one target forward and `depth` draft ones per step
                 row["depth_mean"] = t.draft_forwards / t.target_forwards
         if temperature == 0.0 and t.compared:
             row.update(
@@ -465,6 +483,17 @@ def make_rows(
         rows.append(row)
     fill_speedups(rows, {r["mode"]: r for r in rows if r.get("tokens_per_s")})
     return rows
+
+
+def per_step(t: Totals) -> dict:
+    """nodes_per_step (draft-token slots the target scored per request and step: a tree's nodes, K
+    times the drafts for chains) and the draft / target phases in wall milliseconds per step."""
+    steps = sum(t.drafts_per_step.values())
+    if not steps or not t.request_steps:
+        return {}
+    nodes = t.nodes / t.request_steps
+    ms = {f"{phase}_ms_per_step": 1e3 * t.time_s.get(phase, 0.0) / steps for phase in ("draft", "target")}
+    return {"nodes_per_step": nodes, **ms}
 
 
 def fill_speedups(rows: list[dict], by_mode: dict[str, dict]) -> None:

@@ -4,6 +4,9 @@
   acceptance rate against gamma (G, draft tokens per chain), one line per K (chains) and prompt
   lookup, a panel per (temperature, prompt set); against K when the file has a single G. Each run
   in the file (e.g. another prompt length) is its own line style, never averaged with another.
+  Files with dynamic-tree rows (``ours_dyntree``, ``ours_dyntree_lookup``) plot against N, the draft
+  tokens per step (a chain's G, a tree's node budget): speedup (wall and process CPU time) and
+  tokens per target forward, chain against tree.
 * ``verify*.csv`` (not ``verify_tree``) -> median time per verify call against batch size, one line per
   (provider, V), a panel per mode.
 * ``static*.csv`` -> the static model's per-call *estimate* against the byte floor (bytes / 3.35 TB/s).
@@ -28,7 +31,13 @@ from collections import defaultdict
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODE_LABELS = {"ours_prompt_lookup": "ours, prompt lookup", "hf_assisted": "HF assisted (its own G)"}
+MODE_LABELS = {
+    "ours_prompt_lookup": "ours, prompt lookup",
+    "hf_assisted": "HF assisted (its own G)",
+    "ours_dyntree": "ours, dynamic tree",
+    "ours_dyntree_lookup": "ours, dynamic tree + lookup branch",
+}
+TREE_MODES = ("ours_dyntree", "ours_dyntree_lookup")
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -73,7 +82,7 @@ def e2e_series(rows: list[dict], x: str, metric: str) -> dict[str, tuple[list, l
         value, xv = num(r.get(metric)), num(r.get(x))
         if r["status"] != "ok" or value is None or xv is None or not r["mode"].startswith("ours"):
             continue
-        if r["mode"] == "ours_prompt_lookup":
+        if r["mode"] in MODE_LABELS:
             label = MODE_LABELS[r["mode"]]
         else:
             label = f"ours, K = {int(num(r['K']))}" if x == "G" else f"ours, G = {int(num(r['G']))}"
@@ -93,15 +102,24 @@ def same_setup_as_newest(rows: list[dict]) -> list[dict]:
 
 def e2e_figure(plt, rows: list[dict], name: str):
     rows = same_setup_as_newest(rows)
-    ours = [r for r in rows if r["mode"].startswith("ours_k")]
+    trees = any(r["mode"] in TREE_MODES for r in rows)
+    ours = [r for r in rows if r["mode"].startswith("ours_k") or r["mode"] in TREE_MODES]
     x = "G" if len({r["G"] for r in ours}) > 1 else "K"
     xlabel = "γ = G, draft tokens per chain" if x == "G" else f"K, draft chains (G = {ours[0]['G']})"
+    if trees:
+        xlabel = "N, draft tokens per step (chain: G, tree: nodes)"
     panels = sorted({(float(r["temperature"]), r["prompt_set"]) for r in rows})
     runs = sorted({r["date"] for r in rows})
     metrics = [
         ("speedup_vs_target", "speedup vs target.generate (wall time)"),
         ("acceptance_rate", "acceptance rate (accepted / proposed)"),
     ]
+    if trees:  # a shared machine: process CPU time too; a tree's acceptance rate counts one path per step
+        metrics = [
+            ("speedup_vs_target", "speedup vs target.generate (wall time)"),
+            ("cpu_speedup_vs_target", "speedup vs target.generate (CPU time)"),
+            ("mean_accepted_length", "tokens per target forward"),
+        ]
     fig, axes = _figure(plt, len(metrics), len(panels), width=4.6, height=3.6)
     for col, (temperature, prompt_set) in enumerate(panels):
         for row, (metric, ylabel) in enumerate(metrics):
@@ -120,7 +138,7 @@ def e2e_figure(plt, rows: list[dict], name: str):
                 hf = [num(r[metric]) for r in mine if r["mode"] == "hf_assisted" and num(r.get(metric))]
                 if metric == "speedup_vs_target" and hf:
                     ax.axhline(hf[0], color="gray", linestyle=style, linewidth=1, label=f"HF assisted, {tokens}")
-            if metric == "speedup_vs_target":
+            if metric in ("speedup_vs_target", "cpu_speedup_vs_target"):
                 ax.axhline(1.0, color="black", linewidth=0.8, label="target.generate")
                 ax.legend(fontsize=6)
             ax.set_xticks(sorted({num(r[x]) for r in ours}))

@@ -64,3 +64,15 @@ def test_smoke_command(tmp_path):
     assert plot.main(["--smoke", "--results", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
     assert [p.name for p in (tmp_path / "out").glob("*.png")] == ["static_x.png"]
     assert plot.main(["--smoke", "--results", str(tmp_path / "out"), "--out", str(tmp_path / "none")]) == 1
+
+
+def test_e2e_dynamic_tree_sweep_against_n(figures):
+    """A file with dynamic-tree rows: speedup (wall and CPU time) and tokens per target forward
+    against N, one line each for the chain, the tree and the tree with its lookup branch."""
+    fig = _figure(figures, "e2e_cpu_demo_dyntree_sweep.png")
+    xlabel = "N, draft tokens per step (chain: G, tree: nodes)"
+    for ylabel in ("speedup vs target.generate (CPU time)", "tokens per target forward"):
+        assert (xlabel, ylabel) in _labels(fig)
+    lines = {line.get_label() for ax in fig.axes for line in ax.get_lines()}
+    for label in ("ours, K = 1", "ours, dynamic tree,", "ours, dynamic tree + lookup branch"):
+        assert any(line.startswith(label) for line in lines), label

@@ -52,6 +52,7 @@ class SpecConfig:
     verification: str = "token"  # the chains' rule (sk.verify's method): "token" or "block"
     draft_tree: str | None = None  # "dynamic": the draft model grows a token tree (drafters/dynamic_tree.py)
     tree_width: int = DEFAULT_TREE_WIDTH  # children per expanded node of a dynamic tree
+    prompt_lookup: bool = False  # a dynamic tree's n-gram lookup branch (drafters/dynamic_tree.py)
 
     @property
     def sampling(self) -> dict:
@@ -160,9 +161,18 @@ def _check_draft_tree(draft_tree, tree_width, kw: dict, cfg: SpecConfig) -> tupl
     """draft_tree= / tree_width=: a ValueError naming every setting dynamic trees cannot honour yet."""
     if draft_tree not in DRAFT_TREES:
         raise ValueError(f"draft_tree must be one of {DRAFT_TREES}, got {draft_tree!r}")
+    lookup = kw["prompt_lookup"]
+    if not isinstance(lookup, bool):
+        raise TypeError(f"prompt_lookup must be a bool, got {lookup!r}")
+    cfg.prompt_lookup = lookup
     if draft_tree is None:
         if tree_width is not None:
             raise ValueError("tree_width= is read only with draft_tree='dynamic'")
+        if lookup:
+            raise ValueError(
+                "prompt_lookup=True adds a lookup branch to draft_tree='dynamic'; for lookup chains use "
+                "drafter='prompt_lookup'"
+            )
         return None, DEFAULT_TREE_WIDTH
     width = DEFAULT_TREE_WIDTH if tree_width is None else _as_int("tree_width", tree_width)
     if width < 1:

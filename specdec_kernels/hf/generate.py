@@ -72,6 +72,7 @@ def speculative_generate(
     verification: str = "token",
     draft_tree: str | None = None,
     tree_width: int | None = None,
+    prompt_lookup: bool = False,
 ) -> SpeculativeOutput:
     """Generate with a draft model (or prompt lookup) and exact verification by the target.
 
@@ -131,6 +132,9 @@ def speculative_generate(
             nodes (1 + N <= 64), ``tree_width`` = k children per expanded node (default 4), verified
             by ``sk.verify_tree`` exactly; adaptive depth (or a chain) per step. Growth, exactness,
             budget and the settings it refuses (ValueError): ``hf/drafters/dynamic_tree.py``, docs/hf_driver.md.
+        prompt_lookup: with ``draft_tree="dynamic"``, the n-gram continuation of each request's tokens
+            (``drafter="prompt_lookup"``'s rule) is one more branch of the tree, within its N nodes; a step
+            with a match is verified one-hot (exact when sampling too; ``hf/drafters/dynamic_tree.py``).
 
     Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
 

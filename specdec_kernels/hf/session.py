@@ -85,6 +85,7 @@ class StepResult:
     tokens: list[list[int]] | None  # the emitted tokens (streamer / host-side drafter only)
     drafted: int  # draft tokens per chain this step (fewer than asked when drafting stopped early)
     draft_forwards: int = 0  # the drafter's forwards this step
+    nodes: int = 0  # draft-token slots the target scored per request (a tree's nodes, K * drafted for chains)
 
 
 class Session:
@@ -115,6 +116,7 @@ class Session:
         self.sampling = dict(config.sampling, top_p_ties=config.top_p_ties)
         self.generator = torch.Generator().manual_seed(config.seed % 2**63)
         self.target_forward = target_forward
+        self.nodes = 0  # the last step's draft-token slots per request (``StepResult.nodes``)
         self.timer = timer or PhaseTimer(SpeculativeStats(config.num_draft_tokens, config.num_drafts), False)
         longest = max(len(p) for p in prompts)
         self.static_len = None
@@ -184,6 +186,7 @@ class Session:
         batch = self.batch
         tokens, parents, num_nodes = proposal.nodes()
         N = 1 + tokens.shape[1]
+        self.nodes = N - 1
         self.check_room("target", self.t_len, N)
         ids = torch.cat([self.tokens.last(batch.index, 1), tokens], dim=1)
         meta = tree_attention_metadata(
@@ -248,7 +251,7 @@ class Session:
             if self.grammar is not None:  # the matchers follow the committed tokens
                 self.grammar.commit(batch.rows, step_tokens)
         finished_h = [bool(f) for f in fin_h]
-        return StepResult(acc_h, emit_h, finished_h, off_h, step_tokens, g, proposal.draft_forwards)
+        return StepResult(acc_h, emit_h, finished_h, off_h, step_tokens, g, proposal.draft_forwards, self.nodes)
 
     def drop_finished_rows(self, finished: list[bool]) -> None:
         keep = [a for a, done in enumerate(finished) if not done]

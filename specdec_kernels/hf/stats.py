@@ -27,6 +27,7 @@ class SpeculativeStats:
     target_forwards: int = 0
     draft_forwards: int = 0
     proposed: int = 0  # draft tokens offered to the verifier, summed over requests and steps
+    nodes: int = 0  # draft-token slots the target scored (tree nodes), summed over requests and steps
     accepted: int = 0  # of which accepted
     rejections: int = 0  # (request, step) pairs that ended at a rejected draft
     request_steps: int = 0  # (request, step) pairs: each commits accepted + 1 tokens
@@ -81,6 +82,7 @@ class SpeculativeStats:
         self.draft_length_histogram[g] = self.draft_length_histogram.get(g, 0) + 1
         acc = torch.tensor(result.accepted)
         self.proposed += sum(result.offered)
+        self.nodes += result.nodes * len(result.offered)
         self.accepted += int(acc.sum())
         self.rejections += int((acc < torch.tensor(result.offered)).sum())
         self.request_steps += len(result.accepted)

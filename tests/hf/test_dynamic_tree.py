@@ -11,9 +11,10 @@ import torch
 pytest.importorskip("transformers")
 
 from specdec_kernels import api  # noqa: E402
-from specdec_kernels.hf import speculative_generate  # noqa: E402
+from specdec_kernels.hf import drafting, speculative_generate  # noqa: E402
 from specdec_kernels.hf.drafters import DynamicTreeDrafter  # noqa: E402
 from specdec_kernels.hf.drafters.dynamic_tree import tree_depths  # noqa: E402
+from specdec_kernels.hf.drafting import prompt_lookup  # noqa: E402
 from specdec_kernels.hf.generate import open_session  # noqa: E402
 from specdec_kernels.hf.tree_budget import TreeBudgetPolicy  # noqa: E402
 
@@ -313,6 +314,7 @@ def test_sampled_output_follows_the_target(monkeypatch):
         (dict(verification="block"), "verification='block'"),
         (dict(draft_confidence=0.5), "draft_confidence"),
         (dict(generation_config="repetition"), "logits processors"),
+        (dict(draft_tree=None, tree_width=None, prompt_lookup=True), "use drafter='prompt_lookup'"),
     ],
 )
 def test_unsupported_settings_are_value_errors(target, drafts, kwargs, match):
@@ -349,18 +351,21 @@ def _peaked_draft():
 
 
 @pytest.mark.parametrize(
-    "which, temperature, cache", [("near", 0.0, "dynamic"), ("near", 0.9, "dynamic"), ("peaked", 0.9, "dynamic"),
-                                  ("near", 0.9, "static")]
+    "which, temperature, cache, lookup",
+    [("near", 0.0, "dynamic", False), ("near", 0.9, "dynamic", False), ("peaked", 0.9, "dynamic", False),
+     ("near", 0.9, "static", False), ("near", 0.0, "dynamic", True), ("copy", 0.9, "static", True)],
 )  # fmt: skip
-def test_draft_cache_equals_a_fresh_prefill(target, drafts, which, temperature, cache):
+def test_draft_cache_equals_a_fresh_prefill(target, drafts, which, temperature, cache, lookup):
     """After every step the draft cache holds exactly the committed tokens it should (all but the
-    last 1 or 2), as a fresh forward of them computes their keys and values."""
-    draft = drafts["near"] if which == "near" else _peaked_draft()
-    target = target if which == "near" else copy.deepcopy(draft)  # peaked: every depth accepted
-    ids, mask = _ragged_prompts()
+    last 1 or 2), as a fresh forward of them computes their keys and values (with the lookup
+    branch: repetitive prompts, its nodes fed and kept where accepted)."""
+    draft = drafts[which] if which != "peaked" else _peaked_draft()
+    target = target if which != "peaked" else copy.deepcopy(draft)  # peaked: every depth accepted
+    ids, mask = _repetitive_prompts() if lookup else _ragged_prompts()
     with open_session(
         target, draft, ids, mask, max_new_tokens=10, num_draft_tokens=15, draft_tree="dynamic",
         tree_width=3, temperature=temperature, seed=3, eos_token_id=[], pad_token_id=PAD, cache_implementation=cache,
+        prompt_lookup=lookup,
     ) as session:  # fmt: skip
         drafter = session.drafter
         for _ in range(3):
@@ -374,3 +379,171 @@ def test_draft_cache_equals_a_fresh_prefill(target, drafts, which, temperature, 
                 for mine, ref in zip(drafter.cache.layers, fresh.layers, strict=True):
                     torch.testing.assert_close(mine.keys[a, :, :C], ref.keys[0], atol=1e-4, rtol=1e-4)
                     torch.testing.assert_close(mine.values[a, :, :C], ref.values[0], atol=1e-4, rtol=1e-4)
+
+
+# ---- the prompt-lookup branch (prompt_lookup=True)
+
+_PATTERN = [10, 11, 12, 13, 14, 15]
+
+
+def _repetitive_prompts():
+    """Batch 3, left-padded, each with an earlier occurrence of its last n-gram (a lookup match)."""
+    prompts = [_PATTERN + _PATTERN[:3], [30, 31] + _PATTERN * 2, [20, 21, 22, 20, 21]]
+    T = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (T - len(p)) + p for p in prompts])
+    return ids, (ids != PAD).long()
+
+
+def _lookup_proposals(monkeypatch) -> list:
+    """Records (proposal, budget g, width k, the lookup continuations) of every step."""
+    seen = []
+    real = DynamicTreeDrafter.propose
+
+    def propose(self, session, g):
+        proposal = real(self, session, g)
+        depth = len(self.per_depth)
+        found = prompt_lookup([session.tokens.history[b] for b in session.batch.rows], depth)
+        seen.append((proposal, g, max(self.per_depth), found))
+        return proposal
+
+    monkeypatch.setattr(DynamicTreeDrafter, "propose", propose)
+    return seen
+
+
+def _check_tree(proposal, g: int, k: int, found: list[list[int]], distinct: bool) -> int:
+    """At most g nodes, k per depth; each lookup continuation is a path from the root (one node per
+    token; distinct: siblings never repeat a token). Returns the lookup nodes seen."""
+    nodes = 0
+    for a, look in enumerate(found):
+        n = int(proposal.num_nodes[a])
+        tokens, parents = proposal.tokens[a, :n].tolist(), proposal.parents[a, :n].tolist()
+        assert n <= g
+        depth = []
+        for p in parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        assert max((depth.count(d) for d in set(depth)), default=0) <= k
+        if distinct:
+            children = [(p, t) for p, t in zip(parents, tokens, strict=True)]
+            assert len(set(children)) == len(children)
+        at = -1
+        for token in look[: max(depth, default=0)]:
+            match = [i for i in range(n) if parents[i] == at and tokens[i] == token]
+            assert match, (a, look, tokens, parents)
+            at, nodes = match[0], nodes + 1
+    return nodes
+
+
+@pytest.mark.parametrize("N, k, which, adaptive", [(9, 3, "near", False), (15, 4, "near", True), (7, 2, "copy", False)])
+def test_lookup_branch_greedy_equals_target_generate(target, drafts, monkeypatch, N, k, which, adaptive):
+    """Batch 3, ragged, repetitive prompts: the lookup continuation is a root path of every tree
+    (merged where the model proposes the same token: siblings distinct), the tree within N nodes
+    and k per depth, and the output generate's."""
+    seen = _lookup_proposals(monkeypatch)
+    ids, mask = _repetitive_prompts()
+    expected = _greedy_reference(target, ids, mask, 12)
+    out = _dynamic(target, drafts[which], ids, mask, N, k, prompt_lookup=True, adaptive_draft=adaptive)
+    assert torch.equal(out.sequences, expected)
+    lookup_nodes = sum(_check_tree(p, g, width, found, True) for p, g, width, found in seen)
+    assert lookup_nodes > 0 and all(found for found in seen[0][3])  # every prompt matched at first
+
+
+def test_lookup_branch_adds_accepted_tokens():
+    """A draft that proposes the same tokens everywhere (fixed logits) and a target whose output
+    repeats itself: the lookup branch's nodes are accepted where the draft's are not (same output)."""
+    V = 16
+    draft_row = [0.0] * V
+    draft_row[2] = 9.0
+    target = tiny_model("llama", vocab=V, seed=3)
+    draft = fixed_logits_model(draft_row)
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    with torch.no_grad():
+        greedy = target.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    plain, lookup = (
+        speculative_generate(
+            target,
+            draft,
+            ids,
+            max_new_tokens=8,
+            num_draft_tokens=6,
+            draft_tree="dynamic",
+            tree_width=2,
+            eos_token_id=[],
+            pad_token_id=PAD,
+            adaptive_draft=False,
+            prompt_lookup=on,
+        )  # fmt: skip
+        for on in (False, True)
+    )
+    assert torch.equal(lookup.sequences, greedy) and torch.equal(plain.sequences, greedy)
+    assert lookup.stats.accepted > plain.stats.accepted and lookup.stats.steps < plain.stats.steps
+
+
+def test_sampled_lookup_steps_verify_one_hot(target, drafts, monkeypatch):
+    """Sampling: a step with a lookup match hands the verifier no draft probabilities (one-hot), a
+    step without one its q rows; the seeded call is reproducible."""
+    seen = _lookup_proposals(monkeypatch)
+    ids, mask = _repetitive_prompts()
+    runs = [_dynamic(target, drafts["near"], ids, mask, 9, 3, temperature=0.9, seed=2, prompt_lookup=True)]
+    runs.append(_dynamic(target, drafts["near"], ids, mask, 9, 3, temperature=0.9, seed=2, prompt_lookup=True))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for proposal, g, k, found in seen:
+        assert (proposal.probs is None) == any(found)
+        _check_tree(proposal, g, k, found, False)
+    assert seen[0][0].probs is None
+
+
+def test_prompt_lookup_must_be_a_bool(target, drafts):
+    with pytest.raises(TypeError, match="prompt_lookup must be a bool"):
+        _dynamic(target, drafts["near"], torch.tensor([[3, 4, 3]]), None, 4, 2, prompt_lookup=3)
+
+
+@pytest.mark.slow
+def test_sampled_lookup_output_follows_the_target(monkeypatch):
+    """Chi-square (alpha 1e-6) on the first two tokens (V = 6: 36 cells) of 3000 requests at T = 0.8
+    from a prompt whose lookup continuation is [5, 3, 4] (a branch of every first tree), and on the
+    first token alone, against the target's law. The biased variant treats the step's deterministic
+    candidates (the lookup token first, then the draft's best other token) as rrs_wor draws from q
+    (the q rows handed to the verifier): its exact first-token law is rejected with power > 0.99 at
+    n = 3000, and its run through the driver is rejected."""
+    V, n, k = 6, 3000, 2
+    sampling = dict(temperature=0.8)
+    draft_row = [0.0, 1.0, 0.5, 2.0, 1.5, -1.0]  # the lookup token 5 is the draft's least likely
+    target = tiny_model("llama", vocab=V, seed=13, init_std=0.3)
+    draft = fixed_logits_model(draft_row)
+    prompt = [3, 4, 5, 3, 4]
+    expected = _two_token_distribution(target, prompt, **sampling)
+    p1 = expected.sum(1)
+    q = drafting.draft_distribution(torch.tensor(draft_row), top_k=0, top_p=1.0, **sampling)
+    best_other = int(torch.topk(q.masked_fill(torch.arange(V) == 5, -1.0), 1).indices)
+    assert chi_square_power(p1, _rrs_wor_first_token(p1, q, [5, best_other]), n) > 0.99
+    seen = _lookup_proposals(monkeypatch)
+
+    def run():
+        return speculative_generate(
+            target, draft, torch.tensor([prompt] * n), max_new_tokens=2, num_draft_tokens=6, draft_tree="dynamic",
+            tree_width=k, seed=1, eos_token_id=[], adaptive_draft=False, prompt_lookup=True, **sampling,
+        )  # fmt: skip
+
+    pairs = run().sequences[:, len(prompt) :]
+    assert seen[0][3][0] == [5, 3, 4] and seen[0][0].probs is None
+    assert chi_square_pvalue(pairs[:, 0] * V + pairs[:, 1], expected.flatten()) > ALPHA
+    assert chi_square_pvalue(pairs[:, 0], p1) > ALPHA
+    real = api.verify_tree
+
+    def with_q_rows(logits, tokens, *args, **kw):
+        kw.setdefault("draft_probs", q.expand(*tokens.shape, V).contiguous())
+        return real(logits, tokens, *args, **kw)
+
+    monkeypatch.setattr(api, "verify_tree", with_q_rows)
+    wrong = run().sequences[:, len(prompt)]
+    assert chi_square_pvalue(wrong, p1) < ALPHA
+
+
+def test_stats_count_the_nodes_scored(target, drafts, monkeypatch):
+    """stats.nodes sums the node slots the target scored per request and step (the trees' widths in
+    nodes), the histogram the trees' depths."""
+    seen = _lookup_proposals(monkeypatch)
+    ids, mask = _repetitive_prompts()
+    out = _dynamic(target, drafts["near"], ids, mask, 9, 3, adaptive_draft=False, prompt_lookup=True)
+    assert out.stats.nodes == sum(p.tokens.shape[1] * p.tokens.shape[0] for p, *_ in seen) > 0
+    assert out.stats.draft_length_histogram == {3: len(seen)}

@@ -322,7 +322,7 @@ def _dynamic_tree_run(pair, grammars, monkeypatch, **kw):
     probabilities are 0 outside the mask), and the verifier gets the words [A, N+1, W] with
     unmasked target rows."""
     from specdec_kernels.hf import speculative_generate
-    from specdec_kernels.hf.drafters import base
+    from specdec_kernels.hf.drafters import DynamicTreeDrafter, base
 
     target, draft, tok = pair
     batch = tok(["x = ", "total = count_of("])  # ragged
@@ -342,12 +342,22 @@ def _dynamic_tree_run(pair, grammars, monkeypatch, **kw):
         return verify_tree(logits, tokens, parents, *args, token_bitmask=token_bitmask, num_nodes=num_nodes, **kw)
 
     monkeypatch.setattr(base.ops, "verify_tree", spy)
+    looked = []  # the lookup branches' nodes per step (prompt_lookup=True)
+    branch = DynamicTreeDrafter._lookup_branch
+
+    def lookup_spy(self, session):
+        made = branch(self, session)
+        looked.append(sum(self.lookup_nodes))
+        return made
+
+    monkeypatch.setattr(DynamicTreeDrafter, "_lookup_branch", lookup_spy)
     out = speculative_generate(
         target, draft, **batch, draft_tree="dynamic", tree_width=2, num_draft_tokens=6, grammar=compiled,
         max_new_tokens=20, pad_token_id=EOS_ID, eos_token_id=EOS_ID, **kw,
     )  # fmt: skip
     # trees (not only chains) were verified; greedy adaptive budgets follow measured times: not checked
     assert trees and (kw.get("adaptive_draft") is True or max(trees) > 1)
+    assert sum(looked) > 0 if kw.get("prompt_lookup") else not looked
     width = batch["input_ids"].shape[1]
     outputs = []
     for b in range(len(grammars)):
@@ -358,12 +368,15 @@ def _dynamic_tree_run(pair, grammars, monkeypatch, **kw):
     return batch, compiled, out, outputs
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_dynamic_tree_greedy_equals_generate_with_xgrammars_processor(pair, monkeypatch, adaptive):
+@pytest.mark.parametrize("adaptive, lookup", [(False, False), (True, False), (False, True)])
+def test_dynamic_tree_greedy_equals_generate_with_xgrammars_processor(pair, monkeypatch, adaptive, lookup):
     """Batch 2, ragged, width 2, N = 6 (the pinned tree, and the adaptive budget with its chain
-    arms): token for token generate's output with xgrammar's processor; every output valid."""
+    arms; with the prompt-lookup branch, cut where the grammar refuses it): token for token
+    generate's output with xgrammar's processor; every output valid."""
     target, _, tok = pair
-    batch, compiled, out, outputs = _dynamic_tree_run(pair, GRAMMARS[1:], monkeypatch, adaptive_draft=adaptive)
+    batch, compiled, out, outputs = _dynamic_tree_run(
+        pair, GRAMMARS[1:], monkeypatch, adaptive_draft=adaptive, prompt_lookup=lookup
+    )
     processor = [xgr.contrib.hf.LogitsProcessor(compiled)]
     want = target.generate(
         **batch, do_sample=False, logits_processor=processor, max_new_tokens=20, pad_token_id=EOS_ID,
@@ -376,9 +389,11 @@ def test_dynamic_tree_greedy_equals_generate_with_xgrammars_processor(pair, monk
     assert out.stats.accepted > 0
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_dynamic_tree_sampled_outputs_are_valid(pair, monkeypatch, seed):
+@pytest.mark.parametrize("seed, lookup", [(0, False), (1, False), (0, True)])
+def test_dynamic_tree_sampled_outputs_are_valid(pair, monkeypatch, seed, lookup):
     """Sampled (T = 0.9, top-p 0.95): every output a valid prefix of its grammar (the drafts are
-    drawn from the masked draft rows: no node leaves the grammar), and drafts get accepted."""
-    _, _, out, _ = _dynamic_tree_run(pair, GRAMMARS[:2], monkeypatch, temperature=0.9, top_p=0.95, seed=seed)
+    drawn from the masked draft rows, the lookup branch cut where the grammar refuses it: no node
+    leaves the grammar), and drafts get accepted."""
+    kw = dict(temperature=0.9, top_p=0.95, seed=seed, prompt_lookup=lookup)
+    _, _, out, _ = _dynamic_tree_run(pair, GRAMMARS[:2], monkeypatch, **kw)
     assert out.stats.accepted > 0

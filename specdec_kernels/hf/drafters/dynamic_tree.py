@@ -37,6 +37,27 @@ depth), so every node is valid and its draft row is the masked law it was drawn 
 masks the target's rows with the same words (``token_bitmask``). The tree's shape stays a function
 of q rows (now the masked ones) and of earlier draws only, so points 1 and 2 hold as they stand.
 
+Prompt lookup (``prompt_lookup=True``): the n-gram continuation of each request's committed tokens
+(``drafting.prompt_lookup``, the rule of ``drafter="prompt_lookup"``, cut where a grammar refuses it)
+is one branch from the root, one node per depth (at most the step's depth). Its node at depth d is the
+child of its node at depth d - 1 and is always among the depth's kept nodes (it takes one of the
+depth's slots: the budget of N nodes, k per depth, is unchanged); the draft model's candidates of the
+lookup node's parent exclude the lookup token, so a lookup token the model would also propose is one
+node (the model's path continues under it) and never two. The lookup node is fed like any node and
+scored by its draft probability, so its model children compete for the next depth's slots.
+
+A step where some request has a lookup match is a *deterministic* tree (the model's children are
+its top-k, as when greedy) verified **one-hot** (``sk.verify_tree`` without draft probabilities):
+at a node whose candidates are x_1, x_2, ... (fixed before the verifier draws), x_j is accepted with
+probability p_j(x_j), p_j being p with x_1..x_(j-1) removed and renormalised, and when all are
+rejected the token is drawn from p without them. Then P(emit y) = p(y) for *any* candidates (the
+sequential elimination samples p exactly), and so, node by node along the walk, the output follows
+the target exactly when sampling too. A lookup token is not a draw from q, so it cannot join a
+sibling set verified with ``rrs_wor`` (the kernel reads one q row per sibling set and would treat it
+as one): when sampling, the steps with a match trade rrs_wor's acceptance for one-hot's, the steps
+without one are the sampled trees above. Greedy verification accepts any tree (output identical to
+``generate``).
+
 Cache invariant between steps (as the chain drafter's): the draft cache holds every committed token
 but the last u (1, or 2 when the accepted path reached the tree's last depth, whose nodes were never
 fed). After the step the cache keeps the fed nodes of the accepted path, gathered into place.
@@ -75,6 +96,9 @@ class DynamicTreeDrafter(ModelDrafter):
         self.max_tree_nodes, self.max_depth = N, max(len(self.per_depth), chain)
         self.node_slot = None  # [A, N] each node's draft-cache slot (from the step's first), -1: never fed
         self.policy: TreeBudgetPolicy | None = None
+        self.prompt_lookup = config.prompt_lookup
+        self.keeps_history = config.prompt_lookup  # the lookup reads the host copies of the tokens
+        self.lookup_nodes: list[int] = []  # the last step's lookup-branch nodes per request (tests, benches)
 
     def length_policy(self, session):
         """adaptive_draft: the step's tree (depth, or a chain) from past steps (``hf/tree_budget.py``);
@@ -88,11 +112,23 @@ class DynamicTreeDrafter(ModelDrafter):
         return self.policy
 
     @staticmethod
-    def _children(logits: torch.Tensor, probs, gen, k: int):
-        """Candidates [A, F, k] and the log-probabilities of their ranks [A, F, k] (-inf: no node)."""
+    def _children(logits: torch.Tensor, probs, gen, k: int, exclude: torch.Tensor | None = None):
+        """Candidates [A, F, k] and the log-probabilities of their ranks [A, F, k] (-inf: no node).
+
+        exclude [A, F] (greedy only): a token per row (-1: none) that gets no candidate (the lookup
+        branch's node there); its log-probability [A, F] (-inf where none) is returned third."""
         if probs is None:  # greedy: the top-k tokens, scored by their draft probabilities
-            top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
-            return top.indices, top.values
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            excluded = None
+            if exclude is not None:
+                index = exclude.clamp_min(0)[..., None]
+                has = (exclude >= 0)[..., None]
+                excluded = logp.gather(-1, index).masked_fill(~has, float("-inf"))[..., 0]
+                logp = logp.masked_fill(
+                    torch.zeros_like(logp, dtype=torch.bool).scatter_(-1, index, has), float("-inf")
+                )
+            top = torch.topk(logp, k, dim=-1)
+            return (top.indices, top.values) if exclude is None else (top.indices, top.values, excluded)
         log_sorted = torch.topk(torch.log(probs), k, dim=-1).values
         # as for Medusa: ranks below MIN_RANK_PROB (q's sorted probabilities only) get no node
         log_sorted = log_sorted.masked_fill(log_sorted < math.log(MIN_RANK_PROB), float("-inf"))
@@ -105,8 +141,10 @@ class DynamicTreeDrafter(ModelDrafter):
         k = self.policy.width if self.policy is not None else self.width
         self.per_depth = tree_depths(g, k)
         batch, device, V = session.batch, session.device, session.V
-        greedy, sampling = self.config.greedy, self.config.sampling
         A, u, U = len(batch.rows), self.uncached, max(self.uncached_host)
+        look = self._lookup_branch(session) if self.prompt_lookup else _NO_LOOKUP
+        greedy = self.config.greedy or look is not _NO_LOOKUP  # a lookup step: a deterministic tree, one-hot
+        sampling = self.config.sampling
         fed_slots = U + sum(self.per_depth[:-1])
         self.fed = (self.length, U)
         session.check_room("draft", self.length, fed_slots)
@@ -118,19 +156,23 @@ class DynamicTreeDrafter(ModelDrafter):
         gen = gen_for(session.generator, device)
         probs = None if greedy else drafting.draft_distribution(logits, **sampling)
         # the candidates of the depth being built: tokens, scores, parent (node index), parent's q row
-        cand, log_rank = self._children(logits[:, None], None if probs is None else probs[:, None], gen, k)
-        cand_score, cand_parent = log_rank.reshape(A, k), torch.full((A, k), -1, device=device)
+        kids = self._children(logits[:, None], None if probs is None else probs[:, None], gen, k, *look.exclude(0))
+        cand, cand_score = kids[0].reshape(A, k), kids[1].reshape(A, k)
+        cand_parent = torch.full((A, k), -1, device=device)
         cand_q = None if probs is None else probs[:, None]  # [A, F, V]: candidate c was drawn from row c // k
-        cand, rows = cand.reshape(A, k), []
+        rows = []
         tokens, parents, valid, slots, depths, bits = [], [], [], [], [], []
         root_bits = (torch.ones_like(u) << u) - 1
         next_slot, arange_a = U, torch.arange(A, device=device)[:, None]
         for d, width in enumerate(self.per_depth, start=1):
-            # keep the best `width` candidates (stable: earlier parent, lower rank first on ties)
-            order = torch.sort(-cand_score, dim=1, stable=True).indices[:, :width]
+            # keep the best `width` candidates (stable: earlier parent, lower rank first on ties); the
+            # lookup branch's candidate (last column) first
+            cand, cand_score, cand_parent, key = look.add(d, cand, cand_score, cand_parent, kids)
+            order = torch.sort(-key, dim=1, stable=True).indices[:, :width]
             score = cand_score.gather(1, order)
-            ok = score > float("-inf")
+            ok = key.gather(1, order) > float("-inf")
             parent = cand_parent.gather(1, order)
+            look.placed(order, sum(self.per_depth[: d - 1]))
             tokens.append(torch.where(ok, cand.gather(1, order), 0))
             parents.append(torch.where(ok, parent, -1))
             valid.append(ok)
@@ -157,13 +199,22 @@ class DynamicTreeDrafter(ModelDrafter):
             if grammar is not None:  # each node's row follows its own path: its children obey the grammar
                 logits = grammar(session, logits, _extend_paths(paths, tokens[-1], parents[-1], ok))
             probs = None if greedy else drafting.draft_distribution(logits, **sampling)
-            cand, log_rank = self._children(logits, probs, gen, k)  # [A, width, k]
-            cand_score = (score[:, :, None] + log_rank).reshape(A, width * k)
+            kids = self._children(logits, probs, gen, k, *look.exclude(d, width))  # [A, width, k]
+            cand_score = (score[:, :, None] + kids[1]).reshape(A, width * k)
             first = sum(self.per_depth[: d - 1])  # node index of this depth's first node
             cand_parent = (first + torch.arange(width, device=device))[None, :, None].expand(A, width, k)
-            cand_parent, cand = cand_parent.reshape(A, width * k), cand.reshape(A, width * k)
+            cand_parent, cand = cand_parent.reshape(A, width * k), kids[0].reshape(A, width * k)
             cand_q = probs
         return self._compact(tokens, parents, valid, slots, depths, rows)
+
+    def _lookup_branch(self, session):
+        """This step's lookup branch (``_LookupBranch``), or a no-op one when no request has a match."""
+        rows, depth = session.batch.rows, len(self.per_depth)
+        found = drafting.prompt_lookup([session.tokens.history[b] for b in rows], depth)
+        if session.grammar is not None:  # what the grammar refuses could never be accepted
+            found = [p[: session.grammar.valid_prefix(b, p)] for b, p in zip(rows, found, strict=True)]
+        self.lookup_nodes = [len(p) for p in found]
+        return _LookupBranch(found, session.device) if any(found) else _NO_LOOKUP
 
     def _compact(self, tokens, parents, valid, slots, depths, rows) -> TreeProposal:
         """The nodes of every depth, padding moved to the end (parents renumbered)."""
@@ -207,3 +258,63 @@ def _extend_paths(paths: list[list], tokens: torch.Tensor, parents: torch.Tensor
         path.extend(new)
         rows.append([[] if n is None else n for n in new])
     return rows
+
+
+class _LookupBranch:
+    """The lookup continuations (one per request, up to the step's depth) as a branch from the root:
+    its depth-d node is the depth's last candidate column, always kept first (sort key +inf)."""
+
+    def __init__(self, found: list[list[int]], device):
+        width = max(len(p) for p in found)
+        self.tokens = torch.tensor([p + [-1] * (width - len(p)) for p in found], dtype=torch.long).to(device)
+        self.node = torch.full((len(found),), -1, dtype=torch.long, device=device)  # its last node (-1: root)
+        self.column = torch.zeros_like(self.node)  # that node's column among its depth's kept nodes
+        self.score = torch.zeros(len(found), device=device)  # the draft log-probability of the branch so far
+        self.last_column = -1  # the lookup candidate's column in the depth's candidates (``add``)
+
+    def _token(self, d: int) -> torch.Tensor:
+        """[A] the branch's depth-d token (1-based), -1 where it has none."""
+        if d > self.tokens.shape[1]:
+            return torch.full_like(self.node, -1)
+        return self.tokens[:, d - 1]
+
+    def exclude(self, d: int, width: int = 1) -> tuple[torch.Tensor]:
+        """(_children's ``exclude`` [A, width]): the branch's depth-(d + 1) token in its depth-d node's
+        row (the root's when d = 0), so the model proposes no second node with it."""
+        out = torch.full((self.node.shape[0], width), -1, dtype=torch.long, device=self.node.device)
+        return (out.scatter_(1, self.column[:, None], self._token(d + 1)[:, None]),)
+
+    def add(self, d: int, cand, score, parent, kids):
+        """Appends the depth-d lookup candidate to the candidates; returns them and the sort key."""
+        token = self._token(d)
+        on = token >= 0
+        self.score = torch.where(on, self.score + kids[2].gather(1, self.column[:, None])[:, 0], float("-inf"))
+        key = torch.cat([score, torch.where(on, float("inf"), float("-inf"))[:, None]], dim=1)
+        cand = torch.cat([cand, token.clamp_min(0)[:, None]], dim=1)
+        parent = torch.cat([parent, self.node[:, None]], dim=1)
+        self.last_column = cand.shape[1] - 1
+        return cand, torch.cat([score, self.score[:, None]], dim=1), parent, key
+
+    def placed(self, order: torch.Tensor, first: int) -> None:
+        """Notes where the depth's lookup node went (order [A, width]: kept candidate columns)."""
+        self.column = (order == self.last_column).long().argmax(dim=1)  # (no node there: unread)
+        self.node = first + self.column
+
+
+class _NoLookup:
+    """The branch-free step: the candidates unchanged, sorted by score."""
+
+    @staticmethod
+    def exclude(d: int, width: int = 1) -> tuple:
+        return ()
+
+    @staticmethod
+    def add(d, cand, score, parent, kids):
+        return cand, score, parent, score
+
+    @staticmethod
+    def placed(order, first) -> None:
+        return None
+
+
+_NO_LOOKUP = _NoLookup()
