@@ -153,6 +153,10 @@ def test_block_nonfinite_logits_and_placeholders():
     cpu = _three_ways(target, tokens, dict(draft_logits=draft), **kw)
     assert cpu.nonfinite[:4].tolist() == [False, True, True, True]
     assert int(cpu.num_accepted[5]) == 0 and int(cpu.num_accepted[4]) <= 2
+    probs = torch.softmax(draft.nan_to_num(posinf=0.0), -1)
+    probs[6, 2, 9], probs[7, 0, 3] = float("nan"), -1.0  # unusable draft probabilities: flagged
+    cpu = _three_ways(target, tokens, dict(draft_probs=probs), **kw)
+    assert cpu.nonfinite[6:8].tolist() == [True, True]
 
 
 def test_block_strided_views():
