@@ -25,7 +25,10 @@ num_logprobs=5``: the post-pass's cost, for the sk providers), ``t0.7_topk_topp_
 ``greedy_logprobs0`` (``return_logprobs=True`` alone, with ``t0.7_topk_topp`` / ``greedy``),
 ``grammar`` (stochastic with ``token_bitmask=``: a random grammar mask allowing half the
 vocabulary, the drafts allowed; eager masks the target and draft rows by hand first, as engines do
-today; compare its rows with ``stochastic`` for the cost of the mask).
+today; compare its rows with ``stochastic`` for the cost of the mask), ``t0.7_block`` and
+``t0.7_topk_topp_block`` (``t0.7`` / ``t0.7_topk_topp`` with ``method="block"``: block
+verification, for the providers that implement it - auto, vectorized; compare with the token-rule
+rows of the same run).
 
 Columns (``median_us``, ``GBps``, ``floor_us``, ``frac_of_floor``, ``copy_GBps``: ``bench/_common.py``):
 
@@ -58,8 +61,9 @@ PROVIDERS = ("eager", "reference", "ours", "cuda", "auto", "vectorized")
 GRAPH_PROVIDERS = ("ours", "cuda")
 MODES = (
     "stochastic", "greedy", "ngram", "topk_topp", "t0.7", "t0.7_topk_topp", "t0.7_topk_topp_logprobs",
-    "t0.7_topk_topp_logprobs0", "greedy_logprobs0", "grammar",
+    "t0.7_topk_topp_logprobs0", "greedy_logprobs0", "grammar", "t0.7_block", "t0.7_topk_topp_block",
 )  # fmt: skip
+BLOCK_PROVIDERS = ("auto", "vectorized")  # those running method="block" (the reference: too slow here)
 AXES = {
     "B": common.Axis("batch sizes", (1, 8, 64, 256), (2,)),
     "G": common.Axis("draft lengths", (1, 4, 8), (2,)),
@@ -95,6 +99,7 @@ class Mode:
     needs_draft_logits: bool = True  # False: a verifier never has to read them (greedy)
     num_logprobs: int | None = None  # return_logprobs=True with this many top logprobs (sk providers only)
     grammar_mask: bool = False  # True: a token_bitmask of int32 words per target row
+    method: str = "token"  # sk.verify's method ("block": block verification)
 
 
 MODE_SETTINGS = {
@@ -111,6 +116,9 @@ MODE_SETTINGS = {
     "t0.7_topk_topp_logprobs0": Mode("t0.7_topk_topp_logprobs0", temperature=0.7, top_k=50, top_p=0.9, num_logprobs=0),
     "greedy_logprobs0": Mode("greedy_logprobs0", temperature=0.0, needs_draft_logits=False, num_logprobs=0),
     "grammar": Mode("grammar", temperature=1.0, grammar_mask=True),
+    # block verification: compare with the t0.7 / t0.7_topk_topp rows
+    "t0.7_block": Mode("t0.7_block", temperature=0.7, method="block"),
+    "t0.7_topk_topp_block": Mode("t0.7_topk_topp_block", temperature=0.7, top_k=50, top_p=0.9, method="block"),
 }
 GRAMMAR_ALLOWED = 0.5  # share of the vocabulary the synthetic grammar mask allows
 
@@ -193,7 +201,7 @@ def provider_fn(provider: str, inputs: VerifyInputs, mode: Mode, validate: bool)
     if mode.num_logprobs is not None:
         sampling.update(return_logprobs=True, num_logprobs=mode.num_logprobs)
     # Host-side value checks synchronise with the device; an engine's hot loop turns them off.
-    options = dict(seed=inputs.seeds, validate=validate, backend=backend, token_bitmask=mask)
+    options = dict(seed=inputs.seeds, validate=validate, backend=backend, token_bitmask=mask, method=mode.method)
     return lambda: _as_pair(sk.verify(*args, **sampling, **options))
 
 
@@ -269,6 +277,8 @@ def run_shape(B: int, G: int, V: int, mode: Mode, run: common.Run) -> list[dict]
     def skip(provider: str) -> str | None:
         if mode.num_logprobs is not None and provider in ("eager", "reference"):
             return "it computes no logprobs (compare with the mode without them)"
+        if mode.method == "block" and provider not in BLOCK_PROVIDERS:
+            return f"method='block' runs in {BLOCK_PROVIDERS} only here"
         if provider == "reference" and reference_too_slow(B, G, V) and not args.all_providers:
             return f"B*(G+1)*V > {REFERENCE_MAX_ELEMENTS:.0e}; --all-providers to force"
         return cuda_unavailable(args.device) if provider == "cuda" else None
@@ -332,7 +342,8 @@ def parse_args(argv=None):
         nargs="+",
         choices=MODES,
         help="stochastic (default) | greedy (temperature 0) | ngram (no draft logits) | "
-        "topk_topp (top_k=50, top_p=0.9) | grammar (token_bitmask=); several may be given",
+        "topk_topp (top_k=50, top_p=0.9) | grammar (token_bitmask=) | t0.7_block (method='block') ...; "
+        "several may be given",
     )
     p.add_argument("--threads", type=int, help="torch / OpenMP threads (CPU; default: torch's)")
     args = p.parse_args(argv)

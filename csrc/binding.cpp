@@ -2,9 +2,10 @@
 //
 //   verify_chain(target, draft_tokens, draft, draft_mode, num_draft, temperature_t, temperature,
 //                top_k_t, top_k, top_p_t, top_p, seed_t, seed, has_filter, num_chunks, threads, stream,
-//                token_bitmask, logprobs)
+//                token_bitmask, logprobs, block)
 //     -> [tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool]
 //        (+ logprobs [B, G+1] float32 with `logprobs`: return_logprobs from the row statistics; CPU only)
+//     block: method="block" for the sampled requests (block verification; CPU only)
 //
 // Arguments are the checked ones of specdec_kernels._validation (shapes, dtypes and devices are
 // not re-checked beyond what memory safety needs). Per-request tensors are cast to the canonical
@@ -110,7 +111,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
                                      c10::optional<at::Tensor> top_p_t, double top_p,
                                      c10::optional<at::Tensor> seed_t, int64_t seed, bool has_filter, bool by_index,
                                      int64_t num_chunks, int64_t threads, int64_t stream,
-                                     c10::optional<at::Tensor> token_bitmask, bool logprobs) {
+                                     c10::optional<at::Tensor> token_bitmask, bool logprobs, bool block) {
   TORCH_CHECK(target.dim() == 3 && target.stride(2) == 1, "specdec: target_logits must be [B, G+1, V], last dim contiguous");
   const int64_t B = target.size(0), G = target.size(1) - 1, V = target.size(2);
   // Zero sizes: B = 0 returns empty outputs below; G = 0 is a bonus token per request. An empty
@@ -130,6 +131,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   at::Tensor nonfinite = at::empty({B}, opts.dtype(at::kBool));
   TORCH_CHECK(!logprobs || dev.is_cpu(), "specdec: native return_logprobs is implemented by the CPU build only");
   at::Tensor lp = at::empty({logprobs ? B : 0, G + 1}, opts.dtype(at::kFloat));
+  TORCH_CHECK(!block || dev.is_cpu(), "specdec: method='block' is implemented by the CPU build only");
   if (B == 0) return logprobs ? std::vector<at::Tensor>{tokens, accepted, nonfinite, lp}
                               : std::vector<at::Tensor>{tokens, accepted, nonfinite};
 
@@ -153,6 +155,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   at::Tensor flagged = at::empty({B}, opts.dtype(at::kByte));
   at::Tensor race_key = at::empty({B, num_chunks, 2}, opts.dtype(at::kFloat));
   at::Tensor race_idx = at::empty({B, num_chunks, 2}, opts.dtype(at::kInt));
+  at::Tensor block_w = at::empty({block ? B : 0}, opts.dtype(at::kFloat));  // w_tau (method="block")
 
   sk::ChainParams P{};
   P.target = target.data_ptr();
@@ -186,6 +189,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   P.out_nonfinite = nonfinite.data_ptr<bool>();
   P.out_logprobs = logprobs ? lp.data_ptr<float>() : nullptr;
   P.stride_lb = lp.stride(0);
+  P.block_w = block ? block_w.data_ptr<float>() : nullptr;
   set_mask(P, token_bitmask, target.sizes().slice(0, 2), V, target, keep);
 
   const int td = dtype_code(target);

@@ -576,6 +576,9 @@ struct ChainParams {
   // after the accept program (verify_cpu.cpp greedy_logprob_stats).
   float* out_logprobs = nullptr;
   int64_t stride_lb = 0;
+  // method="block" (the CPU build, chains; null: the token rule): [B] w_tau of each sampled request,
+  // written with first_reject by verify_cpu.cpp's block_decide before the race of row tau
+  float* block_w = nullptr;
   // tree walk only
   const int64_t* parents;  // [B, N] (row stride stride_pb), or null: K chains (verify_multi)
   int64_t stride_pb;
@@ -833,12 +836,38 @@ SK_HD void emitted_logprobs(const ChainParams& P, int64_t b) {
   }
 }
 
+// A row that flags its request (nonfinite): a non-finite logit / unusable draft probability, or
+// nothing to sample (greedy or not).
+SK_HD bool row_flagged(const RowStats& s, const Request& rq) {
+  return s.bad > 0.0f || (rq.greedy ? s.g_max == neg_inf() : s.t.z == 0.0f);
+}
+
+// p(x) and q(x) of draft token x = tok at position j of request b (a sampled request; row j's
+// merged statistics s): q = 1 for one-hot drafts (mode 0). The accept test's and block
+// verification's (verify_cpu.cpp) operands.
+template <class TT, class TD>
+SK_HD void draft_token_probs(const ChainParams& P, const Request& rq, int64_t b, int64_t j, int64_t tok,
+                             const RowStats& s, float& p, float& q) {
+  int unused = 0;
+  const float xt = mask_logit(target_logit<TT, TD>(P, b, j, tok, unused), target_mask(P, b, 0, j), tok);
+  p = prob_of(xt, s.t.m, s.t.z, s.thr_t, rq.inv_t, tok, s.cut_t);
+  q = 1.0f;
+  if (P.draft_mode == DRAFT_LOGITS) {
+    const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg;
+    const float xd = mask_logit(load_logit(d_row, tok, unused), draft_mask(P, b, 0, j), tok);
+    q = prob_of(xd, s.q.m, s.q.z, s.thr_q, rq.inv_t, tok, s.cut_q);
+  } else if (P.draft_mode == DRAFT_PROBS) {
+    q = load_prob(static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg, tok, unused);
+  }
+}
+
 // Where the accept tests of request b stopped: j (the first rejection, or n when every draft
 // was accepted), row j's merged statistics, and the draft token at j (0 when out of range).
 struct AcceptWalk {
   int64_t j = 0;
   RowStats s;
   int64_t tok_j = 0;
+  float w = 1.0f;  // the residual's weight, max(w p - q, 0): 1 (token rule) or block verification's w_tau
 };
 
 // The accept tests of program 2, in order up to the first rejection; chunk 0's thread 0 records
@@ -846,15 +875,13 @@ struct AcceptWalk {
 template <class R, class TT, class TD>
 SK_HD AcceptWalk accept_walk(const ChainParams& P, const Request& rq, int64_t b, int64_t chunk, R& red) {
   const int64_t G1 = P.G + 1;
-  int unused = 0;
   bool flagged = false;
   AcceptWalk w;
   for (;; ++w.j) {
     const int64_t j = w.j;
     w.s = combine_row(P, b * G1 + j, rq);
     const RowStats& s = w.s;
-    // every row used up to j; a row with nothing to sample (greedy or not) flags the request
-    flagged |= s.bad > 0.0f || (rq.greedy ? s.g_max == neg_inf() : s.t.z == 0.0f);
+    flagged |= row_flagged(s, rq);  // every row used up to j
     if (j == rq.n) break;
     const int64_t tok = P.draft_tokens[b * P.stride_xb + j];
     const bool tok_ok = tok >= 0 && tok < P.V;
@@ -864,16 +891,8 @@ SK_HD AcceptWalk accept_walk(const ChainParams& P, const Request& rq, int64_t b,
     if (rq.greedy) {
       accept = tok == s.g_idx;
     } else {
-      const float xt = mask_logit(target_logit<TT, TD>(P, b, j, tok_j, unused), target_mask(P, b, 0, j), tok_j);
-      const float p = prob_of(xt, s.t.m, s.t.z, s.thr_t, rq.inv_t, tok_j, s.cut_t);
-      float q = 1.0f;
-      if (P.draft_mode == DRAFT_LOGITS) {
-        const TD* d_row = static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg;
-        const float xd = mask_logit(load_logit(d_row, tok_j, unused), draft_mask(P, b, 0, j), tok_j);
-        q = prob_of(xd, s.q.m, s.q.z, s.thr_q, rq.inv_t, tok_j, s.cut_q);
-      } else if (P.draft_mode == DRAFT_PROBS) {
-        q = load_prob(static_cast<const TD*>(P.draft) + b * P.stride_db + j * P.stride_dg, tok_j, unused);
-      }
+      float p, q;
+      draft_token_probs<TT, TD>(P, rq, b, j, tok_j, s, p, q);
       const float u = uniform_open(rq.seed, 0, uint32_t(j), PURPOSE_ACCEPT);
       accept = (u * q <= p) && (p > 0.0f);  // u > 0: p = 0 is never accepted
     }
@@ -888,7 +907,8 @@ SK_HD AcceptWalk accept_walk(const ChainParams& P, const Request& rq, int64_t b,
 }
 
 // The race over row j's entries [start, end) (start % 4 == 0, end the chunk's end): the residual
-// max(p - q, 0) (purpose RECOVER) when a draft was rejected, p itself (purpose BONUS) into `pk`.
+// max(w p - q, 0) (purpose RECOVER; w = aw.w, 1 for the token rule) when a draft was rejected, p
+// itself (purpose BONUS) into `pk`.
 template <class R, class TT, class TD>
 SK_HD void race_range(const ChainParams& P, const Request& rq, int64_t b, const AcceptWalk& aw, int64_t start,
                       int64_t end, R& red, Argmax& res, Argmax& pk) {
@@ -921,17 +941,18 @@ SK_HD void race_range(const ChainParams& P, const Request& rq, int64_t b, const 
       const float noise = race_noise_from_uniform(uniform_from_bits(words.w[e]));
       pk.add((xt - m_ref) * rq.inv_t - log_z + noise, x);
       if (recover) {
-        float w;
+        const float wp = aw.w * p;  // exactly p for the token rule (w = 1)
+        float r;
         if (P.draft_mode == DRAFT_LOGITS) {
           const float q = prob_of(sanitize_logit(dv[e], unused), s.q.m, s.q.z, s.thr_q, rq.inv_t, x, s.cut_q);
-          w = p - q > 0.0f ? p - q : 0.0f;
+          r = wp - q > 0.0f ? wp - q : 0.0f;
         } else if (P.draft_mode == DRAFT_PROBS) {
           const float q = load_prob(d_row, x, unused);
-          w = p - q > 0.0f ? p - q : 0.0f;
-        } else {
-          w = x == aw.tok_j ? 0.0f : p;
+          r = wp - q > 0.0f ? wp - q : 0.0f;
+        } else {  // one-hot q: max(w p(tok) - 1, 0) = 0 (w, p <= 1)
+          r = x == aw.tok_j ? 0.0f : wp;
         }
-        if (w > 0.0f) res.add(logf(w > 1e-38f ? w : 1e-38f) + noise, x);
+        if (r > 0.0f) res.add(logf(r > 1e-38f ? r : 1e-38f) + noise, x);
       }
     }
   }

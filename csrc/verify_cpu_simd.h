@@ -321,6 +321,7 @@ SK_AVX2 void race_range(const ChainParams& P, const Request& rq, int64_t b, cons
   const __m256 m_ref = _mm256_set1_ps(safe_max(s.t.m)), inv_t = _mm256_set1_ps(rq.inv_t);
   const __m256 zero = _mm256_setzero_ps(), tiny = _mm256_set1_ps(1e-38f);
   const __m256i tok = _mm256_set1_epi32(int32_t(aw.tok_j));
+  const __m256 wv = _mm256_set1_ps(aw.w);  // the residual's weight (1: the token rule, w * p == p)
   const int32_t* t_mask = target_mask(P, b, 0, j);
   const int32_t* d_mask = recover && P.draft_mode == DRAFT_LOGITS ? draft_mask(P, b, 0, j) : nullptr;
   Argmax8 res8, pk8;
@@ -344,17 +345,18 @@ SK_AVX2 void race_range(const ChainParams& P, const Request& rq, int64_t b, cons
       const __m256 noise = _mm256_sub_ps(zero, Sleef_logf8_u10(_mm256_sub_ps(zero, Sleef_logf8_u10(u))));
       pk8.add(_mm256_add_ps(_mm256_sub_ps(_mm256_mul_ps(_mm256_sub_ps(xt, m_ref), inv_t), log_z), noise), idx, live);
       if (!recover) continue;
-      __m256 w;
+      const __m256 wp = _mm256_mul_ps(wv, p);
+      __m256 r;
       if (P.draft_mode == DRAFT_LOGITS) {
         const __m256 d = sanitize8(mask8(load8(d_row + x), d_mask, x), unused);
-        w = _mm256_max_ps(_mm256_sub_ps(p, prob8_of(d, idx, s.q.m, s.q.z, s.thr_q, s.cut_q, rq.inv_t)), zero);
+        r = _mm256_max_ps(_mm256_sub_ps(wp, prob8_of(d, idx, s.q.m, s.q.z, s.thr_q, s.cut_q, rq.inv_t)), zero);
       } else if (P.draft_mode == DRAFT_PROBS) {
-        w = _mm256_max_ps(_mm256_sub_ps(p, prob8(load8(d_row + x))), zero);
+        r = _mm256_max_ps(_mm256_sub_ps(wp, prob8(load8(d_row + x))), zero);
       } else {
-        w = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(idx, tok)), p);
+        r = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(idx, tok)), wp);
       }
-      const __m256 key = _mm256_add_ps(Sleef_logf8_u10(_mm256_max_ps(w, tiny)), noise);
-      res8.add(key, idx, _mm256_and_ps(live, _mm256_cmp_ps(w, zero, _CMP_GT_OQ)));
+      const __m256 key = _mm256_add_ps(Sleef_logf8_u10(_mm256_max_ps(r, tiny)), noise);
+      res8.add(key, idx, _mm256_and_ps(live, _mm256_cmp_ps(r, zero, _CMP_GT_OQ)));
     }
   }
   res = res8.merged();
@@ -366,6 +368,42 @@ SK_AVX2 void race_range(const ChainParams& P, const Request& rq, int64_t b, cons
     if (res_t.key > res.key) res = res_t;
     if (pk_t.key > pk.key) pk = pk_t;
   }
+}
+
+// Block verification's residual mass of row i of request b (verify_cpu.cpp residual_mass, eight
+// entries a step): sum_x max(w p(x) - q(x), 0), the difference and the sum in double lanes.
+template <class TT, class TD>
+SK_AVX2 double residual_mass(const ChainParams& P, const Request& rq, const RowRef<TT, TD>& ref, const RowStats& s,
+                             int64_t tok, double w) {
+  const __m256d wd = _mm256_set1_pd(w), zero = _mm256_setzero_pd();
+  const __m256i tok8 = _mm256_set1_epi32(int32_t(tok));
+  __m256d acc_lo = zero, acc_hi = zero;
+  int unused = 0;
+  for (int64_t x = 0; x < P.V; x += 8) {
+    const __m256i idx = lane_index(x);
+    const __m256 xt = sanitize8(mask8(load8_upto(ref.t, x, P.V), ref.tm, x), unused);
+    const __m256 p = prob8_of(xt, idx, s.t.m, s.t.z, s.thr_t, s.cut_t, rq.inv_t);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_GT_OQ)) == 0) continue;  // q >= 0
+    __m256 q;
+    if (P.draft_mode == DRAFT_LOGITS) {
+      const __m256 d = sanitize8(mask8(load8_upto(ref.d, x, P.V), ref.dm, x), unused);
+      q = prob8_of(d, idx, s.q.m, s.q.z, s.thr_q, s.cut_q, rq.inv_t);
+    } else if (P.draft_mode == DRAFT_PROBS) {
+      q = prob8(load8_upto(ref.d, x, P.V));  // the -inf padding reads as 0
+    } else {
+      q = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(idx, tok8)), _mm256_set1_ps(1.0f));
+    }
+    const __m256d lo = _mm256_sub_pd(_mm256_mul_pd(wd, _mm256_cvtps_pd(_mm256_castps256_ps128(p))),
+                                     _mm256_cvtps_pd(_mm256_castps256_ps128(q)));
+    const __m256d hi = _mm256_sub_pd(_mm256_mul_pd(wd, _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1))),
+                                     _mm256_cvtps_pd(_mm256_extractf128_ps(q, 1)));
+    acc_lo = _mm256_add_pd(acc_lo, _mm256_max_pd(lo, zero));
+    acc_hi = _mm256_add_pd(acc_hi, _mm256_max_pd(hi, zero));
+  }
+  alignas(32) double a[8];
+  _mm256_store_pd(a, acc_lo);
+  _mm256_store_pd(a + 4, acc_hi);
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
 }  // namespace simd

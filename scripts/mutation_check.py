@@ -49,6 +49,7 @@ GROUPS = {
     "triton": ([TIES, "tests/ops/test_verify.py", TREE], STATS),
     "core": ([TIES, "tests/ops/test_csrc_tree_core.py", "tests/ops/test_csrc_core.py"], STATS),
     "vectorized": ([TIES, "tests/ops/test_vectorized_backend.py"], STATS),
+    "cpu_block": (["tests/ops/test_cpu_block.py"], ["tests/ops/test_cpu_block.py"]),
     "vocab_parallel": ([TIES, "tests/ops/test_vocab_parallel.py"], ["tests/ops/test_vocab_parallel.py"]),
     "driver": (
         ["tests/hf/test_generate.py", "tests/hf/test_draft_law.py", "tests/hf/test_medusa.py"],
@@ -95,6 +96,11 @@ MUTANTS = [
     Mutant("core-rrs-tie", "core", "tree_walk_program", "c.u * q_j <= p_j", "c.u * q_j < p_j"),
     Mutant("core-onehot-tie", "core", "tree_walk_program", "c.u <= p_j", "c.u < p_j"),
     Mutant("core-kseq-f", "core", "kseq_f", "- g;", "- 0.5f * g;"),
+    # ---- block verification in the CPU build (csrc/verify_cpu.cpp)
+    Mutant("block-w-prev", "cpu_block", "block_decide", "toks[i], w[i], simd_on", "toks[i], w[i - 1], simd_on"),
+    Mutant("block-hn-one", "cpu_block", "block_decide", "if (eta <= w[n])", "if (eta <= 1.0)"),
+    Mutant("block-eta-row", "cpu_block", "block_decide", "uint32_t(i - 1), PURPOSE_ACC", "uint32_t(i), PURPOSE_ACC"),
+    Mutant("block-unweighted", "cpu_block", "block_walk", "aw.w = P.block_w[b];", "aw.w = 1.0f;"),
     # ---- vectorized backend (specdec_kernels/ops)
     Mutant("vec-tie", "vectorized", "__init__", "u[testing, i] * q_tok <= p_tok", "u[testing, i] * q_tok < p_tok"),
     Mutant("vec-kseq-tie", "vectorized", "_choose_kseq", "u[:, j] * rho * qx <= px", "u[:, j] * rho * qx < px"),

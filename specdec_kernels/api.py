@@ -186,7 +186,9 @@ def verify(
     out_dtype: torch.int64 (default) or torch.int32 for ``tokens``; engine conventions: this module's docstring.
 
     method: "token" (the rule above) or "block" (Sun et al. 2024, ``reference/block.py``: exact, never
-    fewer accepted drafts in expectation; backends auto = vectorized, vectorized, torch so far).
+    fewer accepted drafts in expectation; backends cpu, vectorized, torch, and auto = cpu on CPU
+    tensors, vectorized on CUDA tensors; triton and cuda raise ValueError). Under it a sampled
+    request is flagged by any of its rows 0 .. n_b (block verification reads them all).
 
     Vocabulary parallel (process_group=, vocab_size=), return_logprobs / num_logprobs, token_bitmask
     (grammar masks [B, G+1, ceil(V/32)] int32 words): this module's docstring.
@@ -219,7 +221,7 @@ def verify(
     if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
         out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate, logprobs)
     else:
-        run = _dispatch.run_verify_block if method == "block" else partial(_dispatch.run_verify, logprobs=logprobs)
+        run = partial(_dispatch.run_verify_block if method == "block" else _dispatch.run_verify, logprobs=logprobs)
         out = _run_local(checked(), backend, run, _dispatch.call_verify_chain, chain_logprobs, logprobs)
     return out if out_dtype == torch.int64 else replace(out, tokens=out.tokens.to(out_dtype))
 

@@ -291,11 +291,17 @@ def _stream(device) -> int:
 
 
 def run_chain(
-    ext, args: VerifyArgs, num_chunks: int | None = None, threads: int | None = None, logprobs: bool = False
+    ext,
+    args: VerifyArgs,
+    num_chunks: int | None = None,
+    threads: int | None = None,
+    logprobs: bool = False,
+    block: bool = False,
 ) -> VerifyOutput:
     """Call ``ext.verify_chain`` (CPU core or CUDA extension) on checked arguments (padded layout);
     a ``token_bitmask`` is applied by the CPU build's row pass. logprobs (CPU build only): the
-    output's ``logprobs`` (return_logprobs) from the row statistics, no post-pass."""
+    output's ``logprobs`` (return_logprobs) from the row statistics, no post-pass. block (CPU build
+    only): method="block" (``reference/block.py``) for the sampled requests."""
     target = args.target_logits
     if threads is None:
         threads = 512 if args.has_filter else 256
@@ -314,6 +320,7 @@ def run_chain(
         _stream(target.device),
         args.token_bitmask,  # applied natively (CPU build only: run_verify gives the CUDA path masked rows)
         bool(logprobs),
+        bool(block),
     )
     return VerifyOutput(tokens, accepted, nonfinite, logprobs=lp[0] if lp else None)
 
@@ -367,10 +374,13 @@ def _require_cpu_tensors(device) -> None:
         raise RuntimeError(f"backend='cpu' needs CPU tensors, got target_logits on {device}")
 
 
-def verify_chain_cpu(args: VerifyArgs, num_chunks: int | None = None, logprobs: bool = False) -> VerifyOutput:
-    """backend='cpu' for ``sk.verify``; logprobs: return_logprobs computed natively (``run_chain``)."""
+def verify_chain_cpu(
+    args: VerifyArgs, num_chunks: int | None = None, logprobs: bool = False, method: str = "token"
+) -> VerifyOutput:
+    """backend='cpu' for ``sk.verify``; logprobs: return_logprobs computed natively (``run_chain``);
+    method: "token" or "block" (block verification in the same row pass, ``csrc/verify_cpu.cpp``)."""
     _require_cpu_tensors(args.target_logits.device)
-    return run_chain(load_cpu_core(), args, num_chunks, logprobs=logprobs)
+    return run_chain(load_cpu_core(), args, num_chunks, logprobs=logprobs, block=method == "block")
 
 
 def verify_tree_cpu(args, logprobs: bool = False) -> TreeVerifyOutput:
