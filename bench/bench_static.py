@@ -26,7 +26,7 @@ Grammar masks (``token_bitmask=``, read natively by the Triton kernels): ``--cas
 the chain and tree calls with and without a mask and writes them as the commit's section; a mask adds
 its words, ceil(V / 32) int32 = V / 8 bytes, per row read (``mask_bytes``).
 
-Usage: python bench/bench_static.py [--smoke] [--csv PATH] [--cases all|chain|tree|mask]
+Usage: python bench/bench_static.py [--smoke] [--csv PATH] [--cases all|chain|tree|mask|mask+attention]
 """
 
 from __future__ import annotations
@@ -978,13 +978,14 @@ def main(argv=None) -> int:
     parser.add_argument("--csv", default=str(Path(__file__).parent / "results" / "static_sm90.csv"))
     parser.add_argument(
         "--cases",
-        choices=["all", "chain", "tree", "mask"],
+        choices=["all", "chain", "tree", "mask", "mask+attention"],
         default="all",
-        help="which calls (mask: the token_bitmask comparison, written as the commit's section)",
+        help="which calls (mask: the token_bitmask comparison, written as the commit's section; "
+        "mask+attention: and the tree attention cases)",
     )
     args = parser.parse_args(argv)
-    if args.cases == "mask":
-        return _main_mask(args.csv)
+    if args.cases.startswith("mask"):
+        return _main_mask(args.csv, attention=args.cases == "mask+attention")
     rows = run(args.smoke) if args.cases in ("all", "chain") else []
     rows += run_tree(args.smoke) if args.cases in ("all", "tree") else []
     print("# static model, sm_90 (H100 SXM: 132 SMs, 3.35 TB/s): *estimates*, not measurements")
@@ -1006,9 +1007,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _main_mask(csv: str) -> int:
-    """The token_bitmask rows (``mask_cases``): printed with the mask's cost per call, written as the
-    commit's section of `csv`."""
+def _main_mask(csv: str, attention: bool = False) -> int:
+    """The token_bitmask rows (``mask_cases``; with `attention` the tree attention cases too): printed
+    with the mask's cost per call, written as the commit's section of `csv`."""
     from bench._common import replace_commit_rows_csv
 
     chain, tree = mask_cases()
@@ -1016,6 +1017,8 @@ def _main_mask(csv: str) -> int:
     rows = run(False, chain)
     for case in tree:
         rows += _call_rows(case, capture_tree(case), meta)
+    for case in attention_cases(False) if attention else []:
+        rows += _call_rows(case, capture_attention(case), meta)
     print("# static model, sm_90 (H100 SXM: 132 SMs, 3.35 TB/s): *estimates*, not measurements")
     print_table(rows, ["case", "kernel", "regs", "spill_bytes", "sass_per_entry", "bytes", "estimate_us"])
     calls = {r["case"]: r["estimate_us"] for r in rows if r["kernel"] == "(call)"}

@@ -89,6 +89,7 @@ def verify_kernels():
                     ROW_USE=not per_req,  # trees' row use rides on the scalar variant
                     BLOCK_R=block if phase == 0 else 1,  # the threshold phases: one row per program
                     BLOCK_V=bv,
+                    ARGMAX_ONLY=mode == 0 and not has_filter,  # all-greedy chains: max / argmax only
                 ),
             )
         types2 = dict(

@@ -468,7 +468,9 @@ def launch_verify(
     layout = _row_layout(args)
     logits = args.draft_mode == DRAFT_LOGITS
     tplan = threshold_plan(args.target_logits, layout.rows, V, threshold_chunks, logits, threshold_capacity)
-    records = launch_row_stats(layout, args.sampling, RowPassPlan(plan.tiles, plan.num_chunks, plan.chunk_size, tplan))
+    row_plan = RowPassPlan(plan.tiles, plan.num_chunks, plan.chunk_size, tplan)
+    t = args.sampling.temperature  # scalar 0: every request greedy; the accept kernel reads max / argmax only
+    records = launch_row_stats(layout, args.sampling, row_plan, argmax_only=isinstance(t, float) and t == 0.0)
     races = _launch_accept(args, layout, plan, records, out.nonfinite)
     _launch_finalize(args, layout, races, out)
     return out
