@@ -31,7 +31,7 @@ Native logprobs (``return_logprobs=True``, read from the row records by the Trit
 section; the finalize kernel adds one logit per emitted position (noise), and greedy rows with top-k /
 top-p go through the threshold phases too (their logprobs apply the filters at T = 1).
 
-Usage: python bench/bench_static.py [--smoke] [--csv PATH] [--cases all|chain|tree|mask|logprobs]
+Usage: python bench/bench_static.py [--smoke] [--csv PATH] [--cases all|chain|tree|mask|mask+attention|logprobs]
 """
 
 from __future__ import annotations
@@ -999,14 +999,14 @@ def main(argv=None) -> int:
     parser.add_argument("--csv", default=str(Path(__file__).parent / "results" / "static_sm90.csv"))
     parser.add_argument(
         "--cases",
-        choices=["all", "chain", "tree", "mask", "logprobs"],
+        choices=["all", "chain", "tree", "mask", "mask+attention", "logprobs"],
         default="all",
         help="which calls (mask / logprobs: the token_bitmask / return_logprobs comparison, written as the "
-        "commit's section)",
+        "commit's section; mask+attention: the mask cases and the tree attention cases)",
     )
     args = parser.parse_args(argv)
-    if args.cases == "mask":
-        return _main_mask(args.csv)
+    if args.cases.startswith("mask"):
+        return _main_mask(args.csv, attention=args.cases == "mask+attention")
     if args.cases == "logprobs":
         return _main_compare(args.csv, run(False, logprobs_cases()), "logprobs")
     rows = run(args.smoke) if args.cases in ("all", "chain") else []
@@ -1030,14 +1030,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def _main_mask(csv: str) -> int:
-    """The token_bitmask rows (``mask_cases``): printed with the mask's cost per call, written as the
-    commit's section of `csv`."""
+def _main_mask(csv: str, attention: bool = False) -> int:
+    """The token_bitmask rows (``mask_cases``; with `attention` the tree attention cases too): printed
+    with the mask's cost per call, written as the commit's section of `csv`."""
     chain, tree = mask_cases()
     meta = environment_metadata("cpu")
     rows = run(False, chain)
     for case in tree:
         rows += _call_rows(case, capture_tree(case), meta)
+    for case in attention_cases(False) if attention else []:
+        rows += _call_rows(case, capture_attention(case), meta)
     return _main_compare(csv, rows, "mask")
 
 

@@ -90,6 +90,7 @@ def verify_kernels():
                     BLOCK_R=block if phase == 0 else 1,  # the threshold phases: one row per program
                     BLOCK_V=bv,
                     LOGPROBS=has_filter and mode != 1,  # return_logprobs: greedy rows' thresholds
+                    ARGMAX_ONLY=mode == 0 and not has_filter,  # all-greedy chains: max / argmax only
                 ),
             )
         types2 = dict(

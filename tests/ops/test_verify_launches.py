@@ -83,6 +83,41 @@ def test_three_launches_and_no_other_device_work(monkeypatch, mode, per_request,
     assert set(recorder.ops) <= {"aten.empty", "aten.empty_strided"}, recorder.ops
 
 
+@pytest.mark.parametrize("mask", [False, True])
+def test_greedy_row_pass_reads_max_and_argmax_only(monkeypatch, mask):
+    """An all-greedy call (scalar temperature 0) launches the row pass argmax-only: no draft row
+    (DRAFT_NONE), no sum-exp, no threshold phases even with top-k / top-p given; the first index of
+    a row max repeated across tiles and chunks still wins, as in the reference."""
+    if torch.cuda.is_available():
+        pytest.skip("launch recording uses the interpreter")
+    from triton.runtime import interpreter
+
+    B, G, V = 3, 2, 70
+    target, tokens, draft = make_problem(B, G, V)
+    top = target.amax(-1, keepdim=True) + 1.0
+    target[..., 37] = target[..., 9] = top[..., 0]  # tiles 0 and 2 of 16 entries, chunks 0 and 1
+    target[1, 1, 5] = top[1, 1, 0] + 1.0  # one row's max elsewhere
+    tokens[:, 0] = 9
+    bitmask = torch.full((B, G + 1, 3), -1, dtype=torch.int32) if mask else None
+    if mask:
+        bitmask[0, 0, 0] = ~(1 << 9)  # row (0, 0): column 9 disallowed, 37 wins
+    launches = []
+    original = interpreter.InterpretedFunction.run
+
+    def recording_run(self, *args, **kwargs):
+        launches.append((self.fn.__name__, kwargs))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", recording_run)
+    kw = dict(draft_logits=draft, temperature=0.0, top_k=3, top_p=0.5, token_bitmask=bitmask)
+    with launch_overrides(num_chunks=2, block_v=16):
+        out = sk.verify(target, tokens, validate=False, backend="triton", **kw)
+    row_pass = [k for name, k in launches if name == "_verify_row_stats_kernel"]
+    assert len(row_pass) == 1 and row_pass[0]["ARGMAX_ONLY"] and row_pass[0]["DRAFT_MODE"] == 0
+    ref = sk.verify(target, tokens, validate=False, backend="torch", **kw)
+    assert torch.equal(out.tokens, ref.tokens) and torch.equal(out.num_accepted, ref.num_accepted)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_capture_replays_exactly():
     B, G, V = 8, 4, 32000

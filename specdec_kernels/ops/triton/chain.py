@@ -521,7 +521,10 @@ def launch_verify(
     logits = args.draft_mode == DRAFT_LOGITS
     tplan = threshold_plan(args.target_logits, layout.rows, V, threshold_chunks, logits, threshold_capacity)
     row_plan = RowPassPlan(plan.tiles, plan.num_chunks, plan.chunk_size, tplan)
-    records = launch_row_stats(layout, args.sampling, row_plan, logprobs=logprobs)
+    t = args.sampling.temperature  # scalar 0: every request greedy; the accept kernel reads max / argmax only
+    # (not with logprobs: greedy rows then score their logprobs from the record's T = 1 normaliser)
+    argmax_only = isinstance(t, float) and t == 0.0 and not logprobs
+    records = launch_row_stats(layout, args.sampling, row_plan, logprobs=logprobs, argmax_only=argmax_only)
     races = _launch_accept(args, layout, plan, records, out.nonfinite)
     _launch_finalize(args, layout, races, out, records)
     return out

@@ -279,6 +279,29 @@ def lanes_argmax(best, best_idx):
 
 
 @triton.jit
+def argmax_pass(t_rows, tm_rows, row_ok, start_col, end_col, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The row pass's fast results (``row_pass._row_pass_fast``) when every request is greedy
+    (ARGMAX_ONLY) over [start_col, end_col) of rows ``t_rows`` ([R, 1] pointers): the NaN-propagating
+    max and its first index per lane (a lane keeps the tile start: a scalar select, its offset added
+    at the end), no sum-exp (z = 0) nor draft row; about 3 instructions an entry."""
+    BLOCK_R: tl.constexpr = t_rows.shape[0]
+    top_t = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
+    top_start = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
+    lane = tl.arange(0, BLOCK_V)[None, :]
+    for start in range(start_col, end_col, BLOCK_V):
+        in_tile = row_ok[:, None] & (start + lane < end_col)
+        x = tl.load(t_rows + start + lane, mask=in_tile, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            x = tl.where(allowed_tile(tm_rows, start, end_col, row_ok, BLOCK_V, HAS_MASK), x, float("-inf"))
+        top_start = tl.where(x > top_t, start, top_start)
+        top_t = tl.maximum(top_t, x, propagate_nan=tl.PropagateNan.ALL)
+    row_top, row_idx = lanes_argmax(top_t, top_start + lane)
+    row_top = tl.where(tl.max((top_t != top_t).to(tl.int32), axis=1) > 0, float("nan"), row_top)
+    zero = tl.zeros([BLOCK_R], tl.float32)
+    return row_top, zero, row_idx, zero + float("-inf"), zero, zero.to(tl.int32)
+
+
+@triton.jit
 def kept_at(x, cols, thr, cut, BY_INDEX: tl.constexpr):
     """Whether the entries x at columns cols pass the top-k/top-p threshold: x >= thr, or with
     the by_index tie rule x > thr, or x == thr at a column >= cut (``tie_index``; cut 0 = x >= thr).

@@ -20,10 +20,12 @@ import triton.language as tl
 from ..._params import SamplingParams
 from .helpers import (
     DRAFT_LOGITS,
+    DRAFT_NONE,
     DRAFT_PROBS,
     LOG2E,
     NO_MAX,
     allowed_tile,
+    argmax_pass,
     cdiv,
     inverse_temperature,
     kept_at,
@@ -226,6 +228,7 @@ def _verify_row_stats_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
     LOGPROBS: tl.constexpr,  # return_logprobs: greedy rows get top-k/top-p thresholds too (at T = 1)
+    ARGMAX_ONLY: tl.constexpr,  # every request greedy, DRAFT_NONE: records hold max and argmax only (z = 0)
 ):
     """One pass over each row's chunk: (max, sum-exp) of the processed target and draft logits, the
     greedy argmax and the count of non-finite logits (PHASE_STATS, ``_row_stats_pass``); or one of
@@ -254,7 +257,7 @@ def _verify_row_stats_kernel(
             t_rows, d_rows, tm_rows, dm_rows, stats_ptr + (rows * num_chunks + chunk) * NUM_STATS,
             idx_ptr + (rows * num_chunks + chunk) * NUM_IDX, row_ok, target_ok, draft_ok, thr_t, thr_q, cut_t, cut_q,
             inv_t, chunk * chunk_size, tl.minimum(chunk * chunk_size + chunk_size, V), DRAFT_MODE, HAS_FILTER,
-            BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V,
+            BY_INDEX, HAS_MASK, MASK_PARENTS, ARGMAX_ONLY, BLOCK_V,
         )  # fmt: skip
     elif HAS_FILTER:
         top_k = per_request(top_k_ptr, top_k, b, row_ok, PER_REQ_K).to(tl.int64)
@@ -325,18 +328,24 @@ def _row_stats_pass(
     BY_INDEX: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_PARENTS: tl.constexpr,
+    ARGMAX_ONLY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Statistics of each row's chunk [start_col, end_col), written to its records rec_ptr /
     idx_rec_ptr ([R] pointers) where row_ok; target rows are read where target_ok, draft rows where
-    draft_ok."""
+    draft_ok; with ARGMAX_ONLY max and argmax only."""
     BLOCK_R: tl.constexpr = t_rows.shape[0]
     # Fast pass: no per-entry sanitising. NaN / +inf entries poison the NaN-propagating running max
     # (which is also the row max and the greedy max); such rows are redone exactly below.
-    row_m_t, row_z_t, row_g_idx, row_m_q, row_z_q, bad_q = _row_pass_fast(
-        t_rows, d_rows, tm_rows, dm_rows, target_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col,
-        DRAFT_MODE, HAS_FILTER, BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V,
-    )  # fmt: skip
+    if ARGMAX_ONLY:
+        row_m_t, row_z_t, row_g_idx, row_m_q, row_z_q, bad_q = argmax_pass(
+            t_rows, tm_rows, target_ok, start_col, end_col, HAS_MASK, BLOCK_V
+        )
+    else:
+        row_m_t, row_z_t, row_g_idx, row_m_q, row_z_q, bad_q = _row_pass_fast(
+            t_rows, d_rows, tm_rows, dm_rows, target_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col,
+            end_col, DRAFT_MODE, HAS_FILTER, BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V,
+        )  # fmt: skip
     redo = target_ok & ~(row_m_t < float("inf"))
     if DRAFT_MODE == DRAFT_LOGITS:
         redo = redo | (draft_ok & ~(row_m_q < float("inf")))
@@ -583,15 +592,18 @@ class RowStats(NamedTuple):
 
 
 def launch_row_stats(
-    layout: RowPassLayout, sampling: SamplingParams, plan: RowPassPlan, logprobs: bool = False
+    layout: RowPassLayout, sampling: SamplingParams, plan: RowPassPlan, logprobs: bool = False, argmax_only=False
 ) -> RowStats:
     """The row pass of a call: with top-k / top-p the threshold phases first (candidates per chunk,
     selection per row; ``launch_threshold_phases``), then the statistics pass over ``plan.num_chunks``
     chunks per row, merged into whole-row records when there are several. logprobs (return_logprobs,
     ``chain.launch_verify``): greedy rows get thresholds too, so their records score the logprobs
-    at T = 1 with their top-k / top-p (``greedy_logprobs_filter``)."""
+    at T = 1 with their top-k / top-p (``greedy_logprobs_filter``). argmax_only (all greedy, no
+    logprobs: the consumer reads max / argmax and counts only): no sum-exp, draft row or thresholds."""
+    if argmax_only and logprobs:
+        raise ValueError("internal error: argmax_only rows have no normaliser for logprobs")
     rows, V, dev = layout.rows, layout.V, layout.target.device
-    has_filter = sampling.has_filter(V)
+    has_filter = sampling.has_filter(V) and not argmax_only
     greedy_filter = logprobs and greedy_logprobs_filter(sampling, V)
     C, tplan = plan.num_chunks, plan.thresholds
     stats = torch.empty((rows, C, NUM_STATS_HOST), dtype=torch.float32, device=dev)
@@ -608,7 +620,7 @@ def launch_row_stats(
         PER_REQ_T=per_req_t,
         PER_REQ_K=per_req_k,
         PER_REQ_P=per_req_p,
-        DRAFT_MODE=layout.draft_mode,
+        DRAFT_MODE=DRAFT_NONE.value if argmax_only else layout.draft_mode,
         HAS_FILTER=has_filter,
         BY_INDEX=has_filter and (sampling.ties_by_index() or greedy_filter and ties_by_index_at_unit_t(sampling)),
         **tplan.constexprs,
@@ -620,6 +632,7 @@ def launch_row_stats(
         MASK_PARENTS=layout.mask is not None and layout.parents is not None,
         BLOCK_V=plan.tiles.block_v,
         LOGPROBS=greedy_filter,
+        ARGMAX_ONLY=argmax_only,
     )
 
     def row_pass(phase: int, block_r: int, grid_chunks: int, chunks: int, chunk_size: int, num_warps: int) -> None:

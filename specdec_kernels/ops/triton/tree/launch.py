@@ -20,6 +20,12 @@ from .rho import _tree_rho_kernel, _tree_rho_step_kernel
 from .rrs import _tree_rrs_kernel
 from .walk import _tree_walk_kernel
 
+# One program per request walks [NP2, NP2] tiles (NP2 = 64 at N = 60): at 4 warps the rrs_wor walk with a
+# token_bitmask held 255 registers and spilled 28 bytes (bench_static, sm_90); 8 warps: 211, no spill. The
+# K-SEQ walk (about 80 registers) stays at 4: at 8 its masked form kept a 4-byte local slot.
+WALK_WARPS_RRS = 8
+WALK_WARPS_KSEQ = 4
+
 
 def launch_tree(args: TreeArgs, *overrides) -> TreeVerifyOutput:
     """Run the launches of the package docstring on checked arguments (``_tree_args.check_tree_args``).
@@ -223,7 +229,8 @@ def _launch_walk(
         **_row_args(plan), **_sampling_args(plan, "temperature", "seed"), **_tree_args(plan), **outputs,
         **_race_args(race), stats_ptr=stats, idx_ptr=idx, thr_ptr=thr, brk_ptr=brk, rrs_ptr=rrs,
         rrs_chunks=plan.rrs_chunks if plan.with_positions and plan.rrs_rounds > 0 else 1, METHOD=plan.method,
-        BLOCK_B=plan.walk_block_b, DP2=next_pow2(D + 1), BLOCK_V=plan.block_v, num_warps=4,
+        BLOCK_B=plan.walk_block_b, DP2=next_pow2(D + 1), BLOCK_V=plan.block_v,
+        num_warps=WALK_WARPS_RRS if plan.method else WALK_WARPS_KSEQ,
     )  # fmt: skip
     return race
 
