@@ -167,9 +167,8 @@ def verify(
         y ~ p_{n_b}. Greedy: accept while x_i == argmax(row i) (lowest index on ties); emit the argmax.
         Sampling uses the exponential race argmax_x log r(x) - log E_x, E_x ~ Exp(1).
 
-    Non-finite logits, unusable draft probabilities, placeholder ids: this module's docstring.
-
-    Inputs engines already hold (target_probs=, logits_scaled=): see this module's docstring.
+    Non-finite logits, unusable draft probabilities, placeholder ids, inputs engines already hold
+    (target_probs=, logits_scaled=): this module's docstring.
 
     Flattened ragged layout (vLLM / SGLang hold rows this way; read in place, no padding copy):
         cu_num_draft_tokens: [B+1] int32 | int64 offsets, cu[0] = 0: request b has the
@@ -193,9 +192,8 @@ def verify(
     Vocabulary parallel (process_group=, vocab_size=), return_logprobs / num_logprobs, token_bitmask
     (grammar masks [B, G+1, ceil(V/32)] int32 words): this module's docstring.
 
-    Returns:
-        VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B] bool;
-        logprobs fields when asked for).
+    Returns VerifyOutput(tokens [B, G+1] int64 (or out_dtype), num_accepted [B] int32, nonfinite [B]
+    bool; logprobs fields when asked for).
 
     Example:
         >>> out = sk.verify(target_logits, draft_tokens, draft_logits, temperature=0.7, seed=seeds)

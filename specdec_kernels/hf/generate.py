@@ -98,8 +98,7 @@ def speculative_generate(
             counts as more probable; the Triton kernels on a GPU, the CPU build on CPU tensors);
             "keep" keeps the whole group.
         seed: reproducible sampling. eos/pad_token_id: the target's generation config's. streamer: batch 1.
-        vocab_size: real token count when the two models pad their embedding matrices differently
-            (e.g. ``len(tokenizer)``); logits past it are dropped.
+        vocab_size: real token count when the models pad their embeddings differently (``len(tokenizer)``).
         attention_backend: tree attention of the forwards: "auto" (Triton on CUDA, SDPA on CPU), "triton", "torch".
         cache_implementation: "dynamic" (``DynamicCache``, grown and cropped every step) or "static"
             (``StaticCache`` of max prompt + ``max_new_tokens`` + K*G + 2 slots per request, allocated
@@ -112,10 +111,9 @@ def speculative_generate(
             ``num_draft_tokens``; none, a target-only step, when drafting loses) from the running
             acceptance and the measured draft/target cost;
             dynamic trees choose their depth per step, down to a chain (``draft_tree``).
-        draft_confidence: with ``adaptive_draft``, a request's chain ends at the first draft whose most
-            likely token has probability below this (a property of q, not of its sample: still exact).
-            0 (default) = off: on the demo pair the cut cost 10-20% tokens/s.
-        exact_timing: synchronise the GPU around each phase of ``stats.time_s`` (slower; CPU: no-op).
+        draft_confidence: with ``adaptive_draft``, a chain ends at the first draft whose top token has
+            probability below this (a property of q: still exact). 0 (default) = off.
+        exact_timing: synchronise the GPU around each phase of ``stats.time_s`` (slower).
         draft_cost: the cost model of ``adaptive_draft`` (``hf/draft_length.py``): ``"measured"`` (wall
             times per draft length), ``"shapes"`` (:func:`draft_cost_estimate`) or a relative cost.
             Default: measured when greedy, shapes when sampling (seeded runs stay reproducible).
@@ -137,9 +135,7 @@ def speculative_generate(
             with a match is verified one-hot (exact when sampling too; ``hf/drafters/dynamic_tree.py``).
 
     Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
-
-    Returns:
-        ``SpeculativeOutput(sequences [B, T + new], stats)``.
+    Returns ``SpeculativeOutput(sequences [B, T + new], stats)``.
 
     Example:
         >>> out = speculative_generate(target, draft, ids, mask, max_new_tokens=64, num_drafts=2, temperature=0.7)
