@@ -210,16 +210,21 @@ def triton_interpreted(backend: str) -> bool:
     return backend == "triton" and not torch.cuda.is_available()
 
 
-def assert_triton_equals_core(call, n: int) -> None:
-    """The stand-in for an interpreted filtered case: ``call(n, backend)`` (the statistical test's own
-    verification call on its first n requests) returns the same tokens and accepted counts for
-    backend="triton" and for the C++ core (skips where the core is unavailable)."""
+def interpreted_stand_in(backend: str, top_k: int, top_p: float, call) -> bool:
+    """For an interpreted filtered Triton case (see INTERPRETER_EQUALITY_SAMPLES): assert that
+    ``call(n, backend, device=...)`` (the statistical test's own verification call on its first n
+    requests) returns the same tokens and accepted counts for backend="triton" and for the C++ core
+    (skips where the core is unavailable), and return True; False (nothing run) for any other case."""
+    if not (triton_interpreted(backend) and (top_k > 0 or top_p < 1.0)):
+        return False
     from .conftest import cpu_core_or_skip
 
     cpu_core_or_skip()
-    core, triton = call(n, "cpu"), call(n, "triton")
+    n = INTERPRETER_EQUALITY_SAMPLES
+    core, triton = call(n, "cpu", device="cpu"), call(n, "triton", device="cpu")
     assert torch.equal(triton.tokens.cpu(), core.tokens.cpu())
     assert torch.equal(triton.num_accepted.cpu(), core.num_accepted.cpu())
+    return True
 
 
 def backend_device(backend: str, device: str) -> str:
