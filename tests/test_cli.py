@@ -101,10 +101,11 @@ def test_generate_with_the_demo_medusa_heads(capsys):
     assert out.startswith(prompt) and re.search(r"draft forwards\s+0\n", out)
 
 
-def test_generate_with_a_dynamic_draft_tree(capsys):
-    prompt = "def add(a, b):\n    "
+@pytest.mark.parametrize("lookup", [[], ["--prompt-lookup"]], ids=["model", "with_lookup"])
+def test_generate_with_a_dynamic_draft_tree(capsys, lookup):
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    "
     argv = ["generate", "--target", "demo", "--draft-tree", "dynamic", "--tree-width", "3", "--prompt", prompt]
-    assert main([*argv, "--max-new-tokens", "10", "--num-draft-tokens", "9", "--device", "cpu"]) == 0
+    assert main([*argv, *lookup, "--max-new-tokens", "10", "--num-draft-tokens", "9", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(prompt) and "acceptance" in out.lower()
 
@@ -176,6 +177,7 @@ def test_generate_with_a_json_schema_or_a_grammar(capsys, tmp_path):
             "--tree-width",
         ),
         (["generate", "--target", "demo", "--prompt", "x", "--tree-width", "2"], "--tree-width"),
+        (["generate", "--target", "demo", "--prompt", "x", "--prompt-lookup"], "--prompt-lookup"),
         (["generate", "--target", "demo", "--prompt", "x", "--max-new-tokens", "1000000"], "--max-new-tokens"),
         (["demo", "--max-new-tokens", "5000"], "--max-new-tokens"),
     ],

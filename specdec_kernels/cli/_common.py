@@ -30,6 +30,7 @@ DRIVER_FLAGS = {
     "drafter": "--drafter",
     "draft_tree": "--draft-tree",
     "tree_width": "--tree-width",
+    "prompt_lookup": "--prompt-lookup",
     "temperature": "--temperature",
     "top_k": "--top-k",
     "top_p": "--top-p",

@@ -45,6 +45,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="dynamic: the draft model grows a token tree of --num-draft-tokens nodes each step (verified exactly)",
     )
     p.add_argument("--tree-width", type=int, default=None, help="with --draft-tree: children per node (default 4)")
+    p.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="with --draft-tree dynamic: the n-gram continuation of the text so far is one more branch of the tree",
+    )
     p.add_argument("--medusa-heads", default=None, help="directory of MedusaHeads.save_pretrained")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -219,6 +224,7 @@ def generate_command(args: argparse.Namespace) -> int:
             drafter=drafter,
             draft_tree=args.draft_tree,
             tree_width=args.tree_width,
+            prompt_lookup=args.prompt_lookup,
             medusa_heads=heads,
             temperature=args.temperature,
             top_k=args.top_k,
