@@ -811,6 +811,15 @@ SK_HD void finalize_request(const ChainParams& P, int64_t b) {
   P.out_nonfinite[b] = P.flagged[b] != 0;
 }
 
+// log p(tok) under a processed target row from its statistics (max m, normaliser z, top-k / top-p
+// threshold thr / cut, temperature t; x the token's masked logit): (x - m) / t - log z for a kept
+// token, -inf outside the kept set (reference/logprobs.py). The chain's emitted_logprobs and the
+// tree's tree_logprobs (verify_cpu.cpp) score with it.
+SK_HD float kept_logprob(float x, int64_t tok, float m, double z, float thr, int32_t cut, double t) {
+  const bool kept = kept_at(x, tok, thr, cut) && x > neg_inf() && z > 0.0;
+  return kept ? float((double(x) - double(safe_max(m))) / t - log(z)) : neg_inf();
+}
+
 // return_logprobs of request b (after finalize_request): log p(token) of each emitted position i
 // under row i's processed target distribution, from the row statistics the row pass already has:
 // (x_tok - m) / T - log z for a kept token (greedy requests: T = 1 with their top-k / top-p, as
@@ -831,8 +840,7 @@ SK_HD void emitted_logprobs(const ChainParams& P, int64_t b) {
       continue;
     }
     const float x = mask_logit(target_logit<TT, TD>(P, b, i, tok, unused), target_mask(P, b, 0, i), tok);
-    const bool kept = kept_at(x, tok, s.thr_t, s.cut_t) && x > neg_inf() && s.t.z > 0.0f;
-    lp[i] = kept ? float((double(x) - double(safe_max(s.t.m))) / t - log(double(s.t.z))) : neg_inf();
+    lp[i] = kept_logprob(x, tok, s.t.m, double(s.t.z), s.thr_t, s.cut_t, t);
   }
 }
 

@@ -397,9 +397,7 @@ void tree_logprobs(const ChainParams& P, int64_t b, std::vector<float>& buf, boo
     }
     int unused = 0;
     const float x = sanitize_logit(mask_logit(to_float(t_row[tok]), mask, tok), unused);
-    const bool kept = kept_at(x, tok, thr, cut) && x > neg_inf() && z > 0.0;
-    const double t = rq.greedy ? 1.0 : double(rq.temperature);
-    lp[d] = kept ? float((double(x) - double(safe_max(m))) / t - log(z)) : neg_inf();
+    lp[d] = kept_logprob(x, tok, m, z, thr, cut, rq.greedy ? 1.0 : double(rq.temperature));
   }
 }
 
