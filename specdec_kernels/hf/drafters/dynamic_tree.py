@@ -113,10 +113,9 @@ class DynamicTreeDrafter(ModelDrafter):
 
     @staticmethod
     def _children(logits: torch.Tensor, probs, gen, k: int, exclude: torch.Tensor | None = None):
-        """Candidates [A, F, k] and the log-probabilities of their ranks [A, F, k] (-inf: no node).
-
-        exclude [A, F] (greedy only): a token per row (-1: none) that gets no candidate (the lookup
-        branch's node there); its log-probability [A, F] (-inf where none) is returned third."""
+        """Candidates [A, F, k], the log-probabilities of their ranks [A, F, k] (-inf: no node), and
+        for exclude [A, F] (greedy only: a token per row, -1 none, that gets no candidate: the lookup
+        branch's node there) its log-probability [A, F] (-inf where none), else None."""
         if probs is None:  # greedy: the top-k tokens, scored by their draft probabilities
             logp = torch.log_softmax(logits.float(), dim=-1)
             excluded = None
@@ -128,11 +127,11 @@ class DynamicTreeDrafter(ModelDrafter):
                     torch.zeros_like(logp, dtype=torch.bool).scatter_(-1, index, has), float("-inf")
                 )
             top = torch.topk(logp, k, dim=-1)
-            return (top.indices, top.values) if exclude is None else (top.indices, top.values, excluded)
+            return top.indices, top.values, excluded
         log_sorted = torch.topk(torch.log(probs), k, dim=-1).values
         # as for Medusa: ranks below MIN_RANK_PROB (q's sorted probabilities only) get no node
         log_sorted = log_sorted.masked_fill(log_sorted < math.log(MIN_RANK_PROB), float("-inf"))
-        return candidate_tokens(probs, logits, (k,), greedy=False, generator=gen), log_sorted
+        return candidate_tokens(probs, logits, (k,), greedy=False, generator=gen), log_sorted, None
 
     def propose(self, session, g: int) -> TreeProposal:
         grammar = session.grammar
@@ -156,7 +155,7 @@ class DynamicTreeDrafter(ModelDrafter):
         gen = gen_for(session.generator, device)
         probs = None if greedy else drafting.draft_distribution(logits, **sampling)
         # the candidates of the depth being built: tokens, scores, parent (node index), parent's q row
-        kids = self._children(logits[:, None], None if probs is None else probs[:, None], gen, k, *look.exclude(0))
+        kids = self._children(logits[:, None], None if probs is None else probs[:, None], gen, k, look.exclude(0))
         cand, cand_score = kids[0].reshape(A, k), kids[1].reshape(A, k)
         cand_parent = torch.full((A, k), -1, device=device)
         cand_q = None if probs is None else probs[:, None]  # [A, F, V]: candidate c was drawn from row c // k
@@ -199,7 +198,7 @@ class DynamicTreeDrafter(ModelDrafter):
             if grammar is not None:  # each node's row follows its own path: its children obey the grammar
                 logits = grammar(session, logits, _extend_paths(paths, tokens[-1], parents[-1], ok))
             probs = None if greedy else drafting.draft_distribution(logits, **sampling)
-            kids = self._children(logits, probs, gen, k, *look.exclude(d, width))  # [A, width, k]
+            kids = self._children(logits, probs, gen, k, look.exclude(d, width))  # [A, width, k]
             cand_score = (score[:, :, None] + kids[1]).reshape(A, width * k)
             first = sum(self.per_depth[: d - 1])  # node index of this depth's first node
             cand_parent = (first + torch.arange(width, device=device))[None, :, None].expand(A, width, k)
@@ -278,11 +277,11 @@ class _LookupBranch:
             return torch.full_like(self.node, -1)
         return self.tokens[:, d - 1]
 
-    def exclude(self, d: int, width: int = 1) -> tuple[torch.Tensor]:
-        """(_children's ``exclude`` [A, width]): the branch's depth-(d + 1) token in its depth-d node's
+    def exclude(self, d: int, width: int = 1) -> torch.Tensor:
+        """_children's ``exclude`` [A, width]: the branch's depth-(d + 1) token in its depth-d node's
         row (the root's when d = 0), so the model proposes no second node with it."""
         out = torch.full((self.node.shape[0], width), -1, dtype=torch.long, device=self.node.device)
-        return (out.scatter_(1, self.column[:, None], self._token(d + 1)[:, None]),)
+        return out.scatter_(1, self.column[:, None], self._token(d + 1)[:, None])
 
     def add(self, d: int, cand, score, parent, kids):
         """Appends the depth-d lookup candidate to the candidates; returns them and the sort key."""
@@ -305,8 +304,8 @@ class _NoLookup:
     """The branch-free step: the candidates unchanged, sorted by score."""
 
     @staticmethod
-    def exclude(d: int, width: int = 1) -> tuple:
-        return ()
+    def exclude(d: int, width: int = 1) -> None:
+        return None
 
     @staticmethod
     def add(d, cand, score, parent, kids):
