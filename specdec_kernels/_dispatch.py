@@ -267,8 +267,8 @@ def run_verify(args: VerifyArgs, backend: str = "auto", logprobs: int | None = N
 
 
 # Where method="block" is implemented: auto runs "cpu" on CPU tensors (or "vectorized" without the
-# CPU build, as for the token rule) and "vectorized" on CUDA tensors.
-BLOCK_BACKENDS = ("auto", "cpu", "vectorized", "torch")
+# CPU build, as for the token rule) and "triton" on CUDA tensors.
+BLOCK_BACKENDS = ("auto", "cpu", "vectorized", "torch", "triton")
 
 
 def check_verify_method(method, backend: str, sharded: bool) -> None:
@@ -283,7 +283,8 @@ def check_verify_method(method, backend: str, sharded: bool) -> None:
     if backend not in BLOCK_BACKENDS:
         raise ValueError(
             f"method='block' is not implemented in the {backend!r} backend yet: use backend 'auto' "
-            "(the CPU build on CPU tensors, the vectorized backend on CUDA tensors), 'cpu', 'vectorized' or 'torch'"
+            "(the CPU build on CPU tensors, the Triton kernels on CUDA tensors), 'cpu', 'triton', 'vectorized' or "
+            "'torch'"
         )
     if torch.compiler.is_compiling():
         raise ValueError("method='block' is not available inside torch.compile graphs yet")
@@ -293,9 +294,17 @@ def run_verify_block(args: VerifyArgs, backend: str = "auto", logprobs: int | No
     """Block verification (``reference/block.py``) of checked VerifyArgs: the reference for
     backend="torch", the CPU build (``csrc/verify_cpu.cpp``: native token_bitmask, and the
     logprobs of return_logprobs without top-n as for the token rule) for "cpu" and "auto" on CPU
-    tensors, the batched tensor ops (``ops/vectorized/block.py``, on a masked copy) otherwise."""
-    if backend == "auto" and args.target_logits.device.type == "cpu":
-        backend = cpu_auto_backend()
+    tensors, the Triton chain kernels (``ops/triton/block.py``: native masks and logprobs, both
+    layouts) for "triton" and "auto" on CUDA tensors, the batched tensor ops
+    (``ops/vectorized/block.py``, on a masked copy) for "vectorized"."""
+    device = args.target_logits.device
+    if backend == "auto" and device.type in ("cpu", "cuda"):
+        backend = cpu_auto_backend() if device.type == "cpu" else "triton"
+    if backend == "triton":
+        require_triton_device(device, "sk.verify")
+        o = _OVERRIDES.get() or {}
+        plan = (o.get("num_chunks"), o.get("block_v"), o.get("threshold_chunks"), o.get("threshold_capacity"))
+        return launch_verify(args, *plan, logprobs=logprobs == 0, method="block")
     if backend == "torch":
         return reference_verify(args.padded(), method="block")
     if backend == "cpu":

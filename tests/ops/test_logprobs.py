@@ -133,7 +133,7 @@ def test_flattened_layout(backend):
     _check_chain(out, rows, ids, draft, 2, **kw)
 
 
-@pytest.mark.parametrize("backend", ["vectorized", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "vectorized", "torch"])
 def test_block_method(backend):
     target, drafts, draft = make_problem(4, 3, 32, seed=9, closeness=0.2)
     kw = dict(temperature=0.9, top_p=0.9)

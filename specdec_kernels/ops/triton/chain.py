@@ -35,15 +35,15 @@ import triton.language as tl
 from ..._interpreter import multiprocessors, plans_for_interpreter
 from ..._types import VerifyOutput
 from ..._validation import VerifyArgs, _last_dim_contiguous
+from .block import BLOCK_MASS, BLOCK_RACE, BLOCK_TOKEN, block_candidates, block_masses, block_tau, block_weights
 from .helpers import (
     DRAFT_LOGITS,
+    DRAFT_NONE,
     DRAFT_PROBS,
-    LOG2E,
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RECOVER,
     allowed_at,
-    allowed_tile,
     cdiv,
     inverse_temperature,
     kept_at,
@@ -54,7 +54,10 @@ from .helpers import (
     per_request,
     race_inv_exp,
     request_seed,
+    row_j_probs,
+    row_j_view,
     safe_max,
+    select_row,
     uniform_open,
 )
 from .launch import TileSettings, chunks_to_fill, ties_by_index_at_unit_t, tile_settings, vocab_chunks
@@ -78,49 +81,25 @@ NUM_RACES = tl.constexpr(2)
 
 
 @triton.jit
-def _select_row(vals, rows_i, j):
-    """vals[b, j[b]] for a [BLOCK_B, ROWS] tile (a gather along the small row axis)."""
-    return tl.sum(tl.where(rows_i == j[:, None], vals, 0), axis=1)
-
-
-@triton.jit
-def _kept_prob(x, m, c, inv_z, thr, cols, cut, BY_INDEX: tl.constexpr):
-    """p(x) from the row statistics: 2^((x - m) c) / z for kept finite x, else 0 (NaN, +inf, -inf
-    and filtered entries). m: safe row max, c = log2(e) / T, inv_z = 1 / z (0 for an empty row);
-    x at columns cols (``kept_at``)."""
-    kept = kept_at(x, cols, thr, cut, BY_INDEX) & (x > float("-inf")) & (x < float("inf"))
-    return tl.where(kept, tl.exp2((x - m) * c) * inv_z, 0.0)
-
-
-@triton.jit
 def _race_row_j(
     target_ptr, draft_ptr, mask_ptr, t_base, d_base, m_base, stride_tg, stride_dg, stride_mg, i, j, need, recover, seed,
-    tok, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, start_col, end_col, DRAFT_MODE: tl.constexpr,
-    BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
+    tok, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, start_col, end_col, w_j, DRAFT_MODE: tl.constexpr,
+    BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr, WEIGHTED: tl.constexpr = False,
 ):  # fmt: skip
     """The exponential races over [start_col, end_col) of row j of each request: argmax_x r(x) / E_x
     with E_x ~ Exp(1) (the same winner as argmax log r(x) - log E_x, without the logs) over the
     residual r = max(p - q, 0) (over p at the bonus position) and over p itself (the fallback when
     the residual is empty). Per-lane running winners, reduced once at the end. Row j's statistics
     and draft id are picked from the [BLOCK_B, ROWS] tiles (m_t ... cut_q, tok; columns i).
-    Returns (residual key, index, p key, index) per request; -inf keys when nothing qualifies."""
+    WEIGHTED (block verification): the residual is max(w_j p - q, 0), w_j [BLOCK_B] fp32 (unused
+    otherwise). Returns (residual key, index, p key, index) per request; -inf keys when nothing
+    qualifies."""
     BLOCK_B: tl.constexpr = need.shape[0]
     purpose = tl.where(recover, PURPOSE_RECOVER, PURPOSE_BONUS)
-    tok_j = _select_row(tok, i, j)
-    thrj_t = _select_row(thr_t, i, j)[:, None]
-    thrj_q = _select_row(thr_q, i, j)[:, None]
-    cutj_t = _select_row(cut_t, i, j)[:, None]
-    cutj_q = _select_row(cut_q, i, j)[:, None]
-    mj_t = safe_max(_select_row(m_t, i, j))[:, None]
-    mj_q = safe_max(_select_row(m_q, i, j))[:, None]
-    zj_t = _select_row(z_t, i, j)
-    zj_q = _select_row(z_q, i, j)
-    tj_row = target_ptr + t_base[:, None] + j[:, None].to(tl.int64) * stride_tg
-    dj_row = draft_ptr + d_base[:, None] + j[:, None].to(tl.int64) * stride_dg
-    mj_row = mask_ptr + m_base[:, None] + j[:, None].to(tl.int64) * stride_mg  # target and draft row j's words
-    c = (inv_t * LOG2E)[:, None]
-    inv_zt = tl.where(zj_t > 0.0, 1.0 / tl.where(zj_t > 0.0, zj_t, 1.0), 0.0)[:, None]
-    inv_zq = tl.where(zj_q > 0.0, 1.0 / tl.where(zj_q > 0.0, zj_q, 1.0), 0.0)[:, None]
+    tok_j, tj_row, dj_row, mj_row, c, mj_t, inv_zt, thrj_t, cutj_t, mj_q, inv_zq, thrj_q, cutj_q = row_j_view(
+        target_ptr, draft_ptr, mask_ptr, t_base, d_base, m_base, stride_tg, stride_dg, stride_mg, i, j, tok, m_t, z_t,
+        thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t,
+    )  # fmt: skip
     best_r = tl.full([BLOCK_B, BLOCK_V], float("-inf"), tl.float32)
     idx_r = tl.zeros([BLOCK_B, BLOCK_V], tl.int32)
     best_p = tl.full([BLOCK_B, BLOCK_V], float("-inf"), tl.float32)
@@ -129,22 +108,17 @@ def _race_row_j(
         cols = start + tl.arange(0, BLOCK_V)[None, :]
         lane_ok = need[:, None] & (cols < end_col)
         lane_q = lane_ok & recover[:, None]  # no draft row at the bonus position
-        bits = allowed_tile(mj_row, start, end_col, need, BLOCK_V, HAS_MASK)  # target and draft row j
-        x = tl.load(tj_row + cols, mask=lane_ok, other=float("-inf")).to(tl.float32)
-        if HAS_MASK:
-            x = tl.where(bits, x, float("-inf"))
-        p = _kept_prob(x, mj_t, c, inv_zt, thrj_t, cols, cutj_t, BY_INDEX)
-        if DRAFT_MODE == DRAFT_LOGITS:
-            xd = tl.load(dj_row + cols, mask=lane_q, other=float("-inf")).to(tl.float32)
-            if HAS_MASK:
-                xd = tl.where(bits, xd, float("-inf"))
-            q = _kept_prob(xd, mj_q, c, inv_zq, thrj_q, cols, cutj_q, BY_INDEX)
-            residual = tl.maximum(p - q, 0.0)
-        elif DRAFT_MODE == DRAFT_PROBS:
-            q, _bad_q = load_probs(dj_row + cols, lane_q)
-            residual = tl.maximum(p - q, 0.0)
+        p, q = row_j_probs(
+            tj_row, dj_row, mj_row, start, end_col, need, lane_ok, lane_q, c, mj_t, inv_zt, thrj_t, cutj_t, mj_q,
+            inv_zq, thrj_q, cutj_q, DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V,
+        )  # fmt: skip
+        wp = p
+        if WEIGHTED:
+            wp = w_j[:, None] * p
+        if DRAFT_MODE == DRAFT_NONE:
+            residual = tl.where(cols == tok_j[:, None], 0.0, wp)  # one-hot q: max(w p(x) - 1, 0) = 0 at x
         else:
-            residual = tl.where(cols == tok_j[:, None], 0.0, p)
+            residual = tl.maximum(wp - q, 0.0)
         inv_e = race_inv_exp(seed[:, None], start, j[:, None], purpose[:, None], BLOCK_V)
         key_p = tl.where(lane_ok & (p > 0.0), p * inv_e, float("-inf"))
         key_r = tl.where(recover[:, None], tl.where(lane_ok & (residual > 0.0), residual * inv_e, float("-inf")), key_p)
@@ -166,7 +140,8 @@ def _first_rejection(
 ):  # fmt: skip
     """The accept test of every draft i < n_b (columns i of [BLOCK_B, ROWS] tiles; t_rows / d_rows
     point at the rows): (j = the first rejected draft, n_b when none is; the draft ids, 0 where
-    out of range). Sampled: accept iff u * q(x) <= p(x) and p(x) > 0; greedy: iff x = argmax."""
+    out of range; p(x), q(x) of the drafts, read by block verification). Sampled: accept iff
+    u * q(x) <= p(x) and p(x) > 0; greedy: iff x = argmax."""
     is_draft = b_ok[:, None] & (i < n_b[:, None])
     tok = tl.load(x_rows[:, None] + i, mask=is_draft, other=0).to(tl.int64)
     tok_ok = (tok >= 0) & (tok < V)  # out-of-range ids (validate=False) are rejected, never loaded
@@ -186,7 +161,7 @@ def _first_rejection(
     accept_greedy = tok == g_idx.to(tl.int64)
     accept = tl.where(greedy[:, None], accept_greedy, accept_sampled) & tok_ok
     j = tl.min(tl.where(is_draft & ~accept, i, ROWS), axis=1)
-    return tl.minimum(j, n_b), tok_safe
+    return tl.minimum(j, n_b), tok_safe, p_tok, q_tok
 
 
 @triton.jit(do_not_specialize=["B", "num_chunks", "stat_chunks", "seed"])  # per-call scalars: triton/helpers.py
@@ -208,6 +183,7 @@ def _verify_accept_kernel(
     race_key_ptr,  # [B, C, 2] fp32 out: best residual key, best fallback (p) key per chunk
     race_idx_ptr,  # [B, C, 2] int32 out
     mask_ptr,  # [B, G+1, W] int32 (HAS_MASK; flattened: [N+B, W]): grammar words, draft row i uses row i
+    mass_ptr,  # [B, G, C] fp64 (BLOCK): residual masses, written by BLOCK_MASS, read by BLOCK_RACE
     # strides
     stride_tb,
     stride_tg,
@@ -238,9 +214,11 @@ def _verify_accept_kernel(
     BLOCK_B: tl.constexpr,
     ROWS: tl.constexpr,  # next power of two >= G + 1
     BLOCK_V: tl.constexpr,
+    BLOCK: tl.constexpr = BLOCK_TOKEN,  # method="block": BLOCK_MASS, then BLOCK_RACE (``block.py``)
 ):
     """Combine each row's records, test every draft, and race over row j of each sampled request
-    (this program's vocabulary chunk): ``combine_chunk_records``, ``_first_rejection``, ``_race_row_j``."""
+    (this program's vocabulary chunk): ``combine_chunk_records``, ``_first_rejection``, ``_race_row_j``.
+    Block verification: row tau instead of row j (``block.py``)."""
     pid_b = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
@@ -273,17 +251,33 @@ def _verify_accept_kernel(
     t_rows = target_ptr + t_base[:, None] + i.to(tl.int64) * stride_tg
     d_rows = draft_ptr + d_base[:, None] + i.to(tl.int64) * stride_dg
     m_rows = mask_ptr + m_base[:, None] + i.to(tl.int64) * stride_mg
-    j, tok = _first_rejection(
+    j, tok, p_tok, q_tok = _first_rejection(
         t_rows, d_rows, m_rows, x_rows, i, n_b, b_ok, greedy, seed, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q,
         g_idx, inv_t2, V, DRAFT_MODE, BY_INDEX, HAS_MASK, ROWS,
     )  # fmt: skip
+    end_col = tl.minimum(chunk * chunk_size + chunk_size, V)
+    last = j  # the last row the request reads (block verification: all of them)
+    w_j = inv_t  # block verification's w_tau (unused by the token rule)
+    if BLOCK != BLOCK_TOKEN:  # block verification (``block.py``): tau replaces j for sampled requests
+        w = block_weights(p_tok, q_tok, i, ROWS)
+        cand, eta = block_candidates(w, seed, i, n_b, b_ok & ~greedy)
+        if BLOCK == BLOCK_MASS:
+            block_masses(
+                mass_ptr, target_ptr, draft_ptr, mask_ptr, t_base, d_base, m_base, stride_tg, stride_dg, stride_mg, i,
+                cand, w, tok, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, b, b_ok, G, chunk, num_chunks,
+                chunk * chunk_size, end_col, DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V,
+            )  # fmt: skip
+            return
+        j = tl.where(greedy, j, block_tau(mass_ptr, b, i, cand, w, eta, n_b, G, num_chunks))
+        w_j = select_row(w, i, j).to(tl.float32)
+        last = tl.where(greedy, j, n_b)
 
     # ---- outputs that need no second pass: the greedy token; the nonfinite flag
-    used = row_ok & (i <= j[:, None])
+    used = row_ok & (i <= last[:, None])
     # A used row with nothing to sample (no finite logit; greedy or not) flags the request.
     empty = used & tl.where(greedy[:, None], g_max == float("-inf"), z_t == 0.0)
     flagged = tl.sum(tl.where(used & (bad > 0.0), 1, 0) + empty.to(tl.int32), axis=1) > 0
-    direct = _select_row(g_idx, i, j)  # sampled requests: replaced by the race below
+    direct = select_row(g_idx, i, j)  # sampled requests: replaced by the race below
     if chunk == 0:
         tl.store(first_reject_ptr + b, j, mask=b_ok)
         tl.store(token_ptr + b, direct, mask=b_ok)
@@ -299,8 +293,8 @@ def _verify_accept_kernel(
     if tl.max(need.to(tl.int32), axis=0) > 0:
         res_key, res_idx, p_key, p_idx = _race_row_j(
             target_ptr, draft_ptr, mask_ptr, t_base, d_base, m_base, stride_tg, stride_dg, stride_mg, i, j, need,
-            j < n_b, seed, tok, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, chunk * chunk_size,
-            tl.minimum(chunk * chunk_size + chunk_size, V), DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V,
+            j < n_b, seed, tok, m_t, z_t, thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t, chunk * chunk_size, end_col,
+            w_j, DRAFT_MODE, BY_INDEX, HAS_MASK, BLOCK_V, BLOCK != BLOCK_TOKEN,
         )  # fmt: skip
     rec = (b * num_chunks + chunk) * NUM_RACES
     tl.store(race_key_ptr + rec + RACE_RESIDUAL, res_key, mask=b_ok)
@@ -499,13 +493,15 @@ def launch_verify(
     threshold_chunks: int | None = None,
     threshold_capacity: int | None = None,
     logprobs: bool = False,
+    method: str = "token",
 ) -> VerifyOutput:
     """Run the kernels on checked arguments (``_validation.check_verify_args``).
 
     num_chunks / block_v / threshold_chunks / threshold_capacity override the launch plan (tests
     use them to split small vocabularies and to force the bisection fallback). logprobs
     (return_logprobs without top-n): the finalize kernel also writes ``out.logprobs`` from the row
-    records (``_emitted_logprobs``), so the post-pass (``ops/logprobs.py``) returns at once."""
+    records (``_emitted_logprobs``), so the post-pass (``ops/logprobs.py``) returns at once. method:
+    "token" or "block" (block verification, ``block.py``: one more launch of the accept kernel)."""
     B, G, V = args.B, args.G, args.V
     dev = args.target_logits.device
     out = VerifyOutput(
@@ -525,7 +521,9 @@ def launch_verify(
     # (not with logprobs: greedy rows then score their logprobs from the record's T = 1 normaliser)
     argmax_only = isinstance(t, float) and t == 0.0 and not logprobs
     records = launch_row_stats(layout, args.sampling, row_plan, logprobs=logprobs, argmax_only=argmax_only)
-    races = _launch_accept(args, layout, plan, records, out.nonfinite)
+    # Without drafts, and when every request is greedy, both rules are the token rule's kernels.
+    block = method == "block" and G > 0 and not argmax_only
+    races = _launch_accept(args, layout, plan, records, out.nonfinite, block)
     _launch_finalize(args, layout, races, out, records)
     return out
 
@@ -539,7 +537,10 @@ class _Races(NamedTuple):
     idx: torch.Tensor  # [B, C, NUM_RACES] int32
 
 
-def _launch_accept(args: VerifyArgs, layout: RowPassLayout, plan: ChainPlan, records: RowStats, nonfinite) -> _Races:
+def _launch_accept(
+    args: VerifyArgs, layout: RowPassLayout, plan: ChainPlan, records: RowStats, nonfinite, block: bool = False
+) -> _Races:
+    """Kernel 2 (block verification: twice, BLOCK_MASS then BLOCK_RACE, with their mass records)."""
     B, C, dev = args.B, plan.num_chunks, layout.target.device
     races = _Races(
         torch.empty((B,), dtype=torch.int32, device=dev),
@@ -547,6 +548,14 @@ def _launch_accept(args: VerifyArgs, layout: RowPassLayout, plan: ChainPlan, rec
         torch.empty((B, C, NUM_RACES.value), dtype=torch.float32, device=dev),
         torch.empty((B, C, NUM_RACES.value), dtype=torch.int32, device=dev),
     )
+    mass = torch.empty((B, args.G, C), dtype=torch.float64, device=dev) if block else None
+    for phase in (BLOCK_MASS, BLOCK_RACE) if block else (BLOCK_TOKEN,):
+        _accept_launch(args, layout, plan, records, nonfinite, races, mass, phase.value)
+    return races
+
+
+def _accept_launch(args, layout, plan, records, nonfinite, races: _Races, mass, phase: int) -> None:
+    B, C = args.B, plan.num_chunks
     params = args.sampling.kernel_args(layout.target)
     t_ptr, t_val, per_req_t = params["temperature"]
     s_ptr, s_val, per_req_s = params["seed"]
@@ -569,6 +578,7 @@ def _launch_accept(args: VerifyArgs, layout: RowPassLayout, plan: ChainPlan, rec
         race_key_ptr=races.key,  # [B, C, NUM_RACES] out
         race_idx_ptr=races.idx,  # [B, C, NUM_RACES] out
         mask_ptr=layout.mask if layout.mask is not None else layout.target,  # [B, G+1, W] (HAS_MASK)
+        mass_ptr=mass if mass is not None else layout.target,  # [B, G, C] (BLOCK)
         # strides
         stride_tb=layout.target_strides[0],
         stride_tg=layout.target_strides[2],
@@ -599,9 +609,9 @@ def _launch_accept(args: VerifyArgs, layout: RowPassLayout, plan: ChainPlan, rec
         BLOCK_B=plan.block_b,
         ROWS=next_pow2(args.G + 1),
         BLOCK_V=plan.block_v,
+        BLOCK=phase,
         num_warps=plan.num_warps,
     )
-    return races
 
 
 def _launch_finalize(

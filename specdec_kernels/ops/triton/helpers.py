@@ -180,6 +180,73 @@ def load_probs(ptrs, mask):
 
 
 @triton.jit
+def select_row(vals, rows_i, j):
+    """vals[b, j[b]] for a [BLOCK_B, ROWS] tile (a gather along the small row axis)."""
+    return tl.sum(tl.where(rows_i == j[:, None], vals, 0), axis=1)
+
+
+@triton.jit
+def kept_prob(x, m, c, inv_z, thr, cols, cut, BY_INDEX: tl.constexpr):
+    """p(x) from the row statistics: 2^((x - m) c) / z for kept finite x, else 0 (NaN, +inf, -inf
+    and filtered entries). m: safe row max, c = log2(e) / T, inv_z = 1 / z (0 for an empty row);
+    x at columns cols (``kept_at``)."""
+    kept = kept_at(x, cols, thr, cut, BY_INDEX) & (x > float("-inf")) & (x < float("inf"))
+    return tl.where(kept, tl.exp2((x - m) * c) * inv_z, 0.0)
+
+
+@triton.jit
+def row_j_view(
+    target_ptr, draft_ptr, mask_ptr, t_base, d_base, m_base, stride_tg, stride_dg, stride_mg, i, j, tok, m_t, z_t,
+    thr_t, cut_t, m_q, z_q, thr_q, cut_q, inv_t,
+):  # fmt: skip
+    """Row j of each request, for a pass over its entries (``row_j_probs``): the draft id there, the
+    [BLOCK_B, 1] pointers to the target, draft and mask rows, and the row's statistics picked from
+    the [BLOCK_B, ROWS] tiles (columns i) as [BLOCK_B, 1] columns: c = log2(e) / T, then the safe
+    max, 1 / z (0 for an empty row), threshold and cut of the target and of the draft."""
+    tok_j = select_row(tok, i, j)
+    thrj_t = select_row(thr_t, i, j)[:, None]
+    thrj_q = select_row(thr_q, i, j)[:, None]
+    cutj_t = select_row(cut_t, i, j)[:, None]
+    cutj_q = select_row(cut_q, i, j)[:, None]
+    mj_t = safe_max(select_row(m_t, i, j))[:, None]
+    mj_q = safe_max(select_row(m_q, i, j))[:, None]
+    zj_t = select_row(z_t, i, j)
+    zj_q = select_row(z_q, i, j)
+    tj_row = target_ptr + t_base[:, None] + j[:, None].to(tl.int64) * stride_tg
+    dj_row = draft_ptr + d_base[:, None] + j[:, None].to(tl.int64) * stride_dg
+    mj_row = mask_ptr + m_base[:, None] + j[:, None].to(tl.int64) * stride_mg  # target and draft row j's words
+    c = (inv_t * LOG2E)[:, None]
+    inv_zt = tl.where(zj_t > 0.0, 1.0 / tl.where(zj_t > 0.0, zj_t, 1.0), 0.0)[:, None]
+    inv_zq = tl.where(zj_q > 0.0, 1.0 / tl.where(zj_q > 0.0, zj_q, 1.0), 0.0)[:, None]
+    return tok_j, tj_row, dj_row, mj_row, c, mj_t, inv_zt, thrj_t, cutj_t, mj_q, inv_zq, thrj_q, cutj_q
+
+
+@triton.jit
+def row_j_probs(
+    tj_row, dj_row, mj_row, start, end_col, need, lane_ok, lane_q, c, mj_t, inv_zt, thrj_t, cutj_t, mj_q, inv_zq,
+    thrj_q, cutj_q, DRAFT_MODE: tl.constexpr, BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """(p, q) at the columns start + arange(BLOCK_V) of rows ``row_j_view`` points at: the processed
+    target and draft probabilities (q: 0 for one-hot drafts, whose q the caller knows; 0 outside
+    lane_q). Lanes outside lane_ok read nothing (p = 0)."""
+    cols = start + tl.arange(0, BLOCK_V)[None, :]
+    bits = allowed_tile(mj_row, start, end_col, need, BLOCK_V, HAS_MASK)  # target and draft row j
+    x = tl.load(tj_row + cols, mask=lane_ok, other=float("-inf")).to(tl.float32)
+    if HAS_MASK:
+        x = tl.where(bits, x, float("-inf"))
+    p = kept_prob(x, mj_t, c, inv_zt, thrj_t, cols, cutj_t, BY_INDEX)
+    q = tl.zeros_like(p)
+    if DRAFT_MODE == DRAFT_LOGITS:
+        xd = tl.load(dj_row + cols, mask=lane_q, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            xd = tl.where(bits, xd, float("-inf"))
+        q = kept_prob(xd, mj_q, c, inv_zq, thrj_q, cols, cutj_q, BY_INDEX)
+    elif DRAFT_MODE == DRAFT_PROBS:
+        q, _bad_q = load_probs(dj_row + cols, lane_q)
+    return p, q
+
+
+@triton.jit
 def order_key(x):
     """int32 key with the same order as the float32 values (for selecting thresholds)."""
     bits = x.to(tl.int32, bitcast=True)
