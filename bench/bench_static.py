@@ -31,7 +31,13 @@ Native logprobs (``return_logprobs=True``, read from the row records by the Trit
 section; the finalize kernel adds one logit per emitted position (noise), and greedy rows with top-k /
 top-p go through the threshold phases too (their logprobs apply the filters at T = 1).
 
-Usage: python bench/bench_static.py [--smoke] [--csv PATH] [--cases all|chain|tree|mask|mask+attention|logprobs]
+Block verification (``method="block"``: the accept kernel's two block launches, ``ops/triton/block.py``):
+``--cases block`` compiles the chain calls at V = 151,936, B = 64, G = 4, bf16 with the token rule and
+with block verification and writes them as the commit's section. The residual-mass launch is modelled
+at its worst case, a pass over every row 1 .. G - 1 of each request (target and draft); a call reads
+only the rows whose uniform does not exceed their weight (fewer).
+
+Usage: python bench/bench_static.py [--smoke] [--csv PATH] [--cases all|chain|tree|mask|mask+attention|logprobs|block]
 """
 
 from __future__ import annotations
@@ -316,6 +322,9 @@ def _loop_model(launch: Launch, loops: list[dict], total: int = 0) -> tuple[list
         return [(straight, 1), (register_loops[0], 16 - shift), (register_loops[1], 32 - shift)], 0.0
     if name == "_verify_row_stats_kernel":
         return [(reading[0], bound["chunk_size"] / kw["BLOCK_V"])], kw["BLOCK_R"] * kw["BLOCK_V"] * tensors
+    if name == "_verify_accept_kernel" and kw.get("BLOCK", 0) == 1:  # residual masses: rows 1 .. G - 1 (worst case)
+        trips = bound["chunk_size"] / kw["BLOCK_V"] * (bound["G"] - 1)
+        return [(reading[-1], trips)], kw["BLOCK_B"] * kw["BLOCK_V"] * tensors
     if name == "_verify_accept_kernel":  # (the chunk combine when not merged before,) the race over row j
         race = reading[-1]
         greedy = not kw["PER_REQ_T"] and bound["temperature"] == 0.0  # greedy requests run no race
@@ -341,7 +350,8 @@ def _bytes(case: dict, launch: Launch) -> float:
     if name == "_verify_row_stats_kernel":
         return V * (B * (G + 1) * esize + draft_rows * draft_esize)
     if name == "_verify_accept_kernel" and sampled:  # row j of target and draft per request
-        return V * B * (esize + (draft_esize if case["draft"] != "none" else 0))
+        rows = G - 1 if kw.get("BLOCK", 0) == 1 else 1  # block's residual masses: rows 1 .. G - 1 (worst case)
+        return V * B * rows * (esize + (draft_esize if case["draft"] != "none" else 0))
     return 0.0
 
 
@@ -372,11 +382,12 @@ def mask_bytes(case: dict, launch: Launch, logits_bytes: float) -> float:
     if name == "_verify_row_stats_kernel" and phase in (0, 1):  # statistics / threshold candidates: target rows
         return B * (G + 1) * mask_row_bytes(V)
     if name == "_verify_accept_kernel":  # row j of each sampled request (the accept test's entries: noise)
-        return B * mask_row_bytes(V)
+        return B * (G - 1 if launch.kwargs.get("BLOCK", 0) == 1 else 1) * mask_row_bytes(V)
     return 0.0
 
 
 _PHASES = ["", " (threshold candidates)", " (select)"]
+_BLOCK_LAUNCHES = ["", " (block masses)", " (block race)"]  # the accept kernel's BLOCK constexpr
 
 
 def launch_row(case: dict, launch: Launch) -> dict:
@@ -398,7 +409,9 @@ def launch_row(case: dict, launch: Launch) -> dict:
     first = hot[-1][0]["sass"] if hot else 0
     return {
         "case": case["name"],
-        "kernel": launch.kernel.fn.__name__ + _PHASES[launch.kwargs.get("PHASE", 0)],
+        "kernel": launch.kernel.fn.__name__
+        + _PHASES[launch.kwargs.get("PHASE", 0)]
+        + _BLOCK_LAUNCHES[launch.kwargs.get("BLOCK", 0)],
         "grid": "x".join(map(str, launch.grid)),
         "config": ",".join(
             f"{k}={v}"
@@ -468,6 +481,8 @@ def capture_chain(case: dict) -> list[Launch]:
         kw["token_bitmask"] = torch.zeros(B, G + 1, (V + 31) // 32, dtype=torch.int32)
     if case.get("logprobs"):  # native: the finalize kernel's LOGPROBS variant, no post-pass
         kw["return_logprobs"] = True
+    if case.get("block"):  # block verification: the accept kernel's BLOCK_MASS and BLOCK_RACE launches
+        kw["method"] = "block"
     with plan_as_gpu(H100["sms"]), captured_launches() as launches:
         sk.verify(target, tokens, **draft, **kw, validate=False, backend="triton")
     return launches
@@ -897,6 +912,17 @@ def logprobs_cases() -> list[dict]:
     return [dict(c, name=c["name"] + " logprobs=" + str(lp).lower(), logprobs=lp) for c, lp in both]
 
 
+def block_cases() -> list[dict]:
+    """Chain calls with the token rule and with block verification: V = 151,936, B = 64, G = 4, bf16,
+    draft logits; sampled, and top-k 50 + top-p 0.9."""
+    cases = []
+    for case in chain_cases(False):
+        if case["V"] == 151936 and case["B"] == 64 and case["draft"] == "logits" and case["top_p_ties"] == "keep":
+            if case["temperature"] > 0:  # (greedy requests: the token rule's kernels under both)
+                cases += [dict(case, name=case["name"] + " block=" + str(m).lower(), block=m) for m in (False, True)]
+    return cases
+
+
 def run(smoke: bool, cases: list[dict] | None = None) -> list[dict]:
     meta = environment_metadata("cpu")
     rows = []
@@ -999,16 +1025,18 @@ def main(argv=None) -> int:
     parser.add_argument("--csv", default=str(Path(__file__).parent / "results" / "static_sm90.csv"))
     parser.add_argument(
         "--cases",
-        choices=["all", "chain", "tree", "mask", "mask+attention", "logprobs"],
+        choices=["all", "chain", "tree", "mask", "mask+attention", "logprobs", "block"],
         default="all",
-        help="which calls (mask / logprobs: the token_bitmask / return_logprobs comparison, written as the "
-        "commit's section; mask+attention: the mask cases and the tree attention cases)",
+        help="which calls (mask / logprobs / block: the token_bitmask / return_logprobs / method='block' "
+        "comparison, written as the commit's section; mask+attention: the mask cases and the tree attention cases)",
     )
     args = parser.parse_args(argv)
     if args.cases.startswith("mask"):
         return _main_mask(args.csv, attention=args.cases == "mask+attention")
     if args.cases == "logprobs":
         return _main_compare(args.csv, run(False, logprobs_cases()), "logprobs")
+    if args.cases == "block":
+        return _main_compare(args.csv, run(False, block_cases()), "block")
     rows = run(args.smoke) if args.cases in ("all", "chain") else []
     rows += run_tree(args.smoke) if args.cases in ("all", "tree") else []
     print("# static model, sm_90 (H100 SXM: 132 SMs, 3.35 TB/s): *estimates*, not measurements")

@@ -50,6 +50,7 @@ GROUPS = {
     "core": ([TIES, "tests/ops/test_csrc_tree_core.py", "tests/ops/test_csrc_core.py"], STATS),
     "vectorized": ([TIES, "tests/ops/test_vectorized_backend.py"], STATS),
     "cpu_block": (["tests/ops/test_cpu_block.py"], ["tests/ops/test_cpu_block.py"]),
+    "triton_block": (["tests/ops/test_triton_block.py"], ["tests/ops/test_triton_block.py"]),
     "vocab_parallel": ([TIES, "tests/ops/test_vocab_parallel.py"], ["tests/ops/test_vocab_parallel.py"]),
     "driver": (
         ["tests/hf/test_generate.py", "tests/hf/test_draft_law.py", "tests/hf/test_medusa.py"],
@@ -101,6 +102,17 @@ MUTANTS = [
     Mutant("block-hn-one", "cpu_block", "block_decide", "if (eta <= w[n])", "if (eta <= 1.0)"),
     Mutant("block-eta-row", "cpu_block", "block_decide", "uint32_t(i - 1), PURPOSE_ACC", "uint32_t(i), PURPOSE_ACC"),
     Mutant("block-unweighted", "cpu_block", "block_walk", "aw.w = P.block_w[b];", "aw.w = 1.0f;"),
+    # ---- block verification in the Triton chain kernels (specdec_kernels/ops/triton/block.py)
+    Mutant("tblock-eta-row", "triton_block", "block_candidates", "i * 0, i - 1, PURPOSE_ACC", "i * 0, i, PURPOSE_ACC"),
+    Mutant("tblock-hn-one", "triton_block", "block_tau", "tl.where(last, eta <= w,", "tl.where(last, eta <= 1.0,"),
+    Mutant("tblock-mass-unweighted", "triton_block", "_row_mass", "w_k * p.to(tl.float64)", "p.to(tl.float64)"),
+    Mutant(
+        "tblock-race-unweighted",
+        "triton_block",
+        "_verify_accept_kernel",
+        "w_j = select_row(w, i, j).to(tl.float32)",
+        "w_j = select_row(w, i, j).to(tl.float32) * 0.0 + 1.0",
+    ),
     # ---- vectorized backend (specdec_kernels/ops)
     Mutant("vec-tie", "vectorized", "__init__", "u[testing, i] * q_tok <= p_tok", "u[testing, i] * q_tok < p_tok"),
     Mutant("vec-kseq-tie", "vectorized", "_choose_kseq", "u[:, j] * rho * qx <= px", "u[:, j] * rho * qx < px"),

@@ -21,6 +21,9 @@ synchronisation, no Python loop over requests:
    p, q or the residual to memory. The bonus race lives here rather than in kernel 1 so the row
    pass stays lean (no random numbers, half the registers) and only one row per request races.
 3. ``_verify_finalize_kernel``   grid (request tiles): reduces the chunk races and writes tokens.
+
+Block verification (``method="block"``, ``block.py``) launches kernel 2 twice: the residual masses
+of the rows it needs, then tau and the race of row tau in place of j.
 """
 
 from __future__ import annotations
@@ -609,7 +612,7 @@ def _accept_launch(args, layout, plan, records, nonfinite, races: _Races, mass, 
         BLOCK_B=plan.block_b,
         ROWS=next_pow2(args.G + 1),
         BLOCK_V=plan.block_v,
-        BLOCK=phase,
+        **({"BLOCK": phase} if phase else {}),  # the token rule: the kernel's default, its launch as before
         num_warps=plan.num_warps,
     )
 
