@@ -132,6 +132,7 @@ def captured_launches():
 
 
 _TYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.int64": "i64"}
+_TYPES["torch.float64"] = "fp64"  # block verification's residual masses
 _TYPES.update({"torch.int32": "i32", "torch.bool": "i1", "torch.int8": "i8", "torch.uint8": "u8"})
 
 
@@ -146,7 +147,8 @@ def _specialise(launch: Launch):
     params = {p.name: p for p in fn.params}
     sig, consts, attrs = {}, {}, {}
     for index, name in enumerate(fn.arg_names):
-        value, param = bound[name], params[name]
+        param = params[name]
+        value = bound[name] if name in bound else param.default  # a constexpr left at its default
         if param.is_constexpr or value is None:
             sig[name], consts[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
