@@ -107,11 +107,7 @@ MUTANTS = [
     Mutant("tblock-hn-one", "triton_block", "block_tau", "tl.where(last, eta <= w,", "tl.where(last, eta <= 1.0,"),
     Mutant("tblock-mass-unweighted", "triton_block", "_row_mass", "w_k * p.to(tl.float64)", "p.to(tl.float64)"),
     Mutant(
-        "tblock-race-unweighted",
-        "triton_block",
-        "_verify_accept_kernel",
-        "w_j = select_row(w, i, j).to(tl.float32)",
-        "w_j = select_row(w, i, j).to(tl.float32) * 0.0 + 1.0",
+        "tblock-race-w1", "triton_block", "_verify_accept_kernel", "(w, i, j).to(tl.float32)", "(w, i, j) * 0.0 + 1.0"
     ),
     # ---- vectorized backend (specdec_kernels/ops)
     Mutant("vec-tie", "vectorized", "__init__", "u[testing, i] * q_tok <= p_tok", "u[testing, i] * q_tok < p_tok"),

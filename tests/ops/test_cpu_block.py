@@ -18,11 +18,20 @@ import specdec_kernels as sk
 from specdec_kernels import _dispatch
 from specdec_kernels.ops import csrc
 
-from ._inputs import flattened_problem, make_problem, pack_bitmask
+from ._block_cases import (
+    flattened_case,
+    mixed_sampling,
+    nonfinite_case,
+    strided_views_case,
+    token_bitmask_case,
+    top_p_ties_case,
+    zero_sizes_case,
+)
+from ._inputs import make_problem, pack_bitmask
 from .conftest import cpu_core_or_skip
 from .test_block_verify import check_joint_law
 from .test_block_verify import test_block_accepts_eleven_ninths_token_ten_ninths as paper_known_answer
-from .test_cpu_native_mask import _allowed, _draft_kw, _same
+from .test_cpu_native_mask import _draft_kw, _same
 
 
 @pytest.fixture(autouse=True)
@@ -47,16 +56,6 @@ def _three_ways(target, tokens, draft_kw: dict, num_chunks=None, vectorized=True
     return cpu
 
 
-def _mixed(B: int, gen: torch.Generator) -> dict:
-    """Per-request sampling: greedy, plain, top-k, top-p, both; ragged draft counts; seeds."""
-    return dict(
-        temperature=torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9] * B)[:B],
-        top_k=torch.tensor([0, 0, 5, 0, 7] * B)[:B],
-        top_p=torch.tensor([1.0, 1.0, 1.0, 0.8, 0.9] * B)[:B],
-        seed=torch.randint(0, 2**62, (B,), generator=gen),
-    )
-
-
 @pytest.mark.parametrize("mode", ["logits", "probs", "ngram"])
 @pytest.mark.parametrize("V", [1, 33, 257])
 def test_block_matches_the_reference_and_vectorized(mode, V, simd):
@@ -64,7 +63,7 @@ def test_block_matches_the_reference_and_vectorized(mode, V, simd):
     target, tokens, draft = make_problem(B, G, V, seed=V, closeness=0.4)
     gen = torch.Generator().manual_seed(V + 1)
     n = torch.randint(0, G + 1, (B,), generator=gen)
-    cpu = _three_ways(target, tokens, _draft_kw(mode, draft), num_draft_tokens=n, **_mixed(B, gen))
+    cpu = _three_ways(target, tokens, _draft_kw(mode, draft), num_draft_tokens=n, **mixed_sampling(B, gen))
     if V > 1:  # the inputs reach the interesting cases: 0 < tau < n and tau = n
         assert bool((cpu.num_accepted > 0).any()) and bool((cpu.num_accepted.long() < n).any())
 
@@ -75,7 +74,7 @@ def test_block_logit_dtypes(dtype, mode):
     B, G, V = 24, 3, 257
     target, tokens, draft = make_problem(B, G, V, seed=3, dtype=dtype, closeness=0.3)
     gen = torch.Generator().manual_seed(4)
-    _three_ways(target, tokens, _draft_kw(mode, draft), **_mixed(B, gen))
+    _three_ways(target, tokens, _draft_kw(mode, draft), **mixed_sampling(B, gen))
 
 
 @pytest.mark.parametrize("num_chunks", [2, 5])
@@ -89,97 +88,28 @@ def test_block_vocabulary_chunks(num_chunks):
 
 
 def test_block_top_p_ties_by_index():
-    """Integer logits: large tie groups at the top-p boundary, kept or cut by index."""
-    B, G, V = 16, 3, 64
-    gen = torch.Generator().manual_seed(12)
-    target = torch.randint(-3, 3, (B, G + 1, V), generator=gen).float()
-    draft = torch.randint(-3, 3, (B, G, V), generator=gen).float()
-    tokens = torch.randint(0, V, (B, G), generator=gen)
-    for ties in ("keep", "by_index"):
-        kw = dict(temperature=1.0, top_p=0.6, top_k=20, top_p_ties=ties, seed=5)
-        _three_ways(target, tokens, dict(draft_logits=draft), **kw)
+    top_p_ties_case(_three_ways)
 
 
 def test_block_flattened_layout():
-    cu, rows, ids, draft = flattened_problem(257, seed=2)
-    B, G = 3, 3
-    kw = dict(temperature=0.9, top_p=0.95, seed=torch.tensor([5, 6, 7]), method="block")
-    flat = dict(cu_num_draft_tokens=cu, max_num_draft_tokens=G, **kw)
-    cpu = sk.verify(rows, ids, draft, backend="cpu", **flat)
-    _same(cpu, sk.verify(rows, ids, draft, backend="torch", **flat), "flattened: cpu vs reference")
-    _same(cpu, sk.verify(rows, ids, draft, backend="vectorized", **flat), "flattened: cpu vs vectorized")
-    n = cu.diff()
-    target = torch.full((B, G + 1, 257), -1.0)
-    padded_draft, tokens = torch.zeros(B, G, 257), torch.zeros(B, G, dtype=torch.int64)
-    for b in range(B):
-        target[b, : n[b] + 1] = rows[cu[b] + b : cu[b + 1] + b + 1]
-        padded_draft[b, : n[b]], tokens[b, : n[b]] = draft[cu[b] : cu[b + 1]], ids[cu[b] : cu[b + 1]]
-    padded = sk.verify(target, tokens, padded_draft, num_draft_tokens=n, backend="cpu", **kw)
-    _same(cpu, padded, "flattened vs padded")
+    flattened_case("cpu", ("torch", "vectorized"))
 
 
 @pytest.mark.parametrize("mode", ["logits", "probs", "ngram"])
 def test_block_native_token_bitmask(mode, simd):
-    """Random masks with rows allowing one token, the last token, nothing (flagged: block reads
-    every row 0 .. n, so such a row flags its request wherever tau stops), everything."""
-    B, G, V = 12, 3, 70
-    target, tokens, draft = make_problem(B, G, V, seed=21, closeness=0.3)
-    gen = torch.Generator().manual_seed(22)
-    allowed = _allowed((B, G + 1), V, gen, tokens)
-    mask = pack_bitmask(allowed)
-    if mode == "logits":
-        draft = draft.masked_fill(~allowed[:, :G], float("-inf"))  # drafts sampled under the grammar
-    kw = dict(temperature=torch.tensor([0.0, 0.8, 1.0] * 4), top_k=3, token_bitmask=mask, seed=23)
-    cpu = _three_ways(target, tokens, _draft_kw(mode, draft), **kw)
-    sampled = torch.tensor([0.0, 0.8, 1.0] * 4) > 0
-    empty = ~allowed.any(-1)  # [B, G+1]: rows with nothing to sample
-    assert bool(cpu.nonfinite[sampled & empty.any(-1)].all())
-    emitted = cpu.tokens.clamp(min=0)
-    ok = allowed.gather(2, emitted[..., None]).squeeze(2) | (cpu.tokens < 0) | empty
-    assert bool(ok.all()), "a disallowed token was emitted"
+    token_bitmask_case(_three_ways, mode)
 
 
 def test_block_nonfinite_logits_and_placeholders():
-    """NaN / +inf logits flag the request (any row 0 .. n); a -1 draft id (validate=False) ends the
-    draft there."""
-    B, G, V = 10, 4, 50
-    target, tokens, draft = make_problem(B, G, V, seed=31)
-    target[1, 3, 7] = float("nan")
-    target[2, 0, :] = float("nan")
-    draft[3, 1, 4] = float("inf")
-    tokens[4, 2] = -1
-    tokens[5, 0] = -1
-    kw = dict(temperature=0.9, seed=32, validate=False)
-    cpu = _three_ways(target, tokens, dict(draft_logits=draft), **kw)
-    assert cpu.nonfinite[:4].tolist() == [False, True, True, True]
-    assert int(cpu.num_accepted[5]) == 0 and int(cpu.num_accepted[4]) <= 2
-    probs = torch.softmax(draft.nan_to_num(posinf=0.0), -1)
-    probs[6, 2, 9], probs[7, 0, 3] = float("nan"), -1.0  # unusable draft probabilities: flagged
-    cpu = _three_ways(target, tokens, dict(draft_probs=probs), **kw)
-    assert cpu.nonfinite[6:8].tolist() == [True, True]
+    nonfinite_case(_three_ways)
 
 
 def test_block_strided_views():
-    """Rows, drafts and draft logits that are views (non-contiguous leading dims, a vocabulary slice)."""
-    B, G, V = 8, 3, 40
-    big_t, _, big_d = make_problem(2 * B, G + 2, V + 9, seed=41, closeness=0.3)
-    target = big_t[::2, 1 : G + 2, 3 : 3 + V]
-    draft = big_d[::2, 1 : G + 1, 3 : 3 + V]
-    tokens = torch.randint(0, V, (2 * B, G + 2), generator=torch.Generator().manual_seed(43))[::2, 1 : G + 1]
-    assert not target.is_contiguous() and not draft.is_contiguous() and not tokens.is_contiguous()
-    kw = dict(temperature=0.8, top_p=0.9, seed=42)
-    cpu = _three_ways(target, tokens, dict(draft_logits=draft), **kw)
-    dense = sk.verify(target.contiguous(), tokens.contiguous(), draft.contiguous(), backend="cpu", method="block", **kw)
-    _same(cpu, dense, "views vs contiguous copies")
+    strided_views_case(_three_ways, "cpu")
 
 
 def test_block_zero_sizes():
-    for B, G in ((0, 3), (4, 0), (0, 0)):
-        target, tokens, draft = make_problem(B, G, 17, seed=51)
-        out = _three_ways(target, tokens, dict(draft_logits=draft), temperature=0.9, seed=52)
-        assert out.tokens.shape == (B, G + 1) and out.num_accepted.shape == (B,)
-        if B:
-            assert bool((out.num_accepted == 0).all())
+    zero_sizes_case(_three_ways)
 
 
 @pytest.mark.parametrize("num_logprobs", [0, 3])
@@ -189,7 +119,7 @@ def test_block_return_logprobs(num_logprobs):
     B, G, V = 16, 4, 300
     target, tokens, draft = make_problem(B, G, V, seed=61, closeness=0.3)
     gen = torch.Generator().manual_seed(62)
-    kw = dict(method="block", return_logprobs=True, num_logprobs=num_logprobs, **_mixed(B, gen))
+    kw = dict(method="block", return_logprobs=True, num_logprobs=num_logprobs, **mixed_sampling(B, gen))
     cpu = sk.verify(target, tokens, draft, backend="cpu", **kw)
     vec = sk.verify(target, tokens, draft, backend="vectorized", **kw)
     _same(cpu, vec, "logprobs call")

@@ -17,7 +17,8 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import _dispatch
 
-from ._inputs import flattened_problem, make_problem, pack_bitmask
+from . import _block_cases as cases
+from ._inputs import make_problem, pack_bitmask
 from ._stats import INTERPRETER_EQUALITY_SAMPLES, triton_interpreted
 from .conftest import cpu_core_or_skip
 from .test_block_verify import _paper_rows, check_joint_law
@@ -38,16 +39,6 @@ def _three_ways(target, tokens, draft_kw: dict, num_chunks=None, reference=False
     return tri
 
 
-def _mixed(B: int, gen: torch.Generator) -> dict:
-    """Per-request sampling: greedy, plain, top-k, top-p, both; seeds."""
-    return dict(
-        temperature=torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9] * B)[:B],
-        top_k=torch.tensor([0, 0, 5, 0, 7] * B)[:B],
-        top_p=torch.tensor([1.0, 1.0, 1.0, 0.8, 0.9] * B)[:B],
-        seed=torch.randint(0, 2**62, (B,), generator=gen),
-    )
-
-
 @pytest.mark.parametrize("mode", ["logits", "probs", "ngram"])
 @pytest.mark.parametrize("V", [1, 1000])
 def test_triton_block_matches_the_cpu_build_and_vectorized(mode, V):
@@ -57,7 +48,7 @@ def test_triton_block_matches_the_cpu_build_and_vectorized(mode, V):
     n = torch.randint(0, G + 1, (B,), generator=gen)
     if mode == "ngram":  # one-hot drafts: the target's argmax at most positions (accepted w.p. p(x))
         tokens = torch.where(torch.rand(B, G, generator=gen) < 0.8, target[:, :G].argmax(-1), tokens)
-    tri = _three_ways(target, tokens, _draft_kw(mode, draft), num_draft_tokens=n, **_mixed(B, gen))
+    tri = _three_ways(target, tokens, _draft_kw(mode, draft), num_draft_tokens=n, **cases.mixed_sampling(B, gen))
     if V > 1:  # the inputs reach the interesting cases: 0 < tau < n and tau = n
         assert bool((tri.num_accepted > 0).any()) and bool((tri.num_accepted.long() < n).any())
 
@@ -66,7 +57,7 @@ def test_triton_block_odd_vocabulary_bf16_and_the_reference():
     B, G, V = 6, 3, 4097
     target, tokens, draft = make_problem(B, G, V, seed=7, closeness=0.1, scale=1.0, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(8)
-    _three_ways(target, tokens, dict(draft_logits=draft), reference=True, **_mixed(B, gen))
+    _three_ways(target, tokens, dict(draft_logits=draft), reference=True, **cases.mixed_sampling(B, gen))
 
 
 @pytest.mark.parametrize("num_chunks", [2, 3])
@@ -82,96 +73,31 @@ def test_triton_block_vocabulary_chunks(num_chunks):
 
 
 def test_triton_block_top_p_ties_both_rules():
-    """Integer logits: large tie groups at the top-p boundary, kept or cut by index."""
-    B, G, V = 10, 3, 64
-    gen = torch.Generator().manual_seed(12)
-    target = torch.randint(-3, 3, (B, G + 1, V), generator=gen).float()
-    draft = target[:, :G] + torch.randint(-1, 2, (B, G, V), generator=gen).float()
-    tokens = torch.randint(0, V, (B, G), generator=gen)
-    for ties in ("keep", "by_index"):
-        kw = dict(temperature=1.0, top_p=0.6, top_k=20, top_p_ties=ties, seed=5)
-        _three_ways(target, tokens, dict(draft_logits=draft), **kw)
+    cases.top_p_ties_case(_three_ways)
 
 
 def test_triton_block_flattened_layout():
-    """Ragged requests (3, 0 and 2 drafts) in the flattened layout, read in place: equal to the CPU
-    build on the same call and to the padded call."""
-    cu, rows, ids, draft = flattened_problem(257, seed=2)
-    B, G = 3, 3
-    kw = dict(temperature=0.9, top_p=0.95, seed=torch.tensor([5, 6, 7]), method="block")
-    flat = dict(cu_num_draft_tokens=cu, max_num_draft_tokens=G, **kw)
-    tri = sk.verify(rows, ids, draft, backend="triton", **flat)
+    """Read in place: equal to the CPU build on the same call and to the padded call."""
     cpu_core_or_skip()
-    _same(tri, sk.verify(rows, ids, draft, backend="cpu", **flat), "flattened: triton vs cpu")
-    n = cu.diff()
-    target = torch.full((B, G + 1, 257), -1.0)
-    padded_draft, tokens = torch.zeros(B, G, 257), torch.zeros(B, G, dtype=torch.int64)
-    for b in range(B):
-        target[b, : n[b] + 1] = rows[cu[b] + b : cu[b + 1] + b + 1]
-        padded_draft[b, : n[b]], tokens[b, : n[b]] = draft[cu[b] : cu[b + 1]], ids[cu[b] : cu[b + 1]]
-    padded = sk.verify(target, tokens, padded_draft, num_draft_tokens=n, backend="triton", **kw)
-    _same(tri, padded, "flattened vs padded")
+    cases.flattened_case("triton", ("cpu",))
 
 
 @pytest.mark.parametrize("mode", ["logits", "probs", "ngram"])
 def test_triton_block_native_token_bitmask(mode):
-    """Random masks with rows allowing one token, the last token, nothing (flagged wherever tau
-    stops: block reads every row 0 .. n), everything; read by the kernels (no masked copy)."""
-    B, G, V = 12, 3, 70
-    target, tokens, draft = make_problem(B, G, V, seed=21, closeness=0.1, scale=1.0)
-    gen = torch.Generator().manual_seed(22)
-    allowed = _allowed((B, G + 1), V, gen, tokens)
-    mask = pack_bitmask(allowed)
-    if mode == "logits":
-        draft = draft.masked_fill(~allowed[:, :G], float("-inf"))  # drafts sampled under the grammar
-    kw = dict(temperature=torch.tensor([0.0, 0.8, 1.0] * 4), top_k=3, token_bitmask=mask, seed=23)
-    tri = _three_ways(target, tokens, _draft_kw(mode, draft), **kw)
-    sampled = torch.tensor([0.0, 0.8, 1.0] * 4) > 0
-    empty = ~allowed.any(-1)  # [B, G+1]: rows with nothing to sample
-    assert bool(tri.nonfinite[sampled & empty.any(-1)].all())
-    ok = allowed.gather(2, tri.tokens.clamp(min=0)[..., None]).squeeze(2) | (tri.tokens < 0) | empty
-    assert bool(ok.all()), "a disallowed token was emitted"
+    """Read by the kernels (no masked copy), equal to the CPU build's native words."""
+    cases.token_bitmask_case(_three_ways, mode)
 
 
 def test_triton_block_nonfinite_logits_and_placeholders():
-    """NaN / +inf logits flag the request (any row 0 .. n); a -1 draft id (validate=False) ends the
-    draft there."""
-    B, G, V = 10, 4, 50
-    target, tokens, draft = make_problem(B, G, V, seed=31)
-    target[1, 3, 7] = float("nan")
-    target[2, 0, :] = float("nan")
-    draft[3, 1, 4] = float("inf")
-    tokens[4, 2] = -1
-    tokens[5, 0] = -1
-    kw = dict(temperature=0.9, seed=32, validate=False)
-    tri = _three_ways(target, tokens, dict(draft_logits=draft), **kw)
-    assert tri.nonfinite[:4].tolist() == [False, True, True, True]
-    assert int(tri.num_accepted[5]) == 0 and int(tri.num_accepted[4]) <= 2
+    cases.nonfinite_case(_three_ways)
 
 
 def test_triton_block_strided_views():
-    """Rows, drafts and draft logits that are views (non-contiguous leading dims, a vocabulary slice)."""
-    B, G, V = 8, 3, 40
-    big_t, _, big_d = make_problem(2 * B, G + 2, V + 9, seed=41, closeness=0.1, scale=1.0)
-    target = big_t[::2, 1 : G + 2, 3 : 3 + V]
-    draft = big_d[::2, 1 : G + 1, 3 : 3 + V]
-    tokens = torch.randint(0, V, (2 * B, G + 2), generator=torch.Generator().manual_seed(43))[::2, 1 : G + 1]
-    assert not target.is_contiguous() and not draft.is_contiguous() and not tokens.is_contiguous()
-    kw = dict(temperature=0.8, top_p=0.9, seed=42)
-    tri = _three_ways(target, tokens, dict(draft_logits=draft), **kw)
-    dense = sk.verify(
-        target.contiguous(), tokens.contiguous(), draft.contiguous(), backend="triton", method="block", **kw
-    )
-    _same(tri, dense, "views vs contiguous copies")
+    cases.strided_views_case(_three_ways, "triton")
 
 
 def test_triton_block_zero_sizes():
-    for B, G in ((0, 3), (4, 0), (0, 0)):
-        target, tokens, draft = make_problem(B, G, 17, seed=51)
-        out = _three_ways(target, tokens, dict(draft_logits=draft), temperature=0.9, seed=52)
-        assert out.tokens.shape == (B, G + 1) and out.num_accepted.shape == (B,)
-        if B:
-            assert bool((out.num_accepted == 0).all())
+    cases.zero_sizes_case(_three_ways)
 
 
 def test_triton_block_greedy_is_the_token_rule():
@@ -195,7 +121,7 @@ def test_triton_block_native_logprobs_equal_the_post_pass(num_chunks, monkeypatc
     B, G, V = 10, 4, 300
     target, tokens, draft = make_problem(B, G, V, seed=61, closeness=0.1, scale=1.0)
     gen = torch.Generator().manual_seed(62)
-    kw = dict(method="block", return_logprobs=True, **_mixed(B, gen))
+    kw = dict(method="block", return_logprobs=True, **cases.mixed_sampling(B, gen))
     mask = pack_bitmask(_allowed((B, G + 1), V, gen, tokens))
     for extra in ({}, dict(token_bitmask=mask)):
         vec = sk.verify(target, tokens, draft, backend="vectorized", **kw, **extra)
