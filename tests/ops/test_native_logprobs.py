@@ -107,7 +107,8 @@ def test_multi_equals_post_pass(no_post_pass, backend, temperature):
     _check(out, after, ref)
 
 
-def test_tree_zero_sizes_and_plain_calls(no_post_pass, backend):
+def test_tree_zero_sizes(no_post_pass, backend):
+    """No requests, no drafts (the root's token alone), a one-token vocabulary."""
     call = dict(backend=backend, return_logprobs=True)
     empty = torch.zeros(0, 2, dtype=torch.int64)
     out = sk.verify_tree(torch.randn(0, 3, 8), empty, empty, **call)
@@ -116,9 +117,16 @@ def test_tree_zero_sizes_and_plain_calls(no_post_pass, backend):
     out = sk.verify_multi(target, torch.zeros(2, 2, 0, dtype=torch.int64), seed=1, **call)
     want = torch.log_softmax(target[:, 0, 0].double(), -1).gather(1, out.tokens)[:, 0].float()
     torch.testing.assert_close(out.logprobs[:, 0], want, atol=TOL, rtol=0)
-    # the tokens of a logprobs call are those of a plain call; top-n stays on the post-pass
+    chain = torch.tensor([[-1, 0], [-1, 0]])  # V = 1: every token is 0, with log p = 0
+    out = sk.verify_tree(torch.randn(2, 3, 1), torch.zeros(2, 2, dtype=torch.int64), chain, seed=1, **call)
+    assert torch.equal(out.logprobs, torch.zeros(2, 3)) and torch.equal(out.tokens, torch.zeros(2, 3).long())
+
+
+def test_tree_plain_calls_unchanged(no_post_pass, backend):
+    """The tokens of a logprobs call are those of a plain call (greedy rows' extra thresholds change
+    nothing); a plain call gets no logprobs; top-n stays on the post-pass, with the same values."""
     target, tokens, parents, draft = make_tree_problem(3, 6, 9, seed=4)
-    kw = dict(temperature=torch.tensor([0.8, 0.0, 1.2]), top_k=5, seed=5, backend=backend)
+    kw = dict(temperature=torch.tensor([0.8, 0.0, 1.2]), top_k=5, top_p=0.9, seed=5, backend=backend)
     plain = sk.verify_tree(target, tokens, parents, draft, **kw)
     native = sk.verify_tree(target, tokens, parents, draft, return_logprobs=True, **kw)
     assert plain.logprobs is None and torch.equal(plain.tokens, native.tokens)

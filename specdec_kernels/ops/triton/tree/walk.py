@@ -64,13 +64,15 @@ def _tree_walk_kernel(
     race_xs_ptr,  # [B, NP2] int64 out: RRS-WOR rejected tokens by rank (one-hot: the candidates' tokens)
     rrs_ptr,  # [RRS_MAX - 1, B*(N+1), rrs_chunks] fp32 (_tree_rrs_kernel, RRS)
     mask_ptr,  # [B, K, G+1, W] int32 (HAS_MASK): token_bitmask words of the target rows (_mask_rows)
-    out_logprobs_ptr,  # [B, D+1] fp32 out (LOGPROBS): but the raced tokens' (_tree_finalize_kernel)
-    # strides: target, draft, mask (words), tokens, parents, out tokens, out nodes, out logprobs
+    # strides: target, draft, mask (words), tokens, parents, out tokens, out nodes
     stride_tb, stride_tk, stride_tg, stride_db, stride_dk, stride_dg, stride_mb, stride_mk, stride_mg,
-    stride_xb, stride_xk, stride_pb, stride_ob, stride_nb, stride_lb,
+    stride_xb, stride_xk, stride_pb, stride_ob, stride_nb,
     B, K, G, V, N, D, rrs_chunks,  # sizes
     temperature,  # scalar parameters
     seed: tl.int64,  # one signature for every seed (see triton/helpers.py)
+    # last, so that the other arguments keep their places (a call without logprobs compiles as before)
+    out_logprobs_ptr,  # [B, D+1] fp32 out (LOGPROBS): but the raced tokens' (_tree_finalize_kernel)
+    stride_lb,  # out logprobs row stride (LOGPROBS)
     # constexprs
     PER_REQ_N: tl.constexpr, PER_REQ_T: tl.constexpr, PER_REQ_SEED: tl.constexpr,
     CHAINS: tl.constexpr,  # parents implicit: K chains of G slots (verify_multi)
