@@ -125,8 +125,8 @@ def test_tree_zero_sizes(no_post_pass, backend):
 def test_tree_plain_calls_unchanged(no_post_pass, backend):
     """The tokens of a logprobs call are those of a plain call (greedy rows' extra thresholds change
     nothing); a plain call gets no logprobs; top-n stays on the post-pass, with the same values."""
-    target, tokens, parents, draft = make_tree_problem(3, 6, 9, seed=4)
-    kw = dict(temperature=torch.tensor([0.8, 0.0, 1.2]), top_k=5, top_p=0.9, seed=5, backend=backend)
+    target, tokens, parents, draft = make_tree_problem(3, 4, 9, seed=4)
+    kw = dict(temperature=torch.tensor([0.8, 0.0, 1.2]), top_k=5, seed=5, backend=backend)
     plain = sk.verify_tree(target, tokens, parents, draft, **kw)
     native = sk.verify_tree(target, tokens, parents, draft, return_logprobs=True, **kw)
     assert plain.logprobs is None and torch.equal(plain.tokens, native.tokens)
