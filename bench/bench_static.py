@@ -26,10 +26,11 @@ Grammar masks (``token_bitmask=``, read natively by the Triton kernels): ``--cas
 the chain and tree calls with and without a mask and writes them as the commit's section; a mask adds
 its words, ceil(V / 32) int32 = V / 8 bytes, per row read (``mask_bytes``).
 
-Native logprobs (``return_logprobs=True``, read from the row records by the Triton finalize kernel):
-``--cases logprobs`` compiles the chain calls with and without them and writes them as the commit's
-section; the finalize kernel adds one logit per emitted position (noise), and greedy rows with top-k /
-top-p go through the threshold phases too (their logprobs apply the filters at T = 1).
+Native logprobs (``return_logprobs=True``, read from the row records by the Triton finalize kernel,
+on trees by the walk and the race's merge): ``--cases logprobs`` compiles the chain and tree calls
+with and without them and writes them as the commit's section; the kernels add one logit per emitted
+position (noise), and greedy rows with top-k / top-p go through the threshold phases too (their
+logprobs apply the filters at T = 1).
 
 Block verification (``method="block"``: the accept kernel's two block launches, ``ops/triton/block.py``):
 ``--cases block`` compiles the chain calls at V = 151,936, B = 64, G = 4, bf16 with the token rule and
@@ -699,6 +700,8 @@ def capture_tree(case: dict) -> list[Launch]:
     B, V = case["B"], case["V"]
     kw = dict(temperature=case["temperature"], seed=STATIC_SEED, method=case["method"], validate=False)
     kw["backend"] = "triton"
+    if case.get("logprobs"):  # native: the walk's and the race merge's LOGPROBS variants, no post-pass
+        kw["return_logprobs"] = True
     W = (V + 31) // 32
     with plan_as_gpu(H100["sms"]), captured_launches() as launches:
         if case["op"] == "verify_multi":
@@ -925,6 +928,14 @@ def block_cases() -> list[dict]:
     return cases
 
 
+def tree_logprobs_cases() -> list[dict]:
+    """Tree calls with and without return_logprobs: verify_tree N = 60 (EAGLE-like) and verify_multi
+    K = 4 G = 4 at V = 151,936, B = 64, bf16, T = 0.7, K-SEQ and RRS without replacement."""
+    cases = [c for c in tree_cases(False) if c["B"] == 64 and c["method"] in ("kseq", "rrs_wor")]
+    both = itertools.product(cases, (False, True))
+    return [dict(c, name=c["name"] + " logprobs=" + str(lp).lower(), logprobs=lp) for c, lp in both]
+
+
 def run(smoke: bool, cases: list[dict] | None = None) -> list[dict]:
     meta = environment_metadata("cpu")
     rows = []
@@ -1036,7 +1047,10 @@ def main(argv=None) -> int:
     if args.cases.startswith("mask"):
         return _main_mask(args.csv, attention=args.cases == "mask+attention")
     if args.cases == "logprobs":
-        return _main_compare(args.csv, run(False, logprobs_cases()), "logprobs")
+        meta = environment_metadata("cpu")
+        rows = run(False, logprobs_cases())
+        rows += [row for case in tree_logprobs_cases() for row in _call_rows(case, capture_tree(case), meta)]
+        return _main_compare(args.csv, rows, "logprobs")
     if args.cases == "block":
         return _main_compare(args.csv, run(False, block_cases()), "block")
     rows = run(args.smoke) if args.cases in ("all", "chain") else []

@@ -47,6 +47,7 @@ GROUPS = {
         STATS,
     ),
     "triton": ([TIES, "tests/ops/test_verify.py", TREE], STATS),
+    "triton_logprobs": (["tests/ops/test_native_logprobs.py"], ["tests/ops/test_native_logprobs.py"]),
     "core": ([TIES, "tests/ops/test_csrc_tree_core.py", "tests/ops/test_csrc_core.py"], STATS),
     "vectorized": ([TIES, "tests/ops/test_vectorized_backend.py"], STATS),
     "cpu_block": (["tests/ops/test_cpu_block.py"], ["tests/ops/test_cpu_block.py"]),
@@ -59,6 +60,8 @@ GROUPS = {
 }
 # -k filters of the slow statistical tests per group (only the mutated backend's parametrisations)
 SLOW_FILTER = {"triton": "triton", "core": "cpu", "vectorized": "vectorized", "reference": "not triton"}
+# -k filters of the fast tests where a file parametrises several backends (only the mutated one's)
+FAST_FILTER = {"triton_logprobs": "triton"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,22 @@ MUTANTS = [
         "u * rho[:, None] * q_c < p_c",
     ),
     Mutant("triton-p-zero", "triton", "_first_rejection", " & (p_tok > 0.0)  #", "  #"),
+    # native tree logprobs: greedy rows scored at their T = 0, not 1; a raced token scored with the
+    # draft row's record of its position (one slot early) instead of the target row's
+    Mutant(
+        "triton-tree-lp-unit-t",
+        "triton_logprobs",
+        "_tree_walk_kernel",
+        "tl.where(greedy, 1.0, temperature)",
+        "temperature",
+    ),
+    Mutant(
+        "triton-tree-lp-race-row",
+        "triton_logprobs",
+        "_tree_finalize_kernel",
+        "_record(b, rep, K, G, 1), race",
+        "_record(b, rep, K, G, 0), race",
+    ),
     # ---- C++ core (csrc)
     Mutant("core-tie", "core", "accept_walk", "accept = (u * q <= p)", "accept = (u * q < p)"),
     Mutant("core-rho-lo", "core", "kseq_rho", "rho = hi;", "rho = lo;"),
@@ -269,7 +288,7 @@ def check(mutant: Mutant, copy: Path, jobs: int, fast_only: bool, cache: Path) -
     env.pop("PYTHONPATH", None)
     try:
         fast, slow = GROUPS[mutant.group]
-        killer = _pytest(copy, fast, False, None, jobs, env)
+        killer = _pytest(copy, fast, False, FAST_FILTER.get(mutant.group), jobs, env)
         if killer is None and not fast_only:
             killer = _pytest(copy, slow, True, SLOW_FILTER.get(mutant.group), jobs, env)
     finally:  # the original text and time stamp: the unmutated native build stays up to date

@@ -337,7 +337,7 @@ def run_tree(args: TreeArgs, backend: str = "auto", logprobs: int | None = None)
         return csrc.verify_tree(args)
     require_triton_device(args.target.device, "sk.verify_tree / sk.verify_multi")
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
-    candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks, *threshold)}
+    candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks, *threshold, logprobs=logprobs == 0)}
     if backend == "auto" and args.target.device.type == "cuda" and csrc.cuda_extension_ready():
         candidates["cuda"] = lambda: csrc.verify_tree(apply_tree_mask(args))
     chosen = resolve(backend, args.target.device, tree_shape_class(args), candidates)

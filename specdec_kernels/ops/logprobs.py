@@ -11,10 +11,14 @@ Exception (native logprobs, ``return_logprobs`` without top-n): these backends w
 themselves from the row statistics their pass already has, and this post-pass returns at once:
 the CPU build (backend="cpu", also "auto" on CPU tensors when it picks the build) for chains
 (``csrc/verify_core.h``'s ``emitted_logprobs``) and for trees and verify_multi (the accepted path:
-``csrc/verify_cpu.cpp``'s ``tree_logprobs``), and the Triton chain kernels (backend="triton",
-and "auto" on CUDA when it picks Triton; padded and flattened layouts: ``ops/triton/chain.py``'s
-``_emitted_logprobs``). Every other backend (the Triton tree walk included), ``num_logprobs > 0``,
-vocabulary shards and torch.compile graphs (one custom-op node) run this post-pass.
+``csrc/verify_cpu.cpp``'s ``tree_logprobs``), the Triton chain kernels (backend="triton", and
+"auto" on CUDA when it picks Triton; padded and flattened layouts: ``ops/triton/chain.py``'s
+``_emitted_logprobs``) and the Triton tree kernels for verify_tree and verify_multi (every method,
+one-hot candidates included; ragged trees; the walk scores the accepted tokens and greedy requests'
+last one with the record of the row it used there, the race's merge the raced token:
+``ops/triton/tree/walk.py``'s ``_walk_logprobs``). Every other backend (the CUDA build, the
+vectorized and reference backends), ``num_logprobs > 0``, vocabulary shards and torch.compile
+graphs (one custom-op node) run this post-pass.
 
 The value at an emitted token x of row r: log p_r(x) = (x_r - max_r) / T - log Z_r on the entries
 temperature, top-k and top-p keep (-inf elsewhere), computed in float64 (the Triton kernels: from
@@ -91,7 +95,7 @@ def chain_logprobs(args: VerifyArgs, out: VerifyOutput, num_logprobs: int, score
 @torch.compiler.disable  # inside torch.compile: a graph break, the post-pass runs eagerly
 def tree_logprobs(args: TreeArgs, out: TreeVerifyOutput, num_logprobs: int, score=None):
     """``out`` with logprobs of the accepted path's tokens and the emitted one; mask and score as
-    for :func:`chain_logprobs` (the CPU build's native logprobs: nothing to do)."""
+    for :func:`chain_logprobs` (the CPU build's and the Triton kernels' native logprobs: nothing to do)."""
     if num_logprobs == 0 and out.logprobs is not None and score is None:
         return out
     b, d = _emitted(out.tokens)

@@ -25,6 +25,10 @@ the random path runs before the walk, split over the vocabulary; the walk itself
    exponential race over the residual, which - like p and q - is never written to memory;
    ``_tree_finalize_kernel`` merges the chunks' winners.
 
+With ``return_logprobs`` (no top-n; LOGPROBS) the walk also writes the logprob of each token it
+knows (accepted, and a greedy request's last) from the record of the row it scored that depth with,
+and ``_tree_finalize_kernel`` that of the raced token: one logit load per emitted position.
+
 The semantics (the walk over node *sets*, so repeated sibling tokens act with multiplicity) are
 specified by ``specdec_kernels.reference.verify_tree``. ``plan.plan_tree`` computes a call's tiles,
 grids and chunks once (``plan.TreePlan``); ``launch.launch_tree`` runs the phases on it; the records

@@ -27,21 +27,26 @@ WALK_WARPS_RRS = 8
 WALK_WARPS_KSEQ = 4
 
 
-def launch_tree(args: TreeArgs, *overrides) -> TreeVerifyOutput:
+def launch_tree(args: TreeArgs, *overrides, logprobs: bool = False) -> TreeVerifyOutput:
     """Run the launches of the package docstring on checked arguments (``_tree_args.check_tree_args``).
-    overrides: ``plan_tree``'s, in its order (block_v, num_chunks, threshold_chunks, threshold_capacity)."""
+    overrides: ``plan_tree``'s, in its order (block_v, num_chunks, threshold_chunks, threshold_capacity).
+    logprobs (return_logprobs without top-n): the walk also writes ``out.logprobs`` of the tokens it
+    knows (accepted, greedy) and the race's merge those of the raced ones, from the records of the
+    rows the walk scored them with (``walk._walk_logprobs``), so the post-pass (``ops/logprobs.py``)
+    returns at once."""
     B, D = args.B, args.max_depth
     dev = args.target.device
     tokens = torch.empty((B, D + 1), dtype=torch.int64, device=dev)
     nodes = torch.empty((B, D), dtype=torch.int64, device=dev)
     num_accepted = torch.empty((B,), dtype=torch.int32, device=dev)
     nonfinite = torch.empty((B,), dtype=torch.bool, device=dev)
-    out = TreeVerifyOutput(tokens, num_accepted, nodes, nonfinite)
+    lp = torch.empty((B, D + 1), dtype=torch.float32, device=dev) if logprobs else None
+    out = TreeVerifyOutput(tokens, num_accepted, nodes, nonfinite, logprobs=lp)
     if B == 0:
         return out
     if args.token_bitmask is not None:  # the kernels step through a mask row's words with stride 1
         args = dataclasses.replace(args, token_bitmask=_last_dim_contiguous(args.token_bitmask))
-    plan = plan_tree(args, *overrides)
+    plan = plan_tree(args, *overrides, logprobs=logprobs)
     pos = use = None  # the row pass reads every row unless the positions say which are used
     if plan.with_positions:
         pos, use = _launch_positions(plan)
@@ -53,7 +58,7 @@ def launch_tree(args: TreeArgs, *overrides) -> TreeVerifyOutput:
         rrs = _launch_rrs(plan, pos, stats, thr)
     race = _launch_walk(plan, out, stats, idx, thr, brk, rrs)
     if plan.sampled:  # the recovered / bonus tokens: races split over the vocabulary like chain verification
-        _launch_race(plan, race, stats, thr, tokens)
+        _launch_race(plan, race, stats, thr, out)
     return out
 
 
@@ -74,7 +79,8 @@ def _launch_row_pass(plan: TreePlan, use: torch.Tensor | None) -> tuple[torch.Te
     row for the walk: (stats, idx, thr) - the row pass chain verification runs (``launch_row_stats``).
     Rows past a ragged tree's last node are skipped: the pass's count of a request is its node count
     (row i of a single chain belongs to node i - 1); chains of verify_multi are never ragged;
-    placeholder drafts are the walk's, not the row pass's."""
+    placeholder drafts are the walk's, not the row pass's. With logprobs greedy rows get their
+    top-k / top-p thresholds too (their scores apply them at T = 1)."""
     a = plan.args
     m = _mask_args(plan)  # token_bitmask [B, K, G+1, W] (verify_tree: K = 1, G = N)
     layout = RowPassLayout(
@@ -82,7 +88,7 @@ def _launch_row_pass(plan: TreePlan, use: torch.Tensor | None) -> tuple[torch.Te
         counts=a.num_nodes, use=use, mask=a.token_bitmask, parents=a.parents,
         mask_strides=(m["stride_mb"], m["stride_mk"], m["stride_mg"]),
     )  # fmt: skip
-    rows = launch_row_stats(layout, a.sampling, plan.row_pass)
+    rows = launch_row_stats(layout, a.sampling, plan.row_pass, logprobs=plan.logprobs)
     return rows.stats, rows.idx, rows.thr
 
 
@@ -224,19 +230,23 @@ def _launch_walk(
         nonfinite_ptr=out.nonfinite,
         stride_ob=out.tokens.stride(0),
         stride_nb=out.accepted_nodes.stride(0) if D > 0 else 0,
+        out_logprobs_ptr=out.logprobs if plan.logprobs else out.tokens,
+        stride_lb=out.logprobs.stride(0) if plan.logprobs else 0,
     )
     _tree_walk_kernel[(cdiv(B, plan.walk_block_b),)](
         **_row_args(plan), **_sampling_args(plan, "temperature", "seed"), **_tree_args(plan), **outputs,
         **_race_args(race), stats_ptr=stats, idx_ptr=idx, thr_ptr=thr, brk_ptr=brk, rrs_ptr=rrs,
         rrs_chunks=plan.rrs_chunks if plan.with_positions and plan.rrs_rounds > 0 else 1, METHOD=plan.method,
-        BLOCK_B=plan.walk_block_b, DP2=next_pow2(D + 1), BLOCK_V=plan.block_v,
+        BLOCK_B=plan.walk_block_b, DP2=next_pow2(D + 1), BLOCK_V=plan.block_v, LOGPROBS=plan.logprobs,
+        LP_BY_INDEX=plan.lp_by_index,
         num_warps=WALK_WARPS_RRS if plan.method else WALK_WARPS_KSEQ,
     )  # fmt: skip
     return race
 
 
-def _launch_race(plan: TreePlan, race: tuple[torch.Tensor, ...], stats: torch.Tensor, thr: torch.Tensor, tokens):
-    """The recovered / bonus tokens: each chunk's race winners, then their merge into `tokens`."""
+def _launch_race(plan: TreePlan, race: tuple[torch.Tensor, ...], stats: torch.Tensor, thr: torch.Tensor, out):
+    """The recovered / bonus tokens: each chunk's race winners, then their merge into out.tokens (and,
+    with logprobs, the raced tokens' logprobs into out.logprobs)."""
     B, C, dev = plan.args.B, plan.race_chunks, plan.args.target.device
     key = torch.empty((B, C, 2), dtype=torch.float32, device=dev)
     idx = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
@@ -251,10 +261,37 @@ def _launch_race(plan: TreePlan, race: tuple[torch.Tensor, ...], stats: torch.Te
         race_i_ptr=race[0],
         key_ptr=key,
         idx_ptr=idx,
-        out_tokens_ptr=tokens,
-        stride_ob=tokens.stride(0),
+        out_tokens_ptr=out.tokens,
+        stride_ob=out.tokens.stride(0),
         B=B,
         V=plan.args.V,
         num_chunks=C,
         BLOCK_B=fin,
+        **_finalize_logprobs_args(plan, out, stats, thr),
+    )
+
+
+def _finalize_logprobs_args(plan: TreePlan, out: TreeVerifyOutput, stats: torch.Tensor, thr: torch.Tensor) -> dict:
+    """What the race's merge reads to score the raced tokens (LOGPROBS); without logprobs placeholders
+    and every switch off, so that the merge compiles as before."""
+    a, lp = plan.args, plan.logprobs
+    mask = _mask_args(plan) if lp else dict(_mask_args(plan), HAS_MASK=False)
+    t_ptr, t_val, per_req_t = plan.params["temperature"]
+    return mask | dict(
+        target_ptr=a.target,
+        stats_ptr=stats,
+        thr_ptr=thr,
+        temperature_ptr=t_ptr,
+        out_logprobs_ptr=out.logprobs if lp else out.tokens,
+        stride_tb=a.target.stride(0),
+        stride_tk=a.target.stride(1),
+        stride_tg=a.target.stride(2),
+        stride_lb=out.logprobs.stride(0) if lp else 0,
+        K=a.K,
+        G=a.G,
+        temperature=float(t_val),
+        PER_REQ_T=lp and per_req_t,
+        HAS_FILTER=lp and plan.has_filter,
+        BY_INDEX=plan.lp_by_index,
+        LOGPROBS=lp,
     )

@@ -12,7 +12,7 @@ from ...._params import MIN_TEMPERATURE
 from ...._tree_args import TreeArgs
 from ...._types import METHODS
 from ..helpers import DRAFT_LOGITS, DRAFT_NONE, cdiv, next_pow2
-from ..launch import INTERPRETER_TILE, tile_settings
+from ..launch import INTERPRETER_TILE, ties_by_index_at_unit_t, tile_settings
 from ..row_pass import RowPassPlan
 from ..threshold_phases import threshold_plan
 from .common import RHO_POINTS, RRS_MAX_HOST
@@ -42,6 +42,8 @@ class TreePlan:
     P: int  # positions: B * (N + 1)
     has_filter: bool
     by_index: bool  # top_p_ties="by_index": thresholds carry an index cut
+    logprobs: bool  # return_logprobs without top-n: the walk and the race's merge write out.logprobs
+    lp_by_index: bool  # (logprobs) the index cuts the scores read: greedy rows apply top-p at T = 1 too
     sampled: bool  # some request samples (temperature > 0)
     kseq: bool  # K-SEQ with draft distributions (the rho search), else RRS / one-hot
     method: int  # METHODS[args.method]
@@ -86,11 +88,12 @@ def plan_tree(
     num_chunks: int | None = None,
     threshold_chunks: int | None = None,
     threshold_capacity: int | None = None,
+    logprobs: bool = False,
 ) -> TreePlan:
     """The plan of a call with B > 0. num_chunks / block_v override the launch plan (tests use them to
     split small vocabularies: the row pass, the rho / RRS rounds and the race all take them);
     threshold_chunks / threshold_capacity make the interpreter run the GPU's two-launch top-k/top-p
-    thresholds (``threshold_phases.threshold_plan``)."""
+    thresholds (``threshold_phases.threshold_plan``); logprobs: return_logprobs without top-n."""
     B, K, G, V, N = args.B, args.K, args.G, args.V, args.N
     target = args.target
     dev = target.device
@@ -125,6 +128,8 @@ def plan_tree(
         P=P,
         has_filter=has_filter,
         by_index=has_filter and args.sampling.ties_by_index(),
+        logprobs=logprobs,
+        lp_by_index=logprobs and has_filter and ties_by_index_at_unit_t(args.sampling),
         sampled=per_req_t or float(t_val) >= MIN_TEMPERATURE,
         kseq=kseq,
         method=METHODS[args.method],

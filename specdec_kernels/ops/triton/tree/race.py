@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..chain import _emitted_logprobs
 from ..helpers import (
     DRAFT_NONE,
     PURPOSE_BONUS,
@@ -22,6 +23,7 @@ from .common import (
     RACE_I,
     RI_DEPTH,
     RI_FLAG,
+    RI_REP,
     _load_race,
     _mask_rows,
     _position_stats,
@@ -157,14 +159,24 @@ def _tree_finalize_kernel(
     key_ptr,  # [B, C, 2] fp32 (_tree_race_kernel)
     idx_ptr,  # [B, C, 2] int32 (_tree_race_kernel)
     out_tokens_ptr,  # [B, D+1] int64 out: the raced token at slot RI_DEPTH
-    # strides
-    stride_ob,
+    target_ptr,  # [B, K, G+1, V] raw target logits (LOGPROBS)
+    mask_ptr,  # [B, K, G+1, W] int32 token_bitmask words (LOGPROBS and HAS_MASK)
+    stats_ptr,  # [B*K*(G+1), 1, NUM_STATS] fp32 row statistics (LOGPROBS)
+    thr_ptr,  # [B*K*(G+1), NUM_THR] fp32 thresholds (LOGPROBS and HAS_FILTER)
+    temperature_ptr,  # [B] float (LOGPROBS and PER_REQ_T)
+    out_logprobs_ptr,  # [B, D+1] fp32 out (LOGPROBS): the raced token's logprob at slot RI_DEPTH
+    # strides: out tokens; target, mask (words), out logprobs (LOGPROBS)
+    stride_ob, stride_tb, stride_tk, stride_tg, stride_mb, stride_mk, stride_mg, stride_lb,
     # sizes
-    B, V, num_chunks,
+    B, K, G, V, num_chunks,
+    temperature,  # scalar parameter (LOGPROBS)
     # constexprs
     BLOCK_B: tl.constexpr,
+    LOGPROBS: tl.constexpr,  # return_logprobs: score the raced tokens (``walk._walk_logprobs``)
+    PER_REQ_T: tl.constexpr, HAS_FILTER: tl.constexpr, BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr,  # (LOGPROBS)
 ):  # fmt: skip
-    """Merge the chunks' race winners (earlier chunks keep ties) and write the raced tokens."""
+    """Merge the chunks' race winners (earlier chunks keep ties) and write the raced tokens (LOGPROBS:
+    and their logprobs under the target row of the position they were raced at)."""
     b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     b_ok = b < B
     race = b_ok & (tl.load(race_i_ptr + b * RACE_I + RI_FLAG, mask=b_ok, other=0) != 0)
@@ -183,3 +195,12 @@ def _tree_finalize_kernel(
     token = tl.minimum(tl.maximum(token, 0), V - 1)
     depth = tl.load(race_i_ptr + b * RACE_I + RI_DEPTH, mask=race, other=0)
     tl.store(out_tokens_ptr + b * stride_ob + depth, token, mask=race)
+    if LOGPROBS:  # the position's target row: its first node's (-1 = the root), as the walk scored it
+        rep = tl.load(race_i_ptr + b * RACE_I + RI_REP, mask=race, other=-1)
+        t = per_request(temperature_ptr, temperature, b, race, PER_REQ_T).to(tl.float32)  # > 0: it raced
+        lp = _emitted_logprobs(
+            _row_ptr(target_ptr, b, rep, stride_tb, stride_tk, stride_tg, G, 1),
+            _row_ptr(mask_ptr, b, rep, stride_mb, stride_mk, stride_mg, G, 1), stats_ptr, thr_ptr,
+            _record(b, rep, K, G, 1), race, token, t, HAS_FILTER, BY_INDEX, HAS_MASK,
+        )  # fmt: skip
+        tl.store(out_logprobs_ptr + b * stride_lb + depth, lp, mask=race)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..chain import _emitted_logprobs
 from ..helpers import (
     DRAFT_LOGITS,
     DRAFT_NONE,
@@ -69,6 +70,9 @@ def _tree_walk_kernel(
     B, K, G, V, N, D, rrs_chunks,  # sizes
     temperature,  # scalar parameters
     seed: tl.int64,  # one signature for every seed (see triton/helpers.py)
+    # last, so that the other arguments keep their places (a call without logprobs compiles as before)
+    out_logprobs_ptr,  # [B, D+1] fp32 out (LOGPROBS): but the raced tokens' (_tree_finalize_kernel)
+    stride_lb,  # out logprobs row stride (LOGPROBS)
     # constexprs
     PER_REQ_N: tl.constexpr, PER_REQ_T: tl.constexpr, PER_REQ_SEED: tl.constexpr,
     CHAINS: tl.constexpr,  # parents implicit: K chains of G slots (verify_multi)
@@ -79,6 +83,8 @@ def _tree_walk_kernel(
     DP2: tl.constexpr,  # next power of two >= D + 1
     BLOCK_V: tl.constexpr,
     HAS_MASK: tl.constexpr,  # token_bitmask: disallowed logits are -inf in target and draft rows
+    LOGPROBS: tl.constexpr,  # return_logprobs: each token's logprob under the row scored with (_walk_logprobs)
+    LP_BY_INDEX: tl.constexpr,  # (LOGPROBS) index cuts in the thresholds, greedy rows' at T = 1 counted
 ):  # fmt: skip
     """Walks each request's tree from the root (BLOCK_B requests per program): at each position the
     method's test over its candidates, then the accepted child's node set or the end of the walk,
@@ -100,6 +106,7 @@ def _tree_walk_kernel(
     at_root, in_set, rep, last, depth, done, out_tok = _walk_start(b_ok, BLOCK_B, DP2)
     out_cols = tl.arange(0, DP2)[None, :]
     r_flag, r_rep, r_first, r_has, r_rho, r_scale, r_steps, r_zs, r_ds, r_xs = _race_start(BLOCK_B, NP2)
+    out_lp = tl.full([BLOCK_B, DP2], float("nan"), tl.float32)  # LOGPROBS: NaN where nothing is emitted
     for d in range(0, D + 1):
         active = ~done
         stochastic = active & ~greedy
@@ -149,6 +156,11 @@ def _tree_walk_kernel(
             tok, cand, nodes, chosen, accepted, tl.where(greedy, g_idx, -1), active, d, out_cols, in_set, rep, last,
             at_root, depth, out_tok, NP2,
         )  # fmt: skip
+        if LOGPROBS:  # the tokens known here: accepted ones and greedy requests' last (raced ones: later)
+            out_lp = _walk_logprobs(
+                out_lp, out_tok, out_cols, d, active, accepted | (active & greedy), t_row, tm_row, rec_t, stats_ptr,
+                thr_ptr, tl.where(greedy, 1.0, temperature), HAS_FILTER, LP_BY_INDEX, HAS_MASK,
+            )  # fmt: skip
         done = done | emit
     path = _accepted_path(last, depth, par, nodes, out_cols, D, BLOCK_B, DP2)
     _store_race(
@@ -158,6 +170,8 @@ def _tree_walk_kernel(
     tl.store(out_tokens_ptr + b[:, None] * stride_ob + out_cols, out_tok, mask=b_ok[:, None] & (out_cols <= D))
     tl.store(out_nodes_ptr + b[:, None] * stride_nb + out_cols, path, mask=b_ok[:, None] & (out_cols < D))
     tl.store(out_accepted_ptr + b, depth, mask=b_ok)
+    if LOGPROBS:
+        tl.store(out_logprobs_ptr + b[:, None] * stride_lb + out_cols, out_lp, mask=b_ok[:, None] & (out_cols <= D))
     tl.store(nonfinite_ptr + b, flagged, mask=b_ok)
 
 
@@ -173,6 +187,23 @@ def _walk_start(b_ok, BLOCK_B: tl.constexpr, DP2: tl.constexpr):
     done = ~b_ok
     out_tok = tl.full([BLOCK_B, DP2], -1, tl.int64)
     return at_root, in_set, rep, last, depth, done, out_tok
+
+
+@triton.jit
+def _walk_logprobs(
+    out_lp, out_tok, out_cols, d, active, known, t_row, tm_row, rec_t, stats_ptr, thr_ptr, unit_t,
+    HAS_FILTER: tl.constexpr, BY_INDEX: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """out_lp with column d set on the active lanes: log p of the token written there under the row
+    the walk scored depth d with (t_row, mask row tm_row, record rec_t: the root's, then the first
+    node's of the set spelling the accepted prefix; ``ops/logprobs.py``) where `known`, NaN for now
+    where the token is raced (_tree_finalize_kernel scores it). unit_t: T, 1 for greedy requests
+    (their records hold T = 1 statistics and, with logprobs, their thresholds)."""
+    tok_d = tl.sum(tl.where(out_cols == d, out_tok, 0), axis=1)
+    lp = _emitted_logprobs(
+        t_row, tm_row, stats_ptr, thr_ptr, rec_t, known, tok_d, unit_t, HAS_FILTER, BY_INDEX, HAS_MASK
+    )
+    return tl.where(active[:, None] & (out_cols == d), lp[:, None], out_lp)
 
 
 @triton.jit
