@@ -248,7 +248,12 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
             num_drafts=s["K"],
             method=s["method"] if s["K"] > 1 or "draft_tree" in s else "kseq",
             **(
-                {"draft_tree": "dynamic", "tree_width": args.tree_width, "prompt_lookup": s["lookup"]}
+                {
+                    "draft_tree": "dynamic",
+                    "tree_width": args.tree_width,
+                    "prompt_lookup": s["lookup"],
+                    "tree_threshold": args.tree_threshold,
+                }
                 if "draft_tree" in s
                 else {}
             ),
@@ -641,6 +646,12 @@ def parse_args(argv=None):
         "(specdec_kernels.hf.cpu_linear), or PyTorch's default (MKL in fp32)",
     )
     p.add_argument("--tree-width", type=int, default=4, help="ours_dyntree: children per tree node")
+    p.add_argument(
+        "--tree-threshold",
+        type=float,
+        default=None,
+        help="ours_dyntree: a shaped tree's least path score (speculative_generate's tree_threshold)",
+    )
     p.add_argument("--method", default="kseq", help="verification method of ours_k2/ours_k4 (kseq, rrs, rrs_wor)")
     p.add_argument(
         "--hf-assistant-tokens",
