@@ -76,10 +76,10 @@ from ..draft_length import draft_cost_estimate
 from ..forwards import forward, gen_for
 from ..medusa import MIN_RANK_PROB, candidate_tokens
 from ..tree_budget import MAX_CHAIN, TreeBudgetPolicy
-
-MAX_SHAPED_DEPTH = MAX_CHAIN  # a shaped tree's depths (draft forwards per step): the chains' bound
 from .base import TreeProposal, Verified
 from .model import ModelDrafter
+
+MAX_SHAPED_DEPTH = MAX_CHAIN  # a shaped tree's depths (draft forwards per step): the chains' bound
 
 
 def tree_depths(num_nodes: int, width: int) -> list[int]:
