@@ -74,7 +74,8 @@ One row per (temperature, prompt set, mode):
 * Per step (ours): ``nodes_per_step`` the draft-token slots the target scored per request (a tree's
   nodes, the step's budget; K times the drafts for chains), ``depth_mean`` (trees: draft forwards
   per target forward, i.e. the tree's depth), ``mean_accepted_length``, ``draft_ms_per_step`` /
-  ``target_ms_per_step`` (the driver's draft and target-forward phases, wall milliseconds per step).
+  ``target_ms_per_step`` (the driver's draft and target-forward phases, wall milliseconds per step);
+  dynamic trees: ``tree_width`` and ``tree_threshold`` (0: unshaped).
 * ``status``: ``ok``, ``skipped: ...`` or ``error`` (see stderr).
 
 Usage
@@ -141,7 +142,7 @@ CSV_COLUMNS = (
     "cpu_speedup_vs_target speedup_vs_hf_assisted prefill_s decode_speedup_vs_target acceptance_rate "
     "mean_accepted_length target_forwards draft_forwards time_prefill time_draft time_target time_verify "
     "time_commit time_other drafts_per_step depth_mean "
-    "nodes_per_step draft_ms_per_step target_ms_per_step "
+    "nodes_per_step draft_ms_per_step target_ms_per_step tree_width tree_threshold "
     "greedy_equal greedy_equal_prompts grammar grammar_valid grammar_complete seed warmup cache compiled "
     "triton_interpret cuda python"
 ).split()
@@ -490,6 +491,8 @@ def make_rows(
             row.update(per_step(t))
             if "draft_tree" in s and t.target_forwards:  # one target forward and `depth` draft ones per step
                 row["depth_mean"] = t.draft_forwards / t.target_forwards
+            if "draft_tree" in s:
+                row.update(tree_width=args.tree_width, tree_threshold=args.tree_threshold or 0.0)
         if temperature == 0.0 and t.compared:
             row.update(
                 greedy_equal="yes" if t.equal == t.compared else "no", greedy_equal_prompts=f"{t.equal}/{t.compared}"
