@@ -55,6 +55,11 @@ One row per (temperature, prompt set, mode):
   speedups on this machine; compare process CPU time (``cpu_s``) on a shared machine.
 * ``speedup_vs_target`` = tokens_per_s / target_only's tokens_per_s; ``speedup_vs_hf_assisted`` =
   tokens_per_s / hf_assisted's; both from this run, same prompts, same temperature.
+* ``prefill_s``: the prompts' prefill inside ``wall_s`` (ours: the driver's ``prefill`` phase, the
+  target's and the draft's; target_only: one target forward over the prompts, timed apart);
+  ``decode_speedup_vs_target``: tokens per second of wall time without the prefill, over
+  target_only's (what speculative decoding changes; the prefill is the same work in both).
+  ``time_prefill`` / ``time_draft`` / ... ``time_other``: the driver's phases as shares of ``wall_s``.
 * ``acceptance_rate``: accepted / proposed draft tokens; ``mean_accepted_length``: tokens committed
   per request per target forward (accepted drafts + 1); ``target_forwards`` / ``draft_forwards``:
   forward passes summed over the calls (ours only; Hugging Face does not report them).
@@ -69,7 +74,8 @@ One row per (temperature, prompt set, mode):
 * Per step (ours): ``nodes_per_step`` the draft-token slots the target scored per request (a tree's
   nodes, the step's budget; K times the drafts for chains), ``depth_mean`` (trees: draft forwards
   per target forward, i.e. the tree's depth), ``mean_accepted_length``, ``draft_ms_per_step`` /
-  ``target_ms_per_step`` (the driver's draft and target-forward phases, wall milliseconds per step).
+  ``target_ms_per_step`` (the driver's draft and target-forward phases, wall milliseconds per step);
+  dynamic trees: ``tree_width`` and ``tree_threshold`` (0: unshaped).
 * ``status``: ``ok``, ``skipped: ...`` or ``error`` (see stderr).
 
 Usage
@@ -133,15 +139,17 @@ CSV_COLUMNS = (
     "date commit device torch triton transformers target_model draft_model model_dtype draft_dtype "
     "cpu_linear threads mode status G K method temperature top_k top_p prompt_set prompts prompt_tokens_mean "
     "batch_size max_new_tokens rep new_tokens wall_s cpu_s tokens_per_s speedup_vs_target "
-    "cpu_speedup_vs_target speedup_vs_hf_assisted acceptance_rate mean_accepted_length target_forwards "
-    "draft_forwards time_draft time_target time_verify time_commit time_other drafts_per_step depth_mean "
-    "nodes_per_step draft_ms_per_step target_ms_per_step "
+    "cpu_speedup_vs_target speedup_vs_hf_assisted prefill_s decode_speedup_vs_target acceptance_rate "
+    "mean_accepted_length target_forwards draft_forwards time_prefill time_draft time_target time_verify "
+    "time_commit time_other drafts_per_step depth_mean "
+    "nodes_per_step draft_ms_per_step target_ms_per_step tree_width tree_threshold "
     "greedy_equal greedy_equal_prompts grammar grammar_valid grammar_complete seed warmup cache compiled "
     "triton_interpret cuda python"
 ).split()
 TABLE_COLUMNS = (
     "temperature prompt_set mode G K new_tokens wall_s cpu_s tokens_per_s speedup_vs_target cpu_speedup_vs_target "
-    "speedup_vs_hf_assisted acceptance_rate mean_accepted_length target_forwards time_draft time_other greedy_equal "
+    "speedup_vs_hf_assisted decode_speedup_vs_target acceptance_rate mean_accepted_length target_forwards "
+    "time_prefill time_draft time_other greedy_equal "
     "grammar_valid status"
 ).split()
 
@@ -157,6 +165,7 @@ class Result:
     wall_s: float
     stats: object | None = None  # SpeculativeStats (ours)
     cpu_s: float = 0.0  # process CPU time (steadier than wall time on a shared machine)
+    prefill_s: float | None = None  # the prompts' prefill within wall_s (ours: stats; target_only: timed apart)
 
 
 def new_tokens_per_row(sequences: torch.Tensor, prompt_width: int, eos: set[int]) -> list[list[int]]:
@@ -231,7 +240,10 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
         torch.manual_seed(seed)
         with torch.no_grad():
             seqs, wall, cpu = timed(lambda: pair.target.generate(**kwargs), args.device)
-        return Result(new_tokens_per_row(seqs, width, eos), wall, cpu_s=cpu)
+            prefill_s = None
+            if mode == "target_only":  # its prefill, timed apart: one forward over the prompts
+                prefill_s = timed(lambda: pair.target(input_ids=ids, attention_mask=mask), args.device)[1]
+        return Result(new_tokens_per_row(seqs, width, eos), wall, cpu_s=cpu, prefill_s=prefill_s)
 
     from specdec_kernels.hf import speculative_generate  # lazy: TRITON_INTERPRET must be decided first
 
@@ -248,7 +260,12 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
             num_drafts=s["K"],
             method=s["method"] if s["K"] > 1 or "draft_tree" in s else "kseq",
             **(
-                {"draft_tree": "dynamic", "tree_width": args.tree_width, "prompt_lookup": s["lookup"]}
+                {
+                    "draft_tree": "dynamic",
+                    "tree_width": args.tree_width,
+                    "prompt_lookup": s["lookup"],
+                    "tree_threshold": args.tree_threshold,
+                }
                 if "draft_tree" in s
                 else {}
             ),
@@ -268,7 +285,7 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
         ),
         args.device,
     )
-    return Result(new_tokens_per_row(out.sequences, width, eos), wall, out.stats, cpu)
+    return Result(new_tokens_per_row(out.sequences, width, eos), wall, out.stats, cpu, out.stats.time_s["prefill"])
 
 
 def mode_unavailable(mode: str, pair: Pair, batch_size: int, json_schema: str | None = None) -> str | None:
@@ -312,6 +329,7 @@ class Totals:
     rows: int = 0
     grammar_valid: int = 0  # rows whose tokens the grammar accepts (a valid prefix)
     grammar_complete: int = 0  # rows that reached the grammar's end (its stop token)
+    prefill_s: float | None = 0.0  # None once a call had no prefill time
     status: str = "ok"
 
     def check_grammar(self, compiled, new_tokens: list[list[int]]) -> None:
@@ -327,6 +345,8 @@ class Totals:
         self.new_tokens += sum(len(r) for r in result.new_tokens)
         self.wall_s += result.wall_s
         self.cpu_s += result.cpu_s
+        known = result.prefill_s is not None and self.prefill_s is not None
+        self.prefill_s = self.prefill_s + result.prefill_s if known else None
         st = result.stats
         if st is not None:
             self.has_stats = True
@@ -457,6 +477,7 @@ def make_rows(
             wall_s=t.wall_s,
             cpu_s=t.cpu_s,
             tokens_per_s=t.new_tokens / t.wall_s if t.wall_s and t.status == "ok" else None,
+            prefill_s=t.prefill_s if t.new_tokens else None,
         )
         if t.has_stats:
             row.update({f"time_{phase}": seconds / t.wall_s for phase, seconds in t.time_s.items() if t.wall_s})
@@ -470,6 +491,8 @@ def make_rows(
             row.update(per_step(t))
             if "draft_tree" in s and t.target_forwards:  # one target forward and `depth` draft ones per step
                 row["depth_mean"] = t.draft_forwards / t.target_forwards
+            if "draft_tree" in s:
+                row.update(tree_width=args.tree_width, tree_threshold=args.tree_threshold or 0.0)
         if temperature == 0.0 and t.compared:
             row.update(
                 greedy_equal="yes" if t.equal == t.compared else "no", greedy_equal_prompts=f"{t.equal}/{t.compared}"
@@ -507,6 +530,11 @@ def fill_speedups(rows: list[dict], by_mode: dict[str, dict]) -> None:
         base = by_mode.get("target_only")
         if base and base.get("cpu_s") and r.get("cpu_s"):
             r["cpu_speedup_vs_target"] = (r["new_tokens"] / r["cpu_s"]) / (base["new_tokens"] / base["cpu_s"])
+        if base and base.get("prefill_s") is not None and r.get("prefill_s") is not None:
+            # decode only: the wall time without each mode's prefill of the prompts
+            decode, base_decode = r["wall_s"] - r["prefill_s"], base["wall_s"] - base["prefill_s"]
+            if decode > 0 and base_decode > 0:
+                r["decode_speedup_vs_target"] = (r["new_tokens"] / decode) / (base["new_tokens"] / base_decode)
 
 
 def compile_schema(pair: Pair, args) -> None:
@@ -641,6 +669,12 @@ def parse_args(argv=None):
         "(specdec_kernels.hf.cpu_linear), or PyTorch's default (MKL in fp32)",
     )
     p.add_argument("--tree-width", type=int, default=4, help="ours_dyntree: children per tree node")
+    p.add_argument(
+        "--tree-threshold",
+        type=float,
+        default=None,
+        help="ours_dyntree: a shaped tree's least path score (speculative_generate's tree_threshold)",
+    )
     p.add_argument("--method", default="kseq", help="verification method of ours_k2/ours_k4 (kseq, rrs, rrs_wor)")
     p.add_argument(
         "--hf-assistant-tokens",

@@ -31,6 +31,7 @@ DRIVER_FLAGS = {
     "draft_tree": "--draft-tree",
     "tree_width": "--tree-width",
     "prompt_lookup": "--prompt-lookup",
+    "tree_threshold": "--tree-threshold",
     "temperature": "--temperature",
     "top_k": "--top-k",
     "top_p": "--top-p",

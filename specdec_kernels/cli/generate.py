@@ -50,6 +50,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         action="store_true",
         help="with --draft-tree dynamic: the n-gram continuation of the text so far is one more branch of the tree",
     )
+    p.add_argument(
+        "--tree-threshold",
+        type=float,
+        default=None,
+        help="with --draft-tree dynamic: a shaped tree, nodes whose path score is at least this (up to 8 deep)",
+    )
     p.add_argument("--medusa-heads", default=None, help="directory of MedusaHeads.save_pretrained")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -225,6 +231,7 @@ def generate_command(args: argparse.Namespace) -> int:
             draft_tree=args.draft_tree,
             tree_width=args.tree_width,
             prompt_lookup=args.prompt_lookup,
+            tree_threshold=args.tree_threshold,
             medusa_heads=heads,
             temperature=args.temperature,
             top_k=args.top_k,

@@ -16,6 +16,7 @@ DRAFTERS = ("model", "prompt_lookup", "medusa")
 DRAFT_TREES = (None, "dynamic")
 DEFAULT_TREE_WIDTH = 4  # children per expanded node of a dynamic tree (EAGLE-2's default top-k is 10;
 # 4 keeps ceil(N / 4) draft forwards per step for N = 16, the demo's budget)
+DEFAULT_TREE_THRESHOLD = 0.0  # a dynamic tree's node threshold (0: the N nodes fill k per depth)
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
@@ -53,6 +54,7 @@ class SpecConfig:
     draft_tree: str | None = None  # "dynamic": the draft model grows a token tree (drafters/dynamic_tree.py)
     tree_width: int = DEFAULT_TREE_WIDTH  # children per expanded node of a dynamic tree
     prompt_lookup: bool = False  # a dynamic tree's n-gram lookup branch (drafters/dynamic_tree.py)
+    tree_threshold: float = DEFAULT_TREE_THRESHOLD  # a dynamic tree's least path score (drafters/dynamic_tree.py)
 
     @property
     def sampling(self) -> dict:
@@ -165,9 +167,12 @@ def _check_draft_tree(draft_tree, tree_width, kw: dict, cfg: SpecConfig) -> tupl
     if not isinstance(lookup, bool):
         raise TypeError(f"prompt_lookup must be a bool, got {lookup!r}")
     cfg.prompt_lookup = lookup
+    threshold = kw["tree_threshold"]
     if draft_tree is None:
         if tree_width is not None:
             raise ValueError("tree_width= is read only with draft_tree='dynamic'")
+        if threshold is not None:
+            raise ValueError("tree_threshold= is read only with draft_tree='dynamic'")
         if lookup:
             raise ValueError(
                 "prompt_lookup=True adds a lookup branch to draft_tree='dynamic'; for lookup chains use "
@@ -177,6 +182,10 @@ def _check_draft_tree(draft_tree, tree_width, kw: dict, cfg: SpecConfig) -> tupl
     width = DEFAULT_TREE_WIDTH if tree_width is None else _as_int("tree_width", tree_width)
     if width < 1:
         raise ValueError(f"tree_width must be >= 1, got {width}")
+    threshold = DEFAULT_TREE_THRESHOLD if threshold is None else threshold
+    if not (is_number(threshold) and 0.0 <= threshold < 1.0):
+        raise ValueError(f"tree_threshold must be a number in [0, 1), got {threshold!r}")
+    cfg.tree_threshold = float(threshold)
     refused = [
         (cfg.drafter != "model", f"drafter={cfg.drafter!r} (dynamic trees are grown by a draft model)"),
         (cfg.num_drafts != 1, "num_drafts > 1 (a dynamic tree's width is tree_width=)"),

@@ -126,7 +126,8 @@ class Session:
         # Medusa-like drafters read the prefill's hidden state at each prompt's end: the target then
         # keeps every position's output layer input (the hook sees what the output layer sees).
         every = drafter.reads_target_hidden
-        self.t_cache = prefill(target, prompts, device, self.static_len, every_position=every)
+        with self.timer("prefill"):
+            self.t_cache = prefill(target, prompts, device, self.static_len, every_position=every)
         self.t_len = max(0, longest - 1)  # slots in use (tracked on the host: no reads of cache counters)
         lens = torch.tensor([len(p) for p in prompts], device=device)
         A = len(prompts)
@@ -143,7 +144,8 @@ class Session:
         self.processor = config.row_processor if config.row_processor is not None else self.grammar
         keep_history = keep_history or drafter.keeps_history or self.processor is not None
         self.tokens = Tokens.start(prompts, room, device, keep_history)
-        drafter.start(self)
+        with self.timer("prefill"):  # (the draft model's prefill)
+            drafter.start(self)
 
     def check_room(self, which: str, used: int, new: int) -> None:
         """A forward appending ``new`` slots after ``used`` fits the static buffers (a host check: on

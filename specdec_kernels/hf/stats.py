@@ -8,17 +8,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-PHASES = ("draft", "target", "verify", "commit", "other")
+PHASES = ("prefill", "draft", "target", "verify", "commit", "other")
 
 
 @dataclass
 class SpeculativeStats:
     """Counters of one ``speculative_generate`` call.
 
-    ``time_s`` splits the wall time into draft forwards (and draft sampling), the target's
-    verification forward, verification, cache commit (with the step's one host synchronisation) and
-    everything else. On a GPU the phases are timed without extra synchronisation, so asynchronous
-    work is attributed to the phase that waits for it (``exact_timing=True`` synchronises instead).
+    ``time_s`` splits the wall time into the prompts' prefill (the target's and the drafter's), draft
+    forwards (and draft sampling), the target's verification forward, verification, cache commit
+    (with the step's one host synchronisation) and everything else. On a GPU the phases are timed
+    without extra synchronisation, so asynchronous work is attributed to the phase that waits for
+    it (``exact_timing=True`` synchronises instead).
     """
 
     num_draft_tokens: int
@@ -51,7 +52,7 @@ class SpeculativeStats:
         return self.new_tokens / self.wall_time_s if self.wall_time_s else 0.0
 
     def breakdown(self) -> dict[str, float]:
-        """Share of wall time per phase (draft, target, verify, commit, other)."""
+        """Share of wall time per phase (prefill, draft, target, verify, commit, other)."""
         total = self.wall_time_s or 1.0
         return {phase: t / total for phase, t in self.time_s.items()}
 

@@ -2,7 +2,8 @@
 
 The arms are the shapes a step may take, by depth d (d draft forwards per step):
 
-* the tree of depth d: ``min(N, k * d)`` nodes, k = ``tree_width`` children per node (d <= ceil(N / k));
+* the tree of depth d: ``min(N, k * d)`` nodes, k = ``tree_width`` children per node (d <= ceil(N / k);
+  a shaped tree, ``tree_threshold`` > 0, up to ``min(N, MAX_SHAPED_DEPTH)`` deep, its nodes a budget);
 * the chain of d drafts (width 1), for d <= min(N, ``MAX_CHAIN``): the fallback when trees do not pay
   (on a CPU the target's forward over 1 + N rows can cost much more than over 1 + d).
 
@@ -29,9 +30,10 @@ MAX_CHAIN = 8  # the chain fallback's longest length (the chain policy's lengths
 class TreeBudgetPolicy:
     """``choose`` returns the step's node budget and sets ``width`` (k, or 1 for a chain arm)."""
 
-    def __init__(self, nodes: int, width: int, cost: float, measured: bool):
+    def __init__(self, nodes: int, width: int, cost: float, measured: bool, max_depth: int | None = None):
         self.cost, self.measured = cost, measured
-        self.arms = [("tree", d, min(nodes, width * d), width) for d in range(1, math.ceil(nodes / width) + 1)]
+        depths = max_depth or math.ceil(nodes / width)  # a shaped tree (tree_threshold) may go deeper
+        self.arms = [("tree", d, min(nodes, width * d), width) for d in range(1, depths + 1)]
         if width > 1:
             self.arms += [("chain", d, d, 1) for d in range(1, min(nodes, MAX_CHAIN) + 1)]
         self.counts = {"tree": [0, 0], "chain": [0, 0]}  # kind -> [accepted, rejections]

@@ -262,10 +262,12 @@ def _first_token_law(p: torch.Tensor, q: torch.Tensor, k: int, without_replaceme
 
 
 @pytest.mark.slow
-def test_sampled_output_follows_the_target(monkeypatch):
+@pytest.mark.parametrize("threshold", [0.0, 0.08])
+def test_sampled_output_follows_the_target(monkeypatch, threshold):
     """Chi-square (alpha 1e-6) on the first two generated tokens (V = 6: 36 cells) of 3000 requests
-    at T = 0.8 (trees of N = 6 nodes, width 2: three depths) against the target's own law; and on
-    the first token alone.
+    at T = 0.8 (trees of N = 6 nodes, width 2: three depths; or shaped by tree_threshold, whose
+    number of nodes per depth follows the q rows) against the target's own law; and on the first
+    token alone.
 
     Power, asserted from exact laws (noncentral chi-square): the draft's own two-token law and the
     biased variant (the same without-replacement trees verified with method="rrs", which treats the
@@ -287,7 +289,7 @@ def test_sampled_output_follows_the_target(monkeypatch):
     def run():
         return speculative_generate(
             target, draft, torch.tensor([prompt] * n), max_new_tokens=2, num_draft_tokens=6,
-            draft_tree="dynamic", tree_width=k, seed=1, eos_token_id=[], **sampling,
+            draft_tree="dynamic", tree_width=k, seed=1, eos_token_id=[], tree_threshold=threshold, **sampling,
         )  # fmt: skip
 
     out = run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -207,6 +208,28 @@ def test_eos_mid_batch(pair):
     )
     assert torch.equal(out.sequences, expected)
     assert (out.sequences[1, ids.shape[1] + 3 :] == PAD).all()
+
+
+def test_prefill_is_its_own_phase(pair, monkeypatch):
+    """stats.time_s["prefill"] is the prompts' prefill (the target's and the draft's), nothing else
+    (bench_e2e's decode-only speedup subtracts it); the phases add up to the wall time."""
+    from specdec_kernels.hf import session as driver
+
+    target, draft = pair
+    ids, mask = _ragged_prompts(seed=4)
+    real = driver.prefill
+    seen = []
+
+    def slow_prefill(*args, **kwargs):
+        time.sleep(0.2)
+        seen.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "prefill", slow_prefill)
+    out = speculative_generate(target, draft, ids, mask, max_new_tokens=4, num_draft_tokens=3, pad_token_id=PAD)
+    phases = out.stats.time_s
+    assert seen == [1] and phases["prefill"] >= 0.2 and phases["target"] < out.stats.wall_time_s
+    assert sum(phases.values()) == pytest.approx(out.stats.wall_time_s, rel=1e-6)
 
 
 @pytest.mark.parametrize("same_draft, static", [(False, False), (True, False), (False, True)])

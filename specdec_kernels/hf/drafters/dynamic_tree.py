@@ -79,6 +79,8 @@ from ..tree_budget import MAX_CHAIN, TreeBudgetPolicy
 from .base import TreeProposal, Verified
 from .model import ModelDrafter
 
+MAX_SHAPED_DEPTH = MAX_CHAIN  # a shaped tree's depths (draft forwards per step): the chains' bound
+
 
 def tree_depths(num_nodes: int, width: int) -> list[int]:
     """The nodes each depth may hold: ``width`` per depth until the budget ``num_nodes`` is spent."""
@@ -93,7 +95,9 @@ class DynamicTreeDrafter(ModelDrafter):
         N, self.width = config.num_draft_tokens, config.tree_width
         self.per_depth = tree_depths(N, self.width)  # this step's nodes per depth
         chain = min(N, MAX_CHAIN) if config.adaptive_draft and self.width > 1 else 0  # the chain fallback
-        self.max_tree_nodes, self.max_depth = N, max(len(self.per_depth), chain)
+        self.threshold = config.tree_threshold  # > 0: shaped trees (up to shaped_depth deep)
+        self.shaped_depth = min(N, MAX_SHAPED_DEPTH) if self.threshold > 0.0 and self.width > 1 else 0
+        self.max_tree_nodes, self.max_depth = N, max(len(self.per_depth), chain, self.shaped_depth)
         self.node_slot = None  # [A, N] each node's draft-cache slot (from the step's first), -1: never fed
         self.policy: TreeBudgetPolicy | None = None
         self.prompt_lookup = config.prompt_lookup
@@ -108,7 +112,9 @@ class DynamicTreeDrafter(ModelDrafter):
             return None
         measured = cfg.draft_cost == "measured" or (cfg.draft_cost is None and cfg.greedy)
         cost = cfg.draft_cost if is_number(cfg.draft_cost) else draft_cost_estimate(session.target, self.model)
-        self.policy = TreeBudgetPolicy(cfg.num_draft_tokens, self.width, float(cost), measured)
+        self.policy = TreeBudgetPolicy(
+            cfg.num_draft_tokens, self.width, float(cost), measured, max_depth=self.shaped_depth or None
+        )
         return self.policy
 
     @staticmethod
@@ -138,7 +144,11 @@ class DynamicTreeDrafter(ModelDrafter):
         if session.processor is not grammar:  # SpecConfig refuses it; a drafter used directly must too
             raise ValueError("draft_tree='dynamic' does not support logits processors yet")
         k = self.policy.width if self.policy is not None else self.width
-        self.per_depth = tree_depths(g, k)
+        shaped = self.shaped_depth > 0 and k > 1
+        if shaped:  # up to k nodes per depth, g in all: the threshold decides how many
+            self.per_depth = [k] * (self.policy.arm[1] if self.policy is not None else self.shaped_depth)
+        else:
+            self.per_depth = tree_depths(g, k)
         batch, device, V = session.batch, session.device, session.V
         A, u, U = len(batch.rows), self.uncached, max(self.uncached_host)
         look = self._lookup_branch(session) if self.prompt_lookup else _NO_LOOKUP
@@ -163,13 +173,23 @@ class DynamicTreeDrafter(ModelDrafter):
         tokens, parents, valid, slots, depths, bits = [], [], [], [], [], []
         root_bits = (torch.ones_like(u) << u) - 1
         next_slot, arange_a = U, torch.arange(A, device=device)[:, None]
+        shape = _Shape(self.threshold, g, A, device) if shaped else None
         for d, width in enumerate(self.per_depth, start=1):
             # keep the best `width` candidates (stable: earlier parent, lower rank first on ties); the
             # lookup branch's candidate (last column) first
             cand, cand_score, cand_parent, key = look.add(d, cand, cand_score, cand_parent, kids)
             order = torch.sort(-key, dim=1, stable=True).indices[:, :width]
-            score = cand_score.gather(1, order)
-            ok = key.gather(1, order) > float("-inf")
+            score, key = cand_score.gather(1, order), key.gather(1, order)
+            ok = key > float("-inf")
+            if shape is not None:  # the shaped tree's threshold and budget (a prefix of the order)
+                ok = shape.keep(ok, score, key, d)
+                score = torch.where(ok, score, float("-inf"))  # a dropped node has no children
+                end = shape.end(ok, d) if _stops_early(device) else None
+                if end == "empty":  # no node clears the threshold at depth d: the tree is d - 1 deep
+                    self.per_depth = self.per_depth[: d - 1]
+                    break
+                if end == "spent":  # every request's budget is spent: depth d is the last
+                    self.per_depth = self.per_depth[:d]
             parent = cand_parent.gather(1, order)
             look.placed(order, sum(self.per_depth[: d - 1]))
             tokens.append(torch.where(ok, cand.gather(1, order), 0))
@@ -204,7 +224,10 @@ class DynamicTreeDrafter(ModelDrafter):
             cand_parent = (first + torch.arange(width, device=device))[None, :, None].expand(A, width, k)
             cand_parent, cand = cand_parent.reshape(A, width * k), kids[0].reshape(A, width * k)
             cand_q = probs
-        return self._compact(tokens, parents, valid, slots, depths, rows)
+        limit = g
+        if shape is not None and _stops_early(device):  # the target scores no padding column
+            limit = max(int(torch.cat(valid, dim=1).sum(dim=1).max()), 1)
+        return self._compact(tokens, parents, valid, slots, depths, rows, limit)
 
     def _lookup_branch(self, session):
         """This step's lookup branch (``_LookupBranch``), or a no-op one when no request has a match."""
@@ -215,12 +238,14 @@ class DynamicTreeDrafter(ModelDrafter):
         self.lookup_nodes = [len(p) for p in found]
         return _LookupBranch(found, session.device) if any(found) else _NO_LOOKUP
 
-    def _compact(self, tokens, parents, valid, slots, depths, rows) -> TreeProposal:
-        """The nodes of every depth, padding moved to the end (parents renumbered)."""
+    def _compact(self, tokens, parents, valid, slots, depths, rows, budget: int) -> TreeProposal:
+        """The nodes of every depth, padding moved to the end (parents renumbered), at most ``budget``
+        columns (a shaped tree's depths offer more slots than its budget of real nodes)."""
         ok = torch.cat(valid, dim=1)
         A, N = ok.shape
         order = torch.sort((~ok).long(), dim=1, stable=True).indices  # real nodes first, in order
         new_index = torch.empty_like(order).scatter_(1, order, torch.arange(N, device=ok.device).expand(A, N))
+        order = order[:, : min(N, budget)]  # (real nodes <= budget: padding only is cut)
         pick = lambda t: torch.cat(t, dim=1).gather(1, order)  # noqa: E731
         parent = pick(parents)
         parent = torch.where(parent >= 0, new_index.gather(1, parent.clamp_min(0)), -1)
@@ -245,6 +270,40 @@ class DynamicTreeDrafter(ModelDrafter):
         src = torch.where(j < u[:, None], S + j, S + self.node_slot.gather(1, node).clamp_min(0))
         kept = u + torch.clamp(accepted, max=D - 1)
         return src, torch.where(verified.finished, 0, kept)
+
+
+def _stops_early(device: torch.device) -> bool:
+    """Whether a shaped tree stops growing once a depth has no node or the budget is spent: a
+    host read per depth, free on the CPU; on a GPU it would be a synchronisation per depth, so there
+    the depths run to the end and the empty ones are padding (tests emulate the GPU with it)."""
+    return device.type == "cpu"
+
+
+class _Shape:
+    """A shaped tree's selection (``tree_threshold`` > 0): at depth d, of the candidates sorted by
+    score, the ones whose score (log path score) is >= log(threshold), at most the request's budget
+    left (g nodes in all); the best one at depth 1 always (a step drafts at least one token) and the
+    lookup branch's node always (sort key +inf). A function of the scores (ranks' probabilities), never
+    of the tokens drawn at depth d: the exactness argument of the module docstring holds as it stands."""
+
+    def __init__(self, threshold: float, budget: int, A: int, device):
+        self.log_threshold = math.log(threshold)
+        self.left = torch.full((A,), budget, dtype=torch.long, device=device)
+
+    def keep(self, ok: torch.Tensor, score: torch.Tensor, key: torch.Tensor, d: int) -> torch.Tensor:
+        """ok [A, width] of the depth's sorted candidates -> the kept ones (a prefix of each row)."""
+        col = torch.arange(ok.shape[1], device=ok.device)[None, :]
+        keep = (score >= self.log_threshold) | (key == float("inf")) | ((col == 0) & (d == 1))
+        ok = ok & keep & (col < self.left[:, None])
+        self.left = self.left - ok.sum(dim=1)
+        return ok
+
+    def end(self, ok: torch.Tensor, d: int) -> str | None:
+        """One host read: "empty" (no request has a depth-d node), "spent" (no budget left), None."""
+        any_node, any_left = torch.stack([ok.any(), (self.left > 0).any()]).tolist()
+        if not any_node and d > 1:
+            return "empty"
+        return None if any_left else "spent"
 
 
 def _extend_paths(paths: list[list], tokens: torch.Tensor, parents: torch.Tensor, ok: torch.Tensor) -> list[list]:
