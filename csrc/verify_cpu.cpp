@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "verify_api.h"
@@ -317,7 +318,7 @@ void accept_item(const ChainParams& P, int64_t b, int64_t chunk, bool simd_on) {
 // The statistics return_logprobs scores a greedy request's row with, which the row pass did not
 // keep (only the argmax): temperature 1 with the request's top-k / top-p - the threshold (thr, cut:
 // selection, as for sampled rows) and z, the sum of exp(x - m) over the kept entries (m: the row's
-// max). One pass over the row (two with a filter).
+// max). One pass over the row (two with a filter). The CPU build's GreedyNorm (verify_logprobs.h).
 template <class TT>
 double greedy_row_normaliser(const ChainParams& P, const Request& rq, const TT* t_row, const int32_t* mask, float m,
                              std::vector<float>& buf, bool simd_on, float& thr, int32_t& cut) {
@@ -338,68 +339,26 @@ double greedy_row_normaliser(const ChainParams& P, const Request& rq, const TT* 
   return z;
 }
 
-// return_logprobs of a greedy request b (after its accept program): its emitted rows 0 .. j (no
-// others) get the statistics the logprobs score them with (greedy_row_normaliser), recorded as
-// chunk 0's (the other chunks: empty) for emitted_logprobs.
+// The GreedyNorm of return_logprobs (verify_logprobs.h) on the CPU: greedy_row_normaliser, or with
+// `gpu` (a test entry: binding.cpp's logprobs mode 2) the CUDA kernels' greedy_normaliser_program
+// run by one thread, so that the GPU's statistics of greedy rows are checked without a GPU.
 template <class TT>
-void greedy_logprob_stats(const ChainParams& P, int64_t b, std::vector<float>& buf, bool simd_on) {
-  const Request rq = load_request(P, b);
-  if (!rq.greedy) return;
-  for (int64_t i = 0; i <= P.first_reject[b]; ++i) {
-    const int64_t row = b * (P.G + 1) + i;
-    const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + i * P.stride_tg;
-    float m = neg_inf();
-    for (int64_t c = 0; c < P.num_chunks; ++c) m = std::max(m, P.stats[(row * P.num_chunks + c) * NUM_STATS + 4]);
-    float thr = neg_inf();
-    int32_t cut = 0;
-    const double z = greedy_row_normaliser(P, rq, t_row, target_mask(P, b, 0, i), m, buf, simd_on, thr, cut);
-    if (P.has_filter) {
-      P.thr[row * 2] = thr;
-      if (P.cut != nullptr) P.cut[row * 2] = cut;
-    }
-    for (int64_t c = 0; c < P.num_chunks; ++c) {
-      float* s = P.stats + (row * P.num_chunks + c) * NUM_STATS;
-      s[0] = c == 0 ? m : neg_inf();
-      s[1] = c == 0 ? float(z) : 0.0f;
-    }
-  }
-}
+struct CpuGreedyNorm {
+  const ChainParams& P;
+  bool simd_on, gpu;
+  std::vector<float> buf;
+  std::unique_ptr<ThresholdScratch> scratch;
 
-// return_logprobs of tree request b (after its walk): log p(token) of each emitted position d under
-// the processed target row the walk scored it with (P.walk_rows: the root's, then that of the first
-// node of the set spelling the accepted prefix), from the row's record (one chunk): (x - m) / T -
-// log z for a kept token, -inf outside the kept set, NaN where no token was emitted or the row has
-// no finite logit (reference/logprobs.py). Greedy requests: T = 1 with their top-k / top-p, whose
-// statistics the row pass did not keep (greedy_row_normaliser: one pass over each emitted row, two
-// with a filter). In double, like the post-pass (ops/logprobs.py) and emitted_logprobs.
-template <class TT>
-void tree_logprobs(const ChainParams& P, int64_t b, std::vector<float>& buf, bool simd_on) {
-  const Request rq = load_request(P, b);
-  const int64_t* out = P.out_tokens + b * P.stride_ob;
-  float* lp = P.out_logprobs + b * P.stride_lb;
-  for (int64_t d = 0; d <= P.D; ++d) {
-    const int64_t tok = out[d];
-    const int64_t rec = d <= P.out_accepted[b] ? P.walk_rows[b * (P.D + 1) + d] : -1;
-    const float* st = P.stats + (rec < 0 ? 0 : rec) * NUM_STATS;
-    if (rec < 0 || tok < 0 || tok >= P.V || !(st[4] > neg_inf())) {
-      lp[d] = NAN;
-      continue;
-    }
-    const int64_t k = (rec / (P.G + 1)) % P.K, i = rec % (P.G + 1);
-    const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
-    const int32_t* mask = target_mask(P, b, k, i);
-    float m = st[0], thr = P.has_filter ? P.thr[rec * 2] : neg_inf();
-    int32_t cut = P.cut != nullptr ? P.cut[rec * 2] : 0;
-    double z = st[1];
-    if (rq.greedy) {
-      m = st[4];
-      z = greedy_row_normaliser(P, rq, t_row, mask, m, buf, simd_on, thr, cut);
-    }
-    int unused = 0;
-    const float x = sanitize_logit(mask_logit(to_float(t_row[tok]), mask, tok), unused);
-    lp[d] = kept_logprob(x, tok, m, z, thr, cut, rq.greedy ? 1.0 : double(rq.temperature));
+  CpuGreedyNorm(const ChainParams& params, bool simd, bool gpu_programs)
+      : P(params), simd_on(simd), gpu(gpu_programs),
+        scratch(gpu_programs && params.has_filter ? std::make_unique<ThresholdScratch>() : nullptr) {}
+
+  double operator()(const Request& rq, const TT* t_row, const int32_t* mask, float m, float& thr, int32_t& cut) {
+    if (!gpu) return greedy_row_normaliser(P, rq, t_row, mask, m, buf, simd_on, thr, cut);
+    SeqReducer red;
+    return greedy_normaliser_program(P, rq, red, scratch.get(), t_row, mask, m, thr, cut);
   }
-}
+};
 
 template <class TT, class TD>
 void row_pass(ChainParams& P, int64_t rows) {
@@ -430,7 +389,7 @@ void row_pass_cpu(const ChainParams& params, int target_dtype, int draft_dtype) 
   });
 }
 
-void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dtype) {
+void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dtype, bool gpu_logprobs) {
   ChainParams P = params;
   dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
     using TT = decltype(tt);
@@ -455,18 +414,16 @@ void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dty
     if (P.out_logprobs != nullptr) {
 #pragma omp parallel if (worth_threads(P.B, P.V))
       {
-        std::vector<float> buf;
+        SeqReducer red;
+        CpuGreedyNorm<TT> norm(P, simd_on, gpu_logprobs);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < P.B; ++b) {
-          greedy_logprob_stats<TT>(P, b, buf, simd_on);
-          emitted_logprobs<TT, TD>(P, b);
-        }
+        for (int64_t b = 0; b < P.B; ++b) chain_logprobs_program<SeqReducer, TT, TD>(P, b, red, norm);
       }
     }
   });
 }
 
-void verify_tree_cpu(const ChainParams& params, int target_dtype, int draft_dtype) {
+void verify_tree_cpu(const ChainParams& params, int target_dtype, int draft_dtype, bool gpu_logprobs) {
   ChainParams P = params;
   dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
     using TT = decltype(tt);
@@ -475,13 +432,13 @@ void verify_tree_cpu(const ChainParams& params, int target_dtype, int draft_dtyp
     const bool simd_on = simd_enabled();
 #pragma omp parallel if (worth_threads(P.B, P.V))
     {
-      std::vector<float> buf;
+      CpuGreedyNorm<TT> norm(P, simd_on, gpu_logprobs);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < P.B; ++b) {
         SeqReducer red;
         TreeWalkScratch scratch;
         tree_walk_program<SeqReducer, TT, TD>(P, b, red, scratch);
-        if (P.out_logprobs != nullptr) tree_logprobs<TT>(P, b, buf, simd_on);
+        if (P.out_logprobs != nullptr) tree_logprobs_program<SeqReducer, TT>(P, b, red, norm);
       }
     }
   });

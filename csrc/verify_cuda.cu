@@ -4,6 +4,10 @@
 //   2. accept      grid (B, C)        accept tests, first rejection, race over this chunk of row j
 //                                     (with C == 1 it also writes the outputs)
 //   3. finalize    grid (B / 128)     merge the chunk races, write tokens (only when C > 1)
+//   4. logprobs    grid (B)           return_logprobs of the emitted tokens (only when asked for)
+//
+// Trees and verify_multi: row stats, then one walk program per request (and 4 with logprobs).
+// token_bitmask: every program reads the mask words itself (ChainParams::mask).
 //
 // No host synchronisation and no allocation: CUDA-graph capturable. No torch headers here.
 #include <cuda_runtime.h>
@@ -129,6 +133,38 @@ __global__ void tree_walk_kernel(const ChainParams P) {
   tree_walk_program<BlockReducer, TT, TD>(P, blockIdx.x, red, scratch);
 }
 
+// return_logprobs (verify_logprobs.h), one program per request after its tokens are written; a
+// greedy row's statistics by the program itself (greedy_normaliser_program). THRESHOLDS: with a
+// top-k / top-p filter (greedy rows then need their threshold at temperature 1), the scratch of
+// the radix select.
+template <class TT, class TD, bool THRESHOLDS>
+__global__ void logprobs_kernel(const ChainParams P, bool tree) {
+  __shared__ float f[32];
+  __shared__ int32_t i[32];
+  BlockReducer red{f, i};
+  ThresholdScratch* scratch = nullptr;
+  if constexpr (THRESHOLDS) {
+    __shared__ ThresholdScratch threshold_scratch;
+    scratch = &threshold_scratch;
+  }
+  const auto norm = [&](const Request& rq, const TT* t_row, const int32_t* mask, float m, float& thr, int32_t& cut) {
+    return greedy_normaliser_program(P, rq, red, scratch, t_row, mask, m, thr, cut);
+  };
+  if (tree)
+    tree_logprobs_program<BlockReducer, TT>(P, blockIdx.x, red, norm);
+  else
+    chain_logprobs_program<BlockReducer, TT, TD>(P, blockIdx.x, red, norm);
+}
+
+template <class TT, class TD>
+void launch_logprobs(const ChainParams& P, bool tree, int threads, cudaStream_t stream) {
+  if (P.out_logprobs == nullptr || P.B <= 0) return;
+  if (P.has_filter)
+    logprobs_kernel<TT, TD, true><<<unsigned(P.B), threads, 0, stream>>>(P, tree);
+  else
+    logprobs_kernel<TT, TD, false><<<unsigned(P.B), threads, 0, stream>>>(P, tree);
+}
+
 __global__ void finalize_kernel(const ChainParams P) {
   const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b < P.B) finalize_request(P, b);
@@ -149,8 +185,9 @@ const char* verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_
     launch_row_stats<TT, TD>(P, P.B * (P.G + 1), threads, stream);
     if (P.B > 0 && P.num_chunks > 0)
       accept_kernel<TT, TD><<<dim3(unsigned(P.B), unsigned(P.num_chunks)), threads, 0, stream>>>(P);
+    if (P.B > 0 && P.num_chunks > 1) finalize_kernel<<<unsigned((P.B + 127) / 128), 128, 0, stream>>>(P);
+    launch_logprobs<TT, TD>(P, false, threads, stream);
   });
-  if (P.B > 0 && P.num_chunks > 1) finalize_kernel<<<unsigned((P.B + 127) / 128), 128, 0, stream>>>(P);
   const cudaError_t err = cudaGetLastError();
   if (device >= 0 && device != previous && previous >= 0) cudaSetDevice(previous);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
@@ -168,6 +205,7 @@ const char* verify_tree_cuda(const ChainParams& P, int target_dtype, int draft_d
     using TD = decltype(td);
     launch_row_stats<TT, TD>(P, P.B * P.K * (P.G + 1), threads, stream);  // P.num_chunks == 1
     if (P.B > 0) tree_walk_kernel<TT, TD><<<unsigned(P.B), threads, 0, stream>>>(P);
+    launch_logprobs<TT, TD>(P, true, threads, stream);
   });
   const cudaError_t err = cudaGetLastError();
   if (device >= 0 && device != previous && previous >= 0) cudaSetDevice(previous);

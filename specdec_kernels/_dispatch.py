@@ -228,17 +228,18 @@ def ties_backend(sampling, backend: str, device) -> str:
     )
 
 
-# Backends that apply token_bitmask themselves: the reference, the CPU build's row pass, the Triton
-# kernels as they read each row; the others run on a masked copy of the rows
-# (_bitmask.apply_chain_mask / apply_tree_mask). "auto" is resolved on CPU tensors before the mask is
-# applied; on CUDA its "cuda" candidate masks a copy itself.
-NATIVE_MASK_BACKENDS = {"torch", "cpu", "triton", "auto"}
+# Backends that apply token_bitmask themselves: the reference, the csrc programs (the CPU build's
+# row pass, the CUDA kernels), the Triton kernels as they read each row; the others run on a masked
+# copy of the rows (_bitmask.apply_chain_mask / apply_tree_mask). "auto" is resolved on CPU tensors
+# before the mask is applied; on CUDA both its candidates read the mask.
+NATIVE_MASK_BACKENDS = {"torch", "cpu", "cuda", "triton", "auto"}
 
 
 def run_verify(args: VerifyArgs, backend: str = "auto", logprobs: int | None = None) -> VerifyOutput:
     """Run chain verification (checked VerifyArgs) on the requested backend. logprobs: the call's
-    logprobs request (``ops/logprobs.logprobs_request``); the CPU build and the Triton kernels fill
-    ``out.logprobs`` themselves for return_logprobs without top-n (0), so the post-pass skips it."""
+    logprobs request (``ops/logprobs.logprobs_request``); the csrc builds (CPU and CUDA) and the Triton
+    kernels fill ``out.logprobs`` themselves for return_logprobs without top-n (0), so the post-pass
+    skips it."""
     backend = ties_backend(args.sampling, backend, args.target_logits.device)
     overrides = _OVERRIDES.get() or {}
     num_chunks, block_v = overrides.get("num_chunks"), overrides.get("block_v")
@@ -254,14 +255,14 @@ def run_verify(args: VerifyArgs, backend: str = "auto", logprobs: int | None = N
         return reference_verify(args.padded())
     if backend == "vectorized":
         return verify_vectorized(args.padded())
+    native_logprobs = logprobs == 0  # return_logprobs without top-n: the kernels write them
     if backend == "cuda":
-        return csrc.verify_chain(args.padded(), num_chunks=num_chunks)
+        return csrc.verify_chain(args.padded(), num_chunks=num_chunks, logprobs=native_logprobs)
     require_triton_device(device, "sk.verify")
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
-    native_logprobs = logprobs == 0  # return_logprobs without top-n: the Triton kernels write them too
     candidates = {"triton": lambda: launch_verify(args, num_chunks, block_v, *threshold, logprobs=native_logprobs)}
     if backend == "auto" and device.type == "cuda" and csrc.cuda_extension_ready():
-        candidates["cuda"] = lambda: csrc.verify_chain(apply_chain_mask(args).padded(), num_chunks=num_chunks)
+        candidates["cuda"] = lambda: csrc.verify_chain(args.padded(), num_chunks=num_chunks, logprobs=native_logprobs)
     chosen = resolve(backend, device, chain_shape_class(args), candidates)
     return candidates[chosen]()
 
@@ -310,7 +311,7 @@ def run_verify_block(args: VerifyArgs, backend: str = "auto", logprobs: int | No
 
 def run_tree(args: TreeArgs, backend: str = "auto", logprobs: int | None = None) -> TreeVerifyOutput:
     """Run tree / multi-draft verification (checked TreeArgs). logprobs: as for :func:`run_verify`
-    (the CPU build fills ``out.logprobs`` of the accepted path itself without top-n)."""
+    (the csrc builds, CPU and CUDA, fill ``out.logprobs`` of the accepted path themselves without top-n)."""
     backend = ties_backend(args.sampling, backend, args.target.device)
     overrides = _OVERRIDES.get() or {}
     block_v, num_chunks = overrides.get("block_v"), overrides.get("num_chunks")
@@ -325,12 +326,12 @@ def run_tree(args: TreeArgs, backend: str = "auto", logprobs: int | None = None)
     if backend == "vectorized":
         return verify_tree_vectorized(args)
     if backend == "cuda":
-        return csrc.verify_tree(args)
+        return csrc.verify_tree(args, logprobs=logprobs == 0)
     require_triton_device(args.target.device, "sk.verify_tree / sk.verify_multi")
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
     candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks, *threshold)}
     if backend == "auto" and args.target.device.type == "cuda" and csrc.cuda_extension_ready():
-        candidates["cuda"] = lambda: csrc.verify_tree(apply_tree_mask(args))
+        candidates["cuda"] = lambda: csrc.verify_tree(args, logprobs=logprobs == 0)
     chosen = resolve(backend, args.target.device, tree_shape_class(args), candidates)
     return candidates[chosen]()
 
