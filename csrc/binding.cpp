@@ -8,7 +8,7 @@
 //     token_bitmask: None, or int32 words [B, G+1, ceil(V / 32)] on the target's device
 //     logprobs: 0 none, 1 return_logprobs, 2 (CPU tensors only, a test entry) return_logprobs with the
 //       CUDA kernels' statistics of greedy rows (radix-select thresholds) run on the CPU
-//     block: method="block" for the sampled requests (block verification; CPU only)
+//     block: method="block" for the sampled requests (block verification, verify_block.h)
 //
 // Arguments are the checked ones of specdec_kernels._validation (shapes, dtypes and devices are
 // not re-checked beyond what memory safety needs). Per-request tensors are cast to the canonical
@@ -143,7 +143,6 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   at::Tensor nonfinite = at::empty({B}, opts.dtype(at::kBool));
   const bool logprobs = check_logprobs_mode(logprobs_mode, dev);
   at::Tensor lp = at::empty({logprobs ? B : 0, G + 1}, opts.dtype(at::kFloat));
-  TORCH_CHECK(!block || dev.is_cpu(), "specdec: method='block' is implemented by the CPU build only");
   if (B == 0) return logprobs ? std::vector<at::Tensor>{tokens, accepted, nonfinite, lp}
                               : std::vector<at::Tensor>{tokens, accepted, nonfinite};
 
@@ -168,6 +167,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   at::Tensor race_key = at::empty({B, num_chunks, 2}, opts.dtype(at::kFloat));
   at::Tensor race_idx = at::empty({B, num_chunks, 2}, opts.dtype(at::kInt));
   at::Tensor block_w = at::empty({block ? B : 0}, opts.dtype(at::kFloat));  // w_tau (method="block")
+  at::Tensor block_ws = at::empty({block ? B : 0, G + 1}, opts.dtype(at::kDouble));  // its weights w_i
 
   sk::ChainParams P{};
   P.target = target.data_ptr();
@@ -202,6 +202,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   P.out_logprobs = logprobs ? lp.data_ptr<float>() : nullptr;
   P.stride_lb = lp.stride(0);
   P.block_w = block ? block_w.data_ptr<float>() : nullptr;
+  P.block_ws = block ? block_ws.data_ptr<double>() : nullptr;
   set_mask(P, token_bitmask, target.sizes().slice(0, 2), V, target, keep);
 
   const int td = dtype_code(target);

@@ -1,6 +1,7 @@
 // Host entry points of the chain-verification backend (no torch headers: binding.cpp owns those).
 #pragma once
 
+#include "verify_block.h"
 #include "verify_core.h"
 #include "verify_logprobs.h"
 #include "verify_tree_core.h"
@@ -33,6 +34,7 @@ struct SeqReducer {
   int64_t rank() const { return 0; }
   int64_t size() const { return 1; }
   float sum(float v) const { return v; }
+  double sum(double v) const { return v; }
   int sum(int v) const { return v; }
   float max(float v) const { return v; }
   void argmax(float&, int32_t&) const {}

@@ -576,9 +576,11 @@ struct ChainParams {
   // (verify_logprobs.h chain_logprobs_program).
   float* out_logprobs = nullptr;
   int64_t stride_lb = 0;
-  // method="block" (the CPU build, chains; null: the token rule): [B] w_tau of each sampled request,
-  // written with first_reject by verify_cpu.cpp's block_decide before the race of row tau
+  // method="block" (chains; null: the token rule): [B] w_tau of each sampled request, written with
+  // first_reject by verify_block.h's block_decide_program before the race of row tau (block_walk),
+  // and its workspace [B, G+1] of the weights w_i
   float* block_w = nullptr;
+  double* block_ws = nullptr;
   // tree walk only
   const int64_t* parents;  // [B, N] (row stride stride_pb), or null: K chains (verify_multi)
   int64_t stride_pb;
@@ -953,14 +955,26 @@ SK_HD int64_t chunk_end(const ChainParams& P, int64_t chunk) {
   return end < P.V ? end : P.V;
 }
 
+// Program 2's walk for a block-verified sampled request: row tau (verify_block.h) with w_tau.
+SK_HD AcceptWalk block_walk(const ChainParams& P, const Request& rq, int64_t b) {
+  AcceptWalk aw;
+  aw.j = P.first_reject[b];
+  aw.s = combine_row(P, b * (P.G + 1) + aw.j, rq);
+  aw.tok_j = aw.j < rq.n ? P.draft_tokens[b * P.stride_xb + aw.j] : 0;
+  aw.w = P.block_w[b];
+  return aw;
+}
+
 // Program 2 (request, chunk): merge the row statistics, run the accept tests in order up to the
-// first rejection j, then this chunk's part of the race over row j: the residual max(p - q, 0)
-// (purpose RECOVER) when a draft was rejected, p itself (purpose BONUS) when all were accepted.
-// With one chunk the program also finalizes the request (no third launch).
+// first rejection j (method="block": row tau of block_decide_program), then this chunk's part of
+// the race over row j: the residual max(p - q, 0) (purpose RECOVER) when a draft was rejected, p
+// itself (purpose BONUS) when all were accepted. With one chunk the program also finalizes the
+// request (no third launch).
 template <class R, class TT, class TD>
 SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red) {
   const Request rq = load_request(P, b);
-  const AcceptWalk w = accept_walk<R, TT, TD>(P, rq, b, chunk, red);
+  const AcceptWalk w = P.block_w != nullptr && !rq.greedy ? block_walk(P, rq, b)
+                                                          : accept_walk<R, TT, TD>(P, rq, b, chunk, red);
   Argmax res, pk;
   if (!rq.greedy) race_range<R, TT, TD>(P, rq, b, w, chunk * P.chunk_size, chunk_end(P, chunk), red, res, pk);
   store_race(P, b, chunk, red, res, pk);

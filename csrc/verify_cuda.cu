@@ -1,6 +1,7 @@
 // Chain verification on the GPU: the programs of verify_core.h, one thread block per program.
 //
 //   1. row stats   grid (B*(G+1), C)  target/draft row statistics per vocab chunk (thresholds first)
+//   1b. block      grid (B)           method="block": tau and w_tau per request (verify_block.h)
 //   2. accept      grid (B, C)        accept tests, first rejection, race over this chunk of row j
 //                                     (with C == 1 it also writes the outputs)
 //   3. finalize    grid (B / 128)     merge the chunk races, write tokens (only when C > 1)
@@ -22,8 +23,9 @@ namespace {
 // result is read by every thread in the same (fixed) order, so it is deterministic.
 struct BlockReducer {
   using Wide = float;  // each thread adds V / blockDim.x terms, then the block adds in a tree: float suffices
-  float* f;    // [32] shared
-  int32_t* i;  // [32] shared
+  float* f;              // [32] shared
+  int32_t* i;            // [32] shared
+  double* d = nullptr;   // [32] shared, for sum(double) (block verification's residual mass)
 
   __device__ int64_t rank() const { return threadIdx.x; }
   __device__ int64_t size() const { return blockDim.x; }
@@ -38,6 +40,17 @@ struct BlockReducer {
     __syncthreads();
     float t = 0.0f;
     for (int w = 0; w < warps(); ++w) t += f[w];
+    return t;
+  }
+
+  __device__ double sum(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) d[threadIdx.x >> 5] = v;
+    __syncthreads();
+    double t = 0.0;
+    for (int w = 0; w < warps(); ++w) t += d[w];
     return t;
   }
 
@@ -133,6 +146,20 @@ __global__ void tree_walk_kernel(const ChainParams P) {
   tree_walk_program<BlockReducer, TT, TD>(P, blockIdx.x, red, scratch);
 }
 
+// method="block": block verification's tau and w_tau of each sampled request (verify_block.h),
+// between the row statistics and the accept programs (which then race row tau).
+template <class TT, class TD>
+__global__ void block_decide_kernel(const ChainParams P) {
+  __shared__ float f[32];
+  __shared__ int32_t i[32];
+  __shared__ double d[32];
+  BlockReducer red{f, i, d};
+  const auto residual = [&](const Request& rq, int64_t b, int64_t row_i, const RowStats& s, int64_t tok, double w) {
+    return residual_mass_program<BlockReducer, TT, TD>(P, rq, b, row_i, s, tok, w, red);
+  };
+  block_decide_program<BlockReducer, TT, TD>(P, blockIdx.x, red, residual);
+}
+
 // return_logprobs (verify_logprobs.h), one program per request after its tokens are written; a
 // greedy row's statistics by the program itself (greedy_normaliser_program). THRESHOLDS: with a
 // top-k / top-p filter (greedy rows then need their threshold at temperature 1), the scratch of
@@ -183,6 +210,7 @@ const char* verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_
     using TT = decltype(tt);
     using TD = decltype(td);
     launch_row_stats<TT, TD>(P, P.B * (P.G + 1), threads, stream);
+    if (P.B > 0 && P.block_w != nullptr) block_decide_kernel<TT, TD><<<unsigned(P.B), threads, 0, stream>>>(P);
     if (P.B > 0 && P.num_chunks > 0)
       accept_kernel<TT, TD><<<dim3(unsigned(P.B), unsigned(P.num_chunks)), threads, 0, stream>>>(P);
     if (P.B > 0 && P.num_chunks > 1) finalize_kernel<<<unsigned((P.B + 127) / 128), 128, 0, stream>>>(P);

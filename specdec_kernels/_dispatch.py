@@ -268,13 +268,14 @@ def run_verify(args: VerifyArgs, backend: str = "auto", logprobs: int | None = N
 
 
 # Where method="block" is implemented: auto runs "cpu" on CPU tensors (or "vectorized" without the
-# CPU build, as for the token rule) and "vectorized" on CUDA tensors.
-BLOCK_BACKENDS = ("auto", "cpu", "vectorized", "torch")
+# CPU build, as for the token rule) and "vectorized" on CUDA tensors ("cuda": the CUDA build, not yet
+# run on a GPU, so auto does not pick it).
+BLOCK_BACKENDS = ("auto", "cpu", "cuda", "vectorized", "torch")
 
 
 def check_verify_method(method, backend: str, sharded: bool) -> None:
     """ValueError for a method sk.verify does not know, or block verification where it is not
-    implemented yet (the Triton and CUDA kernels; vocabulary shards; torch.compile graphs)."""
+    implemented yet (the Triton kernels; vocabulary shards; torch.compile graphs)."""
     if method not in VERIFY_METHODS:
         raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
     if method == "token":
@@ -284,7 +285,8 @@ def check_verify_method(method, backend: str, sharded: bool) -> None:
     if backend not in BLOCK_BACKENDS:
         raise ValueError(
             f"method='block' is not implemented in the {backend!r} backend yet: use backend 'auto' "
-            "(the CPU build on CPU tensors, the vectorized backend on CUDA tensors), 'cpu', 'vectorized' or 'torch'"
+            "(the CPU build on CPU tensors, the vectorized backend on CUDA tensors), 'cpu', 'cuda', 'vectorized' or "
+            "'torch'"
         )
     if torch.compiler.is_compiling():
         raise ValueError("method='block' is not available inside torch.compile graphs yet")
@@ -292,9 +294,10 @@ def check_verify_method(method, backend: str, sharded: bool) -> None:
 
 def run_verify_block(args: VerifyArgs, backend: str = "auto", logprobs: int | None = None) -> VerifyOutput:
     """Block verification (``reference/block.py``) of checked VerifyArgs: the reference for
-    backend="torch", the CPU build (``csrc/verify_cpu.cpp``: native token_bitmask, and the
-    logprobs of return_logprobs without top-n as for the token rule) for "cpu" and "auto" on CPU
-    tensors, the batched tensor ops (``ops/vectorized/block.py``, on a masked copy) otherwise."""
+    backend="torch", the csrc builds (``csrc/verify_block.h``: native token_bitmask, and the
+    logprobs of return_logprobs without top-n as for the token rule) for "cpu" (and "auto" on CPU
+    tensors) and "cuda", the batched tensor ops (``ops/vectorized/block.py``, on a masked copy)
+    otherwise."""
     if backend == "auto" and args.target_logits.device.type == "cpu":
         backend = cpu_auto_backend()
     if backend == "torch":
@@ -302,6 +305,9 @@ def run_verify_block(args: VerifyArgs, backend: str = "auto", logprobs: int | No
     if backend == "cpu":
         num_chunks = (_OVERRIDES.get() or {}).get("num_chunks")
         return csrc.verify_chain_cpu(args.padded(), num_chunks, logprobs=logprobs == 0, method="block")
+    if backend == "cuda":
+        num_chunks = (_OVERRIDES.get() or {}).get("num_chunks")
+        return csrc.verify_chain(args.padded(), num_chunks, logprobs=logprobs == 0, method="block")
     return verify_block_vectorized(apply_chain_mask(args).padded())
 
 

@@ -8,14 +8,15 @@ Without a GPU:
   ``verify_chain`` / ``verify_tree`` -> the binding) runs end to end on CPU tensors with the CPU build
   standing in for the CUDA extension, the masked copies (``apply_chain_mask`` / ``apply_tree_mask``)
   and the post-pass's row gather made to raise: the path asks the binding for the mask and the
-  logprobs, and returns what backend="cpu" returns. (Before issue 25 it masked a copy.)
+  logprobs, and returns what backend="cpu" returns. (Before issue 25 it masked a copy.) Also
+  method="block" (csrc/verify_block.h), which backend="cuda" refused before.
 * the CUDA kernels' own statistics of greedy rows (``greedy_normaliser_program``: the radix-select
   threshold at temperature 1 and a program-wide sum, not the CPU build's selection) run by the CPU
   build (the binding's logprobs mode 2): equal, within TOL, to the CPU build's logprobs.
 With a GPU (``@pytest.mark.gpu``): backend="cuda" against backend="cpu" on the same inputs, chains
-(vocabulary chunks, dtypes, draft modes, flattened layout), trees and verify_multi, with and without
-masks: the same tokens, counts, flags and nodes, logprobs within GPU_TOL; and a CUDA graph replays a
-masked call with logprobs.
+(vocabulary chunks, dtypes, draft modes, flattened layout, method="block"), trees and verify_multi,
+with and without masks: the same tokens, counts, flags and nodes, logprobs within GPU_TOL; and a CUDA
+graph replays a masked call with logprobs.
 """
 
 from __future__ import annotations
@@ -119,6 +120,19 @@ def test_cuda_tree_path_passes_mask_and_logprobs(cpu_as_cuda, setting, op):
     got = run(*inputs, backend="cuda", **kw)
     cpu_as_cuda.undo()
     _same(got, run(*inputs, backend="cpu", **kw), TREE_FIELDS, 0.0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("mode", ["logits", "probs", "none"])
+def test_cuda_path_runs_block_verification(cpu_as_cuda, mode, masked):
+    """method="block" on backend="cuda" (csrc/verify_block.h; before: a ValueError)."""
+    target, drafts, draft = make_problem(5, 4, 301, seed=9, closeness=0.2)
+    dk = {"logits": dict(draft_logits=draft), "probs": dict(draft_probs=torch.softmax(draft, -1))}.get(mode, {})
+    kw = dict(dk, temperature=torch.tensor([0.9, 0.0, 1.2, 0.7, 1.0]), top_k=40, seed=3, method="block")
+    kw.update(return_logprobs=True, token_bitmask=_mask(target.shape, 9, drafts) if masked else None)
+    got = sk.verify(target, drafts, backend="cuda", **kw)
+    cpu_as_cuda.undo()
+    _same(got, sk.verify(target, drafts, backend="cpu", **kw), CHAIN_FIELDS, 0.0)
 
 
 def test_cuda_path_leaves_by_index_logprobs_to_the_post_pass(monkeypatch):
@@ -247,6 +261,29 @@ def test_cuda_tree_and_multi_equal_cpu_build(no_post_pass, setting, method, mask
     _same(
         sk.verify_multi(t4.cuda(), x4.cuda(), d4.cuda(), backend="cuda", **_on("cuda", kw)), want, TREE_FIELDS, GPU_TOL
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("mode", ["logits", "probs", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_block_equals_cpu_build(no_post_pass, dtype, mode, masked):
+    """method="block": tau and w_tau by the block program on the GPU (double residual mass summed over
+    a thread block), then the race of row tau; the same tokens as the CPU build."""
+    _cuda_ready()
+    B, G, V = 16, 5, 32003
+    for seed in range(3):
+        target, drafts, draft = make_problem(B, G, V, seed=seed, dtype=dtype, closeness=0.2)
+        dk = {"logits": dict(draft_logits=draft), "probs": dict(draft_probs=torch.softmax(draft.float(), -1))}
+        kw = dict(dk.get(mode, {}), temperature=torch.linspace(0.0, 1.5, B), top_k=torch.arange(B) * 7, seed=seed)
+        kw.update(
+            method="block", return_logprobs=True, token_bitmask=_mask(target.shape, seed, drafts) if masked else None
+        )
+        want = sk.verify(target, drafts, backend="cpu", **kw)
+        for chunks in (None, 3):
+            with _dispatch.launch_overrides(num_chunks=chunks):
+                got = sk.verify(target.cuda(), drafts.cuda(), backend="cuda", **_on("cuda", kw))
+            _same(got, want, CHAIN_FIELDS, GPU_TOL)
 
 
 @pytest.mark.gpu

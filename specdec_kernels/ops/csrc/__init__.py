@@ -308,7 +308,8 @@ def run_chain(
     a ``token_bitmask`` is applied by the programs themselves (both builds). logprobs: the output's
     ``logprobs`` (return_logprobs) from the row statistics, no post-pass (both builds; 2, a CPU test
     entry: greedy rows scored with the CUDA kernels' statistics, ``LOGPROBS_GPU_PROGRAMS``). block
-    (CPU build only): method="block" (``reference/block.py``) for the sampled requests."""
+    (both builds): method="block" (``reference/block.py``, ``csrc/verify_block.h``) for the sampled
+    requests."""
     target = args.target_logits
     if threads is None:
         threads = 512 if args.has_filter else 256
@@ -371,11 +372,15 @@ def cuda_native_logprobs(args) -> bool:
     return args.sampling.top_p_ties != "by_index"
 
 
-def verify_chain(args: VerifyArgs, num_chunks: int | None = None, logprobs: bool = False) -> VerifyOutput:
+def verify_chain(
+    args: VerifyArgs, num_chunks: int | None = None, logprobs: bool = False, method: str = "token"
+) -> VerifyOutput:
     """backend='cuda' for ``sk.verify``; logprobs: return_logprobs computed by the kernels (``run_chain``)
-    where :func:`cuda_native_logprobs` allows it, else ``out.logprobs`` stays None for the post-pass."""
+    where :func:`cuda_native_logprobs` allows it, else ``out.logprobs`` stays None for the post-pass;
+    method: "token" or "block" (block verification, ``csrc/verify_block.h``)."""
     _require_cuda_tensors(args.target_logits.device)
-    return run_chain(load_cuda_extension(), args, num_chunks, logprobs=logprobs and cuda_native_logprobs(args))
+    native = logprobs and cuda_native_logprobs(args)
+    return run_chain(load_cuda_extension(), args, num_chunks, logprobs=native, block=method == "block")
 
 
 def verify_tree(args, logprobs: bool = False):
@@ -394,7 +399,7 @@ def verify_chain_cpu(
     args: VerifyArgs, num_chunks: int | None = None, logprobs: bool = False, method: str = "token"
 ) -> VerifyOutput:
     """backend='cpu' for ``sk.verify``; logprobs: return_logprobs computed natively (``run_chain``);
-    method: "token" or "block" (block verification in the same row pass, ``csrc/verify_cpu.cpp``)."""
+    method: "token" or "block" (block verification in the same row pass, ``csrc/verify_block.h``)."""
     _require_cpu_tensors(args.target_logits.device)
     return run_chain(load_cpu_core(), args, num_chunks, logprobs=logprobs, block=method == "block")
 
