@@ -32,38 +32,22 @@ struct BlockReducer {
   __device__ int warps() const { return (blockDim.x + 31) >> 5; }
   __device__ void sync() const { __syncthreads(); }
 
-  __device__ float sum(float v) {
+  // Sum over the block: warp shuffles, then each warp's sum through `scratch` added in warp order.
+  template <class T>
+  __device__ T block_sum(T v, T* scratch) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     __syncthreads();
-    if ((threadIdx.x & 31) == 0) f[threadIdx.x >> 5] = v;
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
     __syncthreads();
-    float t = 0.0f;
-    for (int w = 0; w < warps(); ++w) t += f[w];
+    T t = T(0);
+    for (int w = 0; w < warps(); ++w) t += scratch[w];
     return t;
   }
 
-  __device__ double sum(double v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) d[threadIdx.x >> 5] = v;
-    __syncthreads();
-    double t = 0.0;
-    for (int w = 0; w < warps(); ++w) t += d[w];
-    return t;
-  }
-
-  __device__ int sum(int v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) i[threadIdx.x >> 5] = v;
-    __syncthreads();
-    int t = 0;
-    for (int w = 0; w < warps(); ++w) t += i[w];
-    return t;
-  }
+  __device__ float sum(float v) { return block_sum(v, f); }
+  __device__ int sum(int v) { return block_sum(v, i); }
+  __device__ double sum(double v) { return block_sum(v, d); }
 
   __device__ float max(float v) {
 #pragma unroll

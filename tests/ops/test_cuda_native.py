@@ -69,6 +69,13 @@ def _on(device, kw: dict) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
 
 
+def _cuda_equals_cpu(op, inputs: tuple, kw: dict, fields: tuple):
+    """op(*inputs, **kw) with backend="cuda" (tensors moved to the GPU) against backend="cpu"."""
+    want = op(*inputs, backend="cpu", **kw)
+    got = op(*(None if t is None else t.cuda() for t in inputs), backend="cuda", **_on("cuda", kw))
+    _same(got, want, fields, GPU_TOL)
+
+
 # ---- without a GPU: the "cuda" path on the CPU build
 
 
@@ -221,11 +228,9 @@ def test_cuda_chain_equals_cpu_build(no_post_pass, setting, mode, dtype, masked)
     kw.update(
         num_draft_tokens=torch.tensor([4, 0, 2, 3]), token_bitmask=_mask(target.shape, 4, drafts) if masked else None
     )
-    want = sk.verify(target, drafts, backend="cpu", **kw)
     for chunks in (None, 1, 3):
         with _dispatch.launch_overrides(num_chunks=chunks):
-            got = sk.verify(target.cuda(), drafts.cuda(), backend="cuda", **_on("cuda", kw))
-        _same(got, want, CHAIN_FIELDS, GPU_TOL)
+            _cuda_equals_cpu(sk.verify, (target, drafts), kw, CHAIN_FIELDS)
 
 
 @pytest.mark.gpu
@@ -235,10 +240,7 @@ def test_cuda_flattened_equals_cpu_build(no_post_pass, masked):
     cu, rows, ids, draft = flattened_problem(1003, seed=8)
     kw = dict(temperature=torch.tensor([0.7, 0.0, 1.0]), top_k=9, top_p=0.9, seed=2, return_logprobs=True)
     kw.update(cu_num_draft_tokens=cu, max_num_draft_tokens=4, token_bitmask=_mask(rows.shape, 5) if masked else None)
-    want = sk.verify(rows, ids, draft, backend="cpu", **kw)
-    _same(
-        sk.verify(rows.cuda(), ids.cuda(), draft.cuda(), backend="cuda", **_on("cuda", kw)), want, CHAIN_FIELDS, GPU_TOL
-    )
+    _cuda_equals_cpu(sk.verify, (rows, ids, draft), kw, CHAIN_FIELDS)
 
 
 @pytest.mark.gpu
@@ -251,16 +253,11 @@ def test_cuda_tree_and_multi_equal_cpu_build(no_post_pass, setting, method, mask
     target, tokens, parents, draft = make_tree_problem(3, 8, V, seed=6, without_replacement=method == "rrs_wor")
     kw = dict(setting, seed=torch.tensor([5, 6, 7]), method=method, return_logprobs=True)
     kw["token_bitmask"] = _mask(target.shape, 6) if masked else None
-    want = sk.verify_tree(target, tokens, parents, draft, backend="cpu", **kw)
-    got = sk.verify_tree(*(t.cuda() for t in (target, tokens, parents, draft)), backend="cuda", **_on("cuda", kw))
-    _same(got, want, TREE_FIELDS, GPU_TOL)
+    _cuda_equals_cpu(sk.verify_tree, (target, tokens, parents, draft), kw, TREE_FIELDS)
     t4, x4, d4 = make_problem(6, 3, V, seed=7)
     t4, x4, d4 = t4.view(3, 2, 4, V), x4.view(3, 2, 3), d4.view(3, 2, 3, V)
     kw.update(method="rrs" if method == "rrs_wor" else method, token_bitmask=_mask(t4.shape, 7) if masked else None)
-    want = sk.verify_multi(t4, x4, d4, backend="cpu", **kw)
-    _same(
-        sk.verify_multi(t4.cuda(), x4.cuda(), d4.cuda(), backend="cuda", **_on("cuda", kw)), want, TREE_FIELDS, GPU_TOL
-    )
+    _cuda_equals_cpu(sk.verify_multi, (t4, x4, d4), kw, TREE_FIELDS)
 
 
 @pytest.mark.gpu
@@ -279,26 +276,26 @@ def test_cuda_block_equals_cpu_build(no_post_pass, dtype, mode, masked):
         kw.update(
             method="block", return_logprobs=True, token_bitmask=_mask(target.shape, seed, drafts) if masked else None
         )
-        want = sk.verify(target, drafts, backend="cpu", **kw)
         for chunks in (None, 3):
             with _dispatch.launch_overrides(num_chunks=chunks):
-                got = sk.verify(target.cuda(), drafts.cuda(), backend="cuda", **_on("cuda", kw))
-            _same(got, want, CHAIN_FIELDS, GPU_TOL)
+                _cuda_equals_cpu(sk.verify, (target, drafts), kw, CHAIN_FIELDS)
 
 
 @pytest.mark.gpu
 def test_cuda_graph_replays_a_masked_call_with_logprobs():
-    """Native masks and logprobs need no host synchronisation: the call is capturable."""
+    """Native masks and logprobs need no host synchronisation: the call is capturable, and a replay
+    reads the mask words and seeds written in place since the capture."""
     _cuda_ready()
-    B, G, V = 8, 4, 32000
-    target, tokens, draft = make_problem(B, G, V, dtype=torch.bfloat16, device="cuda")
-    seeds = torch.arange(B, device="cuda", dtype=torch.int64)
-    kw = dict(temperature=torch.tensor([0.8, 0.0] * 4, device="cuda"), top_k=50, backend="cuda", validate=False)
-    kw.update(token_bitmask=_mask(target.shape, 8, tokens).cuda(), return_logprobs=True)
-    eager = sk.verify(target, tokens, draft, seed=seeds, **kw)
+    target, tokens, draft = make_problem(8, 4, 32000, dtype=torch.bfloat16, device="cuda")
+    mask = _mask(target.shape, 8, tokens).cuda()
+    kw = dict(temperature=torch.tensor([0.8, 0.0] * 4, device="cuda"), top_k=50, token_bitmask=mask)
+    kw.update(seed=torch.arange(8, device="cuda"), return_logprobs=True, backend="cuda", validate=False)
+    sk.verify(target, tokens, draft, **kw)  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = sk.verify(target, tokens, draft, seed=seeds, **kw)
-    graph.replay()
-    torch.cuda.synchronize()
-    _same(captured, eager, CHAIN_FIELDS, 0.0)
+        captured = sk.verify(target, tokens, draft, **kw)
+    for seed in range(3):
+        mask.copy_(_mask(target.shape, seed, tokens))
+        kw["seed"].add_(100)
+        graph.replay()
+        _same(captured, sk.verify(target, tokens, draft, **kw), CHAIN_FIELDS, 0.0)
