@@ -4,8 +4,11 @@
 //                top_k_t, top_k, top_p_t, top_p, seed_t, seed, has_filter, num_chunks, threads, stream,
 //                token_bitmask, logprobs, block)
 //     -> [tokens [B, G+1] int64, num_accepted [B] int32, nonfinite [B] bool]
-//        (+ logprobs [B, G+1] float32 with `logprobs`: return_logprobs from the row statistics; CPU only)
-//     block: method="block" for the sampled requests (block verification; CPU only)
+//        (+ logprobs [B, G+1] float32 with `logprobs`: return_logprobs from the row statistics)
+//     token_bitmask: None, or int32 words [B, G+1, ceil(V / 32)] on the target's device
+//     logprobs: 0 none, 1 return_logprobs, 2 (CPU tensors only, a test entry) return_logprobs with the
+//       CUDA kernels' statistics of greedy rows (radix-select thresholds) run on the CPU
+//     block: method="block" for the sampled requests (block verification, verify_block.h)
 //
 // Arguments are the checked ones of specdec_kernels._validation (shapes, dtypes and devices are
 // not re-checked beyond what memory safety needs). Per-request tensors are cast to the canonical
@@ -85,13 +88,12 @@ void set_row_pass(sk::ChainParams& P, int64_t B, int64_t G, int64_t V, int64_t n
   P.thr = thr.data_ptr<float>();
 }
 
-// token_bitmask (None, or int32 words [*rows, ceil(V / 32)] with the target's leading shape `rows`)
-// into P: any strides, the word dim made contiguous (a copy of the words only). The CPU build only:
-// the CUDA path still gets the masked copy of specdec_kernels/_bitmask.py.
+// token_bitmask (None, or int32 words [*rows, ceil(V / 32)] with the target's leading shape `rows`,
+// on the target's device) into P: any strides, the word dim made contiguous (a copy of the words only).
 void set_mask(sk::ChainParams& P, const c10::optional<at::Tensor>& mask, at::IntArrayRef rows, int64_t V,
               const at::Tensor& like, std::vector<at::Tensor>& keep) {
   if (!mask.has_value()) return;
-  TORCH_CHECK(like.device().is_cpu() && mask->device().is_cpu(), "specdec: a native token_bitmask is implemented by the CPU build only");
+  TORCH_CHECK(mask->device() == like.device(), "specdec: token_bitmask must be on the target's device");
   TORCH_CHECK(mask->scalar_type() == at::kInt, "specdec: token_bitmask must hold int32 words");
   std::vector<int64_t> want(rows.begin(), rows.end());
   want.push_back((V + 31) / 32);
@@ -104,6 +106,16 @@ void set_mask(sk::ChainParams& P, const c10::optional<at::Tensor>& mask, at::Int
   P.stride_mg = m.stride(int64_t(rows.size()) - 1);
 }
 
+// verify_chain's / verify_tree's `logprobs` argument (a Python bool is 0 or 1).
+constexpr int64_t LOGPROBS_GPU_PROGRAMS = 2;
+
+// Whether logprobs are asked for (a RuntimeError for an unknown mode, or mode 2 on a GPU).
+bool check_logprobs_mode(int64_t mode, const at::Device& dev) {
+  TORCH_CHECK(mode >= 0 && mode <= LOGPROBS_GPU_PROGRAMS, "specdec: logprobs must be 0, 1 or 2");
+  TORCH_CHECK(mode != LOGPROBS_GPU_PROGRAMS || dev.is_cpu(), "specdec: logprobs mode 2 is a CPU test entry");
+  return mode != 0;
+}
+
 std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens, c10::optional<at::Tensor> draft,
                                      int64_t draft_mode, c10::optional<at::Tensor> num_draft,
                                      c10::optional<at::Tensor> temperature_t, double temperature,
@@ -111,7 +123,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
                                      c10::optional<at::Tensor> top_p_t, double top_p,
                                      c10::optional<at::Tensor> seed_t, int64_t seed, bool has_filter, bool by_index,
                                      int64_t num_chunks, int64_t threads, int64_t stream,
-                                     c10::optional<at::Tensor> token_bitmask, bool logprobs, bool block) {
+                                     c10::optional<at::Tensor> token_bitmask, int64_t logprobs_mode, bool block) {
   TORCH_CHECK(target.dim() == 3 && target.stride(2) == 1, "specdec: target_logits must be [B, G+1, V], last dim contiguous");
   const int64_t B = target.size(0), G = target.size(1) - 1, V = target.size(2);
   // Zero sizes: B = 0 returns empty outputs below; G = 0 is a bonus token per request. An empty
@@ -129,9 +141,8 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   at::Tensor tokens = at::empty({B, G + 1}, opts.dtype(at::kLong));
   at::Tensor accepted = at::empty({B}, opts.dtype(at::kInt));
   at::Tensor nonfinite = at::empty({B}, opts.dtype(at::kBool));
-  TORCH_CHECK(!logprobs || dev.is_cpu(), "specdec: native return_logprobs is implemented by the CPU build only");
+  const bool logprobs = check_logprobs_mode(logprobs_mode, dev);
   at::Tensor lp = at::empty({logprobs ? B : 0, G + 1}, opts.dtype(at::kFloat));
-  TORCH_CHECK(!block || dev.is_cpu(), "specdec: method='block' is implemented by the CPU build only");
   if (B == 0) return logprobs ? std::vector<at::Tensor>{tokens, accepted, nonfinite, lp}
                               : std::vector<at::Tensor>{tokens, accepted, nonfinite};
 
@@ -156,6 +167,7 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   at::Tensor race_key = at::empty({B, num_chunks, 2}, opts.dtype(at::kFloat));
   at::Tensor race_idx = at::empty({B, num_chunks, 2}, opts.dtype(at::kInt));
   at::Tensor block_w = at::empty({block ? B : 0}, opts.dtype(at::kFloat));  // w_tau (method="block")
+  at::Tensor block_ws = at::empty({block ? B : 0, G + 1}, opts.dtype(at::kDouble));  // its weights w_i
 
   sk::ChainParams P{};
   P.target = target.data_ptr();
@@ -190,12 +202,13 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
   P.out_logprobs = logprobs ? lp.data_ptr<float>() : nullptr;
   P.stride_lb = lp.stride(0);
   P.block_w = block ? block_w.data_ptr<float>() : nullptr;
+  P.block_ws = block ? block_ws.data_ptr<double>() : nullptr;
   set_mask(P, token_bitmask, target.sizes().slice(0, 2), V, target, keep);
 
   const int td = dtype_code(target);
   const int dd = has_draft ? dtype_code(*draft) : td;
   if (dev.is_cpu()) {
-    sk::verify_chain_cpu(P, td, dd);
+    sk::verify_chain_cpu(P, td, dd, logprobs_mode == LOGPROBS_GPU_PROGRAMS);
   } else {
 #ifdef SPECDEC_WITH_CUDA
     TORCH_CHECK(dev.is_cuda(), "specdec: unsupported device ", dev);
@@ -214,8 +227,8 @@ std::vector<at::Tensor> verify_chain(at::Tensor target, at::Tensor draft_tokens,
 //             top_p_t, top_p, seed_t, seed, has_filter, method, max_depth, threads, stream, token_bitmask
 //             [B, K, G+1, W] or None, logprobs)
 //   -> [tokens [B, D+1] int64, num_accepted [B] int32, accepted_nodes [B, D] int64, nonfinite [B] bool]
-//      (+ logprobs [B, D+1] float32 with `logprobs`: return_logprobs of the accepted path from the row
-//      statistics; CPU only)
+//      (+ logprobs [B, D+1] float32 with `logprobs` (a mode, as verify_chain's): return_logprobs of the
+//      accepted path from the row statistics)
 std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c10::optional<at::Tensor> parents,
                                     c10::optional<at::Tensor> draft, int64_t draft_mode,
                                     c10::optional<at::Tensor> num_nodes, c10::optional<at::Tensor> temperature_t,
@@ -223,7 +236,7 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
                                     c10::optional<at::Tensor> top_p_t, double top_p, c10::optional<at::Tensor> seed_t,
                                     int64_t seed, bool has_filter, bool by_index, int64_t method, int64_t max_depth,
                                     int64_t threads, int64_t stream, c10::optional<at::Tensor> token_bitmask,
-                                    bool logprobs) {
+                                    int64_t logprobs_mode) {
   TORCH_CHECK(target.dim() == 4 && target.stride(3) == 1, "specdec: target must be [B, K, G+1, V], last dim contiguous");
   const int64_t B = target.size(0), K = target.size(1), G = target.size(2) - 1, V = target.size(3);
   const int64_t N = K * G, D = max_depth;
@@ -245,7 +258,7 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
   at::Tensor accepted = at::empty({B}, opts.dtype(at::kInt));
   at::Tensor nodes = at::empty({B, D}, opts.dtype(at::kLong));
   at::Tensor nonfinite = at::empty({B}, opts.dtype(at::kBool));
-  TORCH_CHECK(!logprobs || target.device().is_cpu(), "specdec: native return_logprobs is implemented by the CPU build only");
+  const bool logprobs = check_logprobs_mode(logprobs_mode, target.device());
   at::Tensor lp = at::empty({logprobs ? B : 0, D + 1}, opts.dtype(at::kFloat));
   at::Tensor walk_rows = at::empty({logprobs ? B : 0, D + 1}, opts.dtype(at::kLong));  // tree_logprobs' rows
   if (B == 0) return logprobs ? std::vector<at::Tensor>{tokens, accepted, nodes, nonfinite, lp}
@@ -314,7 +327,7 @@ std::vector<at::Tensor> verify_tree(at::Tensor target, at::Tensor tree_tokens, c
   const int dd = has_draft ? dtype_code(*draft) : td;
   const auto dev = target.device();
   if (dev.is_cpu()) {
-    sk::verify_tree_cpu(P, td, dd);
+    sk::verify_tree_cpu(P, td, dd, logprobs_mode == LOGPROBS_GPU_PROGRAMS);
   } else {
 #ifdef SPECDEC_WITH_CUDA
     TORCH_CHECK(dev.is_cuda(), "specdec: unsupported device ", dev);

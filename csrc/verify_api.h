@@ -1,7 +1,9 @@
 // Host entry points of the chain-verification backend (no torch headers: binding.cpp owns those).
 #pragma once
 
+#include "verify_block.h"
 #include "verify_core.h"
+#include "verify_logprobs.h"
 #include "verify_tree_core.h"
 
 namespace sk {
@@ -32,6 +34,7 @@ struct SeqReducer {
   int64_t rank() const { return 0; }
   int64_t size() const { return 1; }
   float sum(float v) const { return v; }
+  double sum(double v) const { return v; }
   int sum(int v) const { return v; }
   float max(float v) const { return v; }
   void argmax(float&, int32_t&) const {}
@@ -39,8 +42,10 @@ struct SeqReducer {
 };
 
 // CPU run of the three programs, spread over OpenMP threads (backend="cpu"). With has_filter the
-// thresholds are found by selection first, so any num_chunks works.
-void verify_chain_cpu(const ChainParams& P, int target_dtype, int draft_dtype);
+// thresholds are found by selection first, so any num_chunks works. gpu_logprobs (a test entry):
+// return_logprobs scores greedy rows with the CUDA kernels' statistics (greedy_normaliser_program)
+// instead of the CPU build's selection.
+void verify_chain_cpu(const ChainParams& P, int target_dtype, int draft_dtype, bool gpu_logprobs = false);
 int cpu_threads();  // OpenMP threads the CPU programs use (torch.set_num_threads sets them)
 // Program 1 alone (thresholds, then the row statistics into P.stats) over P.B * (P.G + 1) rows, as
 // verify_chain_cpu runs it: the binding's row_softmax_program test entry.
@@ -52,7 +57,7 @@ const char* verify_chain_cuda(const ChainParams& P, int target_dtype, int draft_
                               void* stream);
 
 // Tree / multi-draft verification (P.K chains of P.G slots, one chunk): row statistics, then the walk.
-void verify_tree_cpu(const ChainParams& P, int target_dtype, int draft_dtype);
+void verify_tree_cpu(const ChainParams& P, int target_dtype, int draft_dtype, bool gpu_logprobs = false);
 const char* verify_tree_cuda(const ChainParams& P, int target_dtype, int draft_dtype, int threads, int device,
                              void* stream);
 

@@ -571,14 +571,16 @@ struct ChainParams {
   int64_t stride_ob;
   int32_t* out_accepted;  // [B]
   bool* out_nonfinite;    // [B]
-  // return_logprobs (the CPU build, chains; null: not asked for): [B, G+1] float32 (row stride
-  // stride_lb). The emitted rows of greedy requests then get thresholds and (m, z) at temperature 1
-  // after the accept program (verify_cpu.cpp greedy_logprob_stats).
+  // return_logprobs (null: not asked for): [B, G+1] float32 (row stride stride_lb). The emitted rows
+  // of greedy requests then get thresholds and (m, z) at temperature 1 after the accept program
+  // (verify_logprobs.h chain_logprobs_program).
   float* out_logprobs = nullptr;
   int64_t stride_lb = 0;
-  // method="block" (the CPU build, chains; null: the token rule): [B] w_tau of each sampled request,
-  // written with first_reject by verify_cpu.cpp's block_decide before the race of row tau
+  // method="block" (chains; null: the token rule): [B] w_tau of each sampled request, written with
+  // first_reject by verify_block.h's block_decide_program before the race of row tau (block_walk),
+  // and its workspace [B, G+1] of the weights w_i
   float* block_w = nullptr;
+  double* block_ws = nullptr;
   // tree walk only
   const int64_t* parents;  // [B, N] (row stride stride_pb), or null: K chains (verify_multi)
   int64_t stride_pb;
@@ -587,10 +589,10 @@ struct ChainParams {
   int method;         // 0 kseq, 1 rrs, 2 rrs_wor
   int64_t* out_nodes;  // [B, D] (row stride stride_nb)
   int64_t stride_nb;
-  // return_logprobs (the CPU build's trees; null: not asked for): [B, D+1] the record of the target
-  // row the walk scored each position with (out_logprobs, stride_lb: [B, D+1], verify_cpu.cpp tree_logprobs)
+  // return_logprobs (trees; null: not asked for): [B, D+1] the record of the target row the walk
+  // scored each position with (out_logprobs, stride_lb: [B, D+1], verify_logprobs.h tree_logprobs_program)
   int64_t* walk_rows = nullptr;
-  // token_bitmask (the CPU build; null: none): int32 words [B, (K,) G+1, ceil(V / 32)] laid out like
+  // token_bitmask (null: none): int32 words [B, (K,) G+1, ceil(V / 32)] laid out like
   // the target rows (strides in words, the last dim contiguous); draft rows use draft_mask's rows
   const int32_t* mask = nullptr;
   int64_t stride_mb = 0, stride_mk = 0, stride_mg = 0;
@@ -811,39 +813,6 @@ SK_HD void finalize_request(const ChainParams& P, int64_t b) {
   P.out_nonfinite[b] = P.flagged[b] != 0;
 }
 
-// log p(tok) under a processed target row from its statistics (max m, normaliser z, top-k / top-p
-// threshold thr / cut, temperature t; x the token's masked logit): (x - m) / t - log z for a kept
-// token, -inf outside the kept set (reference/logprobs.py). The chain's emitted_logprobs and the
-// tree's tree_logprobs (verify_cpu.cpp) score with it.
-SK_HD float kept_logprob(float x, int64_t tok, float m, double z, float thr, int32_t cut, double t) {
-  const bool kept = kept_at(x, tok, thr, cut) && x > neg_inf() && z > 0.0;
-  return kept ? float((double(x) - double(safe_max(m))) / t - log(z)) : neg_inf();
-}
-
-// return_logprobs of request b (after finalize_request): log p(token) of each emitted position i
-// under row i's processed target distribution, from the row statistics the row pass already has:
-// (x_tok - m) / T - log z for a kept token (greedy requests: T = 1 with their top-k / top-p, as
-// reference/logprobs.py defines it), -inf for a token outside the kept set, NaN where no token was
-// emitted or the row has no finite logit. In double, like the post-pass (ops/logprobs.py).
-template <class TT, class TD>
-SK_HD void emitted_logprobs(const ChainParams& P, int64_t b) {
-  const Request rq = load_request(P, b);
-  const double t = rq.greedy ? 1.0 : double(rq.temperature);
-  const int64_t* out = P.out_tokens + b * P.stride_ob;
-  float* lp = P.out_logprobs + b * P.stride_lb;
-  int unused = 0;
-  for (int64_t i = 0; i <= P.G; ++i) {
-    const int64_t tok = out[i];
-    const RowStats s = tok >= 0 ? combine_row(P, b * (P.G + 1) + i, rq) : RowStats{};
-    if (tok < 0 || tok >= P.V || !(s.g_max > neg_inf())) {
-      lp[i] = NAN;
-      continue;
-    }
-    const float x = mask_logit(target_logit<TT, TD>(P, b, i, tok, unused), target_mask(P, b, 0, i), tok);
-    lp[i] = kept_logprob(x, tok, s.t.m, double(s.t.z), s.thr_t, s.cut_t, t);
-  }
-}
-
 // A row that flags its request (nonfinite): a non-finite logit / unusable draft probability, or
 // nothing to sample (greedy or not).
 SK_HD bool row_flagged(const RowStats& s, const Request& rq) {
@@ -986,14 +955,26 @@ SK_HD int64_t chunk_end(const ChainParams& P, int64_t chunk) {
   return end < P.V ? end : P.V;
 }
 
+// Program 2's walk for a block-verified sampled request: row tau (verify_block.h) with w_tau.
+SK_HD AcceptWalk block_walk(const ChainParams& P, const Request& rq, int64_t b) {
+  AcceptWalk aw;
+  aw.j = P.first_reject[b];
+  aw.s = combine_row(P, b * (P.G + 1) + aw.j, rq);
+  aw.tok_j = aw.j < rq.n ? P.draft_tokens[b * P.stride_xb + aw.j] : 0;
+  aw.w = P.block_w[b];
+  return aw;
+}
+
 // Program 2 (request, chunk): merge the row statistics, run the accept tests in order up to the
-// first rejection j, then this chunk's part of the race over row j: the residual max(p - q, 0)
-// (purpose RECOVER) when a draft was rejected, p itself (purpose BONUS) when all were accepted.
-// With one chunk the program also finalizes the request (no third launch).
+// first rejection j (method="block": row tau of block_decide_program), then this chunk's part of
+// the race over row j: the residual max(p - q, 0) (purpose RECOVER) when a draft was rejected, p
+// itself (purpose BONUS) when all were accepted. With one chunk the program also finalizes the
+// request (no third launch).
 template <class R, class TT, class TD>
 SK_HD void accept_program(const ChainParams& P, int64_t b, int64_t chunk, R& red) {
   const Request rq = load_request(P, b);
-  const AcceptWalk w = accept_walk<R, TT, TD>(P, rq, b, chunk, red);
+  const AcceptWalk w = P.block_w != nullptr && !rq.greedy ? block_walk(P, rq, b)
+                                                          : accept_walk<R, TT, TD>(P, rq, b, chunk, red);
   Argmax res, pk;
   if (!rq.greedy) race_range<R, TT, TD>(P, rq, b, w, chunk * P.chunk_size, chunk_end(P, chunk), red, res, pk);
   store_race(P, b, chunk, red, res, pk);

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "verify_api.h"
@@ -195,101 +196,19 @@ void row_stats_item(const ChainParams& P, int64_t row, int64_t chunk, bool simd_
 }
 
 // ------------------------------------------------------------------------------------------
-// method="block" (reference/block.py; Sun et al. 2024) of the sampled requests, on the row pass's
-// statistics: the weights w_i = min(w_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i), 1) from the drafts' p and q
-// (what the accept tests read: no pass over a row), then tau = the last i in 1..n with
-// eta_i <= h_i (eta_i: the token rule's accept uniform of position i - 1; h_n = w_n), scanned from
-// i = n down so that it stops at the first i that stops. h_i = r_i / (r_i + 1 - w_i) needs the
-// residual mass r_i = sum_x max(w_i p_i(x) - q_i(x), 0): one more pass over row i (target, and the
-// draft row in mode 1), in double. Since r_i <= w_i (sum_x p_i(x) = 1), h_i <= w_i: a position with
-// eta_i > w_i (w_i = 0 included) cannot stop and needs no pass. Cost: at most n - 1 extra row
-// passes per request (one each for the positions i < n the scan reaches with eta_i <= w_i), none
-// when tau = n; then the race of row tau as the token rule races row j (accept_item).
+// method="block": verify_block.h's block_decide_program, with the residual mass in AVX2 when on.
 
-// Slack on h_i <= w_i: the float32 probabilities of a row sum to 1 within ~1e-6, so r_i can exceed
-// w_i by rounding; a position is skipped only when eta_i > w_i + this (then h_i < eta_i surely).
-constexpr double kBlockBoundSlack = 1e-5;
-
-// r = sum_x max(w p(x) - q(x), 0) over row i of request b (statistics s; tok: the draft token there,
-// for one-hot q), in double (AVX2 when on).
+// r = sum_x max(w p(x) - q(x), 0) over row i of request b: block_decide_program's residual.
 template <class TT, class TD>
 double residual_mass(const ChainParams& P, const Request& rq, int64_t b, int64_t i, const RowStats& s, int64_t tok,
                      double w, bool simd_on) {
-  const RowRef<TT, TD> ref = row_ref<TT, TD>(P, b * (P.G + 1) + i);
 #ifdef SK_HAVE_AVX2_PATH
-  if (simd_on) return simd::residual_mass<TT, TD>(P, rq, ref, s, tok, w);
+  if (simd_on) return simd::residual_mass<TT, TD>(P, rq, row_ref<TT, TD>(P, b * (P.G + 1) + i), s, tok, w);
 #else
   (void)simd_on;
 #endif
-  double r = 0.0;
-  int unused = 0;
-  for (int64_t x = 0; x < P.V; ++x) {
-    const float xt = mask_logit(load_logit(ref.t, x, unused), ref.tm, x);
-    const float p = prob_of(xt, s.t.m, s.t.z, s.thr_t, rq.inv_t, x, s.cut_t);
-    if (!(p > 0.0f)) continue;  // q >= 0
-    float q = x == tok ? 1.0f : 0.0f;
-    if (P.draft_mode == DRAFT_LOGITS) {
-      q = prob_of(mask_logit(load_logit(ref.d, x, unused), ref.dm, x), s.q.m, s.q.z, s.thr_q, rq.inv_t, x, s.cut_q);
-    } else if (P.draft_mode == DRAFT_PROBS) {
-      q = load_prob(ref.d, x, unused);
-    }
-    r += std::max(w * double(p) - double(q), 0.0);
-  }
-  return r;
-}
-
-// Block verification of request b (sampled): tau into first_reject[b], w_tau into block_w[b], and
-// the flag (any of rows 0 .. n, as the reference reads them all).
-template <class TT, class TD>
-void block_decide(const ChainParams& P, int64_t b, bool simd_on, std::vector<double>& w) {
-  const Request rq = load_request(P, b);
-  if (rq.greedy) return;  // the argmax chain, the token rule's (accept_walk)
-  const int64_t n = rq.n;  // drafts end at the first placeholder (load_request)
-  const int64_t* toks = P.draft_tokens + b * P.stride_xb;
-  w.assign(n + 1, 1.0);
-  bool flagged = false;
-  for (int64_t i = 0; i <= n; ++i) {
-    const RowStats s = combine_row(P, b * (P.G + 1) + i, rq);
-    flagged |= row_flagged(s, rq);
-    if (i == n) break;
-    float p, q;
-    draft_token_probs<TT, TD>(P, rq, b, i, toks[i], s, p, q);
-    // ratio p / q (+inf for q = 0 < p); w stays 0 once 0 (the reference's 0 * inf = NaN acts as 0)
-    const double ratio = p > 0.0f ? (q > 0.0f ? double(p) / double(q) : INFINITY) : 0.0;
-    w[i + 1] = w[i] > 0.0 ? std::min(w[i] * ratio, 1.0) : 0.0;
-  }
-  int64_t tau = 0;
-  for (int64_t i = n; i >= 1; --i) {
-    const double eta = uniform_open(rq.seed, 0, uint32_t(i - 1), PURPOSE_ACCEPT);
-    if (i == n) {  // h_n = w_n
-      if (eta <= w[n]) {
-        tau = n;
-        break;
-      }
-      continue;
-    }
-    if (!(w[i] > 0.0 && eta <= w[i] + kBlockBoundSlack)) continue;  // h_i <= w_i < eta_i
-    const RowStats s = combine_row(P, b * (P.G + 1) + i, rq);
-    const double r = residual_mass<TT, TD>(P, rq, b, i, s, toks[i], w[i], simd_on);
-    if (r > 0.0 && eta <= r / (r + 1.0 - w[i])) {
-      tau = i;
-      break;
-    }
-  }
-  P.first_reject[b] = int32_t(tau);
-  P.direct[b] = 0;  // a greedy request's token only
-  P.flagged[b] = flagged ? 1 : 0;
-  P.block_w[b] = float(w[tau]);
-}
-
-// Program 2's walk for a block-verified sampled request: row tau (block_decide) with w_tau.
-AcceptWalk block_walk(const ChainParams& P, const Request& rq, int64_t b) {
-  AcceptWalk aw;
-  aw.j = P.first_reject[b];
-  aw.s = combine_row(P, b * (P.G + 1) + aw.j, rq);
-  aw.tok_j = aw.j < rq.n ? P.draft_tokens[b * P.stride_xb + aw.j] : 0;
-  aw.w = P.block_w[b];
-  return aw;
+  SeqReducer red;
+  return residual_mass_program<SeqReducer, TT, TD>(P, rq, b, i, s, tok, w, red);
 }
 
 // Program 2 of (request, chunk): the accept tests (or block verification's row tau), then this
@@ -317,7 +236,7 @@ void accept_item(const ChainParams& P, int64_t b, int64_t chunk, bool simd_on) {
 // The statistics return_logprobs scores a greedy request's row with, which the row pass did not
 // keep (only the argmax): temperature 1 with the request's top-k / top-p - the threshold (thr, cut:
 // selection, as for sampled rows) and z, the sum of exp(x - m) over the kept entries (m: the row's
-// max). One pass over the row (two with a filter).
+// max). One pass over the row (two with a filter). The CPU build's GreedyNorm (verify_logprobs.h).
 template <class TT>
 double greedy_row_normaliser(const ChainParams& P, const Request& rq, const TT* t_row, const int32_t* mask, float m,
                              std::vector<float>& buf, bool simd_on, float& thr, int32_t& cut) {
@@ -338,68 +257,26 @@ double greedy_row_normaliser(const ChainParams& P, const Request& rq, const TT* 
   return z;
 }
 
-// return_logprobs of a greedy request b (after its accept program): its emitted rows 0 .. j (no
-// others) get the statistics the logprobs score them with (greedy_row_normaliser), recorded as
-// chunk 0's (the other chunks: empty) for emitted_logprobs.
+// The GreedyNorm of return_logprobs (verify_logprobs.h) on the CPU: greedy_row_normaliser, or with
+// `gpu` (a test entry: binding.cpp's logprobs mode 2) the CUDA kernels' greedy_normaliser_program
+// run by one thread, so that the GPU's statistics of greedy rows are checked without a GPU.
 template <class TT>
-void greedy_logprob_stats(const ChainParams& P, int64_t b, std::vector<float>& buf, bool simd_on) {
-  const Request rq = load_request(P, b);
-  if (!rq.greedy) return;
-  for (int64_t i = 0; i <= P.first_reject[b]; ++i) {
-    const int64_t row = b * (P.G + 1) + i;
-    const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + i * P.stride_tg;
-    float m = neg_inf();
-    for (int64_t c = 0; c < P.num_chunks; ++c) m = std::max(m, P.stats[(row * P.num_chunks + c) * NUM_STATS + 4]);
-    float thr = neg_inf();
-    int32_t cut = 0;
-    const double z = greedy_row_normaliser(P, rq, t_row, target_mask(P, b, 0, i), m, buf, simd_on, thr, cut);
-    if (P.has_filter) {
-      P.thr[row * 2] = thr;
-      if (P.cut != nullptr) P.cut[row * 2] = cut;
-    }
-    for (int64_t c = 0; c < P.num_chunks; ++c) {
-      float* s = P.stats + (row * P.num_chunks + c) * NUM_STATS;
-      s[0] = c == 0 ? m : neg_inf();
-      s[1] = c == 0 ? float(z) : 0.0f;
-    }
-  }
-}
+struct CpuGreedyNorm {
+  const ChainParams& P;
+  bool simd_on, gpu;
+  std::vector<float> buf;
+  std::unique_ptr<ThresholdScratch> scratch;
 
-// return_logprobs of tree request b (after its walk): log p(token) of each emitted position d under
-// the processed target row the walk scored it with (P.walk_rows: the root's, then that of the first
-// node of the set spelling the accepted prefix), from the row's record (one chunk): (x - m) / T -
-// log z for a kept token, -inf outside the kept set, NaN where no token was emitted or the row has
-// no finite logit (reference/logprobs.py). Greedy requests: T = 1 with their top-k / top-p, whose
-// statistics the row pass did not keep (greedy_row_normaliser: one pass over each emitted row, two
-// with a filter). In double, like the post-pass (ops/logprobs.py) and emitted_logprobs.
-template <class TT>
-void tree_logprobs(const ChainParams& P, int64_t b, std::vector<float>& buf, bool simd_on) {
-  const Request rq = load_request(P, b);
-  const int64_t* out = P.out_tokens + b * P.stride_ob;
-  float* lp = P.out_logprobs + b * P.stride_lb;
-  for (int64_t d = 0; d <= P.D; ++d) {
-    const int64_t tok = out[d];
-    const int64_t rec = d <= P.out_accepted[b] ? P.walk_rows[b * (P.D + 1) + d] : -1;
-    const float* st = P.stats + (rec < 0 ? 0 : rec) * NUM_STATS;
-    if (rec < 0 || tok < 0 || tok >= P.V || !(st[4] > neg_inf())) {
-      lp[d] = NAN;
-      continue;
-    }
-    const int64_t k = (rec / (P.G + 1)) % P.K, i = rec % (P.G + 1);
-    const TT* t_row = static_cast<const TT*>(P.target) + b * P.stride_tb + k * P.stride_tk + i * P.stride_tg;
-    const int32_t* mask = target_mask(P, b, k, i);
-    float m = st[0], thr = P.has_filter ? P.thr[rec * 2] : neg_inf();
-    int32_t cut = P.cut != nullptr ? P.cut[rec * 2] : 0;
-    double z = st[1];
-    if (rq.greedy) {
-      m = st[4];
-      z = greedy_row_normaliser(P, rq, t_row, mask, m, buf, simd_on, thr, cut);
-    }
-    int unused = 0;
-    const float x = sanitize_logit(mask_logit(to_float(t_row[tok]), mask, tok), unused);
-    lp[d] = kept_logprob(x, tok, m, z, thr, cut, rq.greedy ? 1.0 : double(rq.temperature));
+  CpuGreedyNorm(const ChainParams& params, bool simd, bool gpu_programs)
+      : P(params), simd_on(simd), gpu(gpu_programs),
+        scratch(gpu_programs && params.has_filter ? std::make_unique<ThresholdScratch>() : nullptr) {}
+
+  double operator()(const Request& rq, const TT* t_row, const int32_t* mask, float m, float& thr, int32_t& cut) {
+    if (!gpu) return greedy_row_normaliser(P, rq, t_row, mask, m, buf, simd_on, thr, cut);
+    SeqReducer red;
+    return greedy_normaliser_program(P, rq, red, scratch.get(), t_row, mask, m, thr, cut);
   }
-}
+};
 
 template <class TT, class TD>
 void row_pass(ChainParams& P, int64_t rows) {
@@ -430,7 +307,7 @@ void row_pass_cpu(const ChainParams& params, int target_dtype, int draft_dtype) 
   });
 }
 
-void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dtype) {
+void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dtype, bool gpu_logprobs) {
   ChainParams P = params;
   dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
     using TT = decltype(tt);
@@ -439,11 +316,13 @@ void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dty
     const int64_t C = P.num_chunks;
     const bool simd_on = simd_enabled();
     if (P.block_w != nullptr) {
-#pragma omp parallel if (worth_threads(P.B, P.V))
-      {
-        std::vector<double> w;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < P.B; ++b) block_decide<TT, TD>(P, b, simd_on, w);
+      const auto residual = [&](const Request& rq, int64_t b, int64_t i, const RowStats& s, int64_t tok, double w) {
+        return residual_mass<TT, TD>(P, rq, b, i, s, tok, w, simd_on);
+      };
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(P.B, P.V))
+      for (int64_t b = 0; b < P.B; ++b) {
+        SeqReducer red;
+        block_decide_program<SeqReducer, TT, TD>(P, b, red, residual);
       }
     }
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(P.B, P.V))
@@ -455,18 +334,16 @@ void verify_chain_cpu(const ChainParams& params, int target_dtype, int draft_dty
     if (P.out_logprobs != nullptr) {
 #pragma omp parallel if (worth_threads(P.B, P.V))
       {
-        std::vector<float> buf;
+        SeqReducer red;
+        CpuGreedyNorm<TT> norm(P, simd_on, gpu_logprobs);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < P.B; ++b) {
-          greedy_logprob_stats<TT>(P, b, buf, simd_on);
-          emitted_logprobs<TT, TD>(P, b);
-        }
+        for (int64_t b = 0; b < P.B; ++b) chain_logprobs_program<SeqReducer, TT, TD>(P, b, red, norm);
       }
     }
   });
 }
 
-void verify_tree_cpu(const ChainParams& params, int target_dtype, int draft_dtype) {
+void verify_tree_cpu(const ChainParams& params, int target_dtype, int draft_dtype, bool gpu_logprobs) {
   ChainParams P = params;
   dispatch_dtypes(target_dtype, draft_dtype, [&](auto tt, auto td) {
     using TT = decltype(tt);
@@ -475,13 +352,13 @@ void verify_tree_cpu(const ChainParams& params, int target_dtype, int draft_dtyp
     const bool simd_on = simd_enabled();
 #pragma omp parallel if (worth_threads(P.B, P.V))
     {
-      std::vector<float> buf;
+      CpuGreedyNorm<TT> norm(P, simd_on, gpu_logprobs);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < P.B; ++b) {
         SeqReducer red;
         TreeWalkScratch scratch;
         tree_walk_program<SeqReducer, TT, TD>(P, b, red, scratch);
-        if (P.out_logprobs != nullptr) tree_logprobs<TT>(P, b, buf, simd_on);
+        if (P.out_logprobs != nullptr) tree_logprobs_program<SeqReducer, TT>(P, b, red, norm);
       }
     }
   });

@@ -15,9 +15,10 @@ given. Under vocabulary shards each rank passes the words of its own slice [lo, 
 ceil((hi - lo) / 32) words, bit j of word w = global token lo + 32 w + j - the same local layout.
 
 This module checks masks and applies them as one masked copy of the rows (the backends without a
-native mask path run on that copy; the CPU build of csrc/ tests the bits in its row pass and the
-Triton kernels test each entry's bit as they read it, ``ops/triton/helpers.allowed_tile``; see
-``_dispatch.NATIVE_MASK_BACKENDS``); ``reference/sampling.py`` states the rule independently.
+native mask path run on that copy; the csrc programs - the CPU build's row pass and the CUDA
+kernels - test the bits as they read each row and the Triton kernels test each entry's bit as they
+read it, ``ops/triton/helpers.allowed_tile``; see ``_dispatch.NATIVE_MASK_BACKENDS``);
+``reference/sampling.py`` states the rule independently.
 """
 
 from __future__ import annotations

@@ -228,17 +228,18 @@ def ties_backend(sampling, backend: str, device) -> str:
     )
 
 
-# Backends that apply token_bitmask themselves: the reference, the CPU build's row pass, the Triton
-# kernels as they read each row; the others run on a masked copy of the rows
-# (_bitmask.apply_chain_mask / apply_tree_mask). "auto" is resolved on CPU tensors before the mask is
-# applied; on CUDA its "cuda" candidate masks a copy itself.
-NATIVE_MASK_BACKENDS = {"torch", "cpu", "triton", "auto"}
+# Backends that apply token_bitmask themselves: the reference, the csrc programs (the CPU build's
+# row pass, the CUDA kernels), the Triton kernels as they read each row; the others run on a masked
+# copy of the rows (_bitmask.apply_chain_mask / apply_tree_mask). "auto" is resolved on CPU tensors
+# before the mask is applied; on CUDA both its candidates read the mask.
+NATIVE_MASK_BACKENDS = {"torch", "cpu", "cuda", "triton", "auto"}
 
 
 def run_verify(args: VerifyArgs, backend: str = "auto", logprobs: int | None = None) -> VerifyOutput:
     """Run chain verification (checked VerifyArgs) on the requested backend. logprobs: the call's
-    logprobs request (``ops/logprobs.logprobs_request``); the CPU build and the Triton kernels fill
-    ``out.logprobs`` themselves for return_logprobs without top-n (0), so the post-pass skips it."""
+    logprobs request (``ops/logprobs.logprobs_request``); the csrc builds (CPU and CUDA) and the Triton
+    kernels fill ``out.logprobs`` themselves for return_logprobs without top-n (0), so the post-pass
+    skips it."""
     backend = ties_backend(args.sampling, backend, args.target_logits.device)
     overrides = _OVERRIDES.get() or {}
     num_chunks, block_v = overrides.get("num_chunks"), overrides.get("block_v")
@@ -254,26 +255,27 @@ def run_verify(args: VerifyArgs, backend: str = "auto", logprobs: int | None = N
         return reference_verify(args.padded())
     if backend == "vectorized":
         return verify_vectorized(args.padded())
+    native_logprobs = logprobs == 0  # return_logprobs without top-n: the kernels write them
     if backend == "cuda":
-        return csrc.verify_chain(args.padded(), num_chunks=num_chunks)
+        return csrc.verify_chain(args.padded(), num_chunks=num_chunks, logprobs=native_logprobs)
     require_triton_device(device, "sk.verify")
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
-    native_logprobs = logprobs == 0  # return_logprobs without top-n: the Triton kernels write them too
     candidates = {"triton": lambda: launch_verify(args, num_chunks, block_v, *threshold, logprobs=native_logprobs)}
     if backend == "auto" and device.type == "cuda" and csrc.cuda_extension_ready():
-        candidates["cuda"] = lambda: csrc.verify_chain(apply_chain_mask(args).padded(), num_chunks=num_chunks)
+        candidates["cuda"] = lambda: csrc.verify_chain(args.padded(), num_chunks=num_chunks, logprobs=native_logprobs)
     chosen = resolve(backend, device, chain_shape_class(args), candidates)
     return candidates[chosen]()
 
 
 # Where method="block" is implemented: auto runs "cpu" on CPU tensors (or "vectorized" without the
-# CPU build, as for the token rule) and "triton" on CUDA tensors.
-BLOCK_BACKENDS = ("auto", "cpu", "vectorized", "torch", "triton")
+# CPU build, as for the token rule) and "triton" on CUDA tensors ("cuda": the CUDA build, not yet run
+# on a GPU, so auto does not pick it).
+BLOCK_BACKENDS = ("auto", "cpu", "cuda", "vectorized", "torch", "triton")
 
 
 def check_verify_method(method, backend: str, sharded: bool) -> None:
     """ValueError for a method sk.verify does not know, or block verification where it is not
-    implemented yet (the Triton and CUDA kernels; vocabulary shards; torch.compile graphs)."""
+    implemented yet (the Triton kernels; vocabulary shards; torch.compile graphs)."""
     if method not in VERIFY_METHODS:
         raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
     if method == "token":
@@ -283,8 +285,8 @@ def check_verify_method(method, backend: str, sharded: bool) -> None:
     if backend not in BLOCK_BACKENDS:
         raise ValueError(
             f"method='block' is not implemented in the {backend!r} backend yet: use backend 'auto' "
-            "(the CPU build on CPU tensors, the Triton kernels on CUDA tensors), 'cpu', 'triton', 'vectorized' or "
-            "'torch'"
+            "(the CPU build on CPU tensors, the Triton kernels on CUDA tensors), 'cpu', 'cuda', 'triton', "
+            "'vectorized' or 'torch'"
         )
     if torch.compiler.is_compiling():
         raise ValueError("method='block' is not available inside torch.compile graphs yet")
@@ -292,11 +294,12 @@ def check_verify_method(method, backend: str, sharded: bool) -> None:
 
 def run_verify_block(args: VerifyArgs, backend: str = "auto", logprobs: int | None = None) -> VerifyOutput:
     """Block verification (``reference/block.py``) of checked VerifyArgs: the reference for
-    backend="torch", the CPU build (``csrc/verify_cpu.cpp``: native token_bitmask, and the
+    backend="torch", the CPU build (``csrc/verify_block.h``: native token_bitmask, and the
     logprobs of return_logprobs without top-n as for the token rule) for "cpu" and "auto" on CPU
-    tensors, the Triton chain kernels (``ops/triton/block.py``: native masks and logprobs, both
-    layouts) for "triton" and "auto" on CUDA tensors, the batched tensor ops
-    (``ops/vectorized/block.py``, on a masked copy) for "vectorized"."""
+    tensors, the CUDA build (the same programs) for "cuda", the Triton chain kernels
+    (``ops/triton/block.py``: native masks and logprobs, both layouts) for "triton" and "auto" on
+    CUDA tensors, the batched tensor ops (``ops/vectorized/block.py``, on a masked copy) for
+    "vectorized"."""
     device = args.target_logits.device
     if backend == "auto" and device.type in ("cpu", "cuda"):
         backend = cpu_auto_backend() if device.type == "cpu" else "triton"
@@ -310,6 +313,9 @@ def run_verify_block(args: VerifyArgs, backend: str = "auto", logprobs: int | No
     if backend == "cpu":
         num_chunks = (_OVERRIDES.get() or {}).get("num_chunks")
         return csrc.verify_chain_cpu(args.padded(), num_chunks, logprobs=logprobs == 0, method="block")
+    if backend == "cuda":
+        num_chunks = (_OVERRIDES.get() or {}).get("num_chunks")
+        return csrc.verify_chain(args.padded(), num_chunks, logprobs=logprobs == 0, method="block")
     return verify_block_vectorized(apply_chain_mask(args).padded())
 
 
@@ -319,7 +325,7 @@ def run_verify_block(args: VerifyArgs, backend: str = "auto", logprobs: int | No
 
 def run_tree(args: TreeArgs, backend: str = "auto", logprobs: int | None = None) -> TreeVerifyOutput:
     """Run tree / multi-draft verification (checked TreeArgs). logprobs: as for :func:`run_verify`
-    (the CPU build fills ``out.logprobs`` of the accepted path itself without top-n)."""
+    (the csrc builds, CPU and CUDA, fill ``out.logprobs`` of the accepted path themselves without top-n)."""
     backend = ties_backend(args.sampling, backend, args.target.device)
     overrides = _OVERRIDES.get() or {}
     block_v, num_chunks = overrides.get("block_v"), overrides.get("num_chunks")
@@ -334,12 +340,12 @@ def run_tree(args: TreeArgs, backend: str = "auto", logprobs: int | None = None)
     if backend == "vectorized":
         return verify_tree_vectorized(args)
     if backend == "cuda":
-        return csrc.verify_tree(args)
+        return csrc.verify_tree(args, logprobs=logprobs == 0)
     require_triton_device(args.target.device, "sk.verify_tree / sk.verify_multi")
     threshold = (overrides.get("threshold_chunks"), overrides.get("threshold_capacity"))
     candidates = {"triton": lambda: launch_tree(args, block_v, num_chunks, *threshold, logprobs=logprobs == 0)}
     if backend == "auto" and args.target.device.type == "cuda" and csrc.cuda_extension_ready():
-        candidates["cuda"] = lambda: csrc.verify_tree(apply_tree_mask(args))
+        candidates["cuda"] = lambda: csrc.verify_tree(args, logprobs=logprobs == 0)
     chosen = resolve(backend, args.target.device, tree_shape_class(args), candidates)
     return candidates[chosen]()
 

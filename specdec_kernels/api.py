@@ -185,8 +185,8 @@ def verify(
     out_dtype: torch.int64 (default) or torch.int32 for ``tokens``; engine conventions: this module's docstring.
 
     method: "token" (the rule above) or "block" (Sun et al. 2024, ``reference/block.py``: exact, never
-    fewer accepted drafts in expectation; backends cpu, triton, vectorized, torch, and auto = cpu on
-    CPU tensors, triton on CUDA tensors; cuda raises ValueError). Under it a sampled
+    fewer accepted drafts in expectation; backends cpu, cuda, triton, vectorized, torch, and auto = cpu
+    on CPU tensors, triton on CUDA tensors). Under it a sampled
     request is flagged by any of its rows 0 .. n_b (block verification reads them all).
 
     Vocabulary parallel (process_group=, vocab_size=), return_logprobs / num_logprobs, token_bitmask

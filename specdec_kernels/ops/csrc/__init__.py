@@ -290,18 +290,26 @@ def _stream(device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
+# run_chain / run_tree's logprobs=2 (binding.cpp's LOGPROBS_GPU_PROGRAMS; CPU tensors only): the CPU
+# build scores greedy rows with the CUDA kernels' greedy_normaliser_program (csrc/verify_logprobs.h),
+# which tests that code without a GPU.
+LOGPROBS_GPU_PROGRAMS = 2
+
+
 def run_chain(
     ext,
     args: VerifyArgs,
     num_chunks: int | None = None,
     threads: int | None = None,
-    logprobs: bool = False,
+    logprobs: bool | int = False,
     block: bool = False,
 ) -> VerifyOutput:
     """Call ``ext.verify_chain`` (CPU core or CUDA extension) on checked arguments (padded layout);
-    a ``token_bitmask`` is applied by the CPU build's row pass. logprobs (CPU build only): the
-    output's ``logprobs`` (return_logprobs) from the row statistics, no post-pass. block (CPU build
-    only): method="block" (``reference/block.py``) for the sampled requests."""
+    a ``token_bitmask`` is applied by the programs themselves (both builds). logprobs: the output's
+    ``logprobs`` (return_logprobs) from the row statistics, no post-pass (both builds; 2, a CPU test
+    entry: greedy rows scored with the CUDA kernels' statistics, ``LOGPROBS_GPU_PROGRAMS``). block
+    (both builds): method="block" (``reference/block.py``, ``csrc/verify_block.h``) for the sampled
+    requests."""
     target = args.target_logits
     if threads is None:
         threads = 512 if args.has_filter else 256
@@ -318,16 +326,16 @@ def run_chain(
         int(num_chunks),
         int(threads),
         _stream(target.device),
-        args.token_bitmask,  # applied natively (CPU build only: run_verify gives the CUDA path masked rows)
-        bool(logprobs),
+        args.token_bitmask,  # applied natively by both builds
+        int(logprobs),
         bool(block),
     )
     return VerifyOutput(tokens, accepted, nonfinite, logprobs=lp[0] if lp else None)
 
 
-def run_tree(ext, args, threads: int = 256, logprobs: bool = False):
-    """Call ``ext.verify_tree`` (CPU core or CUDA extension) on checked TreeArgs. logprobs (CPU
-    build only): the output's ``logprobs`` (return_logprobs) of the accepted path from the row
+def run_tree(ext, args, threads: int = 256, logprobs: bool | int = False):
+    """Call ``ext.verify_tree`` (CPU core or CUDA extension) on checked TreeArgs. logprobs (as for
+    :func:`run_chain`): the output's ``logprobs`` (return_logprobs) of the accepted path from the row
     statistics, no post-pass."""
     tokens, accepted, nodes, nonfinite, *lp = ext.verify_tree(
         args.target,
@@ -342,7 +350,7 @@ def run_tree(ext, args, threads: int = 256, logprobs: bool = False):
         int(threads),
         _stream(args.target.device),
         args.token_bitmask,
-        bool(logprobs),
+        int(logprobs),
     )
     return TreeVerifyOutput(tokens, accepted, nodes, nonfinite, logprobs=lp[0] if lp else None)
 
@@ -357,16 +365,29 @@ def _require_cuda_tensors(device) -> None:
         )
 
 
-def verify_chain(args: VerifyArgs, num_chunks: int | None = None) -> VerifyOutput:
-    """backend='cuda' for ``sk.verify``."""
+def cuda_native_logprobs(args) -> bool:
+    """Whether the CUDA kernels can write return_logprobs for this call: not with the "by_index" top-p
+    tie rule, which the CUDA build does not implement (it scores greedy rows with top-p too, so the
+    logprobs post-pass of ``ops/logprobs.py`` scores such calls instead)."""
+    return args.sampling.top_p_ties != "by_index"
+
+
+def verify_chain(
+    args: VerifyArgs, num_chunks: int | None = None, logprobs: bool = False, method: str = "token"
+) -> VerifyOutput:
+    """backend='cuda' for ``sk.verify``; logprobs: return_logprobs computed by the kernels (``run_chain``)
+    where :func:`cuda_native_logprobs` allows it, else ``out.logprobs`` stays None for the post-pass;
+    method: "token" or "block" (block verification, ``csrc/verify_block.h``)."""
     _require_cuda_tensors(args.target_logits.device)
-    return run_chain(load_cuda_extension(), args, num_chunks)
+    native = logprobs and cuda_native_logprobs(args)
+    return run_chain(load_cuda_extension(), args, num_chunks, logprobs=native, block=method == "block")
 
 
-def verify_tree(args):
-    """backend='cuda' for ``sk.verify_tree`` / ``sk.verify_multi`` (checked TreeArgs)."""
+def verify_tree(args, logprobs: bool = False):
+    """backend='cuda' for ``sk.verify_tree`` / ``sk.verify_multi`` (checked TreeArgs); logprobs: as for
+    :func:`verify_chain`, for the accepted path."""
     _require_cuda_tensors(args.target.device)
-    return run_tree(load_cuda_extension(), args)
+    return run_tree(load_cuda_extension(), args, logprobs=logprobs and cuda_native_logprobs(args))
 
 
 def _require_cpu_tensors(device) -> None:
@@ -378,7 +399,7 @@ def verify_chain_cpu(
     args: VerifyArgs, num_chunks: int | None = None, logprobs: bool = False, method: str = "token"
 ) -> VerifyOutput:
     """backend='cpu' for ``sk.verify``; logprobs: return_logprobs computed natively (``run_chain``);
-    method: "token" or "block" (block verification in the same row pass, ``csrc/verify_cpu.cpp``)."""
+    method: "token" or "block" (block verification in the same row pass, ``csrc/verify_block.h``)."""
     _require_cpu_tensors(args.target_logits.device)
     return run_chain(load_cpu_core(), args, num_chunks, logprobs=logprobs, block=method == "block")
 
