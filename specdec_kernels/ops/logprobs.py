@@ -9,15 +9,16 @@ B (G+1) rows and one processing pass over them; ``num_logprobs`` adds one ``torc
 shards the same post-pass runs with the shards' scorer (``ops/vocab_parallel/logprobs.py``).
 Exception (native logprobs, ``return_logprobs`` without top-n): these backends write the logprobs
 themselves from the row statistics their pass already has, and this post-pass returns at once:
-the CPU build (backend="cpu", also "auto" on CPU tensors when it picks the build) for chains
-(``csrc/verify_core.h``'s ``emitted_logprobs``) and for trees and verify_multi (the accepted path:
-``csrc/verify_cpu.cpp``'s ``tree_logprobs``), the Triton chain kernels (backend="triton", and
+the csrc builds, CPU (backend="cpu", also "auto" on CPU tensors when it picks the build) and CUDA
+(backend="cuda", except top_p_ties="by_index", which it leaves to this post-pass), for chains and
+for trees and verify_multi (the accepted path: ``csrc/verify_logprobs.h``'s chain and tree
+programs), the Triton chain kernels (backend="triton", and
 "auto" on CUDA when it picks Triton; padded and flattened layouts: ``ops/triton/chain.py``'s
 ``_emitted_logprobs``) and the Triton tree kernels for verify_tree and verify_multi (every method,
 one-hot candidates included; ragged trees; the walk scores the accepted tokens and greedy requests'
 last one with the record of the row it used there, the race's merge the raced token:
-``ops/triton/tree/walk.py``'s ``_walk_logprobs``). Every other backend (the CUDA build, the
-vectorized and reference backends), ``num_logprobs > 0``, vocabulary shards and torch.compile
+``ops/triton/tree/walk.py``'s ``_walk_logprobs``). Every other backend (the vectorized and
+reference backends), ``num_logprobs > 0``, vocabulary shards and torch.compile
 graphs (one custom-op node) run this post-pass.
 
 The value at an emitted token x of row r: log p_r(x) = (x_r - max_r) / T - log Z_r on the entries
