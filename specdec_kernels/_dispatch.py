@@ -240,11 +240,12 @@ def run_verify(args: VerifyArgs, backend: str = "auto", logprobs: int | None = N
     logprobs request (``ops/logprobs.logprobs_request``); the csrc builds (CPU and CUDA) and the Triton
     kernels fill ``out.logprobs`` themselves for return_logprobs without top-n (0), so the post-pass
     skips it."""
-    backend = ties_backend(args.sampling, backend, args.target_logits.device)
+    target = args.target_logits
+    device = target.device
+    backend = ties_backend(args.sampling, backend, device)
     overrides = _OVERRIDES.get() or {}
     num_chunks, block_v = overrides.get("num_chunks"), overrides.get("block_v")
-    device = args.target_logits.device
-    if backend == "auto" and device.type == "cpu":
+    if backend == "auto" and target.is_cpu:  # (is_cpu: cheaper than device.type, which runs every call)
         backend = cpu_auto_backend()
     if backend not in NATIVE_MASK_BACKENDS:  # token_bitmask: the others get masked rows
         args = apply_chain_mask(args)

@@ -51,6 +51,9 @@ SEED_RANGE = 1 << 62
 # (higher index first: transformers' TopPLogitsWarper). The custom ops carry it as its index.
 TOP_P_TIES = ("keep", "by_index")
 
+# Scalars the kernels take as int32 / the custom ops as floats are clamped to this (top_k >= V is off).
+_INT32_MAX = 2**31 - 1
+
 # Mixing constants for deriving per-request seeds from one integer seed (splitmix64-style).
 _SEED_MUL = 0x5851F42D4C957F2D  # odd, < 2**63
 _SEED_STEP = 0x14057B7EF767814F
@@ -98,6 +101,8 @@ def check_temperature_value(t: float, name: str = "temperature") -> float:
 def _per_request(name: str, value, B: int, device, kind: type):
     """Check a scalar-or-[B]-tensor parameter. Tensors keep their values (no launch) and are made
     contiguous: the kernels read them at ``ptr + b``."""
+    if type(value) is kind:  # a plain float / int (bool is not an int here): nothing to convert
+        return value
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.shape[0] != B:
             _fail(f"{name} must be a scalar or a [B={B}] tensor, got shape {tuple(value.shape)}")
@@ -175,19 +180,24 @@ class SamplingParams:
     @staticmethod
     def check_values(params: dict[str, torch.Tensor]) -> None:
         """Value checks of host copies (``per_request_cpu``); ValueError naming the parameter."""
-        t, k, p = params["temperature"], params["top_k"], params["top_p"]
-        bad_t = ~((t == 0) | ((t >= MIN_TEMPERATURE) & (t <= MAX_FLOAT32)))  # NaN fails both
-        bad_k = k < 0
-        bad_p = ~((p > 0) & (p <= 1))
-        if bool(bad_t.any()):
-            _fail(
-                "temperature must be >= 0 (0 = greedy), finite in float32 and not in (0, 2**-126) where 1/T "
-                f"overflows; got {t[bad_t][:4].tolist()}"
-            )
-        if bool(bad_k.any()):
-            _fail(f"top_k must be >= 0 (0 = off); got {k[bad_k][:4].tolist()}")
-        if bool(bad_p.any()):
-            _fail(f"top_p must be in (0, 1]; got {p[bad_p][:4].tolist()}")
+        for name in _VALUE_RULES:
+            _check_host_values(name, params[name])
+
+    def check_tensor_values(self) -> bool:
+        """``check_values`` without building [B] copies of scalars: the per-request tensors are
+        checked (a host copy of each; ValueError as there), the scalars not read. False, having
+        checked nothing, when a scalar could still fail ``check_values`` (its float32 / int64 host
+        copy out of range, which ``check`` does not see): then run ``check_values`` instead."""
+        k, p = self.top_k, self.top_p
+        if not isinstance(k, torch.Tensor) and k > _INT64_MAX:
+            return False
+        if not isinstance(p, torch.Tensor) and p < _MIN_FLOAT32_SUBNORMAL:
+            return False  # rounds to 0 in float32 (temperature scalars cannot: MIN_TEMPERATURE is normal)
+        for name, (dtype, _) in _VALUE_RULES.items():
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                _check_host_values(name, value.cpu().to(dtype))
+        return True
 
     # ---- how the backends take them
 
@@ -205,7 +215,7 @@ class SamplingParams:
             elif f.name == "seed":
                 out[f.name] = (dummy, mix_seed(value), False)
             elif f.name == "top_k":
-                out[f.name] = (dummy, min(value, 2**31 - 1), False)
+                out[f.name] = (dummy, min(value, _INT32_MAX), False)
             else:
                 out[f.name] = (dummy, value, False)
         return out
@@ -216,13 +226,26 @@ class SamplingParams:
         """Flat form for the torch.library custom ops: (tensors, float scalars, seed tensor, seed int);
         ``with_ties``: the floats end with the index of ``top_p_ties`` in ``TOP_P_TIES`` (the
         custom ops carry it; the csrc calls take the first three floats)."""
-        scalars = [getattr(self, n) for n in ("temperature", "top_k", "top_p")]
-        tensors = [v if isinstance(v, torch.Tensor) else None for v in scalars]
-        floats = [0.0 if isinstance(v, torch.Tensor) else float(min(v, 2**31 - 1)) for v in scalars]
-        if with_ties:
-            floats.append(float(TOP_P_TIES.index(self.top_p_ties)))
-        seed_t = self.seed if isinstance(self.seed, torch.Tensor) else None
-        return tensors, floats, seed_t, (0 if seed_t is not None else mix_seed(self.seed))
+        t_t, t, k_t, k, p_t, p, seed_t, seed = self.flat_args()
+        floats = [t, float(k), p, float(TOP_P_TIES.index(self.top_p_ties))] if with_ties else [t, float(k), p]
+        return [t_t, k_t, p_t], floats, seed_t, seed
+
+    def flat_args(self) -> tuple:
+        """(temperature tensor or None, float, top_k tensor or None, int, top_p tensor or None, float,
+        seed tensor or None, int): the order the csrc calls take them (``op_args`` lists them). A
+        scalar's slot holds it (numbers clamped to int32, the seed mixed) and its tensor slot None;
+        a tensor's scalar slot holds 0. Written out, no loop: it runs on every call."""
+        t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
+        t_t = t if isinstance(t, torch.Tensor) else None
+        k_t = k if isinstance(k, torch.Tensor) else None
+        p_t = p if isinstance(p, torch.Tensor) else None
+        seed_t = seed if isinstance(seed, torch.Tensor) else None
+        return (
+            t_t, 0.0 if t_t is not None else float(t if t < _INT32_MAX else _INT32_MAX),
+            k_t, 0 if k_t is not None else (k if k < _INT32_MAX else _INT32_MAX),
+            p_t, 0.0 if p_t is not None else float(p if p < _INT32_MAX else _INT32_MAX),
+            seed_t, 0 if seed_t is not None else mix_seed(seed),
+        )  # fmt: skip
 
     @classmethod
     def from_op_args(cls, tensors, floats, seed_t, seed) -> SamplingParams:
@@ -230,6 +253,31 @@ class SamplingParams:
         t, k, p = (tensor if tensor is not None else value for tensor, value in zip(tensors, floats, strict=True))
         seed = seed_t if seed_t is not None else seed
         return cls(t, k if isinstance(k, torch.Tensor) else int(k), p, seed, TOP_P_TIES[int(ties)])
+
+
+# Value rules of the per-request parameters on their host copies (``check_values``): name ->
+# (host dtype, the entries that break the rule). The errors say what the rule is and list up to 4 values.
+_VALUE_RULES = {
+    "temperature": (torch.float32, lambda t: ~((t == 0) | ((t >= MIN_TEMPERATURE) & (t <= MAX_FLOAT32)))),  # NaN too
+    "top_k": (torch.int64, lambda k: k < 0),
+    "top_p": (torch.float32, lambda p: ~((p > 0) & (p <= 1))),
+}
+_VALUE_ERRORS = {
+    "temperature": "temperature must be >= 0 (0 = greedy), finite in float32 and not in (0, 2**-126) where 1/T "
+    "overflows",
+    "top_k": "top_k must be >= 0 (0 = off)",
+    "top_p": "top_p must be in (0, 1]",
+}
+# The host copies of scalars that SamplingParams.check passed can only fail there when a top_k
+# does not fit int64 or a top_p rounds to 0 in float32 (below the smallest subnormal float32).
+_INT64_MAX = 2**63 - 1
+_MIN_FLOAT32_SUBNORMAL = 2.0**-149
+
+
+def _check_host_values(name: str, values: torch.Tensor) -> None:
+    bad = _VALUE_RULES[name][1](values)
+    if bool(bad.any()):
+        _fail(f"{_VALUE_ERRORS[name]}; got {values[bad][:4].tolist()}")
 
 
 def _check_seed(seed, B: int, device):

@@ -104,7 +104,7 @@ def _check_tensor(name: str, t, ndim: int, dtypes, device) -> None:
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    if t.stride(-1) == 1:
+    if t.stride()[-1] == 1:  # (stride() then [-1] is cheaper than stride(-1): runs on every call)
         return t
     # An empty tensor counts as contiguous whatever its strides, so .contiguous() would keep them.
     return t.contiguous() if t.numel() else t.new_empty(t.shape)
@@ -113,8 +113,9 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def check_target(target_logits, ndim: int):
     """The device of target_logits, which must be a float tensor of `ndim` dimensions."""
     _require(isinstance(target_logits, torch.Tensor), "target_logits must be a torch.Tensor", TypeError)
-    _check_tensor("target_logits", target_logits, ndim, FLOAT_DTYPES, target_logits.device)
-    return target_logits.device
+    device = target_logits.device
+    _check_tensor("target_logits", target_logits, ndim, FLOAT_DTYPES, device)
+    return device
 
 
 def check_verify_args(
@@ -123,16 +124,16 @@ def check_verify_args(
 ) -> VerifyArgs:  # fmt: skip
     """Checked arguments of the padded layout (``[B, G+1, V]`` target rows; see ``sk.verify``)."""
     device = check_target(target_logits, 3)
-    B, G1, V = target_logits.shape
+    B, G1, V = shape = target_logits.shape
     if G1 < 1:
         raise ValueError(f"target_logits must have G+1 >= 1 rows per request, got shape {tuple(target_logits.shape)}")
     _require(V >= 1, "target_logits has an empty vocabulary dimension")
     G = G1 - 1
     _check_tensor("draft_tokens", draft_tokens, 2, INT_DTYPES, device)
-    if draft_tokens.shape != (B, G):
+    if draft_tokens.shape != (B, G):  # (torch.Size == tuple)
         raise ValueError(
             f"draft_tokens must have shape [B, G] = [{B}, {G}] to match target_logits "
-            f"{tuple(target_logits.shape)}, got {tuple(draft_tokens.shape)}"
+            f"{tuple(shape)}, got {tuple(draft_tokens.shape)}"
         )
     draft, mode = _check_draft(draft_logits, draft_probs, (B, G), V, device)
     sampling = SamplingParams.check(B, device, temperature, top_k, top_p, seed, top_p_ties)
@@ -146,7 +147,7 @@ def check_verify_args(
         sampling,
         num_draft_tokens,
     )
-    if validate and not _capturing(device) and B > 0:
+    if validate and B > 0 and not _capturing(device):
         _validate_values(args)
     return args
 
@@ -164,26 +165,27 @@ def check_verify_call(
     target_logits = target_input(target_logits, target_probs)
     if logits_scaled:
         temperature = unit_temperature(temperature)
-    sampling = (temperature, top_k, top_p)
-    options = dict(validate=validate and not sharded, top_p_ties=top_p_ties)
+    validate = validate and not sharded
     if cu_num_draft_tokens is not None:
         if num_draft_tokens is not None:
             raise ValueError("pass num_draft_tokens or cu_num_draft_tokens, not both (cu implies the counts)")
-        layout = (cu_num_draft_tokens, max_num_draft_tokens, seed)
         args = check_flat_verify_args(
-            target_logits, draft_tokens, draft_logits, draft_probs, *sampling, *layout, **options
-        )
+            target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, cu_num_draft_tokens,
+            max_num_draft_tokens, seed, validate=validate, top_p_ties=top_p_ties,
+        )  # fmt: skip
     else:
         if max_num_draft_tokens is not None:
             raise ValueError("max_num_draft_tokens belongs to the flattened layout (cu_num_draft_tokens=)")
         args = check_verify_args(
-            target_logits, draft_tokens, draft_logits, draft_probs, *sampling, num_draft_tokens, seed, **options
-        )
+            target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, num_draft_tokens, seed,
+            validate=validate, top_p_ties=top_p_ties,
+        )  # fmt: skip
     if sharded:
         check_sharded_ties(args)
-    layout = "[B, G+1, W]" if cu_num_draft_tokens is None else "[N + B, W]"
-    rows = args.target_logits.shape[:-1]
-    args.token_bitmask = check_token_bitmask(token_bitmask, rows, args.V, args.target_logits.device, layout)
+    if token_bitmask is not None:  # (None stays None: nothing to check)
+        layout = "[B, G+1, W]" if cu_num_draft_tokens is None else "[N + B, W]"
+        target = args.target_logits
+        args.token_bitmask = check_token_bitmask(token_bitmask, target.shape[:-1], args.V, target.device, layout)
     return args
 
 
@@ -262,32 +264,49 @@ def _capturing(device) -> bool:
 
 def _check_draft(draft_logits, draft_probs, lead: tuple, V: int, device):
     """(draft tensor or None, DRAFT_* mode); the tensor has shape lead + (V,)."""
-    _require(draft_logits is None or draft_probs is None, "pass draft_logits or draft_probs, not both")
-    for name, t, mode in (("draft_logits", draft_logits, DRAFT_LOGITS), ("draft_probs", draft_probs, DRAFT_PROBS)):
-        if t is None:
-            continue
-        _check_tensor(name, t, len(lead) + 1, FLOAT_DTYPES, device)
-        if t.shape[-1] != V:
-            raise ValueError(f"vocabulary size mismatch: {name} has V={t.shape[-1]} but target_logits has V={V}")
-        if tuple(t.shape[:-1]) != lead:
-            dims = ", ".join(str(d) for d in lead + (V,))
-            raise ValueError(f"{name} must have shape [{dims}], got {tuple(t.shape)}")
-        return _last_dim_contiguous(t), mode
-    return None, DRAFT_NONE
+    if draft_logits is not None:
+        _require(draft_probs is None, "pass draft_logits or draft_probs, not both")
+        name, t, mode = "draft_logits", draft_logits, DRAFT_LOGITS
+    elif draft_probs is not None:
+        name, t, mode = "draft_probs", draft_probs, DRAFT_PROBS
+    else:
+        return None, DRAFT_NONE
+    _check_tensor(name, t, len(lead) + 1, FLOAT_DTYPES, device)
+    shape = t.shape
+    if shape != (*lead, V):  # one comparison; the messages below say which part differs
+        if shape[-1] != V:
+            raise ValueError(f"vocabulary size mismatch: {name} has V={shape[-1]} but target_logits has V={V}")
+        dims = ", ".join(str(d) for d in lead + (V,))
+        raise ValueError(f"{name} must have shape [{dims}], got {tuple(shape)}")
+    return _last_dim_contiguous(t), mode
 
 
 def _validate_values(args: VerifyArgs, V: int | None = None) -> None:
     """Checks that read tensor values (one host synchronisation). V: the vocabulary the draft ids
     index (default the logits' last dimension; the full vocabulary for vocabulary shards)."""
+    G, V = args.G, args.V if V is None else V
+    # Every request using all G drafts (the common call): no [B] copies of counts or scalars, one
+    # reduction for the ids; anything out of range takes the general checks below for their error.
+    if args.num_draft_tokens is None and _ids_in_range(args.draft_tokens, V):
+        if args.sampling.check_tensor_values():
+            return
     params = args.per_request_cpu()
     SamplingParams.check_values(params)
-    n, G, V = params["num_draft_tokens"], args.G, args.V if V is None else V
+    n = params["num_draft_tokens"]
     bad_n = (n < 0) | (n > G)
     _require(not bool(bad_n.any()), f"num_draft_tokens must be in [0, G={G}]; got {n[bad_n][:4].tolist()}")
     if G > 0:
         tokens = args.draft_tokens.cpu()
         used = torch.arange(G)[None, :] < n[:, None]
         _check_ids("draft_tokens", tokens, used, V)
+
+
+def _ids_in_range(tokens: torch.Tensor, V: int) -> bool:
+    """Every id in [0, V) (one min/max reduction; nothing to read in an empty tensor)."""
+    if tokens.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(tokens)
+    return int(lo) >= 0 and int(hi) < V
 
 
 def _check_ids(name: str, tokens: torch.Tensor, used: torch.Tensor, V: int) -> None:

@@ -199,35 +199,48 @@ def verify(
         >>> out = sk.verify(target_logits, draft_tokens, draft_logits, temperature=0.7, seed=seeds)
         >>> n = out.num_accepted  # commit out.tokens[b, : n[b] + 1]
     """
+    sharded = process_group is not None
     check_vocab_size_use(process_group, vocab_size)
-    _dispatch.check_verify_method(method, backend, process_group is not None)
+    _dispatch.check_verify_method(method, backend, sharded)
     logprobs = logprobs_request(return_logprobs, num_logprobs)
-
-    def checked() -> VerifyArgs:
-        if process_group is None:
-            _dispatch.check_backend(backend)
-        else:
-            _dispatch.check_sharded_backend(backend)
-        check_out_dtype(out_dtype)
-        return check_verify_call(
-            target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, num_draft_tokens, seed,
-            cu_num_draft_tokens=cu_num_draft_tokens, max_num_draft_tokens=max_num_draft_tokens,
-            target_probs=target_probs, logits_scaled=logits_scaled, validate=validate, top_p_ties=top_p_ties,
-            sharded=process_group is not None, token_bitmask=token_bitmask,
-        )  # fmt: skip
-
-    if process_group is not None:  # vocabulary shards: see ops/vocab_parallel/
+    # A partial, not a closure over this function's arguments: a closure makes every one of them a
+    # cell, which slowed each access of this hot function (~2 us a call, issue 28).
+    checked = partial(
+        _check_chain, backend, out_dtype, sharded, target_logits, draft_tokens, draft_logits, draft_probs,
+        temperature, top_k, top_p, num_draft_tokens, seed, cu_num_draft_tokens, max_num_draft_tokens, target_probs,
+        logits_scaled, validate, top_p_ties, token_bitmask,
+    )  # fmt: skip
+    if sharded:  # vocabulary shards: see ops/vocab_parallel/
         out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate, logprobs)
     else:
-        run = partial(_dispatch.run_verify_block if method == "block" else _dispatch.run_verify, logprobs=logprobs)
+        run = _dispatch.run_verify_block if method == "block" else _dispatch.run_verify
         out = _run_local(checked(), backend, run, _dispatch.call_verify_chain, chain_logprobs, logprobs)
-    return out if out_dtype == torch.int64 else replace(out, tokens=out.tokens.to(out_dtype))
+    return out if out_dtype is torch.int64 else replace(out, tokens=out.tokens.to(out_dtype))
+
+
+def _check_chain(
+    backend, out_dtype, sharded, target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p,
+    num_draft_tokens, seed, cu_num_draft_tokens, max_num_draft_tokens, target_probs, logits_scaled, validate,
+    top_p_ties, token_bitmask,
+) -> VerifyArgs:  # fmt: skip
+    """sk.verify's checks after its options': the backend's name, out_dtype, then the tensors."""
+    if sharded:
+        _dispatch.check_sharded_backend(backend)
+    else:
+        _dispatch.check_backend(backend)
+    check_out_dtype(out_dtype)
+    return check_verify_call(
+        target_logits, draft_tokens, draft_logits, draft_probs, temperature, top_k, top_p, num_draft_tokens, seed,
+        cu_num_draft_tokens=cu_num_draft_tokens, max_num_draft_tokens=max_num_draft_tokens,
+        target_probs=target_probs, logits_scaled=logits_scaled, validate=validate, top_p_ties=top_p_ties,
+        sharded=sharded, token_bitmask=token_bitmask,
+    )  # fmt: skip
 
 
 def _run_local(args, backend: str, run, call, with_logprobs, logprobs: int | None):
-    """One checked call on this process's tensors: the backend's run (one opaque custom op while
-    torch.compile traces), then the logprobs post-pass when asked for."""
-    out = call(args, backend) if torch.compiler.is_compiling() else run(args, backend)
+    """One checked call on this process's tensors: ``run(args, backend, logprobs)`` (one opaque
+    custom op while torch.compile traces), then the logprobs post-pass when asked for."""
+    out = call(args, backend) if torch.compiler.is_compiling() else run(args, backend, logprobs)
     return out if logprobs is None else with_logprobs(args, out, logprobs)
 
 
@@ -388,8 +401,7 @@ def _run_tree(
         args = check_tree_args(
             *tree_args, validate=validate, multi=multi, top_p_ties=top_p_ties, token_bitmask=token_bitmask
         )
-        run = partial(_dispatch.run_tree, logprobs=logprobs)
-        out = _run_local(args, backend, run, _dispatch.call_verify_tree, tree_logprobs, logprobs)
+        out = _run_local(args, backend, _dispatch.run_tree, _dispatch.call_verify_tree, tree_logprobs, logprobs)
     if out_dtype == torch.int64:
         return out
     return replace(out, tokens=out.tokens.to(out_dtype), accepted_nodes=out.accepted_nodes.to(out_dtype))

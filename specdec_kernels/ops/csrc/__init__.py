@@ -265,29 +265,30 @@ def _num_chunks(args: VerifyArgs, threads: int) -> int:
 def _cpu_chunks(args: VerifyArgs) -> int:
     """Vocab chunks per row on the CPU: enough (row, chunk) items for every thread, chunks >= 8k entries."""
     threads = torch.get_num_threads()
+    if threads <= 1:
+        return 1
     rows = args.B * (args.G + 1)
-    if threads <= 1 or rows == 0 or rows >= 2 * threads:
+    if rows == 0 or rows >= 2 * threads:
         return 1
     return max(1, min(math.ceil(2 * threads / rows), args.V // 8192))
 
 
-def _sampling_args(args, logprobs: bool = False) -> tuple:
+def _sampling_args(args, logprobs: bool = False, has_filter: bool | None = None) -> tuple:
     """The sampling arguments both csrc entry points take, in binding.cpp's order: (temperature
     tensor, scalar), (top_k tensor, scalar), (top_p tensor, scalar), (seed tensor, scalar), whether
-    any filter is on, whether top-p ties break by index (with logprobs also for a greedy call: the
-    logprobs score greedy rows at temperature 1 with their top-p and its tie rule)."""
+    any filter is on (``has_filter``: args.has_filter, when the caller has it already), whether
+    top-p ties break by index (with logprobs also for a greedy call: the logprobs score greedy rows
+    at temperature 1 with their top-p and its tie rule)."""
     sampling = args.sampling
-    (t_t, k_t, p_t), (t, k, p), s_t, s = sampling.op_args()
     by_index = sampling.ties_by_index() or (logprobs and sampling.top_p_ties == "by_index")
-    return (
-        t_t, float(t), k_t, int(k), p_t, float(p), s_t, int(s),
-        bool(args.has_filter), bool(by_index),
-    )  # fmt: skip
+    if has_filter is None:
+        has_filter = args.has_filter
+    return (*sampling.flat_args(), bool(has_filter), bool(by_index))
 
 
-def _stream(device) -> int:
-    """The current CUDA stream's handle on ``device`` (0 on the CPU)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+def _stream(t: torch.Tensor) -> int:
+    """The current CUDA stream's handle on the device of ``t`` (0 on the CPU)."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
 
 
 # run_chain / run_tree's logprobs=2 (binding.cpp's LOGPROBS_GPU_PROGRAMS; CPU tensors only): the CPU
@@ -311,10 +312,11 @@ def run_chain(
     (both builds): method="block" (``reference/block.py``, ``csrc/verify_block.h``) for the sampled
     requests."""
     target = args.target_logits
+    has_filter = args.has_filter
     if threads is None:
-        threads = 512 if args.has_filter else 256
+        threads = 512 if has_filter else 256
     if num_chunks is None:
-        num_chunks = _num_chunks(args, threads) if target.device.type == "cuda" else _cpu_chunks(args)
+        num_chunks = _num_chunks(args, threads) if target.is_cuda else _cpu_chunks(args)
 
     tokens, accepted, nonfinite, *lp = ext.verify_chain(
         target,
@@ -322,10 +324,10 @@ def run_chain(
         args.draft,
         args.draft_mode,
         args.num_draft_tokens,
-        *_sampling_args(args, logprobs),
+        *_sampling_args(args, logprobs, has_filter),
         int(num_chunks),
         int(threads),
-        _stream(target.device),
+        _stream(target),
         args.token_bitmask,  # applied natively by both builds
         int(logprobs),
         bool(block),
@@ -348,19 +350,19 @@ def run_tree(ext, args, threads: int = 256, logprobs: bool | int = False):
         METHODS[args.method],
         int(args.max_depth),
         int(threads),
-        _stream(args.target.device),
+        _stream(args.target),
         args.token_bitmask,
         int(logprobs),
     )
     return TreeVerifyOutput(tokens, accepted, nodes, nonfinite, logprobs=lp[0] if lp else None)
 
 
-def _require_cuda_tensors(device) -> None:
+def _require_cuda_tensors(target: torch.Tensor) -> None:
     if not torch.cuda.is_available():
         load_cuda_extension()  # raises: no GPU, and how to build
-    if device.type != "cuda":
+    if not target.is_cuda:
         raise RuntimeError(
-            f"backend='cuda' needs CUDA tensors, got target_logits on {device}. "
+            f"backend='cuda' needs CUDA tensors, got target_logits on {target.device}. "
             "Move the inputs to the GPU or use backend='triton' / 'torch'."
         )
 
@@ -378,7 +380,7 @@ def verify_chain(
     """backend='cuda' for ``sk.verify``; logprobs: return_logprobs computed by the kernels (``run_chain``)
     where :func:`cuda_native_logprobs` allows it, else ``out.logprobs`` stays None for the post-pass;
     method: "token" or "block" (block verification, ``csrc/verify_block.h``)."""
-    _require_cuda_tensors(args.target_logits.device)
+    _require_cuda_tensors(args.target_logits)
     native = logprobs and cuda_native_logprobs(args)
     return run_chain(load_cuda_extension(), args, num_chunks, logprobs=native, block=method == "block")
 
@@ -386,13 +388,13 @@ def verify_chain(
 def verify_tree(args, logprobs: bool = False):
     """backend='cuda' for ``sk.verify_tree`` / ``sk.verify_multi`` (checked TreeArgs); logprobs: as for
     :func:`verify_chain`, for the accepted path."""
-    _require_cuda_tensors(args.target.device)
+    _require_cuda_tensors(args.target)
     return run_tree(load_cuda_extension(), args, logprobs=logprobs and cuda_native_logprobs(args))
 
 
-def _require_cpu_tensors(device) -> None:
-    if device.type != "cpu":
-        raise RuntimeError(f"backend='cpu' needs CPU tensors, got target_logits on {device}")
+def _require_cpu_tensors(target: torch.Tensor) -> None:
+    if not target.is_cpu:  # (is_cpu: cheaper than device.type; this runs on every call)
+        raise RuntimeError(f"backend='cpu' needs CPU tensors, got target_logits on {target.device}")
 
 
 def verify_chain_cpu(
@@ -400,12 +402,12 @@ def verify_chain_cpu(
 ) -> VerifyOutput:
     """backend='cpu' for ``sk.verify``; logprobs: return_logprobs computed natively (``run_chain``);
     method: "token" or "block" (block verification in the same row pass, ``csrc/verify_block.h``)."""
-    _require_cpu_tensors(args.target_logits.device)
+    _require_cpu_tensors(args.target_logits)
     return run_chain(load_cpu_core(), args, num_chunks, logprobs=logprobs, block=method == "block")
 
 
 def verify_tree_cpu(args, logprobs: bool = False) -> TreeVerifyOutput:
     """backend='cpu' for ``sk.verify_tree`` / ``sk.verify_multi``; logprobs: return_logprobs of the
     accepted path computed natively (``run_tree``)."""
-    _require_cpu_tensors(args.target.device)
+    _require_cpu_tensors(args.target)
     return run_tree(load_cpu_core(), args, logprobs=logprobs)
