@@ -331,6 +331,26 @@ def test_nonfinite_unattended_keys_do_not_leak(kind, what, impl):
         assert hit.any()  # the class really splits the queries
 
 
+@pytest.mark.parametrize("slot", [31, 32, 63])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_nonfinite_value_in_a_high_tree_slot(slot, splits):
+    """A NaN value in tree slot 31, 32 (the masks' high word) or 63 (their sign bit) of a 64-node chain with
+    GQA 4 (256 rows, one tile): the rows attending it (nodes >= slot) output NaN, the others are untouched.
+    The kernel marks those rows from a 64-bit set of bad slots once, after the tree tiles."""
+    B, Hq, Hkv, N, D, P = 1, 4, 1, 64, 16, 5
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(B, Hq, N, D, generator=gen)
+    k, v = (torch.randn(B, Hkv, P + N, D, generator=gen) for _ in range(2))
+    parents = (torch.arange(N) - 1)[None, :]  # a chain: node n attends slots 0 .. n
+    prefix = torch.tensor([P])
+    v2 = v.clone()
+    v2[:, :, P + slot, 3] = float("nan")
+    clean, dirty = (sk.tree_attention(q, k, vv, prefix, parents, _num_splits=splits) for vv in (v, v2))
+    hit = (torch.arange(N) >= slot)[None, None, :].expand(B, Hq, N)
+    assert dirty[hit].isnan().all()
+    torch.testing.assert_close(dirty[~hit], clean[~hit], atol=0, rtol=0)
+
+
 def test_under_torch_compile_fullgraph():
     """Issue 14 item 12: sk.tree_attention and sk.tree_metadata trace as custom ops (aot_eager on CPU)."""
     q, k, v, prefix, parents, num_nodes = _problem(2, 4, 2, 5, 64, seed=41)

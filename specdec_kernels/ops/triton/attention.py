@@ -92,13 +92,20 @@ def _prefix_tile(
 
 
 @triton.jit
-def _clean_values(v, kv_mask, allowed, row_bad):
-    """Zero non-finite values so that a weight of 0 never multiplies them (0 * NaN = NaN would leak into
-    rows that do not attend the key); rows that do attend such a key are marked and output NaN instead."""
+def _finite_values(v, kv_mask):
+    """(v with non-finite values zeroed, keys holding one): a weight of 0 must never multiply them (0 * NaN =
+    NaN would leak into rows that do not attend the key); rows that do attend such a key output NaN instead."""
     good = tl.abs(v.to(tl.float32)) < float("inf")  # False for NaN and +-inf
     bad_key = tl.max((kv_mask & ~good).to(tl.int32), axis=1) > 0  # [BLOCK_N]
+    return tl.where(good, v, 0.0), bad_key
+
+
+@triton.jit
+def _clean_values(v, kv_mask, allowed, row_bad):
+    """_finite_values, marking the rows (`allowed`) that attend a key holding a non-finite value."""
+    v, bad_key = _finite_values(v, kv_mask)
     row_bad = row_bad | (tl.max((allowed & bad_key[None, :]).to(tl.int32), axis=1) > 0)
-    return tl.where(good, v, 0.0), row_bad
+    return v, row_bad
 
 
 @triton.jit
@@ -109,10 +116,11 @@ def _bit_or(a, b):
 @triton.jit
 def _tree_tile(
     q, k_base, v_base, anc, real, union, tree_start, t0, S, tree_slots, stride_ks, stride_vs, d, d_ok,
-    m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE: tl.constexpr, TREE_BLOCK: tl.constexpr,
+    m_i, l_i, acc, bad_slots, qk_scale, DOT_DTYPE: tl.constexpr, TREE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Fold tree key slots [t0, t0 + TREE_BLOCK) into the running softmax: slot j is attended by the
-    rows whose ancestor mask has bit j; slots no row of the tile attends are not even read."""
+    rows whose ancestor mask has bit j; slots no row of the tile attends are not even read. `bad_slots`
+    gains bit j when slot j's value is not finite (the rows attending it: ``_tree_keys``)."""
     j = t0 + tl.arange(0, TREE_BLOCK)
     keys = tree_start + j
     key_ok = (keys >= 0) & (keys < S) & (j < tree_slots)
@@ -127,17 +135,30 @@ def _tree_tile(
     kv_mask = used[:, None] & d_ok[None, :]
     k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
     v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-    v, row_bad = _clean_values(v, kv_mask, allowed, row_bad)  # a sibling's slot: some rows only
+    v, bad_key = _finite_values(v, kv_mask)  # a sibling's slot: some rows only
+    bad_slots = bad_slots | tl.reduce(bad_key.to(tl.int64) << j.to(tl.int64), 0, _bit_or)
     m_i, l_i, acc = _online_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_DTYPE)
-    return m_i, l_i, acc, row_bad
+    return m_i, l_i, acc, bad_slots
+
+
+@triton.jit
+def _row_masks(anc_b, node0, Nq, rows_left, BLOCK_M: tl.constexpr):
+    """The ancestor masks of the tile's rows (0: padding), loaded again after the prefix loop. The prologue's
+    (or `real` from them), kept live across the loop for the tree keys and the store, spilled at 256 rows
+    (N = 64: the loop needs all 128 registers); the index is written unlike the prologue's, which the
+    compiler would otherwise share and keep live (as pointers) instead."""
+    r = tl.arange(0, BLOCK_M)
+    return tl.load(anc_b + (node0 + r) % Nq, mask=r < rows_left, other=0)
 
 
 @triton.jit
 def _prefix_keys(
-    q, k_base, v_base, lo, hi, stride_ks, stride_vs, d, d_ok, real, window_lo,
+    q, k_base, v_base, lo, hi, stride_ks, stride_vs, d, d_ok, anc, real, window_lo, anc_b, node0, Nq, rows_left,
     m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """Fold the prefix keys [lo, hi) into the running softmax; fully masked tiles are skipped."""
+    """Fold the prefix keys [lo, hi) into the running softmax; fully masked tiles are skipped. Returns the
+    rows' (anc, real) too: without a window, loaded again after the loop (``_row_masks``)."""
     if HAS_WINDOW:
         for tile in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
             m_i, l_i, acc, row_bad = _prefix_tile(
@@ -160,12 +181,14 @@ def _prefix_keys(
             k = tl.load(k_base + kv_off * stride_ks + d[None, :], mask=d_ok[None, :], other=0.0).to(DOT_DTYPE)
             v = tl.load(v_base + kv_off * stride_vs + d[None, :], mask=d_ok[None, :], other=0.0).to(DOT_DTYPE)
             m_i, l_i, acc = _online_tile_full(q, k, v, m_i, l_i, acc, qk_scale, DOT_DTYPE)
+        anc = _row_masks(anc_b, node0, Nq, rows_left, BLOCK_M)
+        real = anc != 0
         if (full_hi < hi) & (full_hi >= full_lo):
             m_i, l_i, acc, row_bad = _prefix_tile(
                 q, k_base, v_base, full_hi, lo, hi, stride_ks, stride_vs, d, d_ok, real, lo,
                 m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE, BLOCK_N, HAS_WINDOW,
             )  # fmt: skip
-    return m_i, l_i, acc, row_bad
+    return m_i, l_i, acc, row_bad, anc, real
 
 
 @triton.jit
@@ -177,12 +200,17 @@ def _tree_keys(
     32-bit half of the masks; a [BLOCK_M, 64] score tile next to the accumulator spilled)."""
     TREE_BLOCK: tl.constexpr = min(TREE_SPAN, BLOCK_N, 32)
     union = tl.reduce(tl.where(real, anc, 0), 0, _bit_or)  # slots some row attends
-    for t0 in tl.static_range(0, TREE_SPAN, TREE_BLOCK):
-        m_i, l_i, acc, row_bad = _tree_tile(
+    bad_slots = tl.zeros([], tl.int64)  # bit j: slot j's value holds a NaN / inf
+    # A loop, not unrolled (and not pipelined): the unrolled tiles' updates were interleaved by the compiler
+    # (the first tile's sums kept live into the second's loads) and spilled at 256 rows (N = 64).
+    for t0 in tl.range(0, TREE_SPAN, TREE_BLOCK, num_stages=1):
+        m_i, l_i, acc, bad_slots = _tree_tile(
             q, k_base, v_base, anc, real, union, tree_start, t0, S, tree_slots, stride_ks, stride_vs, d, d_ok,
-            m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE, TREE_BLOCK,
+            m_i, l_i, acc, bad_slots, qk_scale, DOT_DTYPE, TREE_BLOCK,
         )  # fmt: skip
-    return m_i, l_i, acc, row_bad
+    # The rows attending a bad slot, from their masks once (padding rows' masks are 0): marking them per tile
+    # from `allowed` ([BLOCK_M, TREE_BLOCK]) spilled at 256 rows (N = 64).
+    return m_i, l_i, acc, row_bad | ((anc & bad_slots) != 0)
 
 
 @triton.jit
@@ -311,9 +339,10 @@ def _tree_attention_kernel(
         window_lo = lo  # no per-row bound (not read)
     any_real = tl.max(real.to(tl.int32), axis=0) > 0
     if any_real:
-        m_i, l_i, acc, row_bad = _prefix_keys(
-            q, k_base, v_base, lo, hi, stride_ks, stride_vs, d, d_ok, real, window_lo,
-            m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE, BLOCK_N, HAS_WINDOW,
+        m_i, l_i, acc, row_bad, anc, real = _prefix_keys(
+            q, k_base, v_base, lo, hi, stride_ks, stride_vs, d, d_ok, anc, real, window_lo,
+            anc_ptr + b * Nq, (pid_m * BLOCK_M) % Nq, Nq, GROUP * Nq - pid_m * BLOCK_M,
+            m_i, l_i, acc, row_bad, qk_scale, DOT_DTYPE, BLOCK_N, HAS_WINDOW, BLOCK_M,
         )  # fmt: skip
         if split == NUM_SPLITS - 1:  # the tree keys: the last split's
             tree_start = tl.load(tree_start_ptr + b).to(tl.int32)
