@@ -134,12 +134,9 @@ def speculative_generate(
         prompt_lookup: with ``draft_tree="dynamic"``, the n-gram continuation of each request's tokens
             (``drafter="prompt_lookup"``'s rule) is one more branch of the tree, within its N nodes; a step
             with a match is verified one-hot (exact when sampling too; ``hf/drafters/dynamic_tree.py``).
-        tree_threshold: with ``draft_tree="dynamic"``, a *shaped* tree: a node joins only if its path
-            score (the product of the draft's probabilities of its ranks from the root) is at least
-            this, and the tree may then grow up to ``MAX_SHAPED_DEPTH`` deep within its N nodes (at most
-            k nodes per depth), ending early on the CPU when no node clears it. 0 (default): the N
-            nodes fill k per depth (ceil(N / k) depths). Exact in every mode (the shape is a function of
-            the draft's probabilities, never of the tokens drawn at that depth).
+        tree_threshold: with ``draft_tree="dynamic"``, a *shaped* tree: nodes whose path score is at
+            least this, k per depth, N in all, up to 8 deep (exact; docs/hf_driver.md). 0 (default):
+            the N nodes fill k per depth.
 
     Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
     Returns ``SpeculativeOutput(sequences [B, T + new], stats)``.

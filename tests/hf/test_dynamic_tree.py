@@ -369,18 +369,24 @@ def test_draft_cache_equals_a_fresh_prefill(target, drafts, which, temperature, 
         tree_width=3, temperature=temperature, seed=3, eos_token_id=[], pad_token_id=PAD, cache_implementation=cache,
         prompt_lookup=lookup,
     ) as session:  # fmt: skip
-        drafter = session.drafter
-        for _ in range(3):
-            if not session.batch.rows:
-                break
-            session.drop_finished_rows(session.step().finished)
-            for a, b in enumerate(session.batch.rows):
-                C, L = int(drafter.cached[a]), int(session.tokens.length[b])
-                assert L - C == drafter.uncached_host[a] in (1, 2)
-                fresh = draft(input_ids=session.tokens.seq[b, :C][None], use_cache=True).past_key_values
-                for mine, ref in zip(drafter.cache.layers, fresh.layers, strict=True):
-                    torch.testing.assert_close(mine.keys[a, :, :C], ref.keys[0], atol=1e-4, rtol=1e-4)
-                    torch.testing.assert_close(mine.values[a, :, :C], ref.values[0], atol=1e-4, rtol=1e-4)
+        step_and_check_draft_cache(session, draft, steps=3)
+
+
+def step_and_check_draft_cache(session, draft, steps: int) -> None:
+    """Runs up to ``steps`` steps of ``session``; after each, the draft cache holds the committed
+    tokens but the last 1 or 2, with the keys and values a fresh forward of them computes."""
+    drafter = session.drafter
+    for _ in range(steps):
+        if not session.batch.rows:
+            break
+        session.drop_finished_rows(session.step().finished)
+        for a, b in enumerate(session.batch.rows):
+            C, L = int(drafter.cached[a]), int(session.tokens.length[b])
+            assert L - C == drafter.uncached_host[a] in (1, 2)
+            fresh = draft(input_ids=session.tokens.seq[b, :C][None], use_cache=True).past_key_values
+            for mine, ref in zip(drafter.cache.layers, fresh.layers, strict=True):
+                torch.testing.assert_close(mine.keys[a, :, :C], ref.keys[0], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(mine.values[a, :, :C], ref.values[0], atol=1e-4, rtol=1e-4)
 
 
 # ---- the prompt-lookup branch (prompt_lookup=True)

@@ -20,6 +20,7 @@ from specdec_kernels.hf.drafters.dynamic_tree import MAX_SHAPED_DEPTH, DynamicTr
 from specdec_kernels.hf.generate import open_session  # noqa: E402
 
 from ._models import fixed_logits_model, tiny_model  # noqa: E402
+from .test_dynamic_tree import step_and_check_draft_cache  # noqa: E402
 from .test_generate import PAD, _greedy_reference, _near_copy, _ragged_prompts  # noqa: E402
 
 
@@ -30,7 +31,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def near(target):
-    return _near_copy(target, 0.05, seed=5)
+    return _near_copy(target, 0.05, seed=5)  # (test_dynamic_tree.py's near copy)
 
 
 def _shaped(target, draft, ids, mask, N, k, threshold, **kw):
@@ -162,17 +163,7 @@ def test_draft_cache_equals_a_fresh_prefill(target, near, monkeypatch, temperatu
         target, near, ids, mask, max_new_tokens=10, num_draft_tokens=15, draft_tree="dynamic", tree_width=3,
         tree_threshold=0.05, temperature=temperature, seed=3, eos_token_id=[], pad_token_id=PAD,
     ) as session:  # fmt: skip
-        drafter = session.drafter
-        for _ in range(3):
-            if not session.batch.rows:
-                break
-            session.drop_finished_rows(session.step().finished)
-            for a, b in enumerate(session.batch.rows):
-                C, L = int(drafter.cached[a]), int(session.tokens.length[b])
-                assert L - C == drafter.uncached_host[a] in (1, 2)
-                fresh = near(input_ids=session.tokens.seq[b, :C][None], use_cache=True).past_key_values
-                for mine, ref in zip(drafter.cache.layers, fresh.layers, strict=True):
-                    torch.testing.assert_close(mine.keys[a, :, :C], ref.keys[0], atol=1e-4, rtol=1e-4)
+        step_and_check_draft_cache(session, near, steps=3)
 
 
 @pytest.mark.parametrize(
