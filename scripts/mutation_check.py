@@ -117,9 +117,11 @@ MUTANTS = [
     Mutant("core-onehot-tie", "core", "tree_walk_program", "c.u <= p_j", "c.u < p_j"),
     Mutant("core-kseq-f", "core", "kseq_f", "- g;", "- 0.5f * g;"),
     # ---- block verification in the CPU build (csrc/verify_cpu.cpp)
-    Mutant("block-w-prev", "cpu_block", "block_decide", "toks[i], w[i], simd_on", "toks[i], w[i - 1], simd_on"),
-    Mutant("block-hn-one", "cpu_block", "block_decide", "if (eta <= w[n])", "if (eta <= 1.0)"),
-    Mutant("block-eta-row", "cpu_block", "block_decide", "uint32_t(i - 1), PURPOSE_ACC", "uint32_t(i), PURPOSE_ACC"),
+    Mutant("block-w-prev", "cpu_block", "block_decide_program", "s, toks[i], w[i]);", "s, toks[i], w[i - 1]);"),
+    Mutant("block-hn-one", "cpu_block", "block_decide_program", "if (eta <= w[n])", "if (eta <= 1.0)"),
+    Mutant(
+        "block-eta-row", "cpu_block", "block_decide_program", "uint32_t(i - 1), PURPOSE_ACC", "uint32_t(i), PURPOSE_ACC"
+    ),
     Mutant("block-unweighted", "cpu_block", "block_walk", "aw.w = P.block_w[b];", "aw.w = 1.0f;"),
     # ---- block verification in the Triton chain kernels (specdec_kernels/ops/triton/block.py)
     Mutant("tblock-eta-row", "triton_block", "block_candidates", "i * 0, i - 1, PURPOSE_ACC", "i * 0, i, PURPOSE_ACC"),
