@@ -53,6 +53,7 @@ GROUPS = {
     "cpu_block": (["tests/ops/test_cpu_block.py"], ["tests/ops/test_cpu_block.py"]),
     "triton_block": (["tests/ops/test_triton_block.py"], ["tests/ops/test_triton_block.py"]),
     "vocab_parallel": ([TIES, "tests/ops/test_vocab_parallel.py"], ["tests/ops/test_vocab_parallel.py"]),
+    "shaped_tree": (["tests/hf/test_shaped_tree.py"], ["tests/hf/test_dynamic_tree.py"]),
     "driver": (
         ["tests/hf/test_generate.py", "tests/hf/test_draft_law.py", "tests/hf/test_medusa.py"],
         ["tests/hf/test_draft_law.py", "tests/hf/test_generate.py"],
@@ -160,6 +161,18 @@ MUTANTS = [
         "verify",
         '{"draft_probs": self.probs}\n        # validate=False',
         "{}\n        # validate=False",
+    ),
+    # ---- shaped dynamic trees (hf/drafters/dynamic_tree.py's _Shape)
+    Mutant("shape-budget", "shaped_tree", "keep", "(col < self.left[:, None])", "(col <= self.left[:, None])"),
+    Mutant("shape-no-root", "shaped_tree", "keep", "((col == 0) & (d == 1))", "((col == 0) & (d == 0))"),
+    Mutant(
+        "shape-kept-kids",
+        "shaped_tree",
+        "propose",
+        'score = torch.where(ok, score, float("-inf"))',
+        "pass",
+        equivalent="a node dropped by the threshold has children scoring below it (scores only fall along a path), "
+        "and one dropped by the budget leaves its request no budget: their children are never kept either way",
     ),
     # ---- equivalent mutants (listed, not run)
     Mutant(

@@ -92,7 +92,7 @@ def _expected_shape(probs: list[float], N: int, k: int, threshold: float, depth:
 
 
 @pytest.mark.parametrize(
-    "N, k, threshold", [(12, 3, 0.05), (12, 3, 0.3), (6, 2, 0.01), (20, 4, 0.02), (9, 3, 0.9)]
+    "N, k, threshold", [(12, 3, 0.05), (12, 3, 0.3), (6, 2, 0.01), (5, 2, 0.01), (20, 4, 0.02), (9, 3, 0.9)]
 )  # fmt: skip
 def test_shape_follows_the_rule(monkeypatch, N, k, threshold):
     """A draft with the same q everywhere: every step's tree is exactly the rule's (nodes clearing the
