@@ -984,7 +984,7 @@ def csrc_rows(meta: dict) -> list[dict]:
     rows = []
     for name, usage in re.findall(r"Function (\S+):\s*\n\s*(REG:.*)", out):
         fields = dict(re.findall(r"([A-Z]+(?:\[0\])?):(\d+)", usage))
-        kernel = re.search(r"(row_stats|accept|finalize|tree_walk)_kernel(?:I(.*)EEv)?", name)
+        kernel = re.search(r"(row_stats|accept|finalize|tree_walk|block_decide|logprobs)_kernel(?:I(.*)EEv)?", name)
         dtypes = ",".join(_demangled_types(kernel.group(2) or ""))  # target and draft element types
         regs, smem = int(fields["REG"]), int(fields["SHARED"])
         occ, limiter, _ = occupancy(regs, smem, 8)

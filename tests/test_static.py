@@ -226,17 +226,19 @@ def test_chain_kernels_within_budget(tmp_path):
 
 @pytest.mark.slow
 def test_csrc_kernels_have_no_stack_or_spills():
-    """The CUDA C++ backend's kernels (chain and tree walk, every dtype pair) compile for sm_90 without
-    local memory: the tree walk keeps its node-indexed state in shared memory (TreeWalkScratch), the
-    row-stats program's top-k / top-p radix select its histograms (ThresholdScratch)."""
+    """The CUDA C++ backend's kernels (chain, block decision, logprobs and tree walk, every dtype pair)
+    compile for sm_90 without local memory: the tree walk keeps its node-indexed state in shared
+    memory (TreeWalkScratch), the top-k / top-p radix selects their histograms (ThresholdScratch)."""
     if bench_static._nvcc() is None:
         pytest.skip("nvcc not found")
     rows = bench_static.csrc_rows({"date": "", "commit": "", "triton": ""})
     names = [r["kernel"] for r in rows]
-    # x 9 dtype pairs: row stats with and without thresholds, accept, tree walk; one finalize
-    for kind in ("row_stats_kernel<", "accept_kernel<", "tree_walk_kernel<"):
+    # x 9 dtype pairs: row stats and logprobs with and without thresholds, accept, block decision,
+    # tree walk; one finalize
+    kinds = ("row_stats_kernel<", "accept_kernel<", "tree_walk_kernel<", "block_decide_kernel<", "logprobs_kernel<")
+    for kind in kinds:
         assert sum(n.startswith(kind) and not n.endswith(",thresholds>") for n in names) == 9, names
-    assert sum(n.endswith(",thresholds>") for n in names) == 9 and len(rows) == 37, names
+    assert sum(n.endswith(",thresholds>") for n in names) == 18 and len(rows) == 64, names
     bad = [r for r in rows if r["stack"] or r["spill_bytes"]]
     assert not bad, bad
 
