@@ -302,11 +302,11 @@ def _validate_values(args: VerifyArgs, V: int | None = None) -> None:
 
 
 def _ids_in_range(tokens: torch.Tensor, V: int) -> bool:
-    """Every id in [0, V) (one min/max reduction; nothing to read in an empty tensor)."""
+    """Every id in [0, V) (one min/max reduction, one host read; nothing to read in an empty tensor)."""
     if tokens.numel() == 0:
         return True
-    lo, hi = torch.aminmax(tokens)
-    return int(lo) >= 0 and int(hi) < V
+    lo, hi = torch.stack(torch.aminmax(tokens)).tolist()
+    return lo >= 0 and hi < V
 
 
 def _check_ids(name: str, tokens: torch.Tensor, used: torch.Tensor, V: int) -> None:

@@ -224,10 +224,8 @@ class DynamicTreeDrafter(ModelDrafter):
             cand_parent = (first + torch.arange(width, device=device))[None, :, None].expand(A, width, k)
             cand_parent, cand = cand_parent.reshape(A, width * k), kids[0].reshape(A, width * k)
             cand_q = probs
-        limit = g
-        if shape is not None and _stops_early(device):  # the target scores no padding column
-            limit = max(int(torch.cat(valid, dim=1).sum(dim=1).max()), 1)
-        return self._compact(tokens, parents, valid, slots, depths, rows, limit)
+        trim = shape is not None and _stops_early(device)  # the target scores no padding column
+        return self._compact(tokens, parents, valid, slots, depths, rows, g, trim)
 
     def _lookup_branch(self, session):
         """This step's lookup branch (``_LookupBranch``), or a no-op one when no request has a match."""
@@ -238,14 +236,16 @@ class DynamicTreeDrafter(ModelDrafter):
         self.lookup_nodes = [len(p) for p in found]
         return _LookupBranch(found, session.device) if any(found) else _NO_LOOKUP
 
-    def _compact(self, tokens, parents, valid, slots, depths, rows, budget: int) -> TreeProposal:
+    def _compact(self, tokens, parents, valid, slots, depths, rows, budget: int, trim: bool) -> TreeProposal:
         """The nodes of every depth, padding moved to the end (parents renumbered), at most ``budget``
-        columns (a shaped tree's depths offer more slots than its budget of real nodes)."""
+        columns (a shaped tree's depths offer more slots than its budget of real nodes); ``trim`` (a
+        host read): only as many columns as the largest tree has nodes."""
         ok = torch.cat(valid, dim=1)
         A, N = ok.shape
         order = torch.sort((~ok).long(), dim=1, stable=True).indices  # real nodes first, in order
         new_index = torch.empty_like(order).scatter_(1, order, torch.arange(N, device=ok.device).expand(A, N))
-        order = order[:, : min(N, budget)]  # (real nodes <= budget: padding only is cut)
+        columns = max(int(ok.sum(dim=1).max()), 1) if trim else min(N, budget)
+        order = order[:, :columns]  # (real nodes <= budget: padding only is cut)
         pick = lambda t: torch.cat(t, dim=1).gather(1, order)  # noqa: E731
         parent = pick(parents)
         parent = torch.where(parent >= 0, new_index.gather(1, parent.clamp_min(0)), -1)
