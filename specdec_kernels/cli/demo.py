@@ -71,13 +71,22 @@ def validate(args: argparse.Namespace) -> None:
 def demo(args: argparse.Namespace) -> int:
     """Target alone vs chain speculative decoding vs K-draft SpecTr on the embedded pair, greedy and
     sampled, one prompt at a time (batch 1, as on a laptop), torch pinned to a fixed thread count."""
+    device = resolve_device(args.device)
+    threads = args.threads or min(2, os.cpu_count() or 1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # oversubscribed threads made this demo 4-6x slower under load
+    try:
+        return _demo(args, device, threads)
+    finally:  # a caller in the same process (a test, a notebook) keeps its own thread count
+        torch.set_num_threads(previous)
+
+
+def _demo(args: argparse.Namespace, device: str, threads: int) -> int:
+    """``demo`` with its device resolved and torch pinned to ``threads``."""
     from tqdm.auto import tqdm
 
     from ..demo import DEMO_PROMPTS, load_demo_pair, load_medusa_heads, timing
 
-    device = resolve_device(args.device)
-    threads = args.threads or min(2, os.cpu_count() or 1)
-    torch.set_num_threads(threads)  # oversubscribed threads made this demo 4-6x slower under load
     quiet_transformers()
     target, draft, tok = load_demo_pair(device=device)
     if args.json:
