@@ -32,6 +32,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_unchanged():
+    """A test (or code it calls in-process, like ``specdec demo``) must leave torch's thread count as
+    it found it: a leaked count makes every later test of that worker oversubscribed."""
+    before = torch.get_num_threads()
+    yield
+    after = torch.get_num_threads()
+    if after != before:
+        torch.set_num_threads(before)
+        pytest.fail(f"the test left torch at {after} threads (it started at {before})")
+
+
 @pytest.fixture
 def device():
     return DEVICE
