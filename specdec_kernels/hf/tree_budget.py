@@ -13,24 +13,40 @@ each estimated from the steps that used that kind (accepted drafts over drafts t
 step is, as for chains, either measured (the wall times of this call's own steps per arm and number
 of active requests; the default when greedy) or the shape model ``1 + d * c`` target forwards (the
 default when sampling, so a seeded call is reproducible; that model does not see the target's extra
-rows, so it only chooses the tree's depth). The arm is decided on the host from past steps only:
-the tree's shape never depends on this step's draws or on the verifier's random numbers, and the
-output stays exact.
+rows, so it only chooses the tree's depth). Measured times are remembered per (target, draft) pair
+and tree settings for the process, as the chain policy's are (``draft_length.pair_step_times``): the
+first call explores the arms, later calls start informed (up to 8 tree and 8 chain arms: a short
+call that starts from nothing spends many of its steps trying them). The arm is decided on the host
+from past steps only: the tree's shape never depends on this step's draws or on the verifier's random
+numbers, and the output stays exact.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 from .draft_length import EXPLORE_WITHIN, REFRESH_EVERY, StepTimes, acceptance_estimate, expected_tokens
 
 MAX_CHAIN = 8  # the chain fallback's longest length (the chain policy's lengths past 8 never won on our pairs)
 
 
+# target -> draft -> tree settings -> active requests -> StepTimes; weak, so the models can be freed
+_PAIR_TREE_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def pair_tree_times(target, draft, settings: tuple) -> dict[int, StepTimes]:
+    """The measured step times of a (target, draft) pair's tree arms for ``settings`` (the drafter's
+    node budget, width and threshold: the arms' shapes), per number of active requests."""
+    per_draft = _PAIR_TREE_TIMES.setdefault(target, weakref.WeakKeyDictionary())
+    return per_draft.setdefault(draft, {}).setdefault(settings, {})
+
+
 class TreeBudgetPolicy:
     """``choose`` returns the step's node budget and sets ``width`` (k, or 1 for a chain arm)."""
 
-    def __init__(self, nodes: int, width: int, cost: float, measured: bool, max_depth: int | None = None):
+    def __init__(self, nodes: int, width: int, cost: float, measured: bool, max_depth: int | None = None, times=None):
+        """times: where measured step times live (``pair_tree_times``; default: this policy only)."""
         self.cost, self.measured = cost, measured
         depths = max_depth or math.ceil(nodes / width)  # a shaped tree (tree_threshold) may go deeper
         self.arms = [("tree", d, min(nodes, width * d), width) for d in range(1, depths + 1)]
@@ -39,7 +55,8 @@ class TreeBudgetPolicy:
         self.counts = {"tree": [0, 0], "chain": [0, 0]}  # kind -> [accepted, rejections]
         self.last = (0, 0)  # the call's accepted / rejections when the last arm was chosen
         self.arm, self.width = self.arms[0], width  # (choose picks the first step's arm)
-        self.times: dict[int, StepTimes] = {}  # active requests -> running mean step seconds per arm
+        # active requests -> running mean step seconds per arm
+        self.times: dict[int, StepTimes] = {} if times is None else times
         self.steps = 0
 
     def _rate(self, arm, times: dict) -> float:

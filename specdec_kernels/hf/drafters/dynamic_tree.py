@@ -75,7 +75,7 @@ from ..config import is_number
 from ..draft_length import draft_cost_estimate
 from ..forwards import forward, gen_for
 from ..medusa import MIN_RANK_PROB, candidate_tokens
-from ..tree_budget import MAX_CHAIN, TreeBudgetPolicy
+from ..tree_budget import MAX_CHAIN, TreeBudgetPolicy, pair_tree_times
 from .base import TreeProposal, Verified
 from .model import ModelDrafter
 
@@ -112,8 +112,14 @@ class DynamicTreeDrafter(ModelDrafter):
             return None
         measured = cfg.draft_cost == "measured" or (cfg.draft_cost is None and cfg.greedy)
         cost = cfg.draft_cost if is_number(cfg.draft_cost) else draft_cost_estimate(session.target, self.model)
+        settings = (cfg.num_draft_tokens, self.width, self.threshold, self.prompt_lookup)
         self.policy = TreeBudgetPolicy(
-            cfg.num_draft_tokens, self.width, float(cost), measured, max_depth=self.shaped_depth or None
+            cfg.num_draft_tokens,
+            self.width,
+            float(cost),
+            measured,
+            max_depth=self.shaped_depth or None,
+            times=pair_tree_times(session.target, self.model, settings) if measured else None,
         )
         return self.policy
 
