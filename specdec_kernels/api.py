@@ -211,7 +211,7 @@ def verify(
         logits_scaled, validate, top_p_ties, token_bitmask,
     )  # fmt: skip
     if sharded:  # vocabulary shards: see ops/vocab_parallel/
-        out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate, logprobs)
+        out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate, logprobs, method)
     else:
         run = _dispatch.run_verify_block if method == "block" else _dispatch.run_verify
         out = _run_local(checked(), backend, run, _dispatch.call_verify_chain, chain_logprobs, logprobs)
