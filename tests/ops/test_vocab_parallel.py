@@ -273,8 +273,8 @@ BLOCK_SWEEP = {
     ("probs", "sampled"): 304, ("probs", "top_k"): 309, ("probs", "top_p"): 303, ("probs", "per_request"): 306,
     ("ngram", "sampled"): 307, ("ngram", "top_k"): 335, ("ngram", "top_p"): 302, ("ngram", "per_request"): 310,
 }  # fmt: skip
-# NaN at sampled request 3's bonus row (block reads it; the token rule only if all 3 drafts are
-# accepted), at sampled request 1's row 3 (beyond its n = 1: neither rule reads it), in sampled
+# NaN at sampled request 3's bonus row (block reads it even where tau < n; the token rule only if
+# all 3 drafts are accepted), at sampled request 1's row 3 (beyond its n = 1: neither rule reads it), in sampled
 # request 2's only row, and at greedy request 0's row 2 (the argmax chain under both rules)
 NAN_AT = [(3, 3), (1, 3), (2, 0), (0, 2)]
 PAPER = dict(V=2, sizes=[1, 1], B=3000, G=2, n=[2], params=dict(temperature=1.0), paper=True)  # PAPER: _inputs
@@ -301,7 +301,7 @@ def block_suite(world: int) -> dict[str, dict]:
     if world == 3:
         for mode, params, seed in (("logits", "top_p", 302), ("probs", "per_request", 306), ("ngram", "top_k", 353)):
             cases[f"block-{mode}-{params}"] = _chain(world, seed, mode, params, G=5, **more)
-        nan_rows = _chain(world, 318, "logits", "per_request", nan_at=NAN_AT, V=BLOCK_V, sizes=more["sizes"])
+        nan_rows = _chain(world, 342, "logits", "per_request", nan_at=NAN_AT, V=BLOCK_V, sizes=more["sizes"])
         cases["block-nan-rows"], cases["token-nan-rows"] = dict(nan_rows, block=True), nan_rows
         cases["block-logprobs-mask"] = _chain(world, 332, "probs", "top_k", mask=True, logprobs=0, **more)
     return cases
@@ -499,6 +499,7 @@ def test_block_flags_every_row_it_reads():
     for res in run_world(3, "block"):
         block, token = res["block-nan-rows"], res["token-nan-rows"]
         assert block["nonfinite"][1:].tolist() == [False, True, True]
+        assert int(block["num_accepted"][3]) < 3  # tau < n: the NaN row lies beyond tau, still read
         assert not bool(token["nonfinite"][3])  # request 3 rejected a draft: its bonus row is not read
         assert torch.equal(block["nonfinite"][0], token["nonfinite"][0])  # greedy: the same chain
 
