@@ -281,7 +281,7 @@ PAPER = dict(V=2, sizes=[1, 1], B=3000, G=2, n=[2], params=dict(temperature=1.0)
 
 
 def block_suite(world: int) -> dict[str, dict]:
-    """method="block" chains (ragged drafts [G, 1, 0, G - 1] in all) at V = 203 over uneven shards."""
+    """method="block" chains (ragged drafts [G, 1, 0, G - 1] unless said) at V = 203 over uneven shards."""
     more = dict(block=True, V=BLOCK_V, sizes=BLOCK_SHARDS[world], B=8, noise=0.4)  # drafts close: long prefixes
     cases = {}
     if world == 2:
