@@ -12,9 +12,11 @@ the buffer), counted by wrapping ``torch.distributed.all_gather`` / ``all_reduce
 ``allgather``; ``sharded_bytes_model`` for ours, O(B (G+1)) float64 records). Times:
 median wall and process-CPU milliseconds per call on rank 0, after a barrier. Both providers must
 return the same tokens (checked). Rows are appended to bench/results/vocab_parallel.csv
-(``--smoke``: a tiny run on CPU, rows to a temporary file unless ``--out``).
+(``--smoke``: a tiny run on CPU, rows to a temporary file unless ``--out``). ``--method block``:
+both providers verify with ``method="block"`` (the CSV's mode then reads e.g. ``sampled+block``).
 
     python bench/bench_vocab_parallel.py --smoke
+    python bench/bench_vocab_parallel.py --smoke --method block
     python bench/bench_vocab_parallel.py --world 2 --B 1 8 --V 32000 128256 --rep 5
 """
 
@@ -83,15 +85,17 @@ def _inputs(B, G, V, mode, seed):
     return target, draft, tokens, dict(MODES[mode], seed=seed)
 
 
-def sharded_bytes_model(B, G, world, mode) -> int:
+def sharded_bytes_model(B, G, world, mode, method="token") -> int:
     """What our collectives should move for a chain call with draft logits (result buffers, one
     rank; float64 records): the signature all-gather (11 numbers), row stats (3 per row), softmax
     sums with the draft-token lookups (2 per row), the top-k gather (k + 2 per row) and the race
-    winners (4 per request). Greedy calls need the target rows' stats only."""
+    winners (4 per request). Greedy calls need the target rows' stats only. method="block" adds
+    the residual masses' all-reduce: at most one number per draft position 1 .. G-1 (only those
+    that can stop are sent, so this part is an upper bound)."""
     rows = B * (G + 1) + (0 if mode == "greedy" else B * G)  # target rows, then draft rows
     total = world * 11 + world * rows * 3
     if mode != "greedy":
-        total += rows * 2 + world * B * 4
+        total += rows * 2 + world * B * 4 + (B * max(G - 1, 0) if method == "block" else 0)
     if "top_k" in MODES[mode]:
         total += world * rows * (MODES[mode]["top_k"] + 2)
     return 8 * total
@@ -108,10 +112,11 @@ def _timed(fn, rep):
     return out, statistics.median(walls), statistics.median(cpus)
 
 
-def _measure(sk, counter, world, rank, B, G, V, mode, rep) -> list[dict]:
+def _measure(sk, counter, world, rank, B, G, V, mode, rep, method) -> list[dict]:
     """Both providers on one shape and mode: rows for the CSV."""
     lo, hi = rank * V // world, (rank + 1) * V // world
     target, draft, tokens, kw = _inputs(B, G, V, mode, seed=B * 7 + V)
+    kw["method"] = method
     t_sh, d_sh = target[..., lo:hi].contiguous(), draft[..., lo:hi].contiguous()
 
     def sharded():
@@ -134,14 +139,15 @@ def _measure(sk, counter, world, rank, B, G, V, mode, rep) -> list[dict]:
         out, wall, cpu = _timed(fn, rep)
         stats[name] = (out, counted, calls, wall, cpu)
     same = torch.equal(stats["sharded"][0].tokens, stats["allgather"][0].tokens)
-    assert same, f"sharded and all-gathered tokens differ (B={B} V={V} {mode})"
+    assert same, f"sharded and all-gathered tokens differ (B={B} V={V} {mode} {method})"
     models = {"allgather": (B * (G + 1) * V + B * G * V) * target.element_size()}
-    models["sharded"] = sharded_bytes_model(B, G, world, mode)
+    models["sharded"] = sharded_bytes_model(B, G, world, mode, method)
     rows = []
+    label = mode if method == "token" else f"{mode}+{method}"  # the CSV keeps its columns
     for name, (out, counted, calls, wall, cpu) in stats.items():
         rows.append(
             dict(
-                world=world, mode=mode, B=B, G=G, V=V, dtype="fp32", provider=name,
+                world=world, mode=label, B=B, G=G, V=V, dtype="fp32", provider=name,
                 bytes_counted=counted, bytes_model=models[name],
                 collectives=calls, bytes_ratio_vs_allgather=counted / stats["allgather"][1],
                 wall_ms=wall, cpu_ms=cpu, speedup_vs_allgather=stats["allgather"][3] / wall,
@@ -161,7 +167,7 @@ def _worker(rank, world, init_file, cfg, out_file):
     for V in cfg["V"]:
         for B in cfg["B"]:
             for mode in cfg["modes"]:
-                rows += _measure(sk, counter, world, rank, B, cfg["G"], V, mode, cfg["rep"])
+                rows += _measure(sk, counter, world, rank, B, cfg["G"], V, mode, cfg["rep"], cfg["method"])
     if rank == 0:
         Path(out_file).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -187,6 +193,7 @@ def main(argv=None):
     p.add_argument("--V", type=int, nargs="+", help="vocabulary sizes (default 32000 128256; smoke 1000)")
     p.add_argument("--mode", nargs="+", choices=tuple(MODES), help="default: all")
     p.add_argument("--rep", type=int, help="timed calls per provider (default 5; smoke 1)")
+    p.add_argument("--method", choices=("token", "block"), default="token", help="verification rule (default token)")
     p.add_argument("--out", help="CSV to append to (default bench/results/vocab_parallel.csv)")
     a = p.parse_args(argv)
     cfg = dict(
@@ -195,6 +202,7 @@ def main(argv=None):
         V=a.V or ([1000] if a.smoke else [32000, 128256]),
         modes=a.mode or list(MODES),
         rep=a.rep or (1 if a.smoke else 5),
+        method=a.method,
     )
     out_csv = Path(a.out) if a.out else None
     if out_csv is None:

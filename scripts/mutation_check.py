@@ -53,6 +53,7 @@ GROUPS = {
     "cpu_block": (["tests/ops/test_cpu_block.py"], ["tests/ops/test_cpu_block.py"]),
     "triton_block": (["tests/ops/test_triton_block.py"], ["tests/ops/test_triton_block.py"]),
     "vocab_parallel": ([TIES, "tests/ops/test_vocab_parallel.py"], ["tests/ops/test_vocab_parallel.py"]),
+    "vp_block": (["tests/ops/test_vocab_parallel.py"], ["tests/ops/test_vocab_parallel.py"]),
     "shaped_tree": (["tests/hf/test_shaped_tree.py"], ["tests/hf/test_dynamic_tree.py"]),
     "driver": (
         ["tests/hf/test_generate.py", "tests/hf/test_draft_law.py", "tests/hf/test_medusa.py"],
@@ -60,9 +61,16 @@ GROUPS = {
     ),
 }
 # -k filters of the slow statistical tests per group (only the mutated backend's parametrisations)
-SLOW_FILTER = {"triton": "triton", "core": "cpu", "vectorized": "vectorized", "reference": "not triton"}
+SLOW_FILTER = {
+    "triton": "triton",
+    "core": "cpu",
+    "vectorized": "vectorized",
+    "reference": "not triton",
+    "vp_block": "block",
+}
 # -k filters of the fast tests where a file parametrises several backends (only the mutated one's)
-FAST_FILTER = {"triton_logprobs": "triton"}
+# or holds several features' tests (vp_block: the block-verification tests of the sharded path)
+FAST_FILTER = {"triton_logprobs": "triton", "vp_block": "block"}
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,17 @@ MUTANTS = [
         "verify_chain_sharded",
         "acc_greedy = ids == argmax",
         "acc_greedy = ids != argmax",
+    ),
+    # ---- block verification on vocabulary shards (specdec_kernels/ops/vocab_parallel/block.py)
+    Mutant("vpb-local-r", "vp_block", "residual_masses", "shard.sum_many([local])[0]", "local"),
+    Mutant("vpb-h", "vp_block", "sharded_block_tau", "r / (r + 1.0 - w[:, 1:G])", "r / (r + 1.0)"),
+    Mutant("vpb-flag-rows", "vp_block", "verify_chain_sharded", "row[None] <= n[:, None])", "row[None] <= j[:, None])"),
+    Mutant(
+        "vpb-residual-w",
+        "vp_block",
+        "verify_chain_sharded",
+        "(p_row if w_j is None else w_j[:, None] * p_row)",
+        "p_row",
     ),
     # ---- Hugging Face driver (specdec_kernels/hf)
     Mutant("driver-path", "driver", "verify", "slots <= out.num_accepted", "slots < out.num_accepted"),

@@ -276,13 +276,13 @@ BLOCK_BACKENDS = ("auto", "cpu", "cuda", "vectorized", "torch", "triton")
 
 def check_verify_method(method, backend: str, sharded: bool) -> None:
     """ValueError for a method sk.verify does not know, or block verification where it is not
-    implemented yet (the Triton kernels; vocabulary shards; torch.compile graphs)."""
+    implemented yet (backends outside BLOCK_BACKENDS; torch.compile graphs). Vocabulary shards
+    (process_group=) run both methods; their backends and options are checked as for the token
+    rule (``check_sharded_backend``; top_p_ties="by_index" is refused for both methods)."""
     if method not in VERIFY_METHODS:
         raise ValueError(f"method must be one of {VERIFY_METHODS}, got {method!r}")
-    if method == "token":
+    if method == "token" or sharded:
         return
-    if sharded:
-        raise ValueError("method='block' is not implemented for vocabulary shards (process_group=) yet")
     if backend not in BLOCK_BACKENDS:
         raise ValueError(
             f"method='block' is not implemented in the {backend!r} backend yet: use backend 'auto' "
@@ -355,7 +355,9 @@ def run_tree(args: TreeArgs, backend: str = "auto", logprobs: int | None = None)
 # vocabulary-parallel verification (process_group=): ops/vocab_parallel/
 
 SHARDED_BACKENDS = ("auto", "torch")
-_KIND_CHAIN, _KIND_TREE, _KIND_MULTI = 1, 2, 3
+# the operation in the layout exchange's signature: ranks calling different ones (block on one rank,
+# token on another would run different collectives) raise instead of waiting in a collective
+_KIND_CHAIN, _KIND_TREE, _KIND_MULTI, _KIND_CHAIN_BLOCK = 1, 2, 3, 4
 
 
 def check_sharded_backend(backend: str) -> str:
@@ -390,22 +392,28 @@ def _capturing(device) -> bool:
 
 
 def run_verify_sharded(
-    check: Callable[[], VerifyArgs], process_group, vocab_size, validate: bool, num_logprobs: int | None = None
+    check: Callable[[], VerifyArgs],
+    process_group,
+    vocab_size,
+    validate: bool,
+    num_logprobs: int | None = None,
+    method: str = "token",
 ) -> VerifyOutput:
     """Chain verification over vocabulary shards. ``check`` returns this rank's checked arguments
     (shapes only: ids are global, checked here against the full vocabulary). num_logprobs: None,
-    or the logprobs post-pass (``ops/logprobs.py``) on the shards with that many top logprobs."""
+    or the logprobs post-pass (``ops/logprobs.py``) on the shards with that many top logprobs.
+    method: "token" or "block" (checked by ``check_verify_method``)."""
     args, error = _local_check(check)
     device = _group_device(process_group, args, "target_logits")
     validate = validate and not _capturing(device)
     dims = None if args is None else (args.B, args.G, 0)
     checksum = vocab_parallel.replicated_checksum(args) if validate and args is not None else -1
-    shard, args = vocab_parallel.exchange_layout(
-        process_group, device, _KIND_CHAIN, args, error, vocab_size, dims, checksum
-    )
+    kind = _KIND_CHAIN_BLOCK if method == "block" else _KIND_CHAIN
+    shard, args = vocab_parallel.exchange_layout(process_group, device, kind, args, error, vocab_size, dims, checksum)
     if validate:  # the replicated arguments are equal on every rank (checksum): the same verdict everywhere
         validate_sharded_verify_values(args, shard.V)
-    out = vocab_parallel.verify_chain_sharded(shard, apply_chain_mask(args).padded())  # local words: _bitmask
+    padded = apply_chain_mask(args).padded()  # local words: _bitmask
+    out = vocab_parallel.verify_chain_sharded(shard, padded, method)
     if num_logprobs is not None:
         out = chain_logprobs(args, out, num_logprobs, score=sharded_scorer(shard))
     return out

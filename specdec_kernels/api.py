@@ -47,6 +47,9 @@ Vocabulary parallel (the LM head sharded over the vocabulary, as tensor-parallel
     the race key of entry x uses Philox(seed; x // 4, row, purpose) with the global index x, so
     each shard draws the unsharded call's numbers, and the winner is the (max key, lowest index)
     over ranks (all-gather). NaN logits in one rank's shard flag the request on every rank.
+    method="block" too: the weights w_i from the drafts' (replicated) p and q, the residual masses
+    r_i as shard sums plus one all-reduce (the positions that can stop, all requests together),
+    then the race of row tau; ranks must pass the same method.
     Example (rank r of w ranks, an even split):
         >>> lo, hi = r * V // w, (r + 1) * V // w
         >>> out = sk.verify(target_logits[..., lo:hi], draft_tokens, draft_logits[..., lo:hi],
@@ -186,7 +189,7 @@ def verify(
 
     method: "token" (the rule above) or "block" (Sun et al. 2024, ``reference/block.py``: exact, never
     fewer accepted drafts in expectation; backends cpu, cuda, triton, vectorized, torch, and auto = cpu
-    on CPU tensors, triton on CUDA tensors). Under it a sampled
+    on CPU tensors, triton on CUDA tensors; vocabulary shards too). Under it a sampled
     request is flagged by any of its rows 0 .. n_b (block verification reads them all).
 
     Vocabulary parallel (process_group=, vocab_size=), return_logprobs / num_logprobs, token_bitmask
@@ -211,7 +214,7 @@ def verify(
         logits_scaled, validate, top_p_ties, token_bitmask,
     )  # fmt: skip
     if sharded:  # vocabulary shards: see ops/vocab_parallel/
-        out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate, logprobs)
+        out = _dispatch.run_verify_sharded(checked, process_group, vocab_size, validate, logprobs, method)
     else:
         run = _dispatch.run_verify_block if method == "block" else _dispatch.run_verify
         out = _run_local(checked(), backend, run, _dispatch.call_verify_chain, chain_logprobs, logprobs)

@@ -67,9 +67,13 @@ def _inputs(spec: dict):
         target = (target * 0.3).round()
     elif spec.get("ties"):  # few distinct values: ties at the argmax and the top-k / top-p pivots
         target = target.round()
-    draft = target[..., :G, :] + torch.randn(*lead, G, V, generator=g) * 0.7
+    draft = target[..., :G, :] + torch.randn(*lead, G, V, generator=g) * spec.get("noise", 0.7)
+    if spec.get("paper"):  # the two-token example: every row p = (1/3, 2/3), q = (2/3, 1/3)
+        target[...] = torch.tensor([1.0, 2.0]).log()
+        draft[...] = torch.tensor([2.0, 1.0]).log()
     # drafts sampled from the draft (accepted often enough that every path runs)
-    tokens = torch.multinomial(torch.softmax(draft.reshape(-1, V), -1), 1, generator=g).reshape(*lead, G)
+    probs = torch.softmax(draft.reshape(-1, V), -1)
+    tokens = torch.multinomial(probs, 1, generator=g).reshape(*lead, G) if probs.numel() else draft[..., 0].long()
     if spec["op"] == "multi" and spec["K"] > 1:
         tokens[0, 1, 0] = tokens[0, 0, 0]  # chains sharing a prefix: candidates with multiplicity
         if spec["method"] == "rrs_wor":  # without replacement: distinct first tokens
@@ -83,12 +87,17 @@ def _inputs(spec: dict):
         target[1, ..., off + 3] = float("nan")
         if spec["mode"] == "logits":
             draft[1, ..., off + 5] = float("nan")
+    for b, row in spec.get("nan_at", ()):  # NaN in one row of one request (rank 1's shard)
+        target[b, row, _sizes(spec)[0] + 3] = float("nan")
     if spec["mode"] == "logits":
         kw["draft_logits"] = draft
     elif spec["mode"] == "probs":
         kw["draft_probs"] = torch.softmax(draft, -1)
     if spec["op"] == "chain":
-        kw["num_draft_tokens"] = torch.tensor([G, 1, 0, G - 1])[torch.arange(B) % 4]
+        n = spec.get("n", [G, 1, 0, G - 1])
+        kw["num_draft_tokens"] = torch.tensor(n)[torch.arange(B) % len(n)]
+        if spec.get("block"):
+            kw["method"] = "block"
         if spec.get("placeholder"):
             tokens[0, 1] = -1
             kw["validate"] = False
@@ -255,6 +264,49 @@ def slow_suite(world: int) -> dict[str, dict]:
     return cases
 
 
+BLOCK_V, BLOCK_SHARDS = 203, {2: [77, 126], 3: [70, 45, 88]}  # odd V, cuts off multiples of 32
+# (mode, params) -> seed of the 2-rank sweep; per_request mixes greedy and sampled requests. The
+# seeds (here and below) are ones where block verification's output differs from the token rule's
+# (test_block_cases_tell_the_rules_apart), so that a sharded path ignoring method= fails.
+BLOCK_SWEEP = {
+    ("logits", "sampled"): 300, ("logits", "top_k"): 301, ("logits", "top_p"): 302, ("logits", "per_request"): 303,
+    ("probs", "sampled"): 304, ("probs", "top_k"): 309, ("probs", "top_p"): 303, ("probs", "per_request"): 306,
+    ("ngram", "sampled"): 307, ("ngram", "top_k"): 335, ("ngram", "top_p"): 302, ("ngram", "per_request"): 310,
+}  # fmt: skip
+# NaN at sampled request 3's bonus row (block reads it even where tau < n; the token rule only if
+# all 3 drafts are accepted), at sampled request 1's row 3 (beyond its n = 1: neither rule reads it), in sampled
+# request 2's only row, and at greedy request 0's row 2 (the argmax chain under both rules)
+NAN_AT = [(3, 3), (1, 3), (2, 0), (0, 2)]
+PAPER = dict(V=2, sizes=[1, 1], B=3000, G=2, n=[2], params=dict(temperature=1.0), paper=True)  # PAPER: _inputs
+
+
+def block_suite(world: int) -> dict[str, dict]:
+    """method="block" chains (ragged drafts [G, 1, 0, G - 1] unless said) at V = 203 over uneven shards."""
+    more = dict(block=True, V=BLOCK_V, sizes=BLOCK_SHARDS[world], B=8, noise=0.4)  # drafts close: long prefixes
+    cases = {}
+    if world == 2:
+        for (mode, params), seed in BLOCK_SWEEP.items():
+            cases[f"block-{mode}-{params}"] = _chain(world, seed, mode, params, **more)
+        cases["block-flat"] = _chain(world, 301, "probs", "per_request", flat=True, **more)
+        cases["block-flat-mask-logprobs"] = _chain(
+            world, 310, "logits", "top_p", flat=True, mask=True, logprobs=2, **more
+        )
+        cases["block-placeholder"] = _chain(world, 308, "ngram", "sampled", placeholder=True, **more)
+        cases["block-big_top_k"] = _chain(world, 301, "logits", "big_top_k", block=True, noise=0.4)  # radix select
+        cases["block-G0"] = _chain(world, 323, "logits", "per_request", G=0, n=[0], **more)
+        cases["block-B0"] = _chain(world, 324, "probs", "sampled", **dict(more, B=0))
+        # the paper's known answer (the residual mass of x_1 = b is all on rank 1: r needs the all-reduce)
+        cases["token-paper"] = dict(_chain(world, 326, "logits", "sampled"), **PAPER)
+        cases["block-paper"] = dict(cases["token-paper"], block=True)
+    if world == 3:
+        for mode, params, seed in (("logits", "top_p", 302), ("probs", "per_request", 306), ("ngram", "top_k", 353)):
+            cases[f"block-{mode}-{params}"] = _chain(world, seed, mode, params, G=5, **more)
+        nan_rows = _chain(world, 342, "logits", "per_request", nan_at=NAN_AT, V=BLOCK_V, sizes=more["sizes"])
+        cases["block-nan-rows"], cases["token-nan-rows"] = dict(nan_rows, block=True), nan_rows
+        cases["block-logprobs-mask"] = _chain(world, 332, "probs", "top_k", mask=True, logprobs=0, **more)
+    return cases
+
+
 # errors every rank must raise: name -> (spec, extra kwargs, per-rank override, exception, message part)
 def error_cases(world: int) -> dict:
     base = _chain(world, 90, "logits", "sampled")
@@ -262,6 +314,8 @@ def error_cases(world: int) -> dict:
         "vocab_size": (base, {"vocab_size": V + 1}, None, "ShardError", "do not add up"),
         "draft_id_range": (dict(base, extra={}), {}, "bad_id", "ValueError", "draft_tokens must be in [0, V=1000)"),
         "backend": (base, {"backend": "triton"}, None, "ValueError", "backend must be one of"),
+        "block_backend": (base, {"backend": "cpu", "method": "block"}, None, "ValueError", "backend must be one of"),
+        "rank_method": (base, {}, "rank_method", "ShardError", "ranks disagree on the operation"),
         "rank_shape": (base, {}, "bad_shape", "ShardError", "failed their argument checks"),
         "not_replicated": (base, {}, "rank_tokens", "ShardError", "ranks pass different draft tokens"),
         "seed_none": (dict(base, extra={}), {"seed": None}, None, None, None),
@@ -269,7 +323,7 @@ def error_cases(world: int) -> dict:
     }
 
 
-SUITES = {"fast": suite, "slow": slow_suite}
+SUITES = {"fast": suite, "slow": slow_suite, "block": block_suite}
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,6 +358,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, suite_name: str
             if override == "rank_tokens" and rank == 0:
                 tokens = tokens.clone()
                 tokens[1, 0] = (tokens[1, 0] + 1) % V
+            if override == "rank_method" and rank == 0:
+                kw["method"] = "block"  # block on one rank, token on the others: different collectives
             if override == "bad_shape" and rank == world - 1:
                 target = target[:, :-1]  # one rank's shapes are wrong: every rank must raise
             try:
@@ -358,11 +414,19 @@ def _assert_same(got: dict, want, name: str, who: str) -> None:
         assert torch.equal(got[field], value), f"{name}: {field} differs ({who}): {got[field]} vs {value}"
 
 
+def _backends(spec: dict) -> list[str]:
+    """The unsharded backends a case is compared with: the reference (not at the paper case's
+    B = 3000: its loop is slow), the vectorized backend for method="block", the CPU build."""
+    cpu = ["cpu"] if _cpu_ready() else []
+    if spec.get("paper"):
+        return ["vectorized", *cpu]
+    return ["torch", *(["vectorized"] if spec.get("block") else []), *cpu]
+
+
 def _check_world(world: int, suite_name: str = "fast") -> None:
     runs = run_world(world, suite_name)
-    backends = ["torch"] + (["cpu"] if _cpu_ready() else [])
     for name, spec in SUITES[suite_name](world).items():
-        for backend in backends:
+        for backend in _backends(spec):
             want = _call(spec, None, backend=backend)
             for rank, res in enumerate(runs):
                 _assert_same(res[name], want, name, f"rank {rank} vs unsharded backend={backend}")
@@ -401,6 +465,43 @@ def test_shards_match_unsharded_call(world):
 def test_shards_match_unsharded_call_random_large(world):
     """24 random chain and 24 random K=3 multi-draft cases at V = 32000 over random uneven shards."""
     _check_world(world, "slow")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_block_shards_match_unsharded_call(world):
+    """method="block" on uneven shards (V = 203): every draft mode, filters, greedy and sampled
+    requests mixed, ragged and placeholder drafts, the flattened layout, grammar masks, logprobs,
+    G = 0 and B = 0, against backend="torch", "vectorized" and "cpu" on every rank."""
+    _check_world(world, "block")
+
+
+def test_block_cases_tell_the_rules_apart():
+    """Every block case with drafts to verify gives other tokens than the token rule would."""
+    for world in BLOCK_SHARDS:
+        for name, spec in block_suite(world).items():
+            if spec.get("block") and spec["B"] and spec["G"]:
+                token = _call(dict(spec, block=False), None, backend="vectorized")
+                assert not torch.equal(_call(spec, None, backend="vectorized").tokens, token.tokens), name
+
+
+def test_block_known_answer_on_shards():
+    """The paper's two-token example over 2 ranks of one entry each: 11/9 drafts accepted per step
+    by block verification, 10/9 by the token rule (3000 requests: standard error about 0.015)."""
+    for res in run_world(2, "block"):
+        block = float(res["block-paper"]["num_accepted"].double().mean())
+        token = float(res["token-paper"]["num_accepted"].double().mean())
+        assert abs(block - 11 / 9) < 0.05 and abs(token - 10 / 9) < 0.05, (block, token)
+
+
+def test_block_flags_every_row_it_reads():
+    """Under block verification a sampled request is flagged by its rows 0 .. n (NAN_AT), on every
+    rank; the token rule by rows 0 .. j only (the case tells the two apart)."""
+    for res in run_world(3, "block"):
+        block, token = res["block-nan-rows"], res["token-nan-rows"]
+        assert block["nonfinite"][1:].tolist() == [False, True, True]
+        assert int(block["num_accepted"][3]) < 3  # tau < n: the NaN row lies beyond tau, still read
+        assert not bool(token["nonfinite"][3])  # request 3 rejected a draft: its bonus row is not read
+        assert torch.equal(block["nonfinite"][0], token["nonfinite"][0])  # greedy: the same chain
 
 
 def test_nan_on_one_rank_flags_the_request_everywhere():

@@ -22,7 +22,9 @@ Collectives (``torch.distributed``: NCCL on GPU, gloo on CPU), per call:
   4 all-reduces of [rows, 256] histograms (counts for top-k, softmax mass for top-p). Either way
   the thresholds are the reference's exactly, ties included;
 * the tree walk (``verify_multi`` / ``verify_tree``) does this once per depth, plus the K-SEQ rho
-  search (1 + 4 all-reduces of 16 sums) or two all-reduces per tested candidate (RRS).
+  search (1 + 4 all-reduces of 16 sums) or two all-reduces per tested candidate (RRS);
+* ``sk.verify(..., method="block")``: one more all-reduce of the residual masses r_i of every
+  position that can stop (one number each, all requests together; ``block``).
 
 Arithmetic follows ``reference/`` elementwise in float64 (same operations, same order), so the only
 difference to the unsharded call is the order of float sums across shards: tokens are equal except
@@ -32,7 +34,8 @@ Those decisions read values on the host: the sharded path synchronises (no CUDA-
 
 The package, by job: ``protocol`` (the shards and their collectives, the layout exchange),
 ``selection`` (top-k / top-p thresholds across shards), ``rows`` (row processing and the race,
-shared by both walks), ``chain`` and ``tree`` (the two verifications).
+shared by both walks), ``chain`` and ``tree`` (the two verifications), ``block`` (block verification
+of the chain's sampled requests).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Chain verification on vocabulary shards: ``reference.verify.verify_checked``, the rows of a
-request's drafts processed together (target and draft rows share each collective)."""
+request's drafts processed together (target and draft rows share each collective); method="block"
+decides the sampled requests' accepted prefix by block verification (``block.py``)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import torch
 
 from ..._types import DRAFT_LOGITS, DRAFT_NONE, VerifyOutput
 from ...reference.sampling import PURPOSE_BONUS, PURPOSE_RECOVER, safe_log
+from .block import sharded_block_tau
 from .protocol import Shard
-from .rows import accept_uniforms, process_rows, race, request_params, row_min
+from .rows import accept_uniforms, draft_rows, process_rows, race, request_params, row_min
 
 
-def verify_chain_sharded(shard: Shard, args) -> VerifyOutput:
-    """``reference.verify.verify_checked`` on vocabulary shards (padded VerifyArgs, global ids)."""
+def verify_chain_sharded(shard: Shard, args, method: str = "token") -> VerifyOutput:
+    """``reference.verify.verify_checked`` on vocabulary shards (padded VerifyArgs, global ids);
+    method "token" or "block" (``reference/block.py`` for the sampled requests)."""
     B, G, V = args.B, args.G, shard.V
     dev = args.target_logits.device
     G1 = G + 1
@@ -70,23 +73,23 @@ def verify_chain_sharded(shard: Shard, args) -> VerifyOutput:
     acc = torch.where(greedy[:, None], acc_greedy, acc_sampled) & (row[None] < n[:, None])
     j = torch.where(~acc, row[None], G1).min(1).values.clamp(max=n)  # first rejection, else n
     upto = row[None] <= j[:, None]
+    b_idx = torch.arange(B, device=dev)
+    w_j = None  # block: the weight w_j of the residual max(w_j p_j - q_j, 0)
+    if method == "block" and G and shard.V and not bool(greedy.all()):  # replicated branch
+        tau, w = sharded_block_tau(shard, target, draft, ids, p_tok, q_tok, u, n, ~greedy)
+        j = torch.where(greedy, j, tau)
+        upto = torch.where(greedy[:, None], upto, row[None] <= n[:, None])  # block reads rows 0 .. n
+        w_j = w[b_idx, j]
     t_flag = t_bad | t_empty  # greedy: no finite logit; sampled: p == 0 everywhere (the same rows)
     flag = (upto & t_flag).any(1) | (~greedy & (upto & (row[None] < n[:, None]) & d_bad).any(1))
     # the emitted token: greedy argmax, else a race at row j (bonus from p_n, or the residual)
-    b_idx = torch.arange(B, device=dev)
     flat = b_idx * G1 + j
     p_row = target.p_rows(flat)
     bonus = j >= n
-    if draft is None:
-        q_row = torch.zeros_like(p_row)
-        own, loc = shard.local(ids[b_idx, j])
-        if shard.size:
-            q_row[own, loc[own]] = 1.0
-    else:
-        q_row = draft.p_rows(b_idx * G + j.clamp(max=G - 1))
+    q_row = draft_rows(shard, draft, ids, b_idx, j, G)
     token = argmax[b_idx, j]
     if not bool(greedy.all()):  # replicated: every rank takes the same branch
-        residual = torch.clamp(p_row - q_row, min=0)
+        residual = torch.clamp((p_row if w_j is None else w_j[:, None] * p_row) - q_row, min=0)
         purposes = torch.where(bonus, PURPOSE_BONUS, PURPOSE_RECOVER)
         res_tok, p_tok_won = race(shard, [safe_log(residual), safe_log(p_row)], seeds, j, purposes)
         sampled_tok = torch.where(bonus | (res_tok < 0), p_tok_won, res_tok).clamp(min=0)

@@ -109,6 +109,19 @@ def process_rows(shard: Shard, logits, params, sampled, ids, probs=None, probs_i
     return rows, Rows(q, ones, ones.float(), ones.long(), q_bad, q_at)
 
 
+def draft_rows(shard: Shard, draft: Rows | None, ids, b, i, G: int) -> torch.Tensor:
+    """q rows [R, V_r] float64 of the draft positions (b, i) [R]: the draft's rows (i clamped to
+    G - 1: a bonus row has none), or one-hot at the global draft id ids[b, i] (draft None; its
+    owner holds the 1, an id < 0 none)."""
+    if draft is not None:
+        return draft.p_rows(b * G + i.clamp(max=G - 1))
+    q = torch.zeros((b.numel(), shard.size), dtype=torch.float64, device=ids.device)
+    own, loc = shard.local(ids[b, i])
+    if shard.size:
+        q[own, loc[own]] = 1.0
+    return q
+
+
 def race_uniforms(seeds, rows, purposes, start: int, count: int) -> torch.Tensor:
     """[R, count] float32: the race uniforms of global vocab entries start .. start+count-1 for
     (seed, row, purpose) of each of the R rows, as ``reference.sampling.race_uniforms``."""
