@@ -87,11 +87,9 @@ def speculative_generate(
             "rrs" or "rrs_wor"; default "kseq"). 1 + K*G <= 64.
         drafter: "model" (the draft model), "prompt_lookup" (n-grams of each request's own tokens) or
             "medusa" (``medusa_heads``, a :class:`specdec_kernels.hf.medusa.MedusaHeads` on the target's
-            last hidden state). Medusa: ``num_draft_tokens`` = N tree nodes besides the root (1 + N <= 64),
-            ``num_drafts`` = s candidates per head (top-s when greedy; s draws without replacement from
-            the head's distribution when sampling); the tree keeps the N best nodes of the heads'
-            Cartesian product by product of sorted head probabilities and is verified by
-            ``sk.verify_tree`` with ``method="rrs_wor"`` (the only method; the default for Medusa).
+            last hidden state): ``num_draft_tokens`` = N tree nodes besides the root (1 + N <= 64),
+            ``num_drafts`` = s candidates per head (top-s, or s draws without replacement when sampling),
+            the N best nodes of the heads' product, verified with ``method="rrs_wor"`` (``hf/medusa.py``).
         temperature, top_k, top_p: the target's sampling; temperature 0 = greedy (output identical to
             ``target.generate(do_sample=False)``). Sampled output is exactly target-distributed.
         top_p_ties: the tokens kept from the tie group at the top-p boundary (``sk.verify``):
@@ -99,7 +97,7 @@ def speculative_generate(
             counts as more probable; the Triton kernels on a GPU, the CPU build on CPU tensors);
             "keep" keeps the whole group.
         seed: reproducible sampling. eos/pad_token_id: the target's generation config's. streamer: batch 1.
-        vocab_size: real token count when the models pad their embeddings differently (``len(tokenizer)``).
+        vocab_size: the real token count when the models' embeddings are padded (``len(tokenizer)``).
         attention_backend: tree attention of the forwards: "auto" (Triton on CUDA, SDPA on CPU), "triton", "torch".
         cache_implementation: "dynamic" (``DynamicCache``, grown and cropped every step) or "static"
             (``StaticCache`` of max prompt + ``max_new_tokens`` + K*G + 2 slots per request, allocated
@@ -110,8 +108,7 @@ def speculative_generate(
             ``cache_implementation="static"`` (and fixes the draft length: one graph per shape).
         adaptive_draft: chains (K = 1, draft model) choose the drafts per step (at most
             ``num_draft_tokens``; none, a target-only step, when drafting loses) from the running
-            acceptance and the measured draft/target cost;
-            dynamic trees choose their depth per step, down to a chain (``draft_tree``).
+            acceptance and the draft/target cost; dynamic trees their depth, down to a chain (``draft_tree``).
         draft_confidence: with ``adaptive_draft``, a chain ends at the first draft whose top token has
             probability below this (a property of q: still exact). 0 (default) = off.
         exact_timing: synchronise the GPU around each phase of ``stats.time_s`` (slower).
@@ -138,8 +135,7 @@ def speculative_generate(
             least this, k per depth, N in all, up to 8 deep (exact; docs/hf_driver.md). 0 (default):
             the N nodes fill k per depth.
 
-    Each step synchronises with the host once (to learn the accepted lengths), whatever the batch size.
-    Returns ``SpeculativeOutput(sequences [B, T + new], stats)``.
+    One host synchronisation per step, whatever the batch. Returns ``SpeculativeOutput(sequences [B, T + new], stats)``.
 
     Example:
         >>> out = speculative_generate(target, draft, ids, mask, max_new_tokens=64, num_drafts=2, temperature=0.7)
