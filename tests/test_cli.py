@@ -116,9 +116,15 @@ def test_generate_with_a_dynamic_draft_tree(capsys, lookup):
 
 
 def test_demo_json_row(capsys):
-    """specdec demo --json: the schema-constrained generation equals generate + xgrammar's processor.
-    (2 threads, not the suite's 1: conftest's guard then sees a demo that leaks its thread count.)"""
-    assert main(["demo", "--json", "--device", "cpu", "--max-new-tokens", "60", "--threads", "2"]) == 0
+    """specdec demo --json: the schema-constrained generation equals generate + xgrammar's processor;
+    the demo pins its own thread count (1 here) and gives the caller's back (2 here, set for the check)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["demo", "--json", "--device", "cpu", "--max-new-tokens", "60", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "equal: True" in out and "valid JSON: yes" in out, out
 
