@@ -94,6 +94,13 @@ class TreeBudgetPolicy:
         self.arm, self.width = choice, choice[3]
         return choice[2]
 
+    def observe_chain(self, accepted: int, rejections: int) -> None:
+        """A tree step's chain-equivalent counts (``dynamic_tree.chain_equivalent``): the chain arms'
+        acceptance learns from tree steps too, so a chain is judged on what it would accept here, not
+        on the prior while the policy grows trees."""
+        self.counts["chain"][0] += accepted
+        self.counts["chain"][1] += rejections
+
     def record(self, nodes: int, active: int, seconds: float) -> None:
         """The step's wall time (the call's first step is skipped: it pays one-off costs)."""
         self.steps += 1

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from specdec_kernels import api  # noqa: E402
 from specdec_kernels.hf import drafting, speculative_generate  # noqa: E402
 from specdec_kernels.hf.drafters import DynamicTreeDrafter  # noqa: E402
-from specdec_kernels.hf.drafters.dynamic_tree import tree_depths  # noqa: E402
+from specdec_kernels.hf.drafters.dynamic_tree import chain_equivalent, tree_depths  # noqa: E402
 from specdec_kernels.hf.drafting import prompt_lookup  # noqa: E402
 from specdec_kernels.hf.generate import open_session  # noqa: E402
 from specdec_kernels.hf.tree_budget import TreeBudgetPolicy  # noqa: E402
@@ -143,6 +143,59 @@ def test_budget_policy_falls_back_to_a_chain_when_trees_do_not_pay():
     assert {a[0] for a in _simulate(TreeBudgetPolicy(16, 4, 0.2, True), rows_free)[-20:]} == {"tree"}
     assert {a[0] for a in _simulate(TreeBudgetPolicy(16, 4, 0.2, False), rows_cost)} == {"tree"}
     assert all(arm[3] == 1 for arm in TreeBudgetPolicy(5, 1, 0.2, True).arms)  # width 1: chains only
+
+
+def test_chain_equivalent_counts():
+    """What a chain of first candidates accepts in a tree step: the leading run of first children on
+    the accepted path; a rejection where the run ends on a later sibling or where the path stops at a
+    node with a first child in the tree; neither where it stops at a leaf (censored)."""
+    # request 0: root -> node 0 (first), node 1; node 0 -> node 2 (first), node 3; node 2 -> node 4 (first)
+    parent0, first0 = [-1, -1, 0, 0, 2], [True, False, True, False, True]
+    # request 1: the root's first candidate pruned, only its second (node 0) kept, then padding
+    parent1, first1 = [-1, -1, -1, -1, -1], [False] * 5
+    cases = [  # (path of node + 1, accepted) -> (chain accepted, chain rejected)
+        (([1, 3, 5], 3), (3, 0)),  # all first children, to a leaf: censored
+        (([1, 3, -1], 2), (2, 1)),  # stops at node 2, whose first child (node 4) was rejected
+        (([1, 4, -1], 2), (1, 1)),  # node 3 is a second child: the chain stopped at depth 2
+        (([2, -1, -1], 1), (0, 1)),  # node 1 is a second child
+        (([-1, -1, -1], 0), (0, 1)),  # nothing accepted: the root's first child was rejected
+        (([1, -1, -1], 1), (1, 1)),
+    ]
+    for (path, accepted), expected in cases:
+        paths = torch.tensor([path, [-1, -1, -1]])
+        acc = torch.tensor([accepted, 0])
+        first = torch.tensor([first0, first1])
+        parent = torch.tensor([parent0, parent1])
+        run, rejected = chain_equivalent(paths, acc, first, parent)
+        assert (int(run[0]), int(rejected[0])) == expected, (path, accepted)
+        assert (int(run[1]), int(rejected[1])) == (0, 0)  # the chain's draft is not in the tree: censored
+    empty = chain_equivalent(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, dtype=torch.long), first, parent)
+    assert [t.tolist() for t in empty] == [[0, 0], [0, 0]]
+
+
+@pytest.mark.parametrize("which", ["copy", "near"])
+def test_tree_steps_teach_the_policy_the_chains_acceptance(target, drafts, which, monkeypatch):
+    """Every tree step of the model's draws reports its chain-equivalent counts in the step's one
+    transfer: never more accepted than the tree accepted; a perfect draft's chain is never rejected."""
+    seen = []
+    update = DynamicTreeDrafter.update
+
+    def spy(self, session, verified, host):
+        update(self, session, verified, host)
+        if len(host) == 3:
+            seen.append((sum(verified.accepted_host), host[1], host[2], self.policy.counts["chain"][:]))
+
+    monkeypatch.setattr(DynamicTreeDrafter, "update", spy)
+    ids, mask = _ragged_prompts()
+    out = _dynamic(target, drafts[which], ids, mask, 12, 3)
+    assert torch.equal(out.sequences, _greedy_reference(target, ids, mask, 12))
+    assert seen, "no tree step reported chain-equivalent counts"
+    assert all(chain <= tree for tree, chain, _, _ in seen)
+    assert all(counts[0] >= chain for _, chain, _, counts in seen)  # the policy's chain counts include them
+    if which == "copy":
+        assert all(rejected == 0 for _, _, rejected, _ in seen)
+    else:
+        assert sum(rejected for _, _, rejected, _ in seen) > 0
 
 
 def test_sampled_adaptive_trees_are_reproducible(target, drafts):

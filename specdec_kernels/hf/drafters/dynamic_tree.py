@@ -99,6 +99,7 @@ class DynamicTreeDrafter(ModelDrafter):
         self.shaped_depth = min(N, MAX_SHAPED_DEPTH) if self.threshold > 0.0 and self.width > 1 else 0
         self.max_tree_nodes, self.max_depth = N, max(len(self.per_depth), chain, self.shaped_depth)
         self.node_slot = None  # [A, N] each node's draft-cache slot (from the step's first), -1: never fed
+        self.first_child = None  # (first [A, N], parent [A, N]) of this step's tree for chain_equivalent, or None
         self.policy: TreeBudgetPolicy | None = None
         self.prompt_lookup = config.prompt_lookup
         self.keeps_history = config.prompt_lookup  # the lookup reads the host copies of the tokens
@@ -159,6 +160,8 @@ class DynamicTreeDrafter(ModelDrafter):
         A, u, U = len(batch.rows), self.uncached, max(self.uncached_host)
         look = self._lookup_branch(session) if self.prompt_lookup else _NO_LOOKUP
         greedy = self.config.greedy or look is not _NO_LOOKUP  # a lookup step: a deterministic tree, one-hot
+        # a tree of the draft model's own draws also tells the policy what a chain would have accepted
+        shadow = self.policy is not None and k > 1 and look is _NO_LOOKUP
         sampling = self.config.sampling
         fed_slots = U + sum(self.per_depth[:-1])
         self.fed = (self.length, U)
@@ -176,7 +179,7 @@ class DynamicTreeDrafter(ModelDrafter):
         cand_parent = torch.full((A, k), -1, device=device)
         cand_q = None if probs is None else probs[:, None]  # [A, F, V]: candidate c was drawn from row c // k
         rows = []
-        tokens, parents, valid, slots, depths, bits = [], [], [], [], [], []
+        tokens, parents, valid, slots, depths, bits, firsts = [], [], [], [], [], [], []
         root_bits = (torch.ones_like(u) << u) - 1
         next_slot, arange_a = U, torch.arange(A, device=device)[:, None]
         shape = _Shape(self.threshold, g, A, device) if shaped else None
@@ -201,6 +204,7 @@ class DynamicTreeDrafter(ModelDrafter):
             tokens.append(torch.where(ok, cand.gather(1, order), 0))
             parents.append(torch.where(ok, parent, -1))
             valid.append(ok)
+            firsts.append(ok & (order % k == 0))  # its parent's first candidate (top-1 / first draw)
             depths.append(torch.full_like(parent, d))
             if cand_q is not None:
                 rows.append(cand_q[arange_a, order // k])
@@ -231,7 +235,7 @@ class DynamicTreeDrafter(ModelDrafter):
             cand_parent, cand = cand_parent.reshape(A, width * k), kids[0].reshape(A, width * k)
             cand_q = probs
         trim = shape is not None and _stops_early(device)  # the target scores no padding column
-        return self._compact(tokens, parents, valid, slots, depths, rows, g, trim)
+        return self._compact(tokens, parents, valid, slots, depths, rows, g, trim, firsts if shadow else None)
 
     def _lookup_branch(self, session):
         """This step's lookup branch (``_LookupBranch``), or a no-op one when no request has a match."""
@@ -242,10 +246,11 @@ class DynamicTreeDrafter(ModelDrafter):
         self.lookup_nodes = [len(p) for p in found]
         return _LookupBranch(found, session.device) if any(found) else _NO_LOOKUP
 
-    def _compact(self, tokens, parents, valid, slots, depths, rows, budget: int, trim: bool) -> TreeProposal:
+    def _compact(self, tokens, parents, valid, slots, depths, rows, budget: int, trim: bool, firsts) -> TreeProposal:
         """The nodes of every depth, padding moved to the end (parents renumbered), at most ``budget``
         columns (a shaped tree's depths offer more slots than its budget of real nodes); ``trim`` (a
-        host read): only as many columns as the largest tree has nodes."""
+        host read): only as many columns as the largest tree has nodes. firsts (None: not counted):
+        per depth, which nodes are their parent's first candidate (``chain_equivalent``)."""
         ok = torch.cat(valid, dim=1)
         A, N = ok.shape
         order = torch.sort((~ok).long(), dim=1, stable=True).indices  # real nodes first, in order
@@ -258,12 +263,27 @@ class DynamicTreeDrafter(ModelDrafter):
         kept = ok.gather(1, order)
         depth = torch.where(kept, pick(depths), 0)
         self.node_slot = torch.where(kept, pick(slots), -1)
+        self.first_child = None if firsts is None else (pick(firsts) & kept, parent)
         probs = None
         if rows:
             probs = torch.cat(rows, dim=1)[torch.arange(A, device=ok.device)[:, None], order]
         num = kept.long().sum(dim=1)
         D = len(self.per_depth)
         return TreeProposal(pick(tokens), parent, num, depth.max(dim=1).values, D, probs, D)
+
+    def host_values(self, session, verified: Verified) -> list[torch.Tensor]:
+        """The chain drafter's, then (a tree of the model's draws) what a chain of the first
+        candidates would have accepted this step: accepted drafts and rejections, summed over requests."""
+        values = super().host_values(session, verified)
+        if values and self.first_child is not None:
+            accepted, rejections = chain_equivalent(verified.path, verified.accepted, *self.first_child)
+            values += [accepted.sum(), rejections.sum()]
+        return values
+
+    def update(self, session, verified: Verified, host: list[int]) -> None:
+        super().update(session, verified, host)
+        if len(host) == 3:  # host_values' chain-equivalent counts
+            self.policy.observe_chain(host[1], host[2])
 
     def _commit_slots(self, verified: Verified):
         """Draft-cache slots to keep [A, U + D - 1] and their counts: the u committed tokens fed by
@@ -276,6 +296,35 @@ class DynamicTreeDrafter(ModelDrafter):
         src = torch.where(j < u[:, None], S + j, S + self.node_slot.gather(1, node).clamp_min(0))
         kept = u + torch.clamp(accepted, max=D - 1)
         return src, torch.where(verified.finished, 0, kept)
+
+
+def chain_equivalent(path, accepted, first, parent) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a chain would have accepted in a tree step (per request): (accepted drafts [A],
+    rejections [A] (0 or 1)), for the tree policy's chain acceptance (``TreeBudgetPolicy.observe_chain``).
+
+    A chain drafts each node's first candidate: the top-1 token when greedy, the first draw from q
+    when sampling (a chain's draft is one draw from q). Both verifiers test a node's first child as
+    the chain's verifier tests its draft (greedy: the target's argmax; rrs_wor: accepted with
+    probability min(1, p / q)), and a path goes on from the node it accepted. So the leading run of
+    first children on the accepted path is what the chain accepts, and it was rejected where the run
+    ends on a later sibling, or where the path stops at a node whose first child is in the tree (all
+    its children were rejected). Where the path stops at a node without one (a leaf, a pruned branch)
+    the chain's next test is unknown and counts as neither (censored).
+
+    path [A, D]: the accepted nodes' forward indices (node + 1; -1 padding); accepted [A];
+    first [A, C]: the node is its parent's first candidate (False for padding); parent [A, C] (-1: root)."""
+    A, D = path.shape
+    if D == 0:
+        zero = accepted.new_zeros(A)
+        return zero, zero
+    on_path = first.gather(1, (path - 1).clamp_min(0)) & (path > 0)
+    run = torch.minimum(on_path.long().cumprod(dim=1).sum(dim=1), accepted)
+    has_first = torch.zeros((A, first.shape[1] + 1), dtype=torch.long, device=first.device)
+    has_first.scatter_add_(1, parent + 1, first.long())  # index 0: the root
+    last = torch.where(accepted > 0, path.gather(1, (accepted - 1).clamp(0, D - 1)[:, None])[:, 0], 0)
+    stopped = has_first.gather(1, last.clamp_min(0)[:, None])[:, 0] > 0
+    rejected = (run < accepted) | stopped
+    return run, rejected.long()
 
 
 def _stops_early(device: torch.device) -> bool:
