@@ -55,6 +55,7 @@ GROUPS = {
     "vocab_parallel": ([TIES, "tests/ops/test_vocab_parallel.py"], ["tests/ops/test_vocab_parallel.py"]),
     "vp_block": (["tests/ops/test_vocab_parallel.py"], ["tests/ops/test_vocab_parallel.py"]),
     "shaped_tree": (["tests/hf/test_shaped_tree.py"], ["tests/hf/test_dynamic_tree.py"]),
+    "tree_policy": (["tests/hf/test_dynamic_tree.py"], []),
     "driver": (
         ["tests/hf/test_generate.py", "tests/hf/test_draft_law.py", "tests/hf/test_medusa.py"],
         ["tests/hf/test_draft_law.py", "tests/hf/test_generate.py"],
@@ -70,7 +71,7 @@ SLOW_FILTER = {
 }
 # -k filters of the fast tests where a file parametrises several backends (only the mutated one's)
 # or holds several features' tests (vp_block: the block-verification tests of the sharded path)
-FAST_FILTER = {"triton_logprobs": "triton", "vp_block": "block"}
+FAST_FILTER = {"triton_logprobs": "triton", "vp_block": "block", "tree_policy": "chain_equivalent or teach"}
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,10 @@ MUTANTS = [
         equivalent="a node dropped by the threshold has children scoring below it (scores only fall along a path), "
         "and one dropped by the budget leaves its request no budget: their children are never kept either way",
     ),
+    # ---- the tree policy's chain-equivalent counts (specdec_kernels/hf/drafters/dynamic_tree.py)
+    Mutant("chain-eq-stop", "tree_policy", "chain_equivalent", "(run < accepted) | stopped", "(run < accepted)"),
+    Mutant("chain-eq-run", "tree_policy", "chain_equivalent", "on_path.long().cumprod(dim=1)", "on_path.long()"),
+    Mutant("chain-observe", "tree_policy", "observe_chain", 'self.counts["chain"][0] += accepted', "pass"),
     # ---- equivalent mutants (listed, not run)
     Mutant(
         "ref-uniform-div",

@@ -262,15 +262,24 @@ def _num_chunks(args: VerifyArgs, threads: int) -> int:
     return max(1, min(math.ceil(args.V / per_block), math.ceil(4 * sms / max(rows, 1)), 64))
 
 
+# (row, chunk) items per thread the CPU row pass aims for: with fewer, a thread that gets one more
+# item than the others sets the pace (5 rows over 2 threads: 3 rows' time instead of 2.5); with
+# CPU_ITEMS_PER_THREAD items each the imbalance is at most one item in that many.
+CPU_ITEMS_PER_THREAD = 4
+CPU_MIN_CHUNK = 8192  # entries: a smaller chunk's record and merge cost more than its share of the row
+
+
 def _cpu_chunks(args: VerifyArgs) -> int:
-    """Vocab chunks per row on the CPU: enough (row, chunk) items for every thread, chunks >= 8k entries."""
+    """Vocab chunks per row on the CPU: about CPU_ITEMS_PER_THREAD (row, chunk) items per thread
+    when the rows alone give fewer, chunks of at least CPU_MIN_CHUNK entries."""
     threads = torch.get_num_threads()
     if threads <= 1:
         return 1
     rows = args.B * (args.G + 1)
-    if rows == 0 or rows >= 2 * threads:
+    want = CPU_ITEMS_PER_THREAD * threads
+    if rows == 0 or rows >= want:
         return 1
-    return max(1, min(math.ceil(2 * threads / rows), args.V // 8192))
+    return max(1, min(math.ceil(want / rows), args.V // CPU_MIN_CHUNK))
 
 
 def _sampling_args(args, logprobs: bool = False, has_filter: bool | None = None) -> tuple:
