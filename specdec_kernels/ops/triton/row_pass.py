@@ -31,9 +31,11 @@ from .helpers import (
     kept_at,
     lane_argmax_update,
     lane_exp_update,
+    lane_max_exp_update,
     lane_softmax_update,
     lanes_argmax,
     lanes_exp_sum,
+    lanes_max_exp,
     lanes_softmax,
     load_logits,
     load_probs,
@@ -76,10 +78,64 @@ def _row_pass_fast(
     DRAFT_MODE, HAS_FILTER, BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V
 ):  # fmt: skip
     """One pass over [start_col, end_col) of each row: (max, sum-exp) of the processed target and
-    draft logits, greedy argmax, count of unusable draft probabilities. About 12 instructions per
-    entry: the running max is NaN-propagating (a row with NaN / +inf entries ends with a max that
-    is not < inf; the caller redoes it exactly), every lane keeps its own running state and the
-    lanes are reduced once at the end."""
+    draft logits, greedy argmax, count of unusable draft probabilities; about 10 instructions per
+    entry. A row with NaN / +inf entries ends with a max that is not < inf (the caller redoes it
+    exactly); every lane keeps its own running state and the lanes are reduced once at the end.
+
+    The running max of the sum-exp is also the row max and the argmax (``lane_max_exp_update``):
+    a threshold keeps the row max and every entry equal to it, and a NaN passes the filter (dropped
+    only where x < thr) to poison z. The by_index tie rule can drop entries equal to the max before
+    its cut: with a filter it keeps the separate NaN-propagating max (``_row_pass_fast_ties``). The
+    mask's bit and the filter's test make one predicate: the entry is -inf where either fails."""
+    if HAS_FILTER and BY_INDEX:
+        return _row_pass_fast_ties(
+            t_rows, d_rows, tm_rows, dm_rows, row_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col,
+            end_col, DRAFT_MODE, HAS_MASK, MASK_PARENTS, BLOCK_V,
+        )  # fmt: skip
+    BLOCK_R: tl.constexpr = t_rows.shape[0]
+    c = (inv_t * LOG2E)[:, None]
+    m_t = tl.full([BLOCK_R, BLOCK_V], NO_MAX, tl.float32)
+    y_t = tl.full([BLOCK_R, BLOCK_V], -1.0, tl.float32)  # z - 1 (``lane_max_exp_update``)
+    top_idx = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
+    m_q = tl.full([BLOCK_R, BLOCK_V], NO_MAX, tl.float32)
+    y_q = tl.full([BLOCK_R, BLOCK_V], -1.0, tl.float32)
+    bad_q = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
+    for start in range(start_col, end_col, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)[None, :]
+        in_chunk = cols < end_col
+        t_bits = allowed_tile(tm_rows, start, end_col, row_ok | draft_ok, BLOCK_V, HAS_MASK)
+        x = tl.load(t_rows + cols, mask=row_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
+        keep = t_bits
+        if HAS_FILTER:
+            keep = keep & ~(x < thr_t[:, None])  # a NaN passes: it poisons z
+        if HAS_MASK or HAS_FILTER:
+            x = tl.where(keep, x, float("-inf"))
+        m_t, y_t, top_idx = lane_max_exp_update(m_t, y_t, top_idx, x, cols, c)
+        if DRAFT_MODE == DRAFT_LOGITS:
+            d_bits = t_bits  # a chain's / verify_multi's draft row i uses its target row's words
+            if MASK_PARENTS:
+                d_bits = allowed_tile(dm_rows, start, end_col, draft_ok, BLOCK_V, HAS_MASK)
+            xd = tl.load(d_rows + cols, mask=draft_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
+            if HAS_FILTER:
+                d_bits = d_bits & ~(xd < thr_q[:, None])
+            if HAS_MASK or HAS_FILTER:
+                xd = tl.where(d_bits, xd, float("-inf"))
+            m_q, y_q, _idx = lane_max_exp_update(m_q, y_q, top_idx, xd, cols, c)
+        elif DRAFT_MODE == DRAFT_PROBS:  # only counted: unusable entries flag the request
+            _qd, qd_bad = load_probs(d_rows + cols, draft_ok[:, None] & in_chunk)
+            bad_q += qd_bad.to(tl.int32)
+    row_top, row_idx, row_z_t = lanes_max_exp(m_t, y_t, top_idx, c)
+    row_top_q, _row_idx_q, row_z_q = lanes_max_exp(m_q, y_q, top_idx, c)
+    return row_top, row_z_t, row_idx, row_top_q, row_z_q, tl.sum(bad_q, axis=1)
+
+
+@triton.jit
+def _row_pass_fast_ties(
+    t_rows, d_rows, tm_rows, dm_rows, row_ok, draft_ok, thr_t, thr_q, cut_t, cut_q, inv_t, start_col, end_col,
+    DRAFT_MODE, HAS_MASK, MASK_PARENTS, BLOCK_V
+):  # fmt: skip
+    """``_row_pass_fast`` with a by_index filter: the NaN-propagating max and its first index of
+    the unfiltered (masked) entries next to the filtered (max, sum-exp) of ``lane_exp_update``."""
     BLOCK_R: tl.constexpr = t_rows.shape[0]
     c = (inv_t * LOG2E)[:, None]
     m_t = tl.full([BLOCK_R, BLOCK_V], NO_MAX, tl.float32)
@@ -99,21 +155,19 @@ def _row_pass_fast(
             x = tl.where(t_bits, x, float("-inf"))
         top_idx = tl.where(x > top_t, cols, top_idx)
         top_t = tl.maximum(top_t, x, propagate_nan=tl.PropagateNan.ALL)
-        if HAS_FILTER:
-            x = tl.where(kept_at(x, cols, thr_t[:, None], cut_t[:, None], BY_INDEX), x, float("-inf"))
+        x = tl.where(kept_at(x, cols, thr_t[:, None], cut_t[:, None], True), x, float("-inf"))
         m_t, z_t = lane_exp_update(m_t, z_t, x, c)
         if DRAFT_MODE == DRAFT_LOGITS:
-            d_bits = t_bits  # a chain's / verify_multi's draft row i uses its target row's words
+            d_bits = t_bits
             if MASK_PARENTS:
                 d_bits = allowed_tile(dm_rows, start, end_col, draft_ok, BLOCK_V, HAS_MASK)
             xd = tl.load(d_rows + cols, mask=draft_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
             if HAS_MASK:
                 xd = tl.where(d_bits, xd, float("-inf"))
             top_q = tl.maximum(top_q, xd, propagate_nan=tl.PropagateNan.ALL)
-            if HAS_FILTER:
-                xd = tl.where(kept_at(xd, cols, thr_q[:, None], cut_q[:, None], BY_INDEX), xd, float("-inf"))
+            xd = tl.where(kept_at(xd, cols, thr_q[:, None], cut_q[:, None], True), xd, float("-inf"))
             m_q, z_q = lane_exp_update(m_q, z_q, xd, c)
-        elif DRAFT_MODE == DRAFT_PROBS:  # only counted: unusable entries flag the request
+        elif DRAFT_MODE == DRAFT_PROBS:
             _qd, qd_bad = load_probs(d_rows + cols, draft_ok[:, None] & in_chunk)
             bad_q += qd_bad.to(tl.int32)
     row_top, row_idx = lanes_argmax(top_t, top_idx)
