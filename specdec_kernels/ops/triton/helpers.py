@@ -313,15 +313,17 @@ NO_MAX = tl.constexpr(-3.4028234663852886e38)  # running max of a lane that has 
 
 
 @triton.jit
-def lane_exp_update(m, z, x, c):
-    """Per-lane running (max, sum of 2^((x - max) c)) with c = log2(e) / T: the fast-pass form of
-    ``lane_softmax_update``. m starts at NO_MAX (finite), so -inf entries (masked or filtered) add
-    exactly 0 and no NaN arises from finite or -inf x; NaN / +inf x make z NaN (the caller redoes
-    such rows). One exp2 per entry: whichever of the old max and x is smaller is rescaled."""
+def lane_exp_update(m, y, x, c):
+    """Per-lane running (max, sum of 2^((x - max) c) minus 1) with c = log2(e) / T: the fast-pass
+    form of ``lane_softmax_update``, carrying y = z - 1 (start -1: z = 0) as ``lane_max_exp_update``
+    does (one select and one fma per entry). m starts at NO_MAX (finite), so -inf entries (masked or
+    filtered) add exactly 0 and no NaN arises from finite or -inf x; NaN / +inf x make y NaN (the
+    caller redoes such rows). One exp2 per entry: whichever of the old max and x is smaller is
+    rescaled."""
     d = (x - m) * c
     e = tl.exp2(-tl.abs(d))
     grow = d > 0.0
-    return tl.where(grow, x, m), tl.where(grow, z * e + 1.0, z + e)
+    return tl.where(grow, x, m), y * tl.where(grow, e, 1.0) + e
 
 
 @triton.jit
