@@ -224,6 +224,32 @@ def test_chain_kernels_within_budget(tmp_path):
     assert row_pass and all(r["sass_per_entry"] <= ROW_PASS_SASS_PER_LOGIT for r in row_pass), row_pass
 
 
+MASK_COST = 1.08  # issue 25: a token_bitmask costs at most +8% per B = 64 call (static sm_90 estimates)
+
+
+@pytest.mark.slow
+def test_mask_cost_within_budget(tmp_path):
+    """Issue 25: the B = 64 calls of ``bench_static --cases mask`` (chain greedy / sampled / top-k 50 +
+    top-p 0.9 at V = 151,936, G = 4; verify_tree N = 60 with K-SEQ, RRS and RRS without replacement)
+    estimate at most MASK_COST times their unmasked estimate: the words are read once per row and
+    their bits folded into the passes' existing predicates, not re-applied per pass."""
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
+    code = (
+        "import json; from bench import bench_static as b; from bench._common import environment_metadata; "
+        "chain, tree = b.mask_cases(); meta = environment_metadata('cpu'); "
+        "rows = b.run(False, [c for c in chain if c['B'] == 64]); "
+        "rows += [r for c in tree for r in b._call_rows(c, b.capture_tree(c), meta)]; "
+        f"json.dump(rows, open({str(out)!r}, 'w'))"
+    )
+    _compile_in_subprocess(code, env, timeout=1800)
+    calls = {r["case"]: r["estimate_us"] for r in json.loads(out.read_text()) if r["kernel"] == "(call)"}
+    masked = [name for name in calls if name.endswith(" mask=true")]
+    assert len(masked) == 6, sorted(calls)
+    costs = {name: calls[name] / calls[name.replace("mask=true", "mask=false")] for name in masked}
+    assert all(cost <= MASK_COST for cost in costs.values()), costs
+
+
 @pytest.mark.slow
 def test_csrc_kernels_have_no_stack_or_spills():
     """The CUDA C++ backend's kernels (chain, block decision, logprobs and tree walk, every dtype pair)

@@ -340,3 +340,32 @@ def test_greedy_requests_never_read_the_draft(backend):
     for kw in ({"draft_logits": draft}, {"draft_probs": probs}, {}):
         out = sk.verify(target, tokens, **kw, temperature=0.0, seed=1, backend=backend)
         assert not out.nonfinite.any() and (out.num_accepted == 3).all()
+
+
+def test_row_pass_running_max_edges_match_the_reference():
+    """The Triton row pass keeps one running max per lane for the sum-exp and the greedy argmax,
+    started below every finite bf16 / fp16 value (``helpers.lane_max_exp_update``): fp32 rows whose
+    max is -FLT_MAX (never above the start: the exact pass takes them, first index kept), rows with
+    nothing finite, and NaN / +inf entries below the top-k / top-p threshold (a filter with its own
+    NaN-propagating max used to find them; now the NaN passes the filter and poisons z) must give
+    the reference's tokens and flags, with and without a filter and a token_bitmask."""
+    lowest = torch.finfo(torch.float32).min
+    target, tokens, draft = make_problem(4, 2, 96, seed=11)
+    target[0, 0] = float("-inf")
+    target[0, 0, [5, 70]] = lowest  # request 0, row 0: max -FLT_MAX, first at column 5
+    target[1, 1] = float("-inf")  # request 1, row 1: nothing finite
+    target[2, 0, 3] = float("nan")  # request 2: a NaN far below the threshold ...
+    target[2, 0, 40] = -50.0
+    draft[3, 0, 9] = float("inf")  # request 3: +inf in a draft row
+    tokens[:, 0] = torch.tensor([5, 1, 2, 4])
+    words = torch.full((4, 3, 3), -1, dtype=torch.int32)
+    words[2, 0, 0] = 0x7FFFFFF7  # columns 3 (the NaN: not counted) and 31 (bit 31) disallowed
+    mixed = torch.tensor([0.0, 0.0, 0.8, 0.8])  # greedy rows in a sampled call: the running max's argmax
+    for temperature, top_k, top_p in [(0.0, 0, 1.0), (mixed, 0, 1.0), (0.8, 0, 1.0), (mixed, 3, 0.9), (0.8, 3, 0.9)]:
+        for bitmask in (None, words):
+            kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=torch.arange(4), token_bitmask=bitmask)
+            ref = sk.verify(target, tokens, draft, backend="torch", **kw)
+            out = sk.verify(target, tokens, draft, backend="triton", **kw)
+            assert out.nonfinite.tolist() == ref.nonfinite.tolist(), (temperature, top_k, bitmask is None)
+            assert torch.equal(out.tokens, ref.tokens), (temperature, top_k, bitmask is None)
+            _same(out, ref)

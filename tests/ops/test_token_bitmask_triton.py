@@ -217,3 +217,24 @@ def test_multi_equals_reference(method, params):
     kw = dict(PARAMS[params], method=method, seed=torch.arange(B) + 1, token_bitmask=pack_bitmask(allowed))
     got, want = _both(sk.verify_multi, target, tokens, draft, **kw)
     _same(got, want, f"multi {method} {params}")
+
+
+@pytest.mark.parametrize("method", ["kseq", "rrs", "rrs_wor"])
+def test_tree_disallowed_logits_far_above_the_allowed_max(method):
+    """Disallowed target and draft logits 60 above the allowed ones at T = 0.5: 2^((x - max) c) of
+    such an entry overflows (c = log2(e) / T), so a pass that folds the bits into its predicates
+    (K-SEQ's rho sums, the walk, the race) must still give those entries p = q = 0, never inf * 0."""
+    B, N, V = 3, 7, 101
+    target, tokens, parents, draft = make_tree_problem(B, N, V, seed=9, without_replacement=method == "rrs_wor")
+    allowed = torch.rand(B, N + 1, V, generator=torch.Generator().manual_seed(3)) < 0.5
+    for b in range(B):
+        for i in range(N):
+            allowed[b, int(parents[b, i]) + 1, int(tokens[b, i])] = True
+    # node i's draft row sees mask row parents[i] + 1
+    draft_allowed = torch.gather(allowed, 1, (parents + 1).clamp(0, N)[..., None].expand(B, N, V))
+    target = torch.where(allowed, target, target + 60.0)
+    draft = torch.where(draft_allowed, draft, draft + 60.0)
+    kw = dict(method=method, temperature=0.5, seed=torch.arange(B) + 1, token_bitmask=pack_bitmask(allowed))
+    got, want = _both(sk.verify_tree, target, tokens, parents, draft_logits=draft, **kw)
+    _same(got, want, f"tree {method}")
+    assert not bool(want.nonfinite.any())

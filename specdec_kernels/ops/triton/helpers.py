@@ -126,13 +126,15 @@ def load_logits(ptrs, mask, allowed=None):
     allowed (token_bitmask bits, ``allowed_tile``): -inf where False before the check (a NaN at a
     disallowed entry is not counted, as in the masked copy)."""
     x = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
-    if allowed is not None:
-        x = tl.where(allowed, x, float("-inf"))
     bad = (x != x) | (x == float("inf"))
+    if allowed is not None:  # one select: the bit joins the finiteness test's predicate
+        bad = bad & allowed
+        return tl.where(bad | ~allowed, float("-inf"), x), bad
     return tl.where(bad, float("-inf"), x), bad
 
 
 BITS_PER_WORD = tl.constexpr(_bitmask.BITS_PER_WORD)  # token_bitmask: token bits per int32 word
+WORD_SHIFT = tl.constexpr(_bitmask.BITS_PER_WORD.bit_length() - 1)  # log2(BITS_PER_WORD): column >> it = word
 
 
 @triton.jit
@@ -148,25 +150,32 @@ def allowed_at(mask_rows, cols, ok, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def allowed_tile(mask_rows, start, end, row_ok, BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr):
+def allowed_tile(mask_rows, start, end, row_ok, BLOCK_V: tl.constexpr, HAS_MASK: tl.constexpr, also_rows=None):
     """[R, BLOCK_V] bits of the grammar words at the columns start + arange(BLOCK_V) of R mask rows
     (``mask_rows``: [R, 1] pointers; rows where ``row_ok``, columns < end), True everywhere without
-    HAS_MASK. The hot loops' form of ``allowed_at``: one word load per 32 columns, the bits expanded
-    in registers (a word per lane group instead of a load and a 64-bit address per entry); start is a
-    multiple of BLOCK_V (chunks are whole tiles), so of 32 when BLOCK_V >= 32. Apply the bits after a
-    load (``where``, ``load_logits(..., allowed)``), not in its mask: the row loads stay vectorised."""
+    HAS_MASK; with ``also_rows`` (pointers as mask_rows) the AND of both rows' bits (one expansion).
+    The hot loops' form of ``allowed_at``: one word load per 32 columns, the bits expanded in
+    registers (a word per lane group instead of a load and a 64-bit address per entry); start is a
+    non-negative multiple of BLOCK_V (chunks are whole tiles), so of 32 when BLOCK_V >= 32 (a shift,
+    not a signed division). Apply the bits after a load (``where``, ``load_logits(..., allowed)``, or
+    folded into a predicate the loop has anyway), not in its mask: the row loads stay vectorised."""
     R: tl.constexpr = mask_rows.shape[0]
     cols = start + tl.arange(0, BLOCK_V)[None, :]
     bits = tl.full([R, BLOCK_V], 1, tl.int1)
     if HAS_MASK:
         if BLOCK_V >= BITS_PER_WORD:
             WORDS: tl.constexpr = BLOCK_V // BITS_PER_WORD
-            w = start // BITS_PER_WORD + tl.arange(0, WORDS)[None, :]
-            words = tl.load(mask_rows + w, mask=row_ok[:, None] & (w * BITS_PER_WORD < end), other=0)
+            w = (start >> WORD_SHIFT.value) + tl.arange(0, WORDS)[None, :]
+            ok = row_ok[:, None] & (w < ((end + BITS_PER_WORD - 1) >> WORD_SHIFT.value))
+            words = tl.load(mask_rows + w, mask=ok, other=0)
+            if also_rows is not None:
+                words = words & tl.load(also_rows + w, mask=ok, other=0)
             lane_bit = 1 << tl.arange(0, BITS_PER_WORD)[None, None, :]  # loop-invariant: one AND per entry
             bits = tl.reshape((words[:, :, None] & lane_bit) != 0, [R, BLOCK_V])
         else:
             bits = allowed_at(mask_rows, cols, row_ok[:, None] & (cols < end), HAS_MASK)
+            if also_rows is not None:
+                bits = bits & allowed_at(also_rows, cols, row_ok[:, None] & (cols < end), HAS_MASK)
     return bits
 
 
@@ -304,15 +313,47 @@ NO_MAX = tl.constexpr(-3.4028234663852886e38)  # running max of a lane that has 
 
 
 @triton.jit
-def lane_exp_update(m, z, x, c):
-    """Per-lane running (max, sum of 2^((x - max) c)) with c = log2(e) / T: the fast-pass form of
-    ``lane_softmax_update``. m starts at NO_MAX (finite), so -inf entries (masked or filtered) add
-    exactly 0 and no NaN arises from finite or -inf x; NaN / +inf x make z NaN (the caller redoes
-    such rows). One exp2 per entry: whichever of the old max and x is smaller is rescaled."""
+def lane_exp_update(m, y, x, c):
+    """Per-lane running (max, sum of 2^((x - max) c) minus 1) with c = log2(e) / T: the fast-pass
+    form of ``lane_softmax_update``, carrying y = z - 1 (start -1: z = 0) as ``lane_max_exp_update``
+    does (one select and one fma per entry). m starts at NO_MAX (finite), so -inf entries (masked or
+    filtered) add exactly 0 and no NaN arises from finite or -inf x; NaN / +inf x make y NaN (the
+    caller redoes such rows). One exp2 per entry: whichever of the old max and x is smaller is
+    rescaled."""
     d = (x - m) * c
     e = tl.exp2(-tl.abs(d))
     grow = d > 0.0
-    return tl.where(grow, x, m), tl.where(grow, z * e + 1.0, z + e)
+    return tl.where(grow, x, m), y * tl.where(grow, e, 1.0) + e
+
+
+@triton.jit
+def lane_max_exp_update(m, y, idx, x, cols, c):
+    """``lane_exp_update`` that is also the lane's running argmax (no filter, or one that keeps every
+    entry equal to the row max): the one compare x > m picks the new max, its first column and which
+    side is rescaled. It carries y = z - 1 (start -1: z = 0), so that each entry costs one select and
+    one fma: z' = z e + 1 (x grows m) or z + e are both y' = y a + e with a = e or 1 (a + b = 1 + e
+    for the pair (a, b) = (e, 1) or (1, e) that z' = z a + b takes).
+    m starts at NO_MAX, below every finite bf16 / fp16 value; fp32's -FLT_MAX never grows it (adds
+    2^0 to z instead: ``lanes_max_exp`` sends such rows to the exact pass). NaN x leaves m and makes y
+    NaN, +inf x makes m +inf: the caller redoes such rows."""
+    d = (x - m) * c
+    e = tl.exp2(-tl.abs(d))
+    grow = x > m
+    return tl.where(grow, x, m), y * tl.where(grow, e, 1.0) + e, tl.where(grow, cols, idx)
+
+
+@triton.jit
+def lanes_max_exp(m, y, idx, c):
+    """(row max, first column of it, sum-exp relative to it) of per-lane ``lane_max_exp_update``
+    state [R, BLOCK] (y = z - 1); c: [R, 1]. The max is NaN where z is (NaN entries: the caller
+    redoes the row), -inf for a row without entries (every lane at NO_MAX with z = 0), and NaN too
+    where a lane at NO_MAX counted entries (fp32 -FLT_MAX: the exact pass takes the row)."""
+    row_m, row_idx = lanes_argmax(m, idx)
+    row_z = lanes_exp_sum(m, y + 1.0, row_m, c)
+    empty = row_m == NO_MAX
+    row_m = tl.where(empty, float("-inf"), row_m)
+    row_m = tl.where((row_z != row_z) | (empty & (row_z > 0.0)), float("nan"), row_m)
+    return row_m, row_idx, row_z
 
 
 @triton.jit

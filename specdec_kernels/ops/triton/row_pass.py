@@ -31,9 +31,11 @@ from .helpers import (
     kept_at,
     lane_argmax_update,
     lane_exp_update,
+    lane_max_exp_update,
     lane_softmax_update,
     lanes_argmax,
     lanes_exp_sum,
+    lanes_max_exp,
     lanes_softmax,
     load_logits,
     load_probs,
@@ -76,53 +78,84 @@ def _row_pass_fast(
     DRAFT_MODE, HAS_FILTER, BY_INDEX, HAS_MASK, MASK_PARENTS, BLOCK_V
 ):  # fmt: skip
     """One pass over [start_col, end_col) of each row: (max, sum-exp) of the processed target and
-    draft logits, greedy argmax, count of unusable draft probabilities. About 12 instructions per
-    entry: the running max is NaN-propagating (a row with NaN / +inf entries ends with a max that
-    is not < inf; the caller redoes it exactly), every lane keeps its own running state and the
-    lanes are reduced once at the end."""
+    draft logits, greedy argmax, count of unusable draft probabilities; about 10 instructions per
+    entry. A row with NaN / +inf entries ends with a max that is not < inf (the caller redoes it
+    exactly); every lane keeps its own running state and the lanes are reduced once at the end.
+
+    The running max of the sum-exp is also the row max and the argmax (``lane_max_exp_update``):
+    a threshold keeps the row max and every entry equal to it, and a NaN passes the filter (dropped
+    only where x < thr) to poison z. The by_index tie rule can drop entries equal to the max before
+    its cut: with it (TIES) a separate NaN-propagating max and its index track the unfiltered
+    entries. The mask's bit and the filter's test make one predicate: -inf where either fails."""
     BLOCK_R: tl.constexpr = t_rows.shape[0]
+    TIES: tl.constexpr = HAS_FILTER and BY_INDEX
     c = (inv_t * LOG2E)[:, None]
     m_t = tl.full([BLOCK_R, BLOCK_V], NO_MAX, tl.float32)
-    z_t = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
-    top_t = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
+    y_t = tl.full([BLOCK_R, BLOCK_V], -1.0, tl.float32)  # z - 1 (``lane_exp_update``)
+    top_t = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)  # TIES
     top_idx = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
     m_q = tl.full([BLOCK_R, BLOCK_V], NO_MAX, tl.float32)
-    z_q = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
-    top_q = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)
+    y_q = tl.full([BLOCK_R, BLOCK_V], -1.0, tl.float32)
+    top_q = tl.full([BLOCK_R, BLOCK_V], float("-inf"), tl.float32)  # TIES
     bad_q = tl.zeros([BLOCK_R, BLOCK_V], tl.int32)
     for start in range(start_col, end_col, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)[None, :]
         in_chunk = cols < end_col
         t_bits = allowed_tile(tm_rows, start, end_col, row_ok | draft_ok, BLOCK_V, HAS_MASK)
         x = tl.load(t_rows + cols, mask=row_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
-        if HAS_MASK:
-            x = tl.where(t_bits, x, float("-inf"))
-        top_idx = tl.where(x > top_t, cols, top_idx)
-        top_t = tl.maximum(top_t, x, propagate_nan=tl.PropagateNan.ALL)
-        if HAS_FILTER:
-            x = tl.where(kept_at(x, cols, thr_t[:, None], cut_t[:, None], BY_INDEX), x, float("-inf"))
-        m_t, z_t = lane_exp_update(m_t, z_t, x, c)
+        if TIES:
+            x, top_t, top_idx = _ties_entries(x, t_bits, top_t, top_idx, cols, thr_t, cut_t, HAS_MASK)
+            m_t, y_t = lane_exp_update(m_t, y_t, x, c)
+        else:
+            x = _kept_entries(x, t_bits, thr_t, HAS_FILTER, HAS_MASK)
+            m_t, y_t, top_idx = lane_max_exp_update(m_t, y_t, top_idx, x, cols, c)
         if DRAFT_MODE == DRAFT_LOGITS:
             d_bits = t_bits  # a chain's / verify_multi's draft row i uses its target row's words
             if MASK_PARENTS:
                 d_bits = allowed_tile(dm_rows, start, end_col, draft_ok, BLOCK_V, HAS_MASK)
             xd = tl.load(d_rows + cols, mask=draft_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
-            if HAS_MASK:
-                xd = tl.where(d_bits, xd, float("-inf"))
-            top_q = tl.maximum(top_q, xd, propagate_nan=tl.PropagateNan.ALL)
-            if HAS_FILTER:
-                xd = tl.where(kept_at(xd, cols, thr_q[:, None], cut_q[:, None], BY_INDEX), xd, float("-inf"))
-            m_q, z_q = lane_exp_update(m_q, z_q, xd, c)
+            if TIES:
+                xd, top_q, _idx = _ties_entries(xd, d_bits, top_q, top_idx, cols, thr_q, cut_q, HAS_MASK)
+                m_q, y_q = lane_exp_update(m_q, y_q, xd, c)
+            else:
+                xd = _kept_entries(xd, d_bits, thr_q, HAS_FILTER, HAS_MASK)
+                m_q, y_q, _idx = lane_max_exp_update(m_q, y_q, top_idx, xd, cols, c)
         elif DRAFT_MODE == DRAFT_PROBS:  # only counted: unusable entries flag the request
             _qd, qd_bad = load_probs(d_rows + cols, draft_ok[:, None] & in_chunk)
             bad_q += qd_bad.to(tl.int32)
-    row_top, row_idx = lanes_argmax(top_t, top_idx)
-    row_top = tl.where(tl.max((top_t != top_t).to(tl.int32), axis=1) > 0, float("nan"), row_top)
-    row_z_t = lanes_exp_sum(m_t, z_t, row_top, c)
-    row_top_q = tl.max(top_q, axis=1)
-    row_top_q = tl.where(tl.max((top_q != top_q).to(tl.int32), axis=1) > 0, float("nan"), row_top_q)
-    row_z_q = lanes_exp_sum(m_q, z_q, row_top_q, c)
+    if TIES:
+        row_top, row_idx = lanes_argmax(top_t, top_idx)
+        row_top = tl.where(tl.max((top_t != top_t).to(tl.int32), axis=1) > 0, float("nan"), row_top)
+        row_z_t = lanes_exp_sum(m_t, y_t + 1.0, row_top, c)
+        row_top_q = tl.max(top_q, axis=1)
+        row_top_q = tl.where(tl.max((top_q != top_q).to(tl.int32), axis=1) > 0, float("nan"), row_top_q)
+        row_z_q = lanes_exp_sum(m_q, y_q + 1.0, row_top_q, c)
+    else:
+        row_top, row_idx, row_z_t = lanes_max_exp(m_t, y_t, top_idx, c)
+        row_top_q, _row_idx_q, row_z_q = lanes_max_exp(m_q, y_q, top_idx, c)
     return row_top, row_z_t, row_idx, row_top_q, row_z_q, tl.sum(bad_q, axis=1)
+
+
+@triton.jit
+def _kept_entries(x, bits, thr, HAS_FILTER: tl.constexpr, HAS_MASK: tl.constexpr):
+    """x where the mask allows it and, with a filter, where not x < thr (a NaN passes), else -inf."""
+    keep = bits
+    if HAS_FILTER:
+        keep = keep & ~(x < thr[:, None])  # a NaN passes: it poisons z
+    if HAS_MASK or HAS_FILTER:
+        x = tl.where(keep, x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _ties_entries(x, bits, top, top_idx, cols, thr, cut, HAS_MASK: tl.constexpr):
+    """The by_index filter's form (TIES of ``_row_pass_fast``): the masked entries update the
+    NaN-propagating max and its first index, then the filtered entries (x >= the cut's threshold)."""
+    if HAS_MASK:
+        x = tl.where(bits, x, float("-inf"))
+    top_idx = tl.where(x > top, cols, top_idx)
+    top = tl.maximum(top, x, propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(kept_at(x, cols, thr[:, None], cut[:, None], True), x, float("-inf")), top, top_idx
 
 
 @triton.jit

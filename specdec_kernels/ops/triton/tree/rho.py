@@ -9,7 +9,6 @@ import triton.language as tl
 from ..helpers import (
     DRAFT_LOGITS,
     LOG2E,
-    NEG_INF,
     allowed_tile,
     fast_div,
     inverse_temperature,
@@ -262,21 +261,23 @@ def _rho_chunk_sums(
         cols = start + vcols
         lane = active[:, None, None] & (cols < end_col)
         x = tl.load(t_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
-        if HAS_MASK:  # the words of the [BP, BLOCK_V] tile, expanded in registers
-            t_bits = allowed_tile(tm_row, start, end_col, active, BLOCK_V, HAS_MASK)[:, None, :]
-            x = tl.where(t_bits, x, float("-inf"))
         kept_t = kept_at(x, cols, thr_t, cut_t, BY_INDEX) & (x > float("-inf")) & (x < float("inf"))
         if DRAFT_MODE == DRAFT_LOGITS:
             # p = 2^a_t, q = 2^a_q with a = x c - (m c + log2 z); p / q = 2^(a_t - a_q): no division
             xq = tl.load(d_row + cols, mask=lane, other=float("-inf")).to(tl.float32)
-            if HAS_MASK:
-                xq = tl.where(allowed_tile(dm_row, start, end_col, active, BLOCK_V, HAS_MASK)[:, None, :], xq, NEG_INF)
             kept_q = kept_at(xq, cols, thr_q, cut_q, BY_INDEX) & (xq > float("-inf")) & (xq < float("inf"))
+            if HAS_MASK:
+                # a term is 0 where the target's or the draft's words disallow x: one bit per entry, from
+                # the AND of both rows' words, in q's kept predicate (q = 0 there, so the ratio is 0 too;
+                # no masked copies of the rows)
+                kept_q = kept_q & allowed_tile(tm_row, start, end_col, active, BLOCK_V, HAS_MASK, dm_row)[:, None, :]
             a_t = x * c - off_t
             a_q = xq * c - off_q
             qv = tl.where(kept_q, tl.exp2(a_q), 0.0)
             ratio = tl.where(kept_t & (qv > 0.0), tl.exp2(a_t - a_q), 0.0)
         else:
+            if HAS_MASK:
+                kept_t = kept_t & allowed_tile(tm_row, start, end_col, active, BLOCK_V, HAS_MASK)[:, None, :]
             pv = tl.where(kept_t, tl.exp2(x * c - mc_t) * inv_zt, 0.0)
             qv, _bad_q = load_probs(d_row + cols, lane)
             ratio = tl.where(qv > 0.0, fast_div(pv, qv), 0.0)  # the term is 0 where q = 0
