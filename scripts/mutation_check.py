@@ -328,7 +328,7 @@ def check(mutant: Mutant, copy: Path, jobs: int, fast_only: bool, cache: Path) -
     try:
         fast, slow = GROUPS[mutant.group]
         killer = _pytest(copy, fast, False, FAST_FILTER.get(mutant.group), jobs, env)
-        if killer is None and not fast_only:
+        if killer is None and not fast_only and slow:  # (no slow files: not the whole slow suite)
             killer = _pytest(copy, slow, True, SLOW_FILTER.get(mutant.group), jobs, env)
     finally:  # the original text and time stamp: the unmutated native build stays up to date
         path.write_text(original)

@@ -149,10 +149,11 @@ def test_chain_equivalent_counts():
     """What a chain of first candidates accepts in a tree step: the leading run of first children on
     the accepted path; a rejection where the run ends on a later sibling or where the path stops at a
     node with a first child in the tree; neither where it stops at a leaf (censored)."""
-    # request 0: root -> node 0 (first), node 1; node 0 -> node 2 (first), node 3; node 2 -> node 4 (first)
-    parent0, first0 = [-1, -1, 0, 0, 2], [True, False, True, False, True]
+    # request 0: root -> node 0 (first), node 1; node 0 -> node 2 (first), node 3; node 2 -> node 4
+    # (first); node 1 -> node 5 (first)
+    parent0, first0 = [-1, -1, 0, 0, 2, 1], [True, False, True, False, True, True]
     # request 1: the root's first candidate pruned, only its second (node 0) kept, then padding
-    parent1, first1 = [-1, -1, -1, -1, -1], [False] * 5
+    parent1, first1 = [-1] * 6, [False] * 6
     cases = [  # (path of node + 1, accepted) -> (chain accepted, chain rejected)
         (([1, 3, 5], 3), (3, 0)),  # all first children, to a leaf: censored
         (([1, 3, -1], 2), (2, 1)),  # stops at node 2, whose first child (node 4) was rejected
@@ -160,6 +161,7 @@ def test_chain_equivalent_counts():
         (([2, -1, -1], 1), (0, 1)),  # node 1 is a second child
         (([-1, -1, -1], 0), (0, 1)),  # nothing accepted: the root's first child was rejected
         (([1, -1, -1], 1), (1, 1)),
+        (([2, 6, -1], 2), (0, 1)),  # a first child below a second one: the chain stopped at depth 1
     ]
     for (path, accepted), expected in cases:
         paths = torch.tensor([path, [-1, -1, -1]])
