@@ -165,13 +165,19 @@ class StepTimes:
         return self.seconds[near] * (1 + g * cost) / (1 + near * cost)
 
 
-# (target, draft) -> active requests -> StepTimes; weak, so the models can be freed
+# target -> draft -> what the policies remember of the pair for the process; weak, so the models can be freed
 _PAIR_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def pair_step_times(target, draft, active: int) -> StepTimes:
+def pair_memory(target, draft) -> dict:
+    """The process's memory of a (target, draft) pair: the chain policy's step times per number of
+    active requests (``pair_step_times``), the tree policy's per tree setting (``tree_budget``)."""
     per_draft = _PAIR_TIMES.setdefault(target, weakref.WeakKeyDictionary())
-    return per_draft.setdefault(draft, {}).setdefault(active, StepTimes())
+    return per_draft.setdefault(draft, {})
+
+
+def pair_step_times(target, draft, active: int) -> StepTimes:
+    return pair_memory(target, draft).setdefault(active, StepTimes())
 
 
 _FORCED: list[list[int]] = []  # test hook: the schedules of ``forced_lengths`` blocks, innermost last

@@ -24,22 +24,24 @@ numbers, and the output stays exact.
 from __future__ import annotations
 
 import math
-import weakref
 
-from .draft_length import EXPLORE_WITHIN, REFRESH_EVERY, StepTimes, acceptance_estimate, expected_tokens
+from .draft_length import (
+    EXPLORE_WITHIN,
+    REFRESH_EVERY,
+    StepTimes,
+    acceptance_estimate,
+    expected_tokens,
+    pair_memory,
+)
 
 MAX_CHAIN = 8  # the chain fallback's longest length (the chain policy's lengths past 8 never won on our pairs)
 
 
-# target -> draft -> tree settings -> active requests -> StepTimes; weak, so the models can be freed
-_PAIR_TREE_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def pair_tree_times(target, draft, settings: tuple) -> dict[int, StepTimes]:
-    """The measured step times of a (target, draft) pair's tree arms for ``settings`` (the drafter's
-    node budget, width and threshold: the arms' shapes), per number of active requests."""
-    per_draft = _PAIR_TREE_TIMES.setdefault(target, weakref.WeakKeyDictionary())
-    return per_draft.setdefault(draft, {}).setdefault(settings, {})
+    """The measured step times of a (target, draft) pair's tree and chain arms for ``settings`` (the
+    drafter's node budget, width, threshold and lookup branch: what the arms' steps cost), per number
+    of active requests; kept in the pair's memory beside the chain policy's (``pair_memory``)."""
+    return pair_memory(target, draft).setdefault(("tree", settings), {})
 
 
 class TreeBudgetPolicy:

@@ -204,7 +204,8 @@ class DynamicTreeDrafter(ModelDrafter):
             tokens.append(torch.where(ok, cand.gather(1, order), 0))
             parents.append(torch.where(ok, parent, -1))
             valid.append(ok)
-            firsts.append(ok & (order % k == 0))  # its parent's first candidate (top-1 / first draw)
+            if shadow:  # its parent's first candidate (top-1 / first draw)
+                firsts.append(ok & (order % k == 0))
             depths.append(torch.full_like(parent, d))
             if cand_q is not None:
                 rows.append(cand_q[arange_a, order // k])

@@ -65,6 +65,19 @@ def _distributions(args: VerifyArgs, params: dict, x: Tensor, index: Tensor):
     return p, q, bad_q
 
 
+def stop_weights(p_tok: Tensor, q_tok: Tensor) -> Tensor:
+    """w_0 .. w_G [M, G+1] float64 from p / q at the drafts [M, G] (q = 0 < p: ratio +inf), by the
+    reference's scan (``reference.block.block_weights``) on all requests at once; also the vocabulary
+    shards' (``ops/vocab_parallel/block.py``)."""
+    M, G = p_tok.shape
+    ratio = torch.where(q_tok > 0, p_tok / q_tok.clamp(min=1e-300), torch.full_like(p_tok, float("inf")))
+    ratio = torch.where(p_tok > 0, ratio, torch.zeros_like(ratio))
+    w = torch.ones((M, G + 1), dtype=torch.float64, device=p_tok.device)
+    for i in range(G):
+        w[:, i + 1] = torch.clamp(w[:, i] * ratio[:, i], max=1.0)
+    return w
+
+
 def _block(args: VerifyArgs, params: dict, x: Tensor, flag_rows: Tensor, tok: Tensor, n: Tensor, index: Tensor):
     """(accepted tau [M], token [M], flagged [M]) of the sampled requests ``index`` under block
     verification; x, flag_rows, tok, n: the token rule's sanitised rows, row flags, clamped draft ids
@@ -79,11 +92,7 @@ def _block(args: VerifyArgs, params: dict, x: Tensor, flag_rows: Tensor, tok: Te
         q = torch.zeros((M, G, V), dtype=torch.float64, device=dev).scatter_(2, tok[:, :, None], 1.0)
     p_tok = p[:, :G].gather(2, tok[:, :, None]).squeeze(2)
     q_tok = q.gather(2, tok[:, :, None]).squeeze(2)
-    ratio = torch.where(q_tok > 0, p_tok / q_tok.clamp(min=1e-300), torch.full_like(p_tok, float("inf")))
-    ratio = torch.where(p_tok > 0, ratio, torch.zeros_like(ratio))
-    w = torch.ones((M, G + 1), dtype=torch.float64, device=dev)
-    for i in range(G):
-        w[:, i + 1] = torch.clamp(w[:, i] * ratio[:, i], max=1.0)
+    w = stop_weights(p_tok, q_tok)
     r = torch.clamp(w[:, :G, None] * p[:, :G] - q, min=0).sum(-1)  # r_i for rows 0 .. G-1
     h = torch.where(r > 0, r / (r + 1.0 - w[:, :G]), torch.zeros_like(r))
     stops = torch.cat([h[:, 1:], torch.zeros_like(h[:, :1])], 1)  # stop at position i = 1 .. G

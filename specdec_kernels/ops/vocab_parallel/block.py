@@ -15,20 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from ..vectorized.block import stop_weights
 from .protocol import Shard
 from .rows import Rows, draft_rows
-
-
-def stop_weights(p_tok: torch.Tensor, q_tok: torch.Tensor) -> torch.Tensor:
-    """w_0 .. w_G [B, G+1] float64 from p / q at the drafts [B, G] (q = 0 < p: ratio +inf), with
-    the operations of ``ops/vectorized/block.py`` (the reference's, in the same order)."""
-    B, G = p_tok.shape
-    ratio = torch.where(q_tok > 0, p_tok / q_tok.clamp(min=1e-300), torch.full_like(p_tok, float("inf")))
-    ratio = torch.where(p_tok > 0, ratio, torch.zeros_like(ratio))
-    w = torch.ones((B, G + 1), dtype=torch.float64, device=p_tok.device)
-    for i in range(G):
-        w[:, i + 1] = torch.clamp(w[:, i] * ratio[:, i], max=1.0)
-    return w
 
 
 def residual_masses(shard: Shard, target: Rows, draft: Rows | None, ids, w, need) -> torch.Tensor:
