@@ -204,18 +204,21 @@ def _compile_in_subprocess(code: str, env: dict, timeout: int) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def _compiled_json(tmp_path, statements: str, value: str, timeout: int):
+    """``value`` (a JSON-able expression, ``b`` = bench_static, after ``statements``) computed with
+    Triton's compiler in a fresh interpreter (``_compile_in_subprocess``) and read back."""
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
+    code = f"import json; from bench import bench_static as b; {statements}json.dump({value}, open({str(out)!r}, 'w'))"
+    _compile_in_subprocess(code, env, timeout=timeout)
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
 def test_chain_kernels_within_budget(tmp_path):
     """Compile the chain kernels for sm_90 at the launchers' configurations (bench_static --smoke):
     no spills, no stack, and the unfiltered row pass within its SASS budget per logit."""
-    out = tmp_path / "rows.json"
-    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
-    code = (
-        "import json, sys; from bench import bench_static as b; "
-        f"rows = b.run(smoke=True); json.dump(rows, open({str(out)!r}, 'w'))"
-    )
-    _compile_in_subprocess(code, env, timeout=900)
-    rows = [r for r in json.loads(out.read_text()) if r["kernel"] != "(call)"]
+    rows = [r for r in _compiled_json(tmp_path, "", "b.run(smoke=True)", 900) if r["kernel"] != "(call)"]
     assert rows
     for row in rows:
         assert row["spill_bytes"] == 0 and row["stack"] == 0, row
@@ -233,17 +236,14 @@ def test_mask_cost_within_budget(tmp_path):
     top-p 0.9 at V = 151,936, G = 4; verify_tree N = 60 with K-SEQ, RRS and RRS without replacement)
     estimate at most MASK_COST times their unmasked estimate: the words are read once per row and
     their bits folded into the passes' existing predicates, not re-applied per pass."""
-    out = tmp_path / "rows.json"
-    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
-    code = (
-        "import json; from bench import bench_static as b; from bench._common import environment_metadata; "
+    statements = (
+        "from bench._common import environment_metadata; "
         "chain, tree = b.mask_cases(); meta = environment_metadata('cpu'); "
         "rows = b.run(False, [c for c in chain if c['B'] == 64]); "
         "rows += [r for c in tree for r in b._call_rows(c, b.capture_tree(c), meta)]; "
-        f"json.dump(rows, open({str(out)!r}, 'w'))"
     )
-    _compile_in_subprocess(code, env, timeout=1800)
-    calls = {r["case"]: r["estimate_us"] for r in json.loads(out.read_text()) if r["kernel"] == "(call)"}
+    rows = _compiled_json(tmp_path, statements, "rows", 1800)
+    calls = {r["case"]: r["estimate_us"] for r in rows if r["kernel"] == "(call)"}
     masked = [name for name in calls if name.endswith(" mask=true")]
     assert len(masked) == 6, sorted(calls)
     costs = {name: calls[name] / calls[name.replace("mask=true", "mask=false")] for name in masked}
@@ -278,18 +278,13 @@ def test_tree_kernels_within_budget(tmp_path):
     One measured exception: the 256-row attention program (N = 64, GQA 4, D = 128: 16 warps, so at most
     128 registers a thread, 64 of them the accumulator) keeps a few spill slots (<= 32 bytes) outside its
     key loop; its key loop touches no local memory."""
-    out = tmp_path / "rows.json"
-    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
-    code = (
-        "import json; from bench import bench_static as b; "
+    statements = (
         "rows = b.run_tree(smoke=True, which='verify') + b.run_tree(smoke=False, which='attention'); "
         "loops = [dict(case=c['name'], kernel=l.kernel.fn.__name__, block_m=l.kwargs.get('BLOCK_M'), "
         "local=sum(x['local'] for x in b.sass_loops(b.compile_sm90(l)[0])[0])) "
         "for c in b.attention_cases(False) for l in b.capture_attention(c)]; "
-        f"json.dump(dict(rows=rows, loops=loops), open({str(out)!r}, 'w'))"
     )
-    _compile_in_subprocess(code, env, timeout=1800)
-    result = json.loads(out.read_text())
+    result = _compiled_json(tmp_path, statements, "dict(rows=rows, loops=loops)", 1800)
     rows = [r for r in result["rows"] if r["kernel"] != "(call)"]
     kernels = {r["kernel"] for r in rows}
     for name in (
