@@ -77,7 +77,7 @@ def call(provider: str, mode: str, validate: bool, B: int, G: int, V: int):
         sampling.get("top_p", 1.0), None, seeds, validate=False,
     )  # fmt: skip
     ext, flat = csrc.load_cpu_core(), csrc._sampling_args(args)
-    threads = 512 if args.has_filter else 256  # as csrc.run_chain picks them
+    threads = csrc.chain_threads(args.has_filter)  # as csrc.run_chain picks them
     chunks = csrc._cpu_chunks(args)
     return lambda: ext.verify_chain(target, tokens, draft_probs, args.draft_mode, None, *flat, chunks, threads, 0,
                                     None, False, False)  # fmt: skip

@@ -311,12 +311,10 @@ def run_verify_block(args: VerifyArgs, backend: str = "auto", logprobs: int | No
         return launch_verify(args, *plan, logprobs=logprobs == 0, method="block")
     if backend == "torch":
         return reference_verify(args.padded(), method="block")
-    if backend == "cpu":
+    if backend in ("cpu", "cuda"):  # the csrc builds: the same programs
+        run = csrc.verify_chain_cpu if backend == "cpu" else csrc.verify_chain
         num_chunks = (_OVERRIDES.get() or {}).get("num_chunks")
-        return csrc.verify_chain_cpu(args.padded(), num_chunks, logprobs=logprobs == 0, method="block")
-    if backend == "cuda":
-        num_chunks = (_OVERRIDES.get() or {}).get("num_chunks")
-        return csrc.verify_chain(args.padded(), num_chunks, logprobs=logprobs == 0, method="block")
+        return run(args.padded(), num_chunks, logprobs=logprobs == 0, method="block")
     return verify_block_vectorized(apply_chain_mask(args).padded())
 
 

@@ -306,6 +306,12 @@ def _stream(t: torch.Tensor) -> int:
 LOGPROBS_GPU_PROGRAMS = 2
 
 
+def chain_threads(has_filter: bool) -> int:
+    """Threads per block of the chain programs (CUDA; the CPU build ignores them): 512 with a top-k /
+    top-p filter, else 256 (run_chain's default; ``bench_overhead.py`` passes the same)."""
+    return 512 if has_filter else 256
+
+
 def run_chain(
     ext,
     args: VerifyArgs,
@@ -323,7 +329,7 @@ def run_chain(
     target = args.target_logits
     has_filter = args.has_filter
     if threads is None:
-        threads = 512 if has_filter else 256
+        threads = chain_threads(has_filter)
     if num_chunks is None:
         num_chunks = _num_chunks(args, threads) if target.is_cuda else _cpu_chunks(args)
 
