@@ -18,6 +18,8 @@ from specdec_kernels.ops.triton.thresholds import (
     select_candidates,
 )
 
+from tests.conftest import DEVICE
+
 from ._inputs import THRESHOLD_SETTINGS, reference_thresholds
 
 
@@ -51,17 +53,18 @@ def _threshold_kernel(
 
 
 def _kernel_thresholds(x, temperature, top_k, top_p, block_r=2, filter_block=64, cap=4096, nb_bits=10, fast=None):
+    # the cases are built on the CPU; the kernel runs where Triton does (the GPU, else the interpreter)
     R, V = x.shape
-    out = torch.empty(R, dtype=torch.float32)
-    fast = torch.empty(R, dtype=torch.int32) if fast is None else fast
+    out = torch.empty(R, dtype=torch.float32, device=DEVICE)
+    fast_out = torch.empty(R, dtype=torch.int32, device=DEVICE)
     _threshold_kernel[(triton.cdiv(R, block_r),)](
-        x,
-        torch.tensor(temperature, dtype=torch.float32),
-        torch.tensor(top_k, dtype=torch.int32),
-        torch.tensor(top_p, dtype=torch.float32),
+        x.to(DEVICE),
+        torch.tensor(temperature, dtype=torch.float32, device=DEVICE),
+        torch.tensor(top_k, dtype=torch.int32, device=DEVICE),
+        torch.tensor(top_p, dtype=torch.float32, device=DEVICE),
         out,
-        fast,
-        torch.empty(R, cap),
+        fast_out,
+        torch.empty(R, cap, device=DEVICE),
         x.stride(0),
         R,
         V,
@@ -70,7 +73,9 @@ def _kernel_thresholds(x, temperature, top_k, top_p, block_r=2, filter_block=64,
         CAP=cap,
         NB_BITS=nb_bits,
     )
-    return out
+    if fast is not None:
+        fast.copy_(fast_out)
+    return out.cpu()
 
 
 def _check(x, temperature, top_k, top_p, **kw):
@@ -258,23 +263,25 @@ def _split_thresholds(x, temperature, top_k, top_p, width=64, slots=16, bins=256
     R, V = x.shape
     tc = triton.cdiv(V, width)
     scal = (
-        torch.tensor(temperature, dtype=torch.float32),
-        torch.tensor(top_k, dtype=torch.int32),
-        torch.tensor(top_p, dtype=torch.float32),
+        torch.tensor(temperature, dtype=torch.float32, device=DEVICE),
+        torch.tensor(top_k, dtype=torch.int32, device=DEVICE),
+        torch.tensor(top_p, dtype=torch.float32, device=DEVICE),
     )
-    buf, rec = torch.empty(R, tc, slots), torch.empty(R, tc, 2)
-    tau = torch.empty(R, tc, dtype=torch.int32)
+    dtype = x.dtype
+    x = x.to(DEVICE)
+    buf, rec = torch.empty(R, tc, slots, device=DEVICE), torch.empty(R, tc, 2, device=DEVICE)
+    tau = torch.empty(R, tc, dtype=torch.int32, device=DEVICE)
     group = 4 if x.dtype == torch.float32 else 8
     with_z = any(kk == 0 and pp < 1.0 for kk, pp in zip(top_k, top_p, strict=True))
     _candidates_kernel[(R, tc)](
         x, *scal, buf, rec, tau, x.stride(0), V, tc, CW=width, L=slots, NB=bins, E=group, WITH_Z=with_z
     )
-    out, fast = torch.empty(R), torch.empty(R, dtype=torch.int32)
+    out, fast = torch.empty(R, device=DEVICE), torch.empty(R, dtype=torch.int32, device=DEVICE)
     _select_kernel[(R,)](
         x, *scal, buf, rec, tau, out, fast, x.stride(0), V, tc,
-        TCP2=1 << (tc - 1).bit_length(), L=slots, NB=bins, SHIFT=_SHIFT[x.dtype],
+        TCP2=1 << (tc - 1).bit_length(), L=slots, NB=bins, SHIFT=_SHIFT[dtype],
     )  # fmt: skip
-    return out, fast
+    return out.cpu(), fast.cpu()
 
 
 def _check_split(x, t, k, p, **kw):
