@@ -615,6 +615,7 @@ class Run:
     meta: dict
     copy_gbps: float | None = None
     errors: list[str] = field(default_factory=list)
+    done: list[dict] = field(default_factory=list)  # every measured row so far (kept if the run is interrupted)
 
     def error(self, what: str, e: BaseException | None = None) -> None:
         self.errors.append(f"{what}: {e!r}" if e is not None else what)
@@ -658,6 +659,10 @@ def bench_main(
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a time limit (run_gpu.sh stops a stage with SIGINT): keep what was measured
+        rows = run.done
+        print(f"# interrupted: saving the {len(rows)} rows measured so far", file=sys.stderr)
+        run.errors.append("interrupted")
     meta = {**run.meta, "copy_GBps": run.copy_gbps} if bandwidth else run.meta
     save_rows(rows, args, name, meta, table_columns, csv_columns)
     if after:
@@ -758,6 +763,7 @@ def run_providers(
             run.error(f"{provider} at {label}", e)
             continue
         rows.append(row)
+        run.done.append(row)
         print(
             f"[done] {provider:{width}s} {label}: median {row['median_us']:.1f} us, "
             f"frac_of_floor {row['frac_of_floor']:.3g}"

@@ -10,6 +10,7 @@
 #   bash bench/run_gpu.sh tree       # bench_verify_tree
 #   bash bench/run_gpu.sh attention  # bench_tree_attention (issue targets printed at the end)
 #   bash bench/run_gpu.sh e2e        # bench_e2e on the embedded demo pair (real models: carry them)
+#   bash bench/run_gpu.sh profile    # each kernel's GPU time per verify call, and where a call's host time goes
 #   bash bench/run_gpu.sh recheck    # the suite and one shape class per timed stage (~4 min)
 #   bash bench/run_gpu.sh compare    # each measured time of $OUT's CSVs beside bench_static's estimate
 #   bash bench/run_gpu.sh all        # every stage above in one lease-sized call (<= 530 s): builds and tests
@@ -97,6 +98,14 @@ case "${1:-}" in
     e2e)
         bench e2e bench_e2e.py --pair demo --batch-size 1 --temperature 0 0.7 "${@:2}"
         ;;
+    profile)  # each kernel's time per call (torch.profiler) and the host time of a call (cProfile)
+        if [ "$DRY" = 1 ]; then
+            run profile "$PY" -c 'import ast, sys; [ast.parse(open(f).read()) for f in sys.argv[1:]]; print("profile scripts parse")' \
+                scripts/kernel_profile.py scripts/host_overhead.py
+        else
+            run profile bash -c "$PY scripts/kernel_profile.py ${*:2}; $PY scripts/host_overhead.py --top 25"
+        fi
+        ;;
     compare)  # the CSVs of this $OUT (verify, verify_tree, tree_attention) beside bench_static's estimates
         run compare "$PY" bench/static_vs_measured.py ${DRY_FLAG[@]+"${DRY_FLAG[@]}"} "$OUT"/*_"$GPU".csv
         ;;
@@ -141,11 +150,18 @@ case "${1:-}" in
             finish
             exit 0
         fi
-        stage "${VERIFY_S:-100}" verify --providers eager ours cuda vectorized --B 1 64 256 --G 1 4 8 --V 151936 32000
-        stage "${TREE_S:-80}" tree --providers ours vectorized --B 1 64 --K 1 4 8
-        stage "${ATTN_S:-60}" attention_fast
-        stage "${FLEX_S:-50}" attention_flex
-        stage "${E2E_S:-60}" e2e
+        # sized from the H200 run of c23d175 (2026-11-27), where the wider sweeps ran past their limits:
+        # `vectorized` takes 10-180 ms a call on the GPU (10 + 100 calls a row), the tree bench compiles
+        # one walk per method and K, the full attention sweep is ~80 rows, the demo e2e 11 prompts x 2
+        # temperatures. A stage stopped at its limit still writes the rows it measured.
+        stage "${VERIFY_S:-80}" verify --providers eager ours cuda --B 1 64 256 --G 4 --V 151936 \
+            --mode greedy stochastic t0.7_topk_topp --warmup 5 --rep 50
+        stage "${TREE_S:-70}" tree --providers ours --B 1 64 --K 4 --V 151936 --methods kseq rrs \
+            --accept-requests 0 --warmup 5 --rep 50
+        stage "${ATTN_S:-50}" attention_fast --B 1 32 --prefix 512 4096 --N 8 64 --rep 50
+        stage "${FLEX_S:-40}" attention_flex
+        stage "${PROFILE_S:-30}" profile
+        stage "${E2E_S:-60}" e2e --code-prompts 2 --prose-prompts 1 --max-new-tokens 64
         stage 20 compare
         finish
         ;;

@@ -64,3 +64,25 @@ def test_measured_times_beside_the_newest_static_estimate(tmp_path):
         ("verify_multi K=4 G=4 V=151936 B=1 bf16 kseq", 10.0, 3.0),  # no graph: median_us
     ]
     assert static_vs_measured.main(["--static", str(static), "--dry-run"]) == 0
+
+
+def test_an_interrupted_bench_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsys):
+    """run_gpu.sh stops a stage at its time limit with SIGINT: the rows measured before it are
+    written (a verify stage cut at 100 s on the H200 had lost all 27 of its rows), exit code 1."""
+    from bench import _common as common
+
+    out = tmp_path / "rows.csv"
+    args = bench_verify.parse_args(["--device", "cpu", "--providers", "eager", "--B", "1", "--out", str(out)])
+    row = dict(provider="eager", median_us=1.0, frac_of_floor=0.5)
+
+    def sweep(run):
+        rows = common.run_providers(["eager"], "B=1", run, lambda provider: dict(row))
+        assert rows == [row]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(common, "measure_copy_bandwidth", lambda device: 1.0)
+    code = common.bench_main("verify", args, sweep, table_columns=["provider"], csv_columns=["provider", "median_us"])
+    assert code == 1
+    assert "interrupted" in capsys.readouterr().err
+    with open(out) as f:
+        assert [r["provider"] for r in csv.DictReader(f)] == ["eager"]

@@ -119,7 +119,7 @@ def verify_kernels():
     }
     for per_req in (False, True):
         types4 = {"idx_ptr": "*i32", "out_idx_ptr": "*i32", "temperature": "fp32"}
-        yield v._combine_row_stats_kernel, types4, dict(PER_REQ_T=per_req, BLOCK_R=128)
+        yield v._combine_row_stats_kernel, types4, dict(PER_REQ_T=per_req, BLOCK_R=8, BLOCK_C=512)
         for logprobs in (False, True):  # return_logprobs: the logprobs from the row records, filtered or not
             flags = dict(LOGPROBS=logprobs, HAS_FILTER=logprobs and per_req, BY_INDEX=logprobs and per_req)
             yield (

@@ -17,7 +17,6 @@ from specdec_kernels.ops.triton.thresholds import (
     filter_threshold,
     select_candidates,
 )
-
 from tests.conftest import DEVICE
 
 from ._inputs import THRESHOLD_SETTINGS, reference_thresholds

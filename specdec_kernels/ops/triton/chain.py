@@ -39,6 +39,7 @@ from ..._interpreter import multiprocessors, plans_for_interpreter
 from ..._types import VerifyOutput
 from ..._validation import VerifyArgs, _last_dim_contiguous
 from .block import BLOCK_MASS, BLOCK_RACE, BLOCK_TOKEN, block_candidates, block_masses, block_tau, block_weights
+from .chunk_merge import combine_chunk_records
 from .helpers import (
     DRAFT_LOGITS,
     DRAFT_NONE,
@@ -69,7 +70,6 @@ from .row_pass import (
     RowPassLayout,
     RowPassPlan,
     RowStats,
-    combine_chunk_records,
     drafted,
     launch_row_stats,
     prob_of,

@@ -1,7 +1,7 @@
 """The row pass both chain and tree verification run: per-(row, vocabulary chunk) statistics of the
 processed target and draft rows (online max / sum-exp, greedy argmax, NaN/+inf counts), with the
-top-k / top-p threshold phases before it (``threshold_phases``), the chunk-merging kernel, and the
-device functions that turn the statistics into probabilities (``prob_of``).
+top-k / top-p threshold phases before it (``threshold_phases``), the merge of its chunks
+(``chunk_merge``), and the device functions that turn the statistics into probabilities (``prob_of``).
 
 Launch: ``launch_row_stats(layout, sampling, plan)`` with a ``RowPassLayout`` (where the rows are)
 and a ``RowPassPlan`` (``row_pass_plan``: tiles from ``launch.tile_settings``, vocabulary chunks,
@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..._params import SamplingParams
+from .chunk_merge import merge_chunk_stats
 from .helpers import (
     DRAFT_LOGITS,
     DRAFT_NONE,
@@ -409,44 +410,6 @@ def _row_stats_pass(
     tl.store(idx_rec_ptr + IDX_GREEDY, row_g_idx, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["R", "num_chunks"])  # per-call scalars: triton/helpers.py
-def _combine_row_stats_kernel(
-    # pointers
-    stats_ptr,  # [R, C, NUM_STATS] fp32: per-chunk statistics of kernel 1
-    idx_ptr,  # [R, C, NUM_IDX] int32
-    out_stats_ptr,  # [R, 1, NUM_STATS] fp32 out: whole-row statistics
-    out_idx_ptr,  # [R, 1, NUM_IDX] int32 out
-    temperature_ptr,  # [B] float (PER_REQ_T)
-    # sizes
-    R,
-    ROWS_PER_REQUEST,  # K * (G + 1): rows of one request (for its temperature)
-    num_chunks,
-    # scalar parameters
-    temperature,
-    # constexprs
-    PER_REQ_T: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """Merge the vocabulary chunks of kernel 1 into whole-row records, for consumers that read one
-    record per row (the tree walk)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    ok = rows < R
-    temperature = per_request(temperature_ptr, temperature, rows // ROWS_PER_REQUEST, ok, PER_REQ_T)
-    _greedy, inv_t = inverse_temperature(temperature.to(tl.float32))
-    m_t, z_t, m_q, z_q, g_max, g_idx, bad_t, bad_q = combine_chunk_records(
-        stats_ptr, idx_ptr, rows, ok, num_chunks, inv_t
-    )
-    out = rows * NUM_STATS
-    tl.store(out_stats_ptr + out + STAT_M_T, m_t, mask=ok)
-    tl.store(out_stats_ptr + out + STAT_Z_T, z_t, mask=ok)
-    tl.store(out_stats_ptr + out + STAT_M_Q, m_q, mask=ok)
-    tl.store(out_stats_ptr + out + STAT_Z_Q, z_q, mask=ok)
-    tl.store(out_stats_ptr + out + STAT_GMAX, g_max, mask=ok)
-    tl.store(out_stats_ptr + out + STAT_BAD_T, bad_t, mask=ok)
-    tl.store(out_stats_ptr + out + STAT_BAD_Q, bad_q, mask=ok)
-    tl.store(out_idx_ptr + rows * NUM_IDX + IDX_GREEDY, g_idx, mask=ok)
-
-
 @triton.jit
 def request_base(cu_ptr, b, mask, stride_b, BONUS_ROW: tl.constexpr, FLAT: tl.constexpr):
     """Element offset of request b's first row: ``b * stride_b`` in the padded layout; in the
@@ -489,77 +452,12 @@ def drafted(x_rows, mask, n_b, V, GP2: tl.constexpr):
 
 
 @triton.jit
-def combine_softmax(m, z, m_c, z_c, inv_t):
-    """Merge a chunk's (max, sum-exp) into the running pair."""
-    m_new = tl.maximum(m, m_c)
-    ref = safe_max(m_new)
-    z = z * tl.exp((m - ref) * inv_t) + z_c * tl.exp((m_c - ref) * inv_t)
-    return m_new, z
-
-
-@triton.jit
-def combine_chunk_records(stats_ptr, idx_ptr, rows, ok, num_chunks, inv_t):
-    """(m_t, z_t, m_q, z_q, greedy max, greedy index, non-finite counts of target and draft) of each
-    row (rows, ok, inv_t: tiles of one shape) from its num_chunks chunk records of kernel 1, combined:
-    the chain's launch-free read and the tree's merge kernel."""
-    m_t = tl.full(rows.shape, float("-inf"), tl.float32)
-    z_t = tl.zeros(rows.shape, tl.float32)
-    m_q = tl.full(rows.shape, float("-inf"), tl.float32)
-    z_q = tl.zeros(rows.shape, tl.float32)
-    g_max = tl.full(rows.shape, float("-inf"), tl.float32)
-    g_idx = tl.zeros(rows.shape, tl.int32)
-    bad_t = tl.zeros(rows.shape, tl.float32)
-    bad_q = tl.zeros(rows.shape, tl.float32)
-    for c in range(0, num_chunks):
-        rec = (rows * num_chunks + c) * NUM_STATS
-        cm_t = tl.load(stats_ptr + rec + STAT_M_T, mask=ok, other=float("-inf"))
-        cz_t = tl.load(stats_ptr + rec + STAT_Z_T, mask=ok, other=0.0)
-        cm_q = tl.load(stats_ptr + rec + STAT_M_Q, mask=ok, other=float("-inf"))
-        cz_q = tl.load(stats_ptr + rec + STAT_Z_Q, mask=ok, other=0.0)
-        c_gmax = tl.load(stats_ptr + rec + STAT_GMAX, mask=ok, other=float("-inf"))
-        c_gidx = tl.load(idx_ptr + (rows * num_chunks + c) * NUM_IDX + IDX_GREEDY, mask=ok, other=0)
-        bad_t += tl.load(stats_ptr + rec + STAT_BAD_T, mask=ok, other=0.0)
-        bad_q += tl.load(stats_ptr + rec + STAT_BAD_Q, mask=ok, other=0.0)
-        take = c_gmax > g_max  # strict: the earlier chunk keeps ties (lowest index)
-        g_max = tl.where(take, c_gmax, g_max)
-        g_idx = tl.where(take, c_gidx, g_idx)
-        m_t, z_t = combine_softmax(m_t, z_t, cm_t, cz_t, inv_t)
-        m_q, z_q = combine_softmax(m_q, z_q, cm_q, cz_q, inv_t)
-    return m_t, z_t, m_q, z_q, g_max, g_idx, bad_t, bad_q
-
-
-@triton.jit
 def prob_of(x, m, z, thr, inv_t, col, cut, BY_INDEX: tl.constexpr):
     """p(x) of the processed distribution given its statistics (0 for filtered or -inf logits); x
     is the entry at column col (``kept_at``)."""
     kept = kept_at(x, col, thr, cut, BY_INDEX) & (x > float("-inf")) & (z > 0.0)
     p = tl.exp((x - safe_max(m)) * inv_t) / tl.where(z > 0.0, z, 1.0)
     return tl.where(kept, p, 0.0)
-
-
-def merge_chunk_stats(stats, idx, rows: int, rows_per_request: int, t_ptr, t_val, per_req_t: bool):
-    """Whole-row records [rows, 1, ...] from the row pass's per-chunk ones (one small launch)."""
-    whole = torch.empty((rows, 1, NUM_STATS_HOST), dtype=torch.float32, device=stats.device)
-    whole_idx = torch.empty((rows, 1, NUM_IDX_HOST), dtype=torch.int32, device=stats.device)
-    block = min(next_pow2(rows), 128)
-    _combine_row_stats_kernel[(cdiv(rows, block),)](
-        # pointers
-        stats_ptr=stats,  # [rows, C, NUM_STATS]
-        idx_ptr=idx,  # [rows, C, NUM_IDX]
-        out_stats_ptr=whole,  # [rows, 1, NUM_STATS]
-        out_idx_ptr=whole_idx,  # [rows, 1, NUM_IDX]
-        temperature_ptr=t_ptr,  # [B] (per_req_t)
-        # sizes
-        R=rows,
-        ROWS_PER_REQUEST=rows_per_request,
-        num_chunks=stats.shape[1],
-        # scalars
-        temperature=float(t_val),
-        # constexprs
-        PER_REQ_T=per_req_t,
-        BLOCK_R=block,
-    )
-    return whole, whole_idx
 
 
 @dataclass(frozen=True)
