@@ -56,6 +56,7 @@ GROUPS = {
     "vp_block": (["tests/ops/test_vocab_parallel.py"], ["tests/ops/test_vocab_parallel.py"]),
     "shaped_tree": (["tests/hf/test_shaped_tree.py"], ["tests/hf/test_dynamic_tree.py"]),
     "tree_policy": (["tests/hf/test_dynamic_tree.py"], []),
+    "chunk_merge": (["tests/ops/test_chunk_merge.py"], []),
     "driver": (
         ["tests/hf/test_generate.py", "tests/hf/test_draft_law.py", "tests/hf/test_medusa.py"],
         ["tests/hf/test_draft_law.py", "tests/hf/test_generate.py"],
@@ -198,6 +199,29 @@ MUTANTS = [
     Mutant("chain-eq-stop", "tree_policy", "chain_equivalent", "(run < accepted) | stopped", "(run < accepted)"),
     Mutant("chain-eq-run", "tree_policy", "chain_equivalent", "on_path.long().cumprod(dim=1)", "on_path.long()"),
     Mutant("chain-observe", "tree_policy", "observe_chain", 'self.counts["chain"][0] += accepted', "pass"),
+    # ---- the merge of the row pass's chunk records (specdec_kernels/ops/triton/chunk_merge.py)
+    Mutant(
+        "merge-first-chunk",
+        "chunk_merge",
+        "_combine_row_stats_kernel",
+        "tl.min(tl.where(hit, c, num_chunks), 1)",
+        "tl.max(tl.where(hit, c, -1), 1)",
+    ),
+    Mutant(
+        "merge-tile-tie",
+        "chunk_merge",
+        "_combine_row_stats_kernel",
+        "take = tile_max > g_max",
+        "take = tile_max >= g_max",
+    ),
+    Mutant("merge-bad-sum", "chunk_merge", "_combine_row_stats_kernel", "bad_t += tl.sum(", "bad_t = tl.sum("),
+    Mutant(
+        "merge-z-ref",
+        "chunk_merge",
+        "_tile_softmax",
+        "tl.exp((cm - ref[:, None]) * inv_t[:, None])",
+        "tl.exp((cm - ref[:, None]))",
+    ),
     # ---- equivalent mutants (listed, not run)
     Mutant(
         "ref-uniform-div",

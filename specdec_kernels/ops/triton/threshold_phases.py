@@ -297,9 +297,15 @@ class ThresholdPlan:
         )
 
 
-SELECT_SLOTS = 2048  # candidate slots of a row in the selection tile (chunks x slots per chunk) on a GPU
+# candidate slots of a row in the selection tile (chunks x slots per chunk) on a GPU: 4096 lets
+# V = 151,936 split into 8,192-entry chunks (19 -> 32 x 128 slots); with 2048 only 16,384-entry chunks fit
+SELECT_SLOTS = 4096
 CANDIDATE_BINS = 256  # bins of the candidate histograms: key16 steps below the max
 MIN_GROUPS = 16  # candidate groups per chunk (fewer: the union of the chunks rarely holds top-k 50)
+# the widest candidates chunk: 32 entries per thread at 8 warps. 16,384 (64 per thread) compiled to 177
+# registers under Triton 3.9 and 255 with 140 spilled bytes under 3.6; on an H200 (Triton 3.6) the
+# top-k + top-p call took 6.2 ms at B = 64 against a 150 us estimate (2026-11-27, c23d175)
+MAX_CANDIDATE_CHUNK = 8192
 
 
 def threshold_plan(
@@ -346,9 +352,9 @@ def threshold_plan(
         capacity = capacity or SELECT_SLOTS
         sms = multiprocessors(target.device)
         best = None
-        for width in (1024, 2048, 4096, 8192, 16384):
+        for width in (1024, 2048, 4096, MAX_CANDIDATE_CHUNK):
             tc = cdiv(V, width)
-            if next_pow2(tc) * 8 * MIN_GROUPS > capacity and width < 16384:
+            if next_pow2(tc) * 8 * MIN_GROUPS > capacity and width < MAX_CANDIDATE_CHUNK:
                 continue
             cost = math.ceil(rows * slots * tc / sms) * (width + 1024)
             if best is None or cost < best[0]:
@@ -360,4 +366,5 @@ def threshold_plan(
     tcp2 = next_pow2(tc)
     cap = max(8, capacity // tcp2)
     constexprs = dict(FILTER_BLOCK=width, FILTER_CAP=cap, FILTER_BINS=CANDIDATE_BINS, FILTER_CHUNKS=tcp2)
-    return ThresholdPlan(tc, width, tc, slots, warps, 2, constexprs)
+    select_warps = max(2, min(8, tcp2 * cap // (32 * 32)))  # at most 32 candidates per thread (2 warps: 2048)
+    return ThresholdPlan(tc, width, tc, slots, warps, select_warps, constexprs)
