@@ -100,3 +100,27 @@ def test_validated_and_unvalidated_calls_emit_the_same_tokens(temperature):
     ]  # fmt: skip
     for out in calls[1:]:
         assert torch.equal(out.tokens, calls[0].tokens) and torch.equal(out.num_accepted, calls[0].num_accepted)
+
+
+def test_the_sm_count_is_asked_once_per_device(monkeypatch):
+    """Launch plans ask for the SM count on every call; the device properties are read once per
+    device index (``_interpreter._sm_count``), for "cuda" and "cuda:N" alike."""
+    from types import SimpleNamespace
+
+    from specdec_kernels import _interpreter
+
+    asked = []
+
+    def properties(index):
+        asked.append(index)
+        return SimpleNamespace(multi_processor_count=132 + index)
+
+    _interpreter._sm_count.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    try:
+        counts = [_interpreter.multiprocessors(d) for d in ("cuda", torch.device("cuda:1"), "cuda:0", "cuda")]
+    finally:
+        _interpreter._sm_count.cache_clear()
+    assert counts == [133, 133, 132, 133]
+    assert asked == [1, 0]
