@@ -70,6 +70,12 @@ BIN = None  # Triton's bundled CUDA tools, found lazily
 # The calls' seed: random-looking, as a user's. Triton would specialise a seed of 1 into a constant
 # (and 16-divisible ones into aligned values), compiling kernels that real calls never run.
 STATIC_SEED = 2**31 + 5
+# Latency terms, calibrated on an H200 (2026-11-27, c23d175, CUDA graphs): the old chunk merge's loop
+# over 149 chunk records, one dependent round trip each, took 42 us (0.28 us a trip), and the smallest
+# verify launches (accept, finalize, row stats at B = 1) 2.4-4.6 us each. Bytes and issue slots alone
+# priced those at ~0: a launch costs at least LAUNCH_FLOOR_US, a loop of dependent loads ROUND_TRIP_US a trip.
+ROUND_TRIP_US = 0.28
+LAUNCH_FLOOR_US = 2.0
 COLUMNS = [
     "date",
     "commit",
@@ -94,6 +100,7 @@ COLUMNS = [
     "passes",
     "byte_floor_us",
     "issue_bound_us",
+    "latency_us",
     "estimate_us",
 ]
 
@@ -393,6 +400,15 @@ _PHASES = ["", " (threshold candidates)", " (select)"]
 _BLOCK_LAUNCHES = ["", " (block masses)", " (block race)"]  # the accept kernel's BLOCK constexpr
 
 
+def latency_us(launch: Launch) -> float:
+    """The launch's latency bound: LAUNCH_FLOOR_US, or its dependent round trips (the chunk merge:
+    one per BLOCK_C chunks of a row) at ROUND_TRIP_US each."""
+    trips = 1
+    if launch.kernel.fn.__name__ == "_combine_row_stats_kernel":
+        trips = math.ceil(launch_arguments(launch)["num_chunks"] / launch.kwargs.get("BLOCK_C", 1))
+    return max(LAUNCH_FLOOR_US, trips * ROUND_TRIP_US)
+
+
 def launch_row(case: dict, launch: Launch) -> dict:
     cubin, meta = compile_sm90(launch)
     res = resources(cubin)
@@ -436,7 +452,8 @@ def launch_row(case: dict, launch: Launch) -> dict:
         "passes": round(nbytes / (model.one_read(case) if model else one_read(case)), 2),
         "byte_floor_us": round(floor_us, 2),
         "issue_bound_us": round(issue_us, 2),
-        "estimate_us": round(max(floor_us, issue_us), 2),
+        "latency_us": round(latency_us(launch), 2),
+        "estimate_us": round(max(floor_us, issue_us, latency_us(launch)), 2),
     }
 
 
