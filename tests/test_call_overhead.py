@@ -10,6 +10,8 @@ give the csrc calls and custom ops the numbers they always got.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -105,8 +107,6 @@ def test_validated_and_unvalidated_calls_emit_the_same_tokens(temperature):
 def test_the_sm_count_is_asked_once_per_device(monkeypatch):
     """Launch plans ask for the SM count on every call; the device properties are read once per
     device index (``_interpreter._sm_count``), for "cuda" and "cuda:N" alike."""
-    from types import SimpleNamespace
-
     from specdec_kernels import _interpreter
 
     asked = []
@@ -124,3 +124,20 @@ def test_the_sm_count_is_asked_once_per_device(monkeypatch):
         _interpreter._sm_count.cache_clear()
     assert counts == [133, 133, 132, 133]
     assert asked == [1, 0]
+
+
+def test_the_cuda_builds_chunks_fill_the_accept_launch(monkeypatch):
+    """The CUDA build's vocabulary chunks (ops.csrc._num_chunks) on a 132-SM device: ~4 row-stats blocks
+    per SM over the rows and ~2 accept blocks per SM over the requests; filtered calls one chunk."""
+    from specdec_kernels.ops import csrc
+
+    monkeypatch.setattr(csrc, "multiprocessors", lambda device: 132)
+
+    def chunks(B, G=4, V=151936, **kw):
+        args = SimpleNamespace(B=B, G=G, V=V, has_filter=kw.get("has_filter", False), target_logits=torch.empty(0))
+        return csrc._num_chunks(args, 256)
+
+    assert chunks(1) == 38  # V / (4 quads x 256 threads x 4): the rows would take 106
+    assert chunks(64) == 5 and chunks(64, G=8) == 5  # 320 / 320 accept blocks (was 2 / 1 chunks)
+    assert chunks(256) == 2 and chunks(1024) == 1
+    assert chunks(64, has_filter=True) == 1
