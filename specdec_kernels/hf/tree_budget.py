@@ -47,8 +47,19 @@ def pair_tree_times(target, draft, settings: tuple) -> dict[int, StepTimes]:
 class TreeBudgetPolicy:
     """``choose`` returns the step's node budget and sets ``width`` (k, or 1 for a chain arm)."""
 
-    def __init__(self, nodes: int, width: int, cost: float, measured: bool, max_depth: int | None = None, times=None):
-        """times: where measured step times live (``pair_tree_times``; default: this policy only)."""
+    def __init__(
+        self,
+        nodes: int,
+        width: int,
+        cost: float,
+        measured: bool,
+        max_depth: int | None = None,
+        times=None,
+        chain_times=None,
+    ):
+        """times: where measured step times live (``pair_tree_times``; default: this policy only).
+        chain_times: active -> the chain policy's measured step seconds per draft length for this pair
+        (``draft_length.pair_step_times``), the first guess for a chain arm this policy has not timed."""
         self.cost, self.measured = cost, measured
         depths = max_depth or math.ceil(nodes / width)  # a shaped tree (tree_threshold) may go deeper
         self.arms = [("tree", d, min(nodes, width * d), width) for d in range(1, depths + 1)]
@@ -59,20 +70,26 @@ class TreeBudgetPolicy:
         self.arm, self.width = self.arms[0], width  # (choose picks the first step's arm)
         # active requests -> running mean step seconds per arm
         self.times: dict[int, StepTimes] = {} if times is None else times
+        self.chain_times = chain_times
         self.steps = 0
 
-    def _rate(self, arm, times: dict) -> float:
+    def _rate(self, arm, times: dict, chain: dict) -> float:
         kind, d = arm[0], arm[1]
         tokens = expected_tokens(acceptance_estimate(*self.counts[kind]), d)
-        return tokens / self._seconds(arm, times)
+        return tokens / self._seconds(arm, times, chain)
 
-    def _seconds(self, arm, times: dict) -> float:
-        """Measured, else scaled by the shape model from the nearest measured arm (same kind first)."""
+    def _seconds(self, arm, times: dict, chain: dict) -> float:
+        """Measured, else the chain policy's measured step of that length (a chain arm), else scaled by
+        the shape model from the nearest measured arm (same kind first). The shape model prices a tree
+        and a chain of one depth alike; on a CPU a tree step over 4x the rows cost 2.1x the chain's
+        (Qwen pair, 2026-11-27), so a chain never looked worth a try until measured."""
         shape = 1 + arm[1] * self.cost
         if not times:
             return shape
         if arm in times:
             return times[arm]
+        if arm[0] == "chain" and arm[1] in chain:
+            return chain[arm[1]]
         near = min(times, key=lambda m: (m[0] != arm[0], abs(m[1] - arm[1]), m[1]))
         return times[near] * shape / (1 + near[1] * self.cost)
 
@@ -82,8 +99,9 @@ class TreeBudgetPolicy:
         self.counts[kind][1] += rejections - self.last[1]
         self.last = (accepted, rejections)
         times = self.times.setdefault(active, StepTimes()).seconds if self.measured else {}
+        chain = self.chain_times(active).seconds if self.measured and self.chain_times is not None else {}
         # ties: the tree (asked for), then the shallower arm
-        rates = {arm: self._rate(arm, times) for arm in self.arms}
+        rates = {arm: self._rate(arm, times, chain) for arm in self.arms}
         best = max(rates, key=lambda a: (rates[a] * (1 + 1e-9), a[0] == "tree", -a[1]))
         choice = best
         if times:

@@ -145,6 +145,27 @@ def test_budget_policy_falls_back_to_a_chain_when_trees_do_not_pay():
     assert all(arm[3] == 1 for arm in TreeBudgetPolicy(5, 1, 0.2, True).arms)  # width 1: chains only
 
 
+def test_budget_policy_prices_untimed_chains_with_the_chain_policys_times():
+    """A chain arm the tree policy has not timed takes the chain drafter's measured step of that
+    length for the pair (``chain_times``) instead of a tree step's time scaled by depth: on a CPU a
+    4-wide tree step cost 2.1x a chain step of the same depth (Qwen pair), and the scaled guess hid it."""
+    from specdec_kernels.hf.draft_length import StepTimes
+
+    def policy(chain_times):
+        p = TreeBudgetPolicy(8, 4, 0.2, True, chain_times=chain_times)
+        p.times[1] = StepTimes(seconds={("tree", 1, 4, 4): 1.6, ("tree", 2, 8, 4): 2.6})
+        p.counts = {"tree": [900, 100], "chain": [0, 0]}
+        p.observe_chain(750, 250)  # what the tree steps say a chain would have accepted
+        p.arm = p.arms[1]
+        p.last = (900, 100)
+        p.choose(900, 100, 1)
+        return p.arm
+
+    chain_steps = StepTimes(seconds={4: 1.0, 8: 1.4})  # the chain policy's, per draft length
+    assert policy(lambda active: chain_steps) == ("chain", 4, 4, 1)
+    assert policy(None)[1] != 4  # scaled from the tree's times, depth 4 is not the pick
+
+
 def test_chain_equivalent_counts():
     """What a chain of first candidates accepts in a tree step: the leading run of first children on
     the accepted path; a rejection where the run ends on a later sibling or where the path stops at a

@@ -66,13 +66,14 @@ fed). After the step the cache keeps the fed nodes of the accepted path, gathere
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
 from .. import drafting
 from ..attention import TreeAttentionMetadata
 from ..config import is_number
-from ..draft_length import draft_cost_estimate
+from ..draft_length import draft_cost_estimate, pair_step_times
 from ..forwards import forward, gen_for
 from ..medusa import MIN_RANK_PROB, candidate_tokens
 from ..tree_budget import MAX_CHAIN, TreeBudgetPolicy, pair_tree_times
@@ -121,6 +122,8 @@ class DynamicTreeDrafter(ModelDrafter):
             measured,
             max_depth=self.shaped_depth or None,
             times=pair_tree_times(session.target, self.model, settings) if measured else None,
+            # a chain arm's steps are the chain drafter's, but for the lookup branch
+            chain_times=None if self.prompt_lookup else partial(pair_step_times, session.target, self.model),
         )
         return self.policy
 
