@@ -425,6 +425,7 @@ def launch_row(case: dict, launch: Launch) -> dict:
     nbytes = model.bytes(case, launch) if model else _bytes(case, launch)
     nbytes += mask_bytes(case, launch, nbytes)
     floor_us = nbytes / H100["hbm"] * 1e6
+    wait_us = latency_us(launch)
     first = hot[-1][0]["sass"] if hot else 0
     return {
         "case": case["name"],
@@ -452,8 +453,8 @@ def launch_row(case: dict, launch: Launch) -> dict:
         "passes": round(nbytes / (model.one_read(case) if model else one_read(case)), 2),
         "byte_floor_us": round(floor_us, 2),
         "issue_bound_us": round(issue_us, 2),
-        "latency_us": round(latency_us(launch), 2),
-        "estimate_us": round(max(floor_us, issue_us, latency_us(launch)), 2),
+        "latency_us": round(wait_us, 2),
+        "estimate_us": round(max(floor_us, issue_us, wait_us), 2),
     }
 
 

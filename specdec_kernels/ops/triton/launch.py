@@ -40,10 +40,10 @@ class TileSettings:
     tile: int  # entries a program may hold (block_r x block_v at most): other tiles of the call fit in it
 
 
-def num_warps(tile_entries: int, entries_per_thread: int) -> int:
-    """4 to 8 warps: enough that a thread holds at most `entries_per_thread` entries of a tile of
-    `tile_entries` (powers of two), never fewer than 4 (latency hiding) nor more than 8."""
-    return max(4, min(8, tile_entries // (32 * entries_per_thread)))
+def num_warps(tile_entries: int, entries_per_thread: int, fewest: int = 4) -> int:
+    """`fewest` (4: latency hiding) to 8 warps: enough that a thread holds at most
+    `entries_per_thread` entries of a tile of `tile_entries` (powers of two)."""
+    return max(fewest, min(8, tile_entries // (32 * entries_per_thread)))
 
 
 def tile_settings(

@@ -104,23 +104,17 @@ def _row_pass_fast(
         in_chunk = cols < end_col
         t_bits = allowed_tile(tm_rows, start, end_col, row_ok | draft_ok, BLOCK_V, HAS_MASK)
         x = tl.load(t_rows + cols, mask=row_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
-        if TIES:
-            x, top_t, top_idx = _ties_entries(x, t_bits, top_t, top_idx, cols, thr_t, cut_t, HAS_MASK)
-            m_t, y_t = lane_exp_update(m_t, y_t, x, c)
-        else:
-            x = _kept_entries(x, t_bits, thr_t, HAS_FILTER, HAS_MASK)
-            m_t, y_t, top_idx = lane_max_exp_update(m_t, y_t, top_idx, x, cols, c)
+        m_t, y_t, top_t, top_idx = _fold_entries(
+            x, t_bits, m_t, y_t, top_t, top_idx, cols, thr_t, cut_t, c, TIES, HAS_FILTER, HAS_MASK
+        )
         if DRAFT_MODE == DRAFT_LOGITS:
             d_bits = t_bits  # a chain's / verify_multi's draft row i uses its target row's words
             if MASK_PARENTS:
                 d_bits = allowed_tile(dm_rows, start, end_col, draft_ok, BLOCK_V, HAS_MASK)
             xd = tl.load(d_rows + cols, mask=draft_ok[:, None] & in_chunk, other=float("-inf")).to(tl.float32)
-            if TIES:
-                xd, top_q, _idx = _ties_entries(xd, d_bits, top_q, top_idx, cols, thr_q, cut_q, HAS_MASK)
-                m_q, y_q = lane_exp_update(m_q, y_q, xd, c)
-            else:
-                xd = _kept_entries(xd, d_bits, thr_q, HAS_FILTER, HAS_MASK)
-                m_q, y_q, _idx = lane_max_exp_update(m_q, y_q, top_idx, xd, cols, c)
+            m_q, y_q, top_q, _idx = _fold_entries(
+                xd, d_bits, m_q, y_q, top_q, top_idx, cols, thr_q, cut_q, c, TIES, HAS_FILTER, HAS_MASK
+            )
         elif DRAFT_MODE == DRAFT_PROBS:  # only counted: unusable entries flag the request
             _qd, qd_bad = load_probs(d_rows + cols, draft_ok[:, None] & in_chunk)
             bad_q += qd_bad.to(tl.int32)
@@ -157,6 +151,22 @@ def _ties_entries(x, bits, top, top_idx, cols, thr, cut, HAS_MASK: tl.constexpr)
     top_idx = tl.where(x > top, cols, top_idx)
     top = tl.maximum(top, x, propagate_nan=tl.PropagateNan.ALL)
     return tl.where(kept_at(x, cols, thr[:, None], cut[:, None], True), x, float("-inf")), top, top_idx
+
+
+@triton.jit
+def _fold_entries(
+    x, bits, m, y, top, top_idx, cols, thr, cut, c, TIES: tl.constexpr, HAS_FILTER: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """One tile of a target or draft row into its lanes' running (max, z - 1) and, with TIES, its
+    NaN-propagating max; returns (m, y, top, top_idx) (the draft's caller drops the index)."""
+    if TIES:
+        x, top, top_idx = _ties_entries(x, bits, top, top_idx, cols, thr, cut, HAS_MASK)
+        m, y = lane_exp_update(m, y, x, c)
+    else:
+        x = _kept_entries(x, bits, thr, HAS_FILTER, HAS_MASK)
+        m, y, top_idx = lane_max_exp_update(m, y, top_idx, x, cols, c)
+    return m, y, top, top_idx
 
 
 @triton.jit

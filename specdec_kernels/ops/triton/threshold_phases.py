@@ -366,5 +366,5 @@ def threshold_plan(
     tcp2 = next_pow2(tc)
     cap = max(8, capacity // tcp2)
     constexprs = dict(FILTER_BLOCK=width, FILTER_CAP=cap, FILTER_BINS=CANDIDATE_BINS, FILTER_CHUNKS=tcp2)
-    select_warps = max(2, min(8, tcp2 * cap // (32 * 32)))  # at most 32 candidates per thread (2 warps: 2048)
+    select_warps = num_warps(tcp2 * cap, 32, fewest=2)  # at most 32 candidates per thread (2 warps: 2048)
     return ThresholdPlan(tc, width, tc, slots, warps, select_warps, constexprs)
