@@ -9,7 +9,10 @@ AVX-512) leaves that regime for a handful of rows: a 1536 x 8960 layer took 3.0 
 and 2.8x its one-token forward and short drafts could never pay. oneDNN's inner-product kernel on
 pre-packed weights, which PyTorch ships (``torch.ops.mkldnn``), keeps 1 to 9 rows near one weight
 read: 1.4-1.8 ms for the same layer, and 263-318 ms for the whole 1.5B target at 1-9 tokens
-against 382-918 ms with MKL (bench/bench_e2e.py's README row has the end-to-end numbers).
+against 382-918 ms with MKL (bench/bench_e2e.py's README row has the end-to-end numbers). On
+another machine of that kind its 1- to 3-row kernels were the slow ones (``MIN_ROWS``): such inputs
+are padded to 4 rows, so one token costs what 4 do (``bench/bench_forward_rows.py`` measures a
+model's forward by rows).
 
 :func:`use_onednn_linears` swaps a model's ``nn.Linear`` modules for :class:`OneDnnLinear` in place.
 Use it for *inference only* (there is no backward through the packed weight), on CPU models in
@@ -26,6 +29,14 @@ from torch import nn
 __all__ = ["OneDnnLinear", "onednn_linear_available", "use_onednn_linears"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# oneDNN's inner product picks its kernel by the number of rows, and below 4 rows it picks worse ones:
+# on the 2-core AMD EPYC (AVX-512, torch 2.13, 1 thread) an fp32 1536 x 151,936 output layer took
+# 62 / 66 / 49 / 43 ms at 1 / 2 / 3 / 4 rows and a 1536 x 8960 one 4.2 / 4.4 / 2.9 / 2.7 ms (4 rows
+# read the weight once, at copy speed), and a bf16 layer *with a bias* took 158 ms at 1 row against
+# 0.26 at 4 (896 x 4864: a reference path). So inputs of 1 to 3 rows are padded with zero rows to 4
+# (the padding is never read back): the Qwen2.5-Coder 1.5B fp32 target's one-token forward went from
+# 455-525 ms to 346 ms, the 0.5B bf16 draft's from 88-96 to 90 (its 4-row forward: 79).
+MIN_ROWS = 4
 
 
 def onednn_linear_available() -> bool:
@@ -70,6 +81,15 @@ class OneDnnLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"OneDnnLinear: input's last dimension is {x.shape[-1]}, expected {self.in_features}")
+        rows = x.numel() // self.in_features
+        if 0 < rows < MIN_ROWS:  # see MIN_ROWS: a 4-row call costs less than a 1-row one
+            flat = x.reshape(rows, self.in_features)
+            padded = torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, self.in_features)])
+            y = self._linear(padded)[:rows]
+            return y.reshape(*x.shape[:-1], self.out_features)
+        return self._linear(x)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

@@ -92,3 +92,25 @@ def test_greedy_identity_after_the_swap():
     )
     assert torch.equal(out.sequences, expected)
     assert out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_inputs_are_padded_and_agree(dtype, monkeypatch):
+    """1 to MIN_ROWS - 1 rows run oneDNN on MIN_ROWS rows (its short-input kernels are slow, and a bf16
+    one with a bias is a reference path); the real rows' outputs are those of nn.Linear, any leading shape."""
+    from specdec_kernels.hf import cpu_linear
+
+    torch.manual_seed(2)
+    linear = nn.Linear(40, 23).to(dtype)
+    fast = OneDnnLinear.from_linear(linear)
+    seen = []
+    monkeypatch.setattr(OneDnnLinear, "_linear", lambda self, x: seen.append(x.shape[0]) or linear(x))
+    atol = 1e-4 if dtype == torch.float32 else 0.1
+    for shape in [(1, 40), (1, 1, 40), (2, 1, 40), (3, 40), (1, 4, 40), (2, 3, 40)]:
+        x = torch.randn(shape).to(dtype)
+        seen.clear()
+        got = fast(x)
+        rows = x.numel() // 40
+        assert got.shape == (*shape[:-1], 23)
+        assert seen == ([cpu_linear.MIN_ROWS] if rows < cpu_linear.MIN_ROWS else [shape[0]])
+        torch.testing.assert_close(got.float(), linear(x).float(), atol=atol, rtol=atol)
