@@ -252,9 +252,10 @@ class DraftLengthPolicy:
             return min(max(best + side, lowest), self.G_max)
         return best
 
-    def record(self, g: int, active: int, seconds: float) -> None:
+    def record(self, g: int, active: int, seconds: float, shape: tuple[int, int] | None = None) -> None:
         """A step's wall time. Not timed: the call's first step (it pays one-off costs) and a
-        drafting step right after a target-only one (its draft forward also catches up)."""
+        drafting step right after a target-only one (its draft forward also catches up). ``shape``
+        (draft forwards, node columns) is the tree policy's; a chain's cost is per length."""
         self.steps += 1
         catching_up = g > 0 and self.previous == 0
         self.previous = g

@@ -221,7 +221,8 @@ def _run(session: Session, stats: SpeculativeStats, streamer) -> None:
         step_start = time.perf_counter()
         result = session.step(g)  # ends with the step's one host synchronisation
         if policy:  # (a confidence stop on the CPU may have drafted fewer than g)
-            policy.record(result.drafted, active, time.perf_counter() - step_start)
+            shape = (result.draft_forwards, result.nodes)
+            policy.record(result.drafted, active, time.perf_counter() - step_start, shape)
         with session.timer("other"):
             stats.record_step(result, session.batch.rows)
             if streamer is not None and result.tokens[0]:

@@ -19,11 +19,19 @@ first call explores the arms, later calls start informed (up to 8 tree and 8 cha
 call that starts from nothing spends many of its steps trying them). The arm is decided on the host
 from past steps only: the tree's shape never depends on this step's draws or on the verifier's random
 numbers, and the output stays exact.
+
+Node threshold (shaped trees, measured cost): a node whose path the draft scores s adds about s
+tokens to a step and its target row c seconds; at the step's rate r (tokens per second per request)
+it pays when s > c * r. ``RowCost`` fits c from the steps' times, draft forwards and node columns
+(they vary apart from step to step in a shaped tree), and ``node_threshold`` raises the step's
+``tree_threshold`` to c * r (at most MAX_NODE_THRESHOLD). Set ``SPECDEC_FIXED_TREE_THRESHOLD=1`` to
+keep the user's threshold (benchmarks of before / after in one checkout).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 from .draft_length import (
     EXPLORE_WITHIN,
@@ -35,6 +43,12 @@ from .draft_length import (
 )
 
 MAX_CHAIN = 8  # the chain fallback's longest length (the chain policy's lengths past 8 never won on our pairs)
+# The node threshold's fit (``RowCost``) forgets a step by this factor per later step (memory ~32 steps,
+# as the chain policy's acceptance) and needs this many timed steps before it is used.
+ROW_COST_MEMORY, ROW_COST_MIN_STEPS = 32, 8
+# A learned node threshold never exceeds this: a node the draft gives a 1-in-2 chance always pays its row.
+MAX_NODE_THRESHOLD = 0.5
+FIXED_THRESHOLD_ENV = "SPECDEC_FIXED_TREE_THRESHOLD"  # 1: no learned threshold (benchmarks of before / after)
 
 
 def pair_tree_times(target, draft, settings: tuple) -> dict[int, StepTimes]:
@@ -42,6 +56,41 @@ def pair_tree_times(target, draft, settings: tuple) -> dict[int, StepTimes]:
     drafter's node budget, width, threshold and lookup branch: what the arms' steps cost), per number
     of active requests; kept in the pair's memory beside the chain policy's (``pair_memory``)."""
     return pair_memory(target, draft).setdefault(("tree", settings), {})
+
+
+def pair_row_costs(target, draft, settings: tuple) -> dict[int, RowCost]:
+    """The node-cost fits (``RowCost``) of a pair's tree steps for ``settings``, per number of active
+    requests, kept for the process beside ``pair_tree_times``."""
+    return pair_memory(target, draft).setdefault(("tree rows", settings), {})
+
+
+class RowCost:
+    """What one more tree node costs a step, learned from the steps themselves: a least-squares fit of
+    step seconds = a + b * (draft forwards) + c * (node columns the target scored), each step weighted
+    by (1 - 1 / ROW_COST_MEMORY) ** (steps after it). A shaped tree's depth and node count vary from
+    step to step, which is what separates b from c. ``per_node()``: c in seconds, None until the fit
+    has ROW_COST_MIN_STEPS steps and both kinds of variation (else it cannot tell them apart)."""
+
+    def __init__(self):
+        self.gram = [[0.0] * 4 for _ in range(4)]  # weighted sums of x_i x_j over x = (1, forwards, nodes, seconds)
+        self.steps = 0
+
+    def add(self, forwards: int, nodes: int, seconds: float) -> None:
+        keep = 1 - 1 / ROW_COST_MEMORY
+        x = (1.0, float(forwards), float(nodes), float(seconds))
+        self.gram = [[keep * g + xi * xj for g, xj in zip(row, x, strict=True)] for row, xi in zip(self.gram, x, strict=True)]
+        self.steps += 1
+
+    def per_node(self) -> float | None:
+        if self.steps < ROW_COST_MIN_STEPS:
+            return None
+        import torch
+
+        gram = torch.tensor(self.gram, dtype=torch.float64)
+        a, rhs = gram[:3, :3], gram[:3, 3]
+        if torch.linalg.matrix_rank(a, rtol=1e-6) < 3:  # depth and nodes never varied apart
+            return None
+        return float(torch.linalg.solve(a, rhs)[2])
 
 
 class TreeBudgetPolicy:
@@ -56,10 +105,12 @@ class TreeBudgetPolicy:
         max_depth: int | None = None,
         times=None,
         chain_times=None,
+        row_costs=None,
     ):
         """times: where measured step times live (``pair_tree_times``; default: this policy only).
         chain_times: active -> the chain policy's measured step seconds per draft length for this pair
-        (``draft_length.pair_step_times``), the first guess for a chain arm this policy has not timed."""
+        (``draft_length.pair_step_times``), the first guess for a chain arm this policy has not timed.
+        row_costs: where the node-cost fits live per number of active requests (default: this policy)."""
         self.cost, self.measured = cost, measured
         depths = max_depth or math.ceil(nodes / width)  # a shaped tree (tree_threshold) may go deeper
         self.arms = [("tree", d, min(nodes, width * d), width) for d in range(1, depths + 1)]
@@ -72,6 +123,9 @@ class TreeBudgetPolicy:
         self.times: dict[int, StepTimes] = {} if times is None else times
         self.chain_times = chain_times
         self.steps = 0
+        self.row_costs: dict[int, RowCost] = {} if row_costs is None else row_costs  # active -> fit
+        self.rate = 0.0  # the chosen arm's predicted tokens per second per request (measured policies)
+        self.active = 1  # active requests at the last choice
 
     def _rate(self, arm, times: dict, chain: dict) -> float:
         kind, d = arm[0], arm[1]
@@ -112,7 +166,26 @@ class TreeBudgetPolicy:
                 same = [a for a in self.arms if a[0] == best[0] and abs(a[1] - best[1]) == 1]
                 choice = same[(self.steps // REFRESH_EVERY) % len(same)] if same else best
         self.arm, self.width = choice, choice[3]
+        self.rate = rates[choice] if times else 0.0
+        self.active = active
         return choice[2]
+
+    def node_threshold(self) -> float:
+        """The path score below which a shaped tree's node costs more than it brings (0: unknown).
+
+        A node whose path the draft scores s adds about s accepted tokens to its request's step (the
+        chance the verifier walks through it) and its row c seconds to the step (``RowCost``, fitted
+        per number of active requests); at the step's predicted rate r (tokens per second per
+        request) it pays when s / c > r, i.e. s > c * r. On the 2-core EPYC a Qwen 1.5B target row
+        costs ~25 ms of a ~0.8 s step committing ~5 tokens: s > ~0.15, where 0.05 was the default
+        guess. Decided from past steps only (exactness as for the arms)."""
+        if os.environ.get(FIXED_THRESHOLD_ENV, "0") not in ("", "0"):
+            return 0.0
+        fit = self.row_costs.get(self.active) if self.measured else None
+        c = fit.per_node() if fit is not None else None
+        if c is None or c <= 0.0 or self.rate <= 0.0:
+            return 0.0
+        return min(c * self.rate, MAX_NODE_THRESHOLD)
 
     def observe_chain(self, accepted: int, rejections: int) -> None:
         """A tree step's chain-equivalent counts (``dynamic_tree.chain_equivalent``): the chain arms'
@@ -121,8 +194,11 @@ class TreeBudgetPolicy:
         self.counts["chain"][0] += accepted
         self.counts["chain"][1] += rejections
 
-    def record(self, nodes: int, active: int, seconds: float) -> None:
-        """The step's wall time (the call's first step is skipped: it pays one-off costs)."""
+    def record(self, nodes: int, active: int, seconds: float, shape: tuple[int, int] | None = None) -> None:
+        """The step's wall time (the call's first step is skipped: it pays one-off costs); ``shape``
+        (the draft forwards the step ran, the node columns the target scored) feeds the node-cost fit."""
         self.steps += 1
         if self.measured and self.steps > 1:
             self.times.setdefault(active, StepTimes()).add(self.arm, seconds)
+            if shape is not None:
+                self.row_costs.setdefault(active, RowCost()).add(*shape, seconds)

@@ -180,3 +180,77 @@ def test_bad_thresholds_are_value_errors(target, near, kwargs, match):
     call = dict(draft_tree="dynamic", num_draft_tokens=8, tree_width=2) | kwargs
     with pytest.raises(ValueError, match=match):
         speculative_generate(target, near, torch.randint(3, 97, (1, 4)), max_new_tokens=2, **call)
+
+
+def test_row_cost_fit_recovers_a_nodes_cost():
+    """RowCost: step seconds = a + b forwards + c nodes, fitted from steps whose depth and node count
+    vary apart; None before ROW_COST_MIN_STEPS steps or when nodes always follow the depth."""
+    from specdec_kernels.hf.tree_budget import ROW_COST_MIN_STEPS, RowCost
+
+    fit, collinear = RowCost(), RowCost()
+    gen = torch.Generator().manual_seed(0)
+    for i in range(40):
+        f, n = 1 + i % 5, 1 + int(torch.randint(1, 9, (1,), generator=gen))
+        fit.add(f, n, 0.3 + 0.08 * f + 0.025 * n)
+        collinear.add(f, 4 * f, 0.3 + 0.18 * f)
+        if i + 1 < ROW_COST_MIN_STEPS:
+            assert fit.per_node() is None
+    assert fit.per_node() == pytest.approx(0.025, rel=1e-6)
+    assert collinear.per_node() is None
+
+
+def test_node_threshold_prices_a_row_against_the_rate():
+    """A node pays when its path score exceeds (its row's seconds) x (tokens per second per request),
+    capped at MAX_NODE_THRESHOLD; 0 (use tree_threshold) without a fit or when not measured."""
+    from specdec_kernels.hf.tree_budget import MAX_NODE_THRESHOLD, RowCost, TreeBudgetPolicy
+
+    policy = TreeBudgetPolicy(8, 4, 0.2, True)
+    assert policy.node_threshold() == 0.0
+    fit = policy.row_costs.setdefault(1, RowCost())
+    for i in range(12):
+        f, n = 1 + i % 4, 1 + (i * 3) % 7
+        fit.add(f, n, 0.3 + 0.08 * f + 0.025 * n)
+    policy.rate = 6.0  # tokens per second per request
+    assert policy.node_threshold() == pytest.approx(0.15)
+    policy.rate = 100.0
+    assert policy.node_threshold() == MAX_NODE_THRESHOLD
+    policy.measured = False
+    assert policy.node_threshold() == 0.0
+
+
+def test_learned_threshold_raises_the_users_and_keeps_greedy_identity(monkeypatch, target, near):
+    """A learned node threshold above tree_threshold is every shaped step's threshold, one below it
+    never lowers the user's, and the output is still target.generate's."""
+    ids, mask = _ragged_prompts()
+    seen = _proposals(monkeypatch)
+    thresholds = []
+    real = DynamicTreeDrafter._step_threshold
+
+    def learned(self):
+        thresholds.append(real(self))
+        return thresholds[-1]
+
+    monkeypatch.setattr(dynamic_tree.TreeBudgetPolicy, "node_threshold", lambda self: 0.3)
+    monkeypatch.setattr(DynamicTreeDrafter, "_step_threshold", learned)
+    out = _shaped(target, near, ids, mask, 15, 3, 0.05)
+    assert thresholds and set(thresholds) == {0.3}
+    assert torch.equal(out.sequences, _greedy_reference(target, ids, mask, 12))
+    monkeypatch.setattr(dynamic_tree.TreeBudgetPolicy, "node_threshold", lambda self: 0.01)
+    thresholds.clear()
+    _shaped(target, near, ids, mask, 15, 3, 0.05)
+    assert set(thresholds) == {0.05}
+    assert seen
+
+
+def test_fixed_threshold_switch(monkeypatch):
+    """SPECDEC_FIXED_TREE_THRESHOLD=1 keeps the user's threshold (before / after benchmarks)."""
+    from specdec_kernels.hf.tree_budget import FIXED_THRESHOLD_ENV, RowCost, TreeBudgetPolicy
+
+    policy = TreeBudgetPolicy(8, 4, 0.2, True)
+    fit = policy.row_costs.setdefault(1, RowCost())
+    for i in range(12):
+        fit.add(1 + i % 4, 1 + (i * 3) % 7, 0.3 + 0.1 * (i % 4) + 0.02 * ((i * 3) % 7))
+    policy.rate = 5.0
+    assert policy.node_threshold() == pytest.approx(0.1)
+    monkeypatch.setenv(FIXED_THRESHOLD_ENV, "1")
+    assert policy.node_threshold() == 0.0

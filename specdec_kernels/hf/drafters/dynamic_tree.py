@@ -76,7 +76,7 @@ from ..config import is_number
 from ..draft_length import draft_cost_estimate, pair_step_times
 from ..forwards import forward, gen_for
 from ..medusa import MIN_RANK_PROB, candidate_tokens
-from ..tree_budget import MAX_CHAIN, TreeBudgetPolicy, pair_tree_times
+from ..tree_budget import MAX_CHAIN, TreeBudgetPolicy, pair_row_costs, pair_tree_times
 from .base import TreeProposal, Verified
 from .model import ModelDrafter
 
@@ -105,6 +105,7 @@ class DynamicTreeDrafter(ModelDrafter):
         self.prompt_lookup = config.prompt_lookup
         self.keeps_history = config.prompt_lookup  # the lookup reads the host copies of the tokens
         self.lookup_nodes: list[int] = []  # the last step's lookup-branch nodes per request (tests, benches)
+        self.last_threshold = self.threshold  # the last shaped step's threshold (``_step_threshold``)
 
     def length_policy(self, session):
         """adaptive_draft: the step's tree (depth, or a chain) from past steps (``hf/tree_budget.py``);
@@ -124,6 +125,7 @@ class DynamicTreeDrafter(ModelDrafter):
             times=pair_tree_times(session.target, self.model, settings) if measured else None,
             # a chain arm's steps are the chain drafter's, but for the lookup branch
             chain_times=None if self.prompt_lookup else partial(pair_step_times, session.target, self.model),
+            row_costs=pair_row_costs(session.target, self.model, settings) if measured else None,
         )
         return self.policy
 
@@ -185,7 +187,7 @@ class DynamicTreeDrafter(ModelDrafter):
         tokens, parents, valid, slots, depths, bits, firsts = [], [], [], [], [], [], []
         root_bits = (torch.ones_like(u) << u) - 1
         next_slot, arange_a = U, torch.arange(A, device=device)[:, None]
-        shape = _Shape(self.threshold, g, A, device) if shaped else None
+        shape = _Shape(self._step_threshold(), g, A, device) if shaped else None
         for d, width in enumerate(self.per_depth, start=1):
             # keep the best `width` candidates (stable: earlier parent, lower rank first on ties); the
             # lookup branch's candidate (last column) first
@@ -240,6 +242,14 @@ class DynamicTreeDrafter(ModelDrafter):
             cand_q = probs
         trim = shape is not None and _stops_early(device)  # the target scores no padding column
         return self._compact(tokens, parents, valid, slots, depths, rows, g, trim, firsts if shadow else None)
+
+    def _step_threshold(self) -> float:
+        """A shaped tree's threshold this step: ``tree_threshold``, raised to the path score below
+        which a node costs more than it brings (``TreeBudgetPolicy.node_threshold``: measured costs
+        and past steps only, so the shape stays a function of q rows and shallower draws)."""
+        learned = self.policy.node_threshold() if self.policy is not None else 0.0
+        self.last_threshold = max(self.threshold, learned)
+        return self.last_threshold
 
     def _lookup_branch(self, session):
         """This step's lookup branch (``_LookupBranch``), or a no-op one when no request has a match."""
