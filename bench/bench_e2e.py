@@ -19,6 +19,8 @@ tokens / wall time summed over every prompt of a prompt set. Modes (``--modes``)
                             children per node, grown by the draft (rows: nodes per step, mean depth).
 * ``ours_dyntree_lookup`` -- the same with ``prompt_lookup=True``: the request's n-gram continuation is
                             one more branch of the tree, within its N nodes.
+* ``ours_dyntree_fixed`` -- ``ours_dyntree`` keeping ``--tree-threshold`` every step (no learned node
+                            threshold: ``SPECDEC_FIXED_TREE_THRESHOLD=1`` around the call), for before / after.
 * ``ours_prompt_lookup`` -- ``speculative_generate(drafter="prompt_lookup")``: n-gram drafts from the
                             request's own tokens, no draft model.
 * ``hf_prompt_lookup``   -- (not run by default) ``target.generate(prompt_lookup_num_tokens=G)``,
@@ -92,6 +94,8 @@ Usage
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -113,6 +117,7 @@ MODES = (
     "ours_k4",
     "ours_dyntree",
     "ours_dyntree_lookup",
+    "ours_dyntree_fixed",
     "ours_prompt_lookup",
     "hf_prompt_lookup",
 )
@@ -202,7 +207,7 @@ def mode_settings(mode: str, args) -> dict:
         return {"G": args.G, "K": 1, "method": None, "drafter": "prompt_lookup"}
     if mode == "ours_block":  # the draft model's chain under block verification
         return {"G": args.G, "K": 1, "method": "block", "drafter": "model", "verification": "block"}
-    if mode in ("ours_dyntree", "ours_dyntree_lookup"):  # G = the tree's nodes
+    if mode in ("ours_dyntree", "ours_dyntree_lookup", "ours_dyntree_fixed"):  # G = the tree's nodes
         lookup = mode == "ours_dyntree_lookup"
         return {"G": args.G, "K": 1, "method": "rrs_wor", "drafter": "model", "draft_tree": "dynamic", "lookup": lookup}
     K = int(mode.removeprefix("ours_k"))
@@ -245,11 +250,36 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
                 prefill_s = timed(lambda: pair.target(input_ids=ids, attention_mask=mask), args.device)[1]
         return Result(new_tokens_per_row(seqs, width, eos), wall, cpu_s=cpu, prefill_s=prefill_s)
 
-    from specdec_kernels.hf import speculative_generate  # lazy: TRITON_INTERPRET must be decided first
+    from specdec_kernels.hf.tree_budget import FIXED_THRESHOLD_ENV  # lazy: TRITON_INTERPRET decided first
 
     s = mode_settings(mode, args)
     use_draft = s["drafter"] == "model"
-    out, wall, cpu = timed(
+    fixed = contextlib.ExitStack()
+    if mode == "ours_dyntree_fixed":  # the shaped tree keeps --tree-threshold (no learned node threshold)
+        fixed.enter_context(_env(FIXED_THRESHOLD_ENV, "1"))
+    with fixed:
+        out, wall, cpu = _timed_ours(pair, ids, mask, temperature, max_new, seed, args, s, use_draft)
+    return Result(new_tokens_per_row(out.sequences, width, eos), wall, out.stats, cpu, out.stats.time_s["prefill"])
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def _timed_ours(pair: Pair, ids, mask, temperature: float, max_new: int, seed: int, args, s: dict, use_draft: bool):
+    """One timed ``speculative_generate`` call of a mode's settings ``s``: (output, wall s, CPU s)."""
+    from specdec_kernels.hf import speculative_generate  # lazy: TRITON_INTERPRET must be decided first
+
+    return timed(
         lambda: speculative_generate(
             pair.target,
             pair.draft if use_draft else None,
@@ -285,7 +315,6 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
         ),
         args.device,
     )
-    return Result(new_tokens_per_row(out.sequences, width, eos), wall, out.stats, cpu, out.stats.time_s["prefill"])
 
 
 def mode_unavailable(mode: str, pair: Pair, batch_size: int, json_schema: str | None = None) -> str | None:

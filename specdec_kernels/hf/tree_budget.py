@@ -53,6 +53,11 @@ MAX_NODE_THRESHOLD = 0.5
 FIXED_THRESHOLD_ENV = "SPECDEC_FIXED_TREE_THRESHOLD"  # 1: no learned threshold (benchmarks of before / after)
 
 
+def learned_threshold_on() -> bool:
+    """Whether shaped trees learn their node threshold (not when ``SPECDEC_FIXED_TREE_THRESHOLD=1``)."""
+    return os.environ.get(FIXED_THRESHOLD_ENV, "0") in ("", "0")
+
+
 def pair_tree_times(target, draft, settings: tuple) -> dict[int, StepTimes]:
     """The measured step times of a (target, draft) pair's tree and chain arms for ``settings`` (the
     drafter's node budget, width, threshold and lookup branch: what the arms' steps cost), per number
@@ -181,7 +186,7 @@ class TreeBudgetPolicy:
         request) it pays when s / c > r, i.e. s > c * r. On the 2-core EPYC a Qwen 1.5B target row
         costs ~25 ms of a ~0.8 s step committing ~5 tokens: s > ~0.15, where 0.05 was the default
         guess. Decided from past steps only (exactness as for the arms)."""
-        if os.environ.get(FIXED_THRESHOLD_ENV, "0") not in ("", "0"):
+        if not learned_threshold_on():
             return 0.0
         fit = self.row_costs.get(self.active) if self.measured else None
         c = fit.per_node() if fit is not None else None

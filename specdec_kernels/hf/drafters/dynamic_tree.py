@@ -76,7 +76,7 @@ from ..config import is_number
 from ..draft_length import draft_cost_estimate, pair_step_times
 from ..forwards import forward, gen_for
 from ..medusa import MIN_RANK_PROB, candidate_tokens
-from ..tree_budget import MAX_CHAIN, TreeBudgetPolicy, pair_row_costs, pair_tree_times
+from ..tree_budget import MAX_CHAIN, TreeBudgetPolicy, learned_threshold_on, pair_row_costs, pair_tree_times
 from .base import TreeProposal, Verified
 from .model import ModelDrafter
 
@@ -115,7 +115,8 @@ class DynamicTreeDrafter(ModelDrafter):
             return None
         measured = cfg.draft_cost == "measured" or (cfg.draft_cost is None and cfg.greedy)
         cost = cfg.draft_cost if is_number(cfg.draft_cost) else draft_cost_estimate(session.target, self.model)
-        settings = (cfg.num_draft_tokens, self.width, self.threshold, self.prompt_lookup)
+        # (a learned threshold changes what the arms' steps cost: its times are kept apart)
+        settings = (cfg.num_draft_tokens, self.width, self.threshold, self.prompt_lookup, learned_threshold_on())
         self.policy = TreeBudgetPolicy(
             cfg.num_draft_tokens,
             self.width,
