@@ -57,6 +57,7 @@ GROUPS = {
     "shaped_tree": (["tests/hf/test_shaped_tree.py"], ["tests/hf/test_dynamic_tree.py"]),
     "tree_policy": (["tests/hf/test_dynamic_tree.py"], []),
     "chunk_merge": (["tests/ops/test_chunk_merge.py"], []),
+    "cpu_linear": (["tests/hf/test_cpu_linear.py"], []),
     "driver": (
         ["tests/hf/test_generate.py", "tests/hf/test_draft_law.py", "tests/hf/test_medusa.py"],
         ["tests/hf/test_draft_law.py", "tests/hf/test_generate.py"],
@@ -199,6 +200,15 @@ MUTANTS = [
     Mutant("chain-eq-stop", "tree_policy", "chain_equivalent", "(run < accepted) | stopped", "(run < accepted)"),
     Mutant("chain-eq-run", "tree_policy", "chain_equivalent", "on_path.long().cumprod(dim=1)", "on_path.long()"),
     Mutant("chain-observe", "tree_policy", "observe_chain", 'self.counts["chain"][0] += accepted', "pass"),
+    # ---- the learned node threshold of shaped trees (specdec_kernels/hf/tree_budget.py, dynamic_tree.py)
+    Mutant("node-threshold-rate", "shaped_tree", "node_threshold", "min(c * self.rate,", "min(c / self.rate,"),
+    Mutant(
+        "row-cost-column", "shaped_tree", "per_node", "torch.linalg.solve(a, rhs)[2]", "torch.linalg.solve(a, rhs)[1]"
+    ),
+    Mutant("step-threshold-max", "shaped_tree", "_step_threshold", "max(self.threshold, learned)", "learned"),
+    # ---- oneDNN linears' short-input padding (specdec_kernels/hf/cpu_linear.py)
+    Mutant("linear-no-pad", "cpu_linear", "forward", "if 0 < rows < MIN_ROWS:", "if 0 < rows < 1:"),
+    Mutant("linear-pad-rows", "cpu_linear", "forward", "self._linear(padded)[:rows]", "self._linear(padded)[-rows:]"),
     # ---- the merge of the row pass's chunk records (specdec_kernels/ops/triton/chunk_merge.py)
     Mutant(
         "merge-first-chunk",
