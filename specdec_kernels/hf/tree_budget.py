@@ -184,7 +184,7 @@ class TreeBudgetPolicy:
         chance the verifier walks through it) and its row c seconds to the step (``RowCost``, fitted
         per number of active requests); at the step's predicted rate r (tokens per second per
         request) it pays when s / c > r, i.e. s > c * r. On the 2-core EPYC a Qwen 1.5B target row
-        costs ~25 ms of a ~0.8 s step committing ~5 tokens: s > ~0.15, where 0.05 was the default
+        costs ~20-25 ms of a ~0.8 s step committing ~4-5 tokens: s > ~0.1-0.15, where 0.05 was the default
         guess. Decided from past steps only (exactness as for the arms)."""
         if not learned_threshold_on():
             return 0.0
