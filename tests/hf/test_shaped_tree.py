@@ -232,12 +232,13 @@ def test_learned_threshold_raises_the_users_and_keeps_greedy_identity(monkeypatc
 
     monkeypatch.setattr(dynamic_tree.TreeBudgetPolicy, "node_threshold", lambda self: 0.3)
     monkeypatch.setattr(DynamicTreeDrafter, "_step_threshold", learned)
-    out = _shaped(target, near, ids, mask, 15, 3, 0.05)
+    # the shape model's costs: every step a tree arm (measured times could pick chains, no threshold)
+    out = _shaped(target, near, ids, mask, 15, 3, 0.05, draft_cost="shapes")
     assert thresholds and set(thresholds) == {0.3}
     assert torch.equal(out.sequences, _greedy_reference(target, ids, mask, 12))
     monkeypatch.setattr(dynamic_tree.TreeBudgetPolicy, "node_threshold", lambda self: 0.01)
     thresholds.clear()
-    _shaped(target, near, ids, mask, 15, 3, 0.05)
+    _shaped(target, near, ids, mask, 15, 3, 0.05, draft_cost="shapes")
     assert set(thresholds) == {0.05}
     assert seen
 
