@@ -372,6 +372,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, suite_name: str
     except Exception:  # noqa: BLE001
         results["crash"] = traceback.format_exc()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()  # no rank tears gloo down while another is still in a collective (see bench_vocab_parallel)
     dist.destroy_process_group()
 
 
