@@ -101,6 +101,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -254,25 +255,11 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
 
     s = mode_settings(mode, args)
     use_draft = s["drafter"] == "model"
-    fixed = contextlib.ExitStack()
-    if mode == "ours_dyntree_fixed":  # the shaped tree keeps --tree-threshold (no learned node threshold)
-        fixed.enter_context(_env(FIXED_THRESHOLD_ENV, "1"))
-    with fixed:
+    # ours_dyntree_fixed: the shaped tree keeps --tree-threshold (no learned node threshold)
+    fixed = mock.patch.dict(os.environ, {FIXED_THRESHOLD_ENV: "1"})
+    with fixed if mode == "ours_dyntree_fixed" else contextlib.nullcontext():
         out, wall, cpu = _timed_ours(pair, ids, mask, temperature, max_new, seed, args, s, use_draft)
     return Result(new_tokens_per_row(out.sequences, width, eos), wall, out.stats, cpu, out.stats.time_s["prefill"])
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def _timed_ours(pair: Pair, ids, mask, temperature: float, max_new: int, seed: int, args, s: dict, use_draft: bool):

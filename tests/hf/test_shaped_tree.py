@@ -199,17 +199,26 @@ def test_row_cost_fit_recovers_a_nodes_cost():
     assert collinear.per_node() is None
 
 
-def test_node_threshold_prices_a_row_against_the_rate():
-    """A node pays when its path score exceeds (its row's seconds) x (tokens per second per request),
-    capped at MAX_NODE_THRESHOLD; 0 (use tree_threshold) without a fit or when not measured."""
-    from specdec_kernels.hf.tree_budget import MAX_NODE_THRESHOLD, RowCost, TreeBudgetPolicy
+def _fitted_policy(per_node: float):
+    """A measured TreeBudgetPolicy whose node-cost fit (1 active request) has 12 steps costing
+    0.3 + 0.08 s a draft forward + ``per_node`` s a node column, forwards and nodes varying apart."""
+    from specdec_kernels.hf.tree_budget import RowCost, TreeBudgetPolicy
 
     policy = TreeBudgetPolicy(8, 4, 0.2, True)
-    assert policy.node_threshold() == 0.0
     fit = policy.row_costs.setdefault(1, RowCost())
     for i in range(12):
         f, n = 1 + i % 4, 1 + (i * 3) % 7
-        fit.add(f, n, 0.3 + 0.08 * f + 0.025 * n)
+        fit.add(f, n, 0.3 + 0.08 * f + per_node * n)
+    return policy
+
+
+def test_node_threshold_prices_a_row_against_the_rate():
+    """A node pays when its path score exceeds (its row's seconds) x (tokens per second per request),
+    capped at MAX_NODE_THRESHOLD; 0 (use tree_threshold) without a fit or when not measured."""
+    from specdec_kernels.hf.tree_budget import MAX_NODE_THRESHOLD, TreeBudgetPolicy
+
+    assert TreeBudgetPolicy(8, 4, 0.2, True).node_threshold() == 0.0
+    policy = _fitted_policy(per_node=0.025)
     policy.rate = 6.0  # tokens per second per request
     assert policy.node_threshold() == pytest.approx(0.15)
     policy.rate = 100.0
@@ -245,12 +254,9 @@ def test_learned_threshold_raises_the_users_and_keeps_greedy_identity(monkeypatc
 
 def test_fixed_threshold_switch(monkeypatch):
     """SPECDEC_FIXED_TREE_THRESHOLD=1 keeps the user's threshold (before / after benchmarks)."""
-    from specdec_kernels.hf.tree_budget import FIXED_THRESHOLD_ENV, RowCost, TreeBudgetPolicy
+    from specdec_kernels.hf.tree_budget import FIXED_THRESHOLD_ENV
 
-    policy = TreeBudgetPolicy(8, 4, 0.2, True)
-    fit = policy.row_costs.setdefault(1, RowCost())
-    for i in range(12):
-        fit.add(1 + i % 4, 1 + (i * 3) % 7, 0.3 + 0.1 * (i % 4) + 0.02 * ((i * 3) % 7))
+    policy = _fitted_policy(per_node=0.02)
     policy.rate = 5.0
     assert policy.node_threshold() == pytest.approx(0.1)
     monkeypatch.setenv(FIXED_THRESHOLD_ENV, "1")

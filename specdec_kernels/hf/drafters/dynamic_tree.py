@@ -105,7 +105,6 @@ class DynamicTreeDrafter(ModelDrafter):
         self.prompt_lookup = config.prompt_lookup
         self.keeps_history = config.prompt_lookup  # the lookup reads the host copies of the tokens
         self.lookup_nodes: list[int] = []  # the last step's lookup-branch nodes per request (tests, benches)
-        self.last_threshold = self.threshold  # the last shaped step's threshold (``_step_threshold``)
 
     def length_policy(self, session):
         """adaptive_draft: the step's tree (depth, or a chain) from past steps (``hf/tree_budget.py``);
@@ -249,8 +248,7 @@ class DynamicTreeDrafter(ModelDrafter):
         which a node costs more than it brings (``TreeBudgetPolicy.node_threshold``: measured costs
         and past steps only, so the shape stays a function of q rows and shallower draws)."""
         learned = self.policy.node_threshold() if self.policy is not None else 0.0
-        self.last_threshold = max(self.threshold, learned)
-        return self.last_threshold
+        return max(self.threshold, learned)
 
     def _lookup_branch(self, session):
         """This step's lookup branch (``_LookupBranch``), or a no-op one when no request has a match."""
