@@ -55,6 +55,7 @@ class SpecConfig:
     tree_width: int = DEFAULT_TREE_WIDTH  # children per expanded node of a dynamic tree
     prompt_lookup: bool = False  # a dynamic tree's n-gram lookup branch (drafters/dynamic_tree.py)
     tree_threshold: float = DEFAULT_TREE_THRESHOLD  # a dynamic tree's least path score (drafters/dynamic_tree.py)
+    draft_vocab: object = None  # draft_vocab.DraftVocab: the ids the draft model may propose, or None (all)
 
     @property
     def sampling(self) -> dict:
@@ -108,6 +109,7 @@ class SpecConfig:
         cfg.draft_confidence = draft_confidence if cfg.adaptive_draft else 0.0
         cfg.verification = _check_verification(kw["verification"], cfg)
         cfg.draft_tree, cfg.tree_width = _check_draft_tree(draft_tree, kw["tree_width"], kw, cfg)
+        cfg.draft_vocab = _check_draft_vocab(kw["draft_vocab"], cfg)
         if kw["grammar"] is not None:
             from .grammar import compile_grammars
 
@@ -197,6 +199,19 @@ def _check_draft_tree(draft_tree, tree_width, kw: dict, cfg: SpecConfig) -> tupl
         if bad:
             raise ValueError(f"draft_tree='dynamic' does not support {setting} yet")
     return draft_tree, width
+
+
+def _check_draft_vocab(draft_vocab, cfg: SpecConfig):
+    """draft_vocab=: None, or a DraftVocab (ids are made into one) for a draft model's proposals."""
+    if draft_vocab is None:
+        return None
+    from .draft_vocab import DraftVocab
+
+    if cfg.drafter != "model":
+        raise ValueError(f"draft_vocab= restricts a draft model's proposals; drafter={cfg.drafter!r} has none")
+    vocab = draft_vocab if isinstance(draft_vocab, DraftVocab) else DraftVocab(draft_vocab)
+    vocab.check(cfg.vocab_size)
+    return vocab
 
 
 def is_number(x) -> bool:

@@ -200,7 +200,8 @@ def forced_lengths(schedule: list[int]):
 class DraftLengthPolicy:
     """Chooses the drafts of each step (0 to G_max; 0 is a target-only step) and learns from the
     steps' wall times when ``measured`` (see the module docstring). ``target_only=False`` (or the
-    environment variable ``SPECDEC_NO_TARGET_ONLY_STEPS=1``) keeps every step at g >= 1."""
+    environment variable ``SPECDEC_NO_TARGET_ONLY_STEPS=1``) keeps every step at g >= 1. ``draft``: what
+    the pair's measured times are kept under (the draft model, or its restricted output layer)."""
 
     def __init__(self, target, draft, G_max: int, cost: float, measured: bool, target_only: bool = True):
         self.target, self.draft, self.G_max, self.cost, self.measured = target, draft, G_max, cost, measured

@@ -74,6 +74,7 @@ def speculative_generate(
     tree_width: int | None = None,
     prompt_lookup: bool = False,
     tree_threshold: float | None = None,
+    draft_vocab=None,
 ) -> SpeculativeOutput:
     """Generate with a draft model (or prompt lookup) and exact verification by the target.
 
@@ -134,6 +135,10 @@ def speculative_generate(
         tree_threshold: with ``draft_tree="dynamic"``, a *shaped* tree: nodes whose path score is at
             least this, k per depth, N in all, up to 8 deep (exact; docs/hf_driver.md). 0 (default):
             the N nodes fill k per depth.
+        draft_vocab: the token ids the draft model may propose (a :class:`~specdec_kernels.hf.draft_vocab.DraftVocab`,
+            built once and reused, or a list of ids): its output layer computes those rows only for the
+            call (a cheaper draft forward; ``frequent_token_ids`` picks them). Exact: the draft's law is
+            zero elsewhere and the verifier sees it (``hf/draft_vocab.py``). None (default): every id.
 
     One host synchronisation per step, whatever the batch. Returns ``SpeculativeOutput(sequences [B, T + new], stats)``.
 

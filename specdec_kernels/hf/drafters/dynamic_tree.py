@@ -122,10 +122,10 @@ class DynamicTreeDrafter(ModelDrafter):
             float(cost),
             measured,
             max_depth=self.shaped_depth or None,
-            times=pair_tree_times(session.target, self.model, settings) if measured else None,
+            times=pair_tree_times(session.target, self.cost_key, settings) if measured else None,
             # a chain arm's steps are the chain drafter's, but for the lookup branch
-            chain_times=None if self.prompt_lookup else partial(pair_step_times, session.target, self.model),
-            row_costs=pair_row_costs(session.target, self.model, settings) if measured else None,
+            chain_times=None if self.prompt_lookup else partial(pair_step_times, session.target, self.cost_key),
+            row_costs=pair_row_costs(session.target, self.cost_key, settings) if measured else None,
         )
         return self.policy
 

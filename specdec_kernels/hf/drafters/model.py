@@ -35,9 +35,14 @@ class ModelDrafter(Drafter):
         self.cached = self.uncached = None  # [A] int64: committed tokens cached / not fed yet (>= 1)
         self.uncached_host: list[int] = []  # the same on the host (known from the last step's transfer)
         self.fed = (0, 1)  # this step's (first slot, forward-0 width): what the commit gathers from
+        # what the measured step times are kept under: the model, or its restricted output layer
+        # (hf/draft_vocab.py: another draft cost, so times of the two never mix)
+        self.cost_key = model
 
     def enter(self, stack) -> None:
         stack.enter_context(using_tree_attention(self.model))
+        if self.config.draft_vocab is not None:  # the call's restricted output layer, put back on exit
+            self.cost_key = stack.enter_context(self.config.draft_vocab.installed(self.model))
 
     def start(self, session) -> None:
         prompts = session.prompts
@@ -53,7 +58,7 @@ class ModelDrafter(Drafter):
             return None
         measured = cfg.draft_cost == "measured" or (cfg.draft_cost is None and cfg.greedy)
         cost = cfg.draft_cost if is_number(cfg.draft_cost) else draft_cost_estimate(session.target, self.model)
-        return DraftLengthPolicy(session.target, self.model, cfg.num_draft_tokens, float(cost), measured)
+        return DraftLengthPolicy(session.target, self.cost_key, cfg.num_draft_tokens, float(cost), measured)
 
     def _first_forward(self, session):
         """Forward 0: the uncached committed tokens (1 or 2 per request, more after target-only
