@@ -58,6 +58,7 @@ GROUPS = {
     "tree_policy": (["tests/hf/test_dynamic_tree.py"], []),
     "chunk_merge": (["tests/ops/test_chunk_merge.py"], []),
     "cpu_linear": (["tests/hf/test_cpu_linear.py"], []),
+    "draft_vocab": (["tests/hf/test_draft_vocab.py"], []),
     "driver": (
         ["tests/hf/test_generate.py", "tests/hf/test_draft_law.py", "tests/hf/test_medusa.py"],
         ["tests/hf/test_draft_law.py", "tests/hf/test_generate.py"],
@@ -209,6 +210,29 @@ MUTANTS = [
     # ---- oneDNN linears' short-input padding (specdec_kernels/hf/cpu_linear.py)
     Mutant("linear-no-pad", "cpu_linear", "forward", "if 0 < rows < MIN_ROWS:", "if 0 < rows < 1:"),
     Mutant("linear-pad-rows", "cpu_linear", "forward", "self._linear(padded)[:rows]", "self._linear(padded)[-rows:]"),
+    # ---- a draft restricted to part of the vocabulary (specdec_kernels/hf/draft_vocab.py, drafters/model.py)
+    Mutant(
+        "vocab-prefix-slice",
+        "draft_vocab",
+        "forward",
+        "out[..., : y.shape[-1]] = y",
+        "out[..., 1 : y.shape[-1] + 1] = y[..., :-1]",
+    ),
+    Mutant(
+        "vocab-not-restored",
+        "draft_vocab",
+        "installed",
+        "finally:\n            model.set_output_embeddings(original)",
+        "finally:\n            pass",
+    ),
+    Mutant("vocab-not-installed", "draft_vocab", "enter", "self.cost_key = stack.enter_context(", "self.cost_key = ("),
+    Mutant(
+        "vocab-rank-by-id",
+        "draft_vocab",
+        "frequent_token_ids",
+        "torch.sort(-counts, stable=True)",
+        "torch.sort(-counts.clamp(max=0), stable=True)",
+    ),
     # ---- the merge of the row pass's chunk records (specdec_kernels/ops/triton/chunk_merge.py)
     Mutant(
         "merge-first-chunk",
