@@ -21,6 +21,10 @@ tokens / wall time summed over every prompt of a prompt set. Modes (``--modes``)
                             one more branch of the tree, within its N nodes.
 * ``ours_dyntree_fixed`` -- ``ours_dyntree`` keeping ``--tree-threshold`` every step (no learned node
                             threshold: ``SPECDEC_FIXED_TREE_THRESHOLD=1`` around the call), for before / after.
+* ``ours_k1_vocab``, ``ours_dyntree_vocab`` -- ``ours_k1`` / ``ours_dyntree`` with the draft restricted to
+                            ``--draft-vocab`` token ids (``draft_vocab=``: its output layer computes those rows
+                            only; the ids are the tokenizer's specials and its lowest ids, BPE merge order:
+                            no corpus, so neither prompt set is favoured).
 * ``ours_prompt_lookup`` -- ``speculative_generate(drafter="prompt_lookup")``: n-gram drafts from the
                             request's own tokens, no draft model.
 * ``hf_prompt_lookup``   -- (not run by default) ``target.generate(prompt_lookup_num_tokens=G)``,
@@ -119,6 +123,8 @@ MODES = (
     "ours_dyntree",
     "ours_dyntree_lookup",
     "ours_dyntree_fixed",
+    "ours_k1_vocab",
+    "ours_dyntree_vocab",
     "ours_prompt_lookup",
     "hf_prompt_lookup",
 )
@@ -148,7 +154,7 @@ CSV_COLUMNS = (
     "cpu_speedup_vs_target speedup_vs_hf_assisted prefill_s decode_speedup_vs_target acceptance_rate "
     "mean_accepted_length target_forwards draft_forwards time_prefill time_draft time_target time_verify "
     "time_commit time_other drafts_per_step depth_mean "
-    "nodes_per_step draft_ms_per_step target_ms_per_step tree_width tree_threshold "
+    "nodes_per_step draft_ms_per_step target_ms_per_step tree_width tree_threshold draft_vocab "
     "greedy_equal greedy_equal_prompts grammar grammar_valid grammar_complete seed warmup cache compiled "
     "triton_interpret cuda python"
 ).split()
@@ -208,11 +214,13 @@ def mode_settings(mode: str, args) -> dict:
         return {"G": args.G, "K": 1, "method": None, "drafter": "prompt_lookup"}
     if mode == "ours_block":  # the draft model's chain under block verification
         return {"G": args.G, "K": 1, "method": "block", "drafter": "model", "verification": "block"}
-    if mode in ("ours_dyntree", "ours_dyntree_lookup", "ours_dyntree_fixed"):  # G = the tree's nodes
+    vocab = {"draft_vocab": True} if mode.endswith("_vocab") else {}
+    if mode in ("ours_dyntree", "ours_dyntree_lookup", "ours_dyntree_fixed", "ours_dyntree_vocab"):  # G = nodes
         lookup = mode == "ours_dyntree_lookup"
-        return {"G": args.G, "K": 1, "method": "rrs_wor", "drafter": "model", "draft_tree": "dynamic", "lookup": lookup}
-    K = int(mode.removeprefix("ours_k"))
-    return {"G": args.G, "K": K, "method": args.method if K > 1 else None, "drafter": "model"}
+        tree = {"draft_tree": "dynamic", "lookup": lookup}
+        return {"G": args.G, "K": 1, "method": "rrs_wor", "drafter": "model", **tree, **vocab}
+    K = int(mode.removeprefix("ours_k").removesuffix("_vocab"))
+    return {"G": args.G, "K": K, "method": args.method if K > 1 else None, "drafter": "model", **vocab}
 
 
 def sampling_kwargs_hf(temperature: float, args) -> dict:
@@ -298,6 +306,7 @@ def _timed_ours(pair: Pair, ids, mask, temperature: float, max_new: int, seed: i
             cache_implementation=args.cache,
             compile_target=args.compile,
             grammar=args.compiled_grammar,
+            draft_vocab=getattr(args, "draft_vocab_ids", None) if s.get("draft_vocab") else None,
             **({} if args.draft_confidence is None else {"draft_confidence": args.draft_confidence}),
         ),
         args.device,
@@ -482,6 +491,7 @@ def make_rows(
             "warmup": args.warmup,
             "cache": args.cache if mode.startswith("ours") else None,
             "compiled": args.compile if mode.startswith("ours") else None,
+            "draft_vocab": len(args.draft_vocab_ids) if s.get("draft_vocab") and args.draft_vocab_ids else None,
         }
         if mode in skipped:
             rows.append({**row, "status": f"skipped: {skipped[mode]}"})
@@ -565,9 +575,24 @@ def compile_schema(pair: Pair, args) -> None:
     args.compiled_grammar = compile_grammar(spec, pair.tokenizer, vocab, sorted(set(pair.eos_token_id)))
 
 
+def draft_vocab_ids(pair: Pair, args):
+    """The DraftVocab of the *_vocab modes (--draft-vocab ids: the specials and the lowest ids), its
+    restricted output layer built now (outside the timed calls), or None when no mode asks for it."""
+    if pair.draft is None or not any(m.endswith("_vocab") for m in args.modes):
+        return None
+    from specdec_kernels.hf.draft_vocab import DraftVocab, frequent_token_ids
+
+    vocab = pair.vocab_size or pair.target.config.vocab_size
+    ids = frequent_token_ids(pair.tokenizer, [], args.draft_vocab, include=pair.eos_token_id, vocab_size=vocab)
+    vocab_ids = DraftVocab(ids)
+    vocab_ids.head_for(pair.draft)
+    return vocab_ids
+
+
 def run_pair(pair: Pair, sets: dict[str, list[str]], run: common.Run) -> list[dict]:
     args, meta = run.args, run.meta
     compile_schema(pair, args)
+    args.draft_vocab_ids = draft_vocab_ids(pair, args)
     skipped = {m: why for m in args.modes if (why := mode_unavailable(m, pair, args.batch_size, args.json_schema))}
     for mode, why in skipped.items():
         print(f"[skip] {mode}: {why}", file=sys.stderr)
@@ -690,6 +715,12 @@ def parse_args(argv=None):
         type=float,
         default=None,
         help="ours_dyntree: a shaped tree's least path score (speculative_generate's tree_threshold)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=65536,
+        help="*_vocab modes: the draft proposes from this many ids (the tokenizer's specials, then its lowest ids)",
     )
     p.add_argument("--method", default="kseq", help="verification method of ours_k2/ours_k4 (kseq, rrs, rrs_wor)")
     p.add_argument(

@@ -146,16 +146,19 @@ def _restricted_head(model, ids: torch.Tensor) -> DraftVocabHead:
     return DraftVocabHead(kept, index, weight.shape[0])
 
 
-def frequent_token_ids(tokenizer, texts: Iterable[str], size: int, *, include: Iterable[int] = ()) -> torch.Tensor:
+def frequent_token_ids(
+    tokenizer, texts: Iterable[str], size: int, *, include: Iterable[int] = (), vocab_size: int | None = None
+) -> torch.Tensor:
     """The ``size`` token ids a draft should keep: ``include`` and the tokenizer's special ids, then
     the ids most frequent in ``texts``, then (ties, and ids no text used) the lowest ids (a BPE
-    tokenizer's merge order, roughly its training frequency). Sorted, int64.
+    tokenizer's merge order, roughly its training frequency). Ids below ``vocab_size`` (default
+    ``len(tokenizer)``); sorted, int64.
 
     Example::
 
         ids = frequent_token_ids(tokenizer, [open(p).read() for p in corpus_files], 32768)
     """
-    V = len(tokenizer)
+    V = len(tokenizer) if vocab_size is None else int(vocab_size)
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"size must be an int >= 1, got {size!r}")
     counts = torch.zeros(V, dtype=torch.float64)

@@ -214,5 +214,6 @@ def test_frequent_token_ids():
     assert frequent_token_ids(tok, ["ccccc", "eee", "ai"], 6, include=[10]).tolist() == [0, 1, 2, 5, 7, 10]
     assert frequent_token_ids(tok, [], 4).tolist() == [0, 1, 2, 3]
     assert frequent_token_ids(tok, ["ab"], 100).tolist() == list(range(12))
+    assert frequent_token_ids(tok, ["kkk"], 4, vocab_size=9).tolist() == [0, 1, 2, 3]  # "k" (13) past it
     with pytest.raises(ValueError, match="size must be an int >= 1"):
         frequent_token_ids(tok, [], 0)
