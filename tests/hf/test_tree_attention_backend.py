@@ -72,6 +72,38 @@ def test_tree_forward_matches_dense_mask(kind, backend):
     assert torch.equal(meta.position_ids[1], torch.arange(9, 15))  # a chain continues its sequence
 
 
+@pytest.mark.parametrize(
+    "parents", [[[-1], [-1], [-1]], [[-1, 0], [-1, 0], [-1, -1]], [[-1, 0, 1], [-1, 0, 0], [-1, -1, 0]]]
+)
+def test_cpu_auto_runs_few_queries_grouped(parents, monkeypatch):
+    """On the CPU, "auto" runs forwards of up to GROUPED_MAX_QUERIES queries through
+    tree_attention_grouped and longer ones through SDPA; both match the dense mask."""
+    from specdec_kernels.hf import attention
+
+    calls = []
+    for name in ("tree_attention_grouped", "tree_attention_sdpa"):
+        real = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    model = tiny_model("qwen2", seed=1)
+    lens = [5, 9, 2]
+    cache, T = _prefill_ragged(model, lens)
+    parents = torch.tensor(parents)
+    N = parents.shape[1]
+    tokens = torch.randint(3, model.config.vocab_size, (3, N), generator=torch.Generator().manual_seed(5))
+    meta = tree_attention_metadata(parents, torch.tensor(lens), cache_len=T)
+    dense_cache = copy.deepcopy(cache)
+    with torch.no_grad(), using_tree_attention(model), tree_attention_context(meta):
+        ours = model(input_ids=tokens, position_ids=meta.position_ids, past_key_values=cache).logits
+    with torch.no_grad():
+        mask = _dense_tree_mask(lens, parents, T, N)
+        dense = model(
+            input_ids=tokens, position_ids=meta.position_ids, past_key_values=dense_cache, attention_mask=mask
+        ).logits
+    torch.testing.assert_close(ours, dense, atol=2e-5, rtol=2e-5)
+    want = "tree_attention_grouped" if N <= attention.GROUPED_MAX_QUERIES else "tree_attention_sdpa"
+    assert calls == [want] * model.config.num_hidden_layers
+
+
 def test_backend_without_tree_is_sdpa():
     """Prefill and decoding through "specdec_tree" without a tree context give SDPA's logits exactly."""
     model = tiny_model("llama", seed=2)

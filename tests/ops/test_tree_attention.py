@@ -416,18 +416,22 @@ def test_prefix_keys_read_once_per_request_and_kv_head(monkeypatch, N, splits):
             assert (c[b, :, : int(prefix[b])] == 1).all(), f"{name}: prefix elements read {c[b].unique().tolist()}"
 
 
+@pytest.mark.parametrize("path", ["sdpa", "grouped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 12])
-def test_sdpa_path_equals_the_matmul_path(dtype, window):
-    """tree_attention_sdpa (the Hugging Face backend's CPU path) computes tree_attention_torch's
-    attention on finite caches: ragged prefixes, left padding, stale slots, GQA, a padding query
-    (zeros), a sliding window."""
+def test_cpu_paths_equal_the_matmul_path(path, dtype, window):
+    """tree_attention_sdpa and tree_attention_grouped (the Hugging Face backend's CPU paths) compute
+    tree_attention_torch's attention on finite caches: ragged prefixes, left padding, stale slots,
+    GQA (3 query heads per KV head), a padding query (zeros), a sliding window, a strided query."""
     from specdec_kernels.ops.tree_attention import (
         tree_attention_allowed,
+        tree_attention_grouped,
         tree_attention_sdpa,
         tree_attention_torch,
         window_start,
     )
+
+    attend = {"sdpa": tree_attention_sdpa, "grouped": tree_attention_grouped}[path]
 
     B, Hq, Hkv, N, D, S = 3, 6, 2, 5, 32, 40
     gen = torch.Generator().manual_seed(5)
@@ -443,8 +447,12 @@ def test_sdpa_path_equals_the_matmul_path(dtype, window):
     lo = None if window is None else window_start(key_start, positions, window)
     allowed = tree_attention_allowed(key_start, prefix_end, tree_start, masks, S, tree_slots=N, window_lo=lo)
     want = tree_attention_torch(q, k, v, key_start, prefix_end, tree_start, masks, tree_slots=N, window_lo=lo)
-    got = tree_attention_sdpa(q, k, v, allowed)
+    strided_q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, Hq, N, D] view of [B, N, Hq, D], as HF passes
+    got = attend(strided_q, k, v, allowed)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     assert torch.equal(got[2, :, 4], torch.zeros_like(got[2, :, 4]))  # the padding query
-    assert not torch.equal(got[0], tree_attention_sdpa(q, k, v, allowed | True)[0])  # the mask matters
+    assert not torch.equal(got[0], attend(q, k, v, allowed | True)[0])  # the mask matters
+    one = attend(q[:, :, 1:2], k, v, allowed[:, 1:2])  # one query (the grouped path's use)
+    torch.testing.assert_close(one, want[:, :, 1:2], atol=tol, rtol=tol)
