@@ -59,6 +59,7 @@ GROUPS = {
     "chunk_merge": (["tests/ops/test_chunk_merge.py"], []),
     "cpu_linear": (["tests/hf/test_cpu_linear.py"], []),
     "draft_vocab": (["tests/hf/test_draft_vocab.py"], []),
+    "cpu_attention": (["tests/ops/test_tree_attention.py", "tests/hf/test_tree_attention_backend.py"], []),
     "driver": (
         ["tests/hf/test_generate.py", "tests/hf/test_draft_law.py", "tests/hf/test_medusa.py"],
         ["tests/hf/test_draft_law.py", "tests/hf/test_generate.py"],
@@ -232,6 +233,28 @@ MUTANTS = [
         "frequent_token_ids",
         "torch.sort(-counts, stable=True)",
         "torch.sort(-counts.clamp(max=0), stable=True)",
+    ),
+    # ---- the CPU attention of one or two queries (specdec_kernels/ops/tree_attention.py, hf/attention.py)
+    Mutant(
+        "grouped-heads",
+        "cpu_attention",
+        "tree_attention_grouped",
+        "q.reshape(B, Hkv, group * Nq, D)",
+        "q.reshape(B, group, Hkv * Nq, D).transpose(1, 2).reshape(B, Hkv, group * Nq, D)",
+    ),
+    Mutant(
+        "grouped-padding",
+        "cpu_attention",
+        "tree_attention_grouped",
+        "out.masked_fill_(~real[:, None, :, None], 0.0)",
+        "out",
+    ),
+    Mutant(
+        "grouped-dispatch",
+        "cpu_attention",
+        "_tree_attention_forward",
+        "query.shape[2] <= GROUPED_MAX_QUERIES",
+        "query.shape[2] < GROUPED_MAX_QUERIES",
     ),
     # ---- the merge of the row pass's chunk records (specdec_kernels/ops/triton/chunk_merge.py)
     Mutant(

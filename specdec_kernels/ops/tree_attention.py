@@ -184,10 +184,9 @@ def tree_attention_grouped(q, k, v, allowed, scale=None):
     B, Hq, Nq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     group = Hq // Hkv  # query head h reads KV head h // group (transformers' repeat_kv, SDPA's GQA)
-    real = allowed.any(-1)  # [B, Nq]
-    mask = allowed | ~real[:, :, None]  # a padding query attends every key; zeroed below
+    real = allowed.any(-1)  # [B, Nq]; a padding query's row is all -inf: NaN, zeroed below
     scores = torch.matmul(q.reshape(B, Hkv, group * Nq, D).float(), k.float().transpose(-1, -2))
-    scores = scores.view(B, Hkv, group, Nq, S).masked_fill_(~mask[:, None, None], float("-inf"))
+    scores = scores.view(B, Hkv, group, Nq, S).masked_fill_(~allowed[:, None, None], float("-inf"))
     probs = torch.softmax(scores.mul_(1.0 / math.sqrt(D) if scale is None else scale), dim=-1)
     out = torch.matmul(probs.view(B, Hkv, group * Nq, S), v.float()).view(B, Hq, Nq, D)
     return out.masked_fill_(~real[:, None, :, None], 0.0).to(q.dtype)
