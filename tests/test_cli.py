@@ -106,6 +106,15 @@ def test_generate_with_the_demo_medusa_heads(capsys):
     assert out.startswith(prompt) and re.search(r"draft forwards\s+0\n", out)
 
 
+@pytest.mark.parametrize("tree", [[], ["--draft-tree", "dynamic"]], ids=["chain", "tree"])
+def test_generate_with_a_draft_vocab(capsys, tree):
+    prompt = "def add(a, b):\n    return a + b\n"
+    argv = ["generate", "--target", "demo", "--draft-vocab", "64", "--prompt", prompt, "--device", "cpu"]
+    assert main([*argv, *tree, "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prompt) and "acceptance" in out.lower()
+
+
 @pytest.mark.parametrize("lookup", [[], ["--prompt-lookup"]], ids=["model", "with_lookup"])
 def test_generate_with_a_dynamic_draft_tree(capsys, lookup):
     prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    "
@@ -190,6 +199,11 @@ def test_generate_with_a_json_schema_or_a_grammar(capsys, tmp_path):
         ),
         (["generate", "--target", "demo", "--prompt", "x", "--tree-width", "2"], "--tree-width"),
         (["generate", "--target", "demo", "--prompt", "x", "--prompt-lookup"], "--prompt-lookup"),
+        (["generate", "--target", "demo", "--prompt", "x", "--draft-vocab", "0"], "--draft-vocab"),
+        (
+            ["generate", "--target", "demo", "--prompt", "x", "--drafter", "prompt_lookup", "--draft-vocab", "9"],
+            "--draft-vocab",
+        ),
         (["generate", "--target", "demo", "--prompt", "x", "--max-new-tokens", "1000000"], "--max-new-tokens"),
         (["demo", "--max-new-tokens", "5000"], "--max-new-tokens"),
     ],

@@ -32,6 +32,7 @@ DRIVER_FLAGS = {
     "tree_width": "--tree-width",
     "prompt_lookup": "--prompt-lookup",
     "tree_threshold": "--tree-threshold",
+    "draft_vocab": "--draft-vocab",
     "temperature": "--temperature",
     "top_k": "--top-k",
     "top_p": "--top-p",

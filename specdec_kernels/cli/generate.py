@@ -56,6 +56,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="with --draft-tree dynamic: a shaped tree, nodes whose path score is at least this (up to 8 deep)",
     )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="the draft proposes from this many ids only (the tokenizer's specials, then its lowest ids): "
+        "a cheaper draft forward, output unchanged in law",
+    )
     p.add_argument("--medusa-heads", default=None, help="directory of MedusaHeads.save_pretrained")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -114,6 +121,8 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError("--draft", args.draft, "omit --draft with --drafter medusa (the heads draft)")
         _check_model_path("--draft", args.draft)
     at_least("--max-new-tokens", args.max_new_tokens, 1)
+    if args.draft_vocab is not None:
+        at_least("--draft-vocab", args.draft_vocab, 1)
     if args.vocab_size is not None:  # the driver checks only the upper end (the models' logit columns)
         at_least("--vocab-size", args.vocab_size, 1)
     if args.drafter == "medusa" and args.medusa_heads is None and args.target != "demo":
@@ -179,6 +188,18 @@ def _load_heads(args: argparse.Namespace, device: str):
     return load_medusa_heads(device=device, dtype=DTYPES[args.dtype])
 
 
+def _draft_vocab(args: argparse.Namespace, tok, target):
+    """--draft-vocab N: the tokenizer's specials and its lowest ids, N in all (None: every id)."""
+    if args.draft_vocab is None:
+        return None
+    from ..hf.config import vocab_rows
+    from ..hf.draft_vocab import frequent_token_ids
+
+    vocab = args.vocab_size or vocab_rows(target)
+    eos = getattr(tok, "eos_token_id", None)
+    return frequent_token_ids(tok, [], args.draft_vocab, include=[] if eos is None else [eos], vocab_size=vocab)
+
+
 def _grammar(args: argparse.Namespace):
     """The grammar= of --json-schema / --grammar (a file's text), or None."""
     from ..hf.grammar import GrammarSpec
@@ -232,6 +253,7 @@ def generate_command(args: argparse.Namespace) -> int:
             tree_width=args.tree_width,
             prompt_lookup=args.prompt_lookup,
             tree_threshold=args.tree_threshold,
+            draft_vocab=_draft_vocab(args, tok, target) if drafter == "model" else args.draft_vocab,
             medusa_heads=heads,
             temperature=args.temperature,
             top_k=args.top_k,
