@@ -59,6 +59,7 @@ GROUPS = {
     "chunk_merge": (["tests/ops/test_chunk_merge.py"], []),
     "cpu_linear": (["tests/hf/test_cpu_linear.py"], []),
     "draft_vocab": (["tests/hf/test_draft_vocab.py"], []),
+    "draft_length": (["tests/hf/test_draft_length.py"], []),
     "cpu_attention": (["tests/ops/test_tree_attention.py", "tests/hf/test_tree_attention_backend.py"], []),
     "driver": (
         ["tests/hf/test_generate.py", "tests/hf/test_draft_law.py", "tests/hf/test_medusa.py"],
@@ -75,7 +76,11 @@ SLOW_FILTER = {
 }
 # -k filters of the fast tests where a file parametrises several backends (only the mutated one's)
 # or holds several features' tests (vp_block: the block-verification tests of the sharded path)
-FAST_FILTER = {"triton_logprobs": "triton", "vp_block": "block", "tree_policy": "chain_equivalent or teach"}
+FAST_FILTER = {
+    "triton_logprobs": "triton",
+    "vp_block": "block",
+    "tree_policy": "chain_equivalent or teach or shape_model or budget_policy",
+}
 
 
 @dataclass(frozen=True)
@@ -202,6 +207,17 @@ MUTANTS = [
     Mutant("chain-eq-stop", "tree_policy", "chain_equivalent", "(run < accepted) | stopped", "(run < accepted)"),
     Mutant("chain-eq-run", "tree_policy", "chain_equivalent", "on_path.long().cumprod(dim=1)", "on_path.long()"),
     Mutant("chain-observe", "tree_policy", "observe_chain", 'self.counts["chain"][0] += accepted', "pass"),
+    # ---- the shape models' price of the target's rows (specdec_kernels/hf/draft_length.py, tree_budget.py)
+    Mutant("tree-rows-unpriced", "tree_policy", "_seconds", "shape_cost(arm[1], 1 + arm[2],", "shape_cost(arm[1], 1,"),
+    Mutant(
+        "chain-rows-unpriced",
+        "draft_length",
+        "best_by_shapes",
+        "/ shape_cost(g, g + 1, cost, row_cost)",
+        "/ (1 + g * cost)",
+    ),
+    Mutant("row-cost-flops", "draft_length", "row_cost_estimate", "2.0 * weights", "1.0 * weights"),
+    Mutant("free-rows", "draft_length", "shape_cost", "max(0, rows - FREE_ROWS)", "max(0, rows - 1)"),
     # ---- the learned node threshold of shaped trees (specdec_kernels/hf/tree_budget.py, dynamic_tree.py)
     Mutant("node-threshold-rate", "shaped_tree", "node_threshold", "min(c * self.rate,", "min(c / self.rate,"),
     Mutant(

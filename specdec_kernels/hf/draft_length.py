@@ -7,8 +7,10 @@ another kernel past a few rows: a 1.5B target's 4-token forward cost 1.8x its 3-
 2-core machine this was measured on, while 1 to 3 tokens cost about the same). The policy maximises
 expected tokens per second with one of two cost models:
 
-* ``shapes``: a step of g drafts costs ``1 + g * c`` target forwards, c from the models' shapes
-  (:func:`draft_cost_estimate`) or given. Timing-free: a seeded sampled call draws the same tokens
+* ``shapes``: a step of g drafts costs ``1 + g * c + r * max(0, g + 1 - FREE_ROWS)`` target
+  forwards, c from the models' shapes (:func:`draft_cost_estimate`) or given, r what a row of the
+  target's forward past ``FREE_ROWS`` adds (:func:`row_cost_estimate`: on a CPU a row's arithmetic
+  outgrows the weight read; 0 on a GPU). Timing-free: a seeded sampled call draws the same tokens
   every time.
 * ``measured``: the wall time of the steps themselves, per draft length and per number of active
   requests, remembered per (target, draft) pair for the process (so it is measured once per pair:
@@ -50,6 +52,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .cpu_linear import MIN_ROWS
+
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.7, 4  # acceptance before any test: 0.7, worth 4 tested drafts
 EXPLORE_WITHIN = 0.7  # an unmeasured length is tried once if its predicted rate is within 70% of the best
 REFRESH_EVERY = 16  # every 16th timed step re-measures a neighbour of the best length
@@ -75,6 +79,14 @@ NO_TARGET_ONLY_ENV = "SPECDEC_NO_TARGET_ONLY_STEPS"
 # linears; 6.2 / 0.99 GB of weights). It predicts the 0.5B bf16 draft at 0.23 of the fp32 target
 # (measured 0.23) and the embedded demo pair at 0.11.
 CPU_LAYER_BYTES = 25e6
+# A CPU's arithmetic per byte of weights it streams (its FLOP/s over its bytes/s): a forward of r rows
+# does 2 r FLOPs per weight, so rows past FREE_ROWS make it compute-bound. 6.9 on the 2-core AMD
+# EPYC (1 thread): each row past 4 of the Qwen2.5-Coder 1.5B fp32 target's forward cost 20-25 ms of a
+# 341 ms one-row forward (bench/bench_forward_rows.py), r = 0.065 by row_cost_estimate.
+CPU_FLOPS_PER_BYTE = 6.9
+# Rows a forward scores at about a one-row forward's cost: oneDNN's linears pad 1-3 rows to 4
+# (hf/cpu_linear.MIN_ROWS), and a GPU's 64 (the shape model prices no row there: r = 0).
+FREE_ROWS = MIN_ROWS
 
 
 def draft_cost_estimate(target, draft) -> float:
@@ -98,20 +110,45 @@ def draft_cost_estimate(target, draft) -> float:
     return 0.5 * (n_d / max(n_t, 1)) + 0.5 * (l_d / l_t)
 
 
+def row_cost_estimate(target) -> float:
+    """What each row of the target's forward past ``FREE_ROWS`` adds, relative to its one-row
+    forward, from its shape (timing-free, as :func:`draft_cost_estimate`): on the CPU the row's
+    2 FLOPs per streamed weight at ``CPU_FLOPS_PER_BYTE`` over the one-row forward's bytes and layer
+    costs (an fp32 1.5B target: 0.065); 0 on a GPU."""
+    params = list(target.parameters())
+    if not params or params[0].device.type != "cpu":
+        return 0.0
+    nbytes, weights = _streamed(target)
+    layers = max(1, int(target.config.get_text_config(decoder=True).num_hidden_layers))
+    return 2.0 * weights / CPU_FLOPS_PER_BYTE / max(nbytes + layers * CPU_LAYER_BYTES, 1.0)
+
+
+def shape_cost(forwards: int, rows: int, cost: float, row_cost: float) -> float:
+    """The shape model's step, in target forwards: ``forwards`` draft forwards at ``cost`` each and
+    a target forward over ``rows`` rows (``row_cost`` for each past ``FREE_ROWS``)."""
+    return 1.0 + forwards * cost + row_cost * max(0, rows - FREE_ROWS)
+
+
 def _streamed_bytes(model) -> int:
-    """Weight bytes a one-token forward reads: every parameter but the input embedding (of which it
-    reads one row) unless that matrix is also the output layer (tied), plus the weights of linear
+    return _streamed(model)[0]
+
+
+def _streamed(model) -> tuple[int, int]:
+    """(Bytes, weights) a one-token forward reads: every parameter but the input embedding (of which
+    it reads one row) unless that matrix is also the output layer (tied), plus the weights of linear
     layers swapped for oneDNN ones (``hf/cpu_linear.py``), which are not parameters."""
     embedding = model.get_input_embeddings()
     output = model.get_output_embeddings()
     tied = embedding is not None and isinstance(output, nn.Linear) and output.weight is embedding.weight
     skip = {id(embedding.weight)} if embedding is not None and not tied else set()
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    kept = [p for p in model.parameters() if id(p) not in skip]
+    nbytes, weights = sum(p.numel() * p.element_size() for p in kept), sum(p.numel() for p in kept)
     for m in model.modules():
         packed = getattr(m, "packed_weight", None)
         if packed is not None:
             nbytes += m.in_features * m.out_features * packed.element_size()
-    return nbytes
+            weights += m.in_features * m.out_features
+    return nbytes, weights
 
 
 def acceptance_estimate(accepted: int, rejections: int) -> float:
@@ -132,13 +169,13 @@ def expected_tokens(a: float, g: int) -> float:
     return (1 - a ** (g + 1)) / (1 - a)
 
 
-def best_by_shapes(a: float, G_max: int, cost: float, target_only: bool = False) -> int:
-    """The g in 1..G_max with the most expected tokens per ``1 + g * cost`` target forwards
-    (shorter on near-ties); with ``target_only``, 0 (1 token per target forward) where it beats them
-    all by more than a near-tie."""
+def best_by_shapes(a: float, G_max: int, cost: float, target_only: bool = False, row_cost: float = 0.0) -> int:
+    """The g in 1..G_max with the most expected tokens per ``shape_cost(g, g + 1, cost, row_cost)``
+    target forwards (shorter on near-ties); with ``target_only``, 0 (1 token per target forward)
+    where it beats them all by more than a near-tie."""
     best, best_rate = 1, 0.0
     for g in range(1, G_max + 1):
-        rate = expected_tokens(a, g) / (1 + g * cost)
+        rate = expected_tokens(a, g) / shape_cost(g, g + 1, cost, row_cost)
         if rate > best_rate * (1 + 1e-3):
             best, best_rate = g, rate
     return 0 if target_only and 1.0 > best_rate * (1 + 1e-3) else best
@@ -203,8 +240,11 @@ class DraftLengthPolicy:
     environment variable ``SPECDEC_NO_TARGET_ONLY_STEPS=1``) keeps every step at g >= 1. ``draft``: what
     the pair's measured times are kept under (the draft model, or its restricted output layer)."""
 
-    def __init__(self, target, draft, G_max: int, cost: float, measured: bool, target_only: bool = True):
+    def __init__(
+        self, target, draft, G_max: int, cost: float, measured: bool, target_only: bool = True, row_cost: float = 0.0
+    ):
         self.target, self.draft, self.G_max, self.cost, self.measured = target, draft, G_max, cost, measured
+        self.row_cost = row_cost  # the shape model's target row past FREE_ROWS (row_cost_estimate)
         self.lowest = 1 if not target_only or os.environ.get(NO_TARGET_ONLY_ENV, "0") not in ("", "0") else 0
         self.steps = 0  # steps recorded
         self.chosen = 0  # steps chosen (the forced schedule's index)
@@ -242,7 +282,7 @@ class DraftLengthPolicy:
         then a neighbour of the best (to keep its time fresh)."""
         times = pair_step_times(self.target, self.draft, active) if self.measured else None
         if times is None or not times.seconds:
-            return best_by_shapes(a, self.G_max, self.cost, target_only=lowest == 0)
+            return best_by_shapes(a, self.G_max, self.cost, target_only=lowest == 0, row_cost=self.row_cost)
         rates = {g: expected_tokens(a, g) / times.predicted(g, self.cost) for g in range(lowest, self.G_max + 1)}
         best = max(rates, key=lambda g: (rates[g], g > 0, -g))  # ties: drafting, then shorter
         unmeasured = [g for g in rates if g not in times.seconds and rates[g] >= EXPLORE_WITHIN * rates[best]]

@@ -11,9 +11,9 @@ Expected tokens per step and request follow the chain policy's geometric model
 (``draft_length.expected_tokens``), with one per-depth acceptance for chains and one for trees,
 each estimated from the steps that used that kind (accepted drafts over drafts tested). The cost of a
 step is, as for chains, either measured (the wall times of this call's own steps per arm and number
-of active requests; the default when greedy) or the shape model ``1 + d * c`` target forwards (the
-default when sampling, so a seeded call is reproducible; that model does not see the target's extra
-rows, so it only chooses the tree's depth). Measured times are remembered per (target, draft) pair
+of active requests; the default when greedy) or the shape model (``draft_length.shape_cost``: d draft
+forwards at c, and the target's rows past ``FREE_ROWS`` at r each, r > 0 on a CPU; the default when
+sampling, so a seeded call is reproducible). Measured times are remembered per (target, draft) pair
 and tree settings for the process, as the chain policy's are (``draft_length.pair_step_times``): the
 first call explores the arms, later calls start informed (up to 8 tree and 8 chain arms: a short
 call that starts from nothing spends many of its steps trying them). The arm is decided on the host
@@ -42,6 +42,7 @@ from .draft_length import (
     acceptance_estimate,
     expected_tokens,
     pair_memory,
+    shape_cost,
 )
 
 MAX_CHAIN = 8  # the chain fallback's longest length (the chain policy's lengths past 8 never won on our pairs)
@@ -113,12 +114,14 @@ class TreeBudgetPolicy:
         times=None,
         chain_times=None,
         row_costs=None,
+        row_cost: float = 0.0,
     ):
         """times: where measured step times live (``pair_tree_times``; default: this policy only).
         chain_times: active -> the chain policy's measured step seconds per draft length for this pair
         (``draft_length.pair_step_times``), the first guess for a chain arm this policy has not timed.
-        row_costs: where the node-cost fits live per number of active requests (default: this policy)."""
-        self.cost, self.measured = cost, measured
+        row_costs: where the node-cost fits live per number of active requests (default: this policy).
+        row_cost: the shape model's target row past FREE_ROWS (``draft_length.row_cost_estimate``)."""
+        self.cost, self.measured, self.row_cost = cost, measured, row_cost
         depths = max_depth or math.ceil(nodes / width)  # a shaped tree (tree_threshold) may go deeper
         self.arms = [("tree", d, min(nodes, width * d), width) for d in range(1, depths + 1)]
         if width > 1:
@@ -141,10 +144,11 @@ class TreeBudgetPolicy:
 
     def _seconds(self, arm, times: dict, chain: dict) -> float:
         """Measured, else the chain policy's measured step of that length (a chain arm), else scaled by
-        the shape model from the nearest measured arm (same kind first). The shape model prices a tree
-        and a chain of one depth alike; on a CPU a tree step over 4x the rows cost 2.1x the chain's
-        (Qwen pair, 2026-11-27), so a chain never looked worth a try until measured."""
-        shape = 1 + arm[1] * self.cost
+        the shape model from the nearest measured arm (same kind first). The shape model prices the
+        target's rows (1 + nodes) past FREE_ROWS at ``row_cost`` each: on a CPU a tree step over 4x the
+        rows cost 2.1x the chain's (Qwen pair, 2026-11-27); without it a tree and a chain of one depth
+        cost alike and a chain never looked worth a try until measured."""
+        shape = shape_cost(arm[1], 1 + arm[2], self.cost, self.row_cost)
         if not times:
             return shape
         if arm in times:
@@ -152,7 +156,7 @@ class TreeBudgetPolicy:
         if arm[0] == "chain" and arm[1] in chain:
             return chain[arm[1]]
         near = min(times, key=lambda m: (m[0] != arm[0], abs(m[1] - arm[1]), m[1]))
-        return times[near] * shape / (1 + near[1] * self.cost)
+        return times[near] * shape / shape_cost(near[1], 1 + near[2], self.cost, self.row_cost)
 
     def choose(self, accepted: int, rejections: int, active: int) -> int:
         kind = self.arm[0]

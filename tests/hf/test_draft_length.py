@@ -82,6 +82,32 @@ def test_shapes_model_drafts_more_when_drafts_are_cheap_or_accepted():
     assert best_by_shapes(0.01, 4, 1.0) == 1
 
 
+def test_shape_model_prices_rows_past_the_free_ones():
+    """The target's rows past FREE_ROWS cost row_cost each: a well-accepted chain stops where its
+    rows start to cost; with free rows (a GPU) it drafts to G_max."""
+    from specdec_kernels.hf.draft_length import FREE_ROWS, shape_cost
+
+    assert shape_cost(3, FREE_ROWS, 0.2, 0.5) == pytest.approx(1.6)
+    assert shape_cost(3, FREE_ROWS + 2, 0.2, 0.5) == pytest.approx(2.6)
+    assert best_by_shapes(0.9, 8, 0.05, row_cost=0.0) == 8
+    assert best_by_shapes(0.9, 8, 0.05, row_cost=0.5) == FREE_ROWS - 1
+
+
+def test_row_cost_estimate_from_the_targets_shape():
+    """On the CPU: 2 FLOPs per streamed weight at CPU_FLOPS_PER_BYTE over the one-row forward's
+    bytes and layer costs; a bf16 target's row costs more of its (cheaper) one-row forward."""
+    import copy
+
+    from specdec_kernels.hf.draft_length import CPU_FLOPS_PER_BYTE, _streamed, row_cost_estimate
+
+    target = tiny_model("qwen2", layers=4, hidden=128, vocab=997)
+    nbytes, weights = _streamed(target)
+    assert nbytes == 4 * weights
+    expected = 2 * weights / CPU_FLOPS_PER_BYTE / (nbytes + 4 * CPU_LAYER_BYTES)
+    assert row_cost_estimate(target) == pytest.approx(expected)
+    assert row_cost_estimate(copy.deepcopy(target).to(torch.bfloat16)) > row_cost_estimate(target)
+
+
 def test_measured_model_finds_the_verification_forwards_cliff():
     """The CPU measurement that motivated it: target forwards of 1-3 tokens cost the same, 4+ tokens
     1.8x (another BLAS kernel); a draft forward 0.37 of a target's. The shape model (cost 0.59 from

@@ -145,6 +145,16 @@ def test_budget_policy_falls_back_to_a_chain_when_trees_do_not_pay():
     assert all(arm[3] == 1 for arm in TreeBudgetPolicy(5, 1, 0.2, True).arms)  # width 1: chains only
 
 
+def test_shape_model_prices_the_targets_rows():
+    """Sampling (shape model, no timings): with the target's rows past FREE_ROWS priced (a CPU,
+    ``row_cost``) a tree whose acceptance barely beats the chain's loses to the chain; with a clearly
+    better tree, or free rows (a GPU), the policy keeps growing trees."""
+    flat = lambda arm: 1.0  # noqa: E731  (never read: the shape model is timing-free)
+    assert {a[0] for a in _simulate(TreeBudgetPolicy(16, 4, 0.2, False, row_cost=0.3), flat)[-20:]} == {"chain"}
+    assert {a[0] for a in _simulate(TreeBudgetPolicy(16, 4, 0.2, False, row_cost=0.0), flat)[-20:]} == {"tree"}
+    assert {a[0] for a in _simulate(TreeBudgetPolicy(16, 4, 0.2, False, row_cost=0.01), flat)[-20:]} == {"tree"}
+
+
 def test_budget_policy_prices_untimed_chains_with_the_chain_policys_times():
     """A chain arm the tree policy has not timed takes the chain drafter's measured step of that
     length for the pair (``chain_times``) instead of a tree step's time scaled by depth: on a CPU a

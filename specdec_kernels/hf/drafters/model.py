@@ -18,7 +18,7 @@ from .. import drafting
 from ..attention import TreeAttentionMetadata, tree_attention_metadata, using_tree_attention
 from ..cache import commit_paths, select_requests
 from ..config import is_number
-from ..draft_length import DraftLengthPolicy, draft_cost_estimate
+from ..draft_length import DraftLengthPolicy, draft_cost_estimate, row_cost_estimate
 from ..forwards import forward, gen_for, prefill
 from .base import ChainProposal, Drafter, Verified
 
@@ -58,7 +58,10 @@ class ModelDrafter(Drafter):
             return None
         measured = cfg.draft_cost == "measured" or (cfg.draft_cost is None and cfg.greedy)
         cost = cfg.draft_cost if is_number(cfg.draft_cost) else draft_cost_estimate(session.target, self.model)
-        return DraftLengthPolicy(session.target, self.cost_key, cfg.num_draft_tokens, float(cost), measured)
+        rows = row_cost_estimate(session.target)
+        return DraftLengthPolicy(
+            session.target, self.cost_key, cfg.num_draft_tokens, float(cost), measured, row_cost=rows
+        )
 
     def _first_forward(self, session):
         """Forward 0: the uncached committed tokens (1 or 2 per request, more after target-only
