@@ -13,7 +13,9 @@ runs :func:`specdec_kernels.hf.speculative_generate` with the usual ``generate``
 ``num_assistant_tokens`` (drafts per step), ``do_sample`` / ``temperature`` / ``top_k`` / ``top_p``,
 ``max_new_tokens`` / ``max_length``, ``eos_token_id`` / ``pad_token_id``, ``streamer`` and
 ``return_dict_in_generate``. Extra keywords ``specdec_num_drafts`` (K draft chains verified as one
-tree) and ``specdec_method`` ("kseq", "rrs", "rrs_wor") select multi-draft verification. Greedy output
+tree) and ``specdec_method`` ("kseq", "rrs", "rrs_wor") select multi-draft verification;
+``specdec_draft_vocab`` (token ids or a ``DraftVocab``) restricts the draft's proposals
+(``hf/draft_vocab.py``). Greedy output
 is identical to plain ``generate``; sampled output is exactly target-distributed, with top-p
 keeping the tokens ``generate``'s ``TopPLogitsWarper`` keeps (``top_p_ties="by_index"``). Sampling seeds
 are drawn from torch's global generator, so ``torch.manual_seed`` makes a call reproducible.
@@ -66,6 +68,7 @@ def generate_with_specdec(
     """The ``custom_generate`` entry point: ``model.generate``'s arguments -> speculative_generate."""
     num_drafts = int(kwargs.pop("specdec_num_drafts", 1))
     method = kwargs.pop("specdec_method", "kseq")
+    draft_vocab = kwargs.pop("specdec_draft_vocab", None)
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None:
         raise ValueError("speculative generate needs input_ids (a [B, T] prompt, left-padded when ragged)")
@@ -109,6 +112,7 @@ def generate_with_specdec(
         num_drafts=num_drafts,
         method=method,
         drafter="model" if assistant_model is not None else "prompt_lookup",
+        draft_vocab=draft_vocab,
         seed=int(torch.randint(0, SEED_RANGE, (1,))),  # from torch's generator: torch.manual_seed reproduces
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,

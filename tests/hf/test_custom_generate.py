@@ -28,8 +28,16 @@ def _spec(target, ids, mask, **kw):
     return target.generate(ids, attention_mask=mask, custom_generate=CUSTOM_GENERATE, trust_remote_code=True, **kw)
 
 
-@pytest.mark.parametrize("draft_kwargs", [{"num_assistant_tokens": 3}, {}, {"specdec_num_drafts": 2}])
-def test_greedy_equals_plain_generate(draft_kwargs):
+@pytest.mark.parametrize(
+    "draft_kwargs",
+    [{"num_assistant_tokens": 3}, {}, {"specdec_num_drafts": 2}, {"specdec_draft_vocab": list(range(0, 97, 3))}],
+)
+def test_greedy_equals_plain_generate(draft_kwargs, monkeypatch):
+    from specdec_kernels.hf.draft_vocab import DraftVocab
+
+    installed = []
+    real = DraftVocab.installed
+    monkeypatch.setattr(DraftVocab, "installed", lambda self, model: installed.append(len(self)) or real(self, model))
     target = tiny_model("llama", seed=1)
     draft = tiny_model("llama", seed=2, layers=1)
     ids, mask = _ragged_batch()
@@ -38,6 +46,7 @@ def test_greedy_equals_plain_generate(draft_kwargs):
         target, ids, mask, assistant_model=draft, max_new_tokens=12, do_sample=False, eos_token_id=[], **draft_kwargs
     )
     assert torch.equal(out, expected)
+    assert installed == ([33] if "specdec_draft_vocab" in draft_kwargs else [])  # the restriction was applied
 
 
 def test_prompt_lookup_and_return_dict():
