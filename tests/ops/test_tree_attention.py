@@ -456,3 +456,16 @@ def test_cpu_paths_equal_the_matmul_path(path, dtype, window):
     assert not torch.equal(got[0], attend(q, k, v, allowed | True)[0])  # the mask matters
     one = attend(q[:, :, 1:2], k, v, allowed[:, 1:2])  # one query (the grouped path's use)
     torch.testing.assert_close(one, want[:, :, 1:2], atol=tol, rtol=tol)
+
+
+def test_grouped_path_zero_sizes():
+    """tree_attention_grouped with no queries, no keys (a query attending nothing: zeros) or no requests."""
+    from specdec_kernels.ops.tree_attention import tree_attention_grouped
+
+    def call(B, Nq, S):
+        q, k, v = torch.randn(B, 6, Nq, 8), torch.randn(B, 2, S, 8), torch.randn(B, 2, S, 8)
+        return tree_attention_grouped(q, k, v, torch.ones(B, Nq, S, dtype=torch.bool))
+
+    assert call(2, 0, 5).shape == (2, 6, 0, 8)
+    assert torch.equal(call(2, 1, 0), torch.zeros(2, 6, 1, 8))
+    assert call(0, 1, 4).shape == (0, 6, 1, 8)
