@@ -109,7 +109,7 @@ class SpecConfig:
         cfg.draft_confidence = draft_confidence if cfg.adaptive_draft else 0.0
         cfg.verification = _check_verification(kw["verification"], cfg)
         cfg.draft_tree, cfg.tree_width = _check_draft_tree(draft_tree, kw["tree_width"], kw, cfg)
-        cfg.draft_vocab = _check_draft_vocab(kw["draft_vocab"], cfg)
+        cfg.draft_vocab = _check_draft_vocab(kw["draft_vocab"], cfg, shared=draft is target)
         if kw["grammar"] is not None:
             from .grammar import compile_grammars
 
@@ -201,14 +201,19 @@ def _check_draft_tree(draft_tree, tree_width, kw: dict, cfg: SpecConfig) -> tupl
     return draft_tree, width
 
 
-def _check_draft_vocab(draft_vocab, cfg: SpecConfig):
-    """draft_vocab=: None, or a DraftVocab (ids are made into one) for a draft model's proposals."""
+def _check_draft_vocab(draft_vocab, cfg: SpecConfig, shared: bool):
+    """draft_vocab=: None, or a DraftVocab (ids are made into one) for a draft model's proposals
+    (``shared``: the draft is the target object, whose output layer the call must not restrict)."""
     if draft_vocab is None:
         return None
     from .draft_vocab import DraftVocab
 
     if cfg.drafter != "model":
         raise ValueError(f"draft_vocab= restricts a draft model's proposals; drafter={cfg.drafter!r} has none")
+    if shared:
+        raise ValueError(
+            "draft_vocab= needs a draft that is not the target itself (its output layer would be restricted)"
+        )
     vocab = draft_vocab if isinstance(draft_vocab, DraftVocab) else DraftVocab(draft_vocab)
     vocab.check(cfg.vocab_size)
     return vocab

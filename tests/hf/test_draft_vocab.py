@@ -187,6 +187,13 @@ class _ScaledLinear(torch.nn.Linear):
         return 2 * super().forward(x)
 
 
+def test_the_target_as_its_own_draft_is_a_clear_error(pair):
+    target, _ = pair
+    with pytest.raises(ValueError, match="not the target itself"):
+        speculative_generate(target, target, torch.randint(3, 97, (1, 4)), max_new_tokens=2, draft_vocab=KEPT)
+    assert type(target.get_output_embeddings()) is torch.nn.Linear
+
+
 def test_an_output_layer_it_cannot_restrict_is_a_clear_error(pair):
     target, _ = pair
     draft = tiny_model("llama", seed=4, layers=1)
