@@ -98,13 +98,7 @@ def draft_cost_estimate(target, draft) -> float:
     the parameter ratio and the layer ratio, the layer term standing for per-layer launch overhead,
     which dominates eager forwards of small models there."""
 
-    def size(model):
-        config = model.config.get_text_config(decoder=True)
-        params = list(model.parameters())
-        device = params[0].device.type if params else "cpu"
-        return sum(p.numel() for p in params), _streamed_bytes(model), max(1, int(config.num_hidden_layers)), device
-
-    (n_t, b_t, l_t, device), (n_d, b_d, l_d, _) = size(target), size(draft)
+    (n_t, b_t, _, l_t, device), (n_d, b_d, _, l_d, _) = _shape(target), _shape(draft)
     if device == "cpu":
         return (b_d + l_d * CPU_LAYER_BYTES) / max(b_t + l_t * CPU_LAYER_BYTES, 1.0)
     return 0.5 * (n_d / max(n_t, 1)) + 0.5 * (l_d / l_t)
@@ -115,12 +109,19 @@ def row_cost_estimate(target) -> float:
     forward, from its shape (timing-free, as :func:`draft_cost_estimate`): on the CPU the row's
     2 FLOPs per streamed weight at ``CPU_FLOPS_PER_BYTE`` over the one-row forward's bytes and layer
     costs (an fp32 1.5B target: 0.065); 0 on a GPU."""
-    params = list(target.parameters())
-    if not params or params[0].device.type != "cpu":
+    _, nbytes, weights, layers, device = _shape(target)
+    if device != "cpu":
         return 0.0
-    nbytes, weights = _streamed(target)
-    layers = max(1, int(target.config.get_text_config(decoder=True).num_hidden_layers))
     return 2.0 * weights / CPU_FLOPS_PER_BYTE / max(nbytes + layers * CPU_LAYER_BYTES, 1.0)
+
+
+def _shape(model) -> tuple[int, int, int, int, str]:
+    """What the shape models read of a model: (parameters, streamed bytes, streamed weights
+    (``_streamed``), decoder layers, device type; "cpu" for a model without parameters)."""
+    params = list(model.parameters())
+    device = params[0].device.type if params else "cpu"
+    layers = max(1, int(model.config.get_text_config(decoder=True).num_hidden_layers))
+    return (sum(p.numel() for p in params), *_streamed(model), layers, device)
 
 
 def shape_cost(forwards: int, rows: int, cost: float, row_cost: float) -> float:
