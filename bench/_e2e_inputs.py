@@ -133,6 +133,7 @@ class Pair:
     pad_token_id: int
     vocab_size: int | None  # passed to speculative_generate when the models' output rows differ
     dropped_generation_settings: dict = field(default_factory=dict)
+    draft_int8: object | None = None  # the *_int8 modes' draft: a copy with int8 linear layers
 
 
 def smoke_models(device: str, dtype) -> tuple[object, object]:
@@ -223,20 +224,36 @@ def load_pair(args, dtype, draft_dtype=None) -> Pair:
         pad = tok.pad_token_id
     if draft is not None and draft_dtype is not None:
         draft = draft.to(draft_dtype)  # the draft's precision never changes what is accepted, only how often
+    draft_int8 = int8_draft(draft, args)
     if getattr(args, "cpu_linear", "torch") == "onednn" and str(device).startswith("cpu"):
         from specdec_kernels.hf.cpu_linear import use_onednn_linears
 
-        swapped = use_onednn_linears(target) + (use_onednn_linears(draft) if draft is not None else 0)
+        drafts = [m for m in (draft, draft_int8) if m is not None]
+        swapped = use_onednn_linears(target) + sum(use_onednn_linears(m) for m in drafts)
         print(f"# cpu linear layers: {swapped} nn.Linear -> oneDNN (every mode, baselines included)")
     dropped = neutralize_generation_config(target, eos, pad)
-    if draft is not None:
-        neutralize_generation_config(draft, eos, pad)
+    for m in (draft, draft_int8):
+        if m is not None:
+            neutralize_generation_config(m, eos, pad)
     from specdec_kernels.hf.generate import _vocab_rows
 
     vocab = args.vocab_size
     if vocab is None and draft is not None and _vocab_rows(target) != _vocab_rows(draft):
         vocab = len(tok)  # the models pad their embedding matrices differently: compare real tokens only
-    return Pair(target, draft, tok, names[0], names[1], eos, pad, vocab, dropped)
+    return Pair(target, draft, tok, names[0], names[1], eos, pad, vocab, dropped, draft_int8)
+
+
+def int8_draft(draft, args):
+    """A copy of the draft with int8 linear layers (``use_int8_linears``, keeping ``--int8-keep``) when
+    a ``*_int8`` mode runs, else None."""
+    if draft is None or not any(m.endswith("_int8") for m in getattr(args, "modes", None) or ()):
+        return None
+    from specdec_kernels.hf.cpu_int8 import use_int8_linears
+
+    quantized = copy.deepcopy(draft)
+    swapped = use_int8_linears(quantized, keep=tuple(getattr(args, "int8_keep", None) or ()))
+    print(f"# *_int8 modes: a draft copy with {swapped} int8 linear layers")
+    return quantized
 
 
 def encode(tokenizer, texts: list[str], device: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,9 @@ tokens / wall time summed over every prompt of a prompt set. Modes (``--modes``)
                             ``--draft-vocab`` token ids (``draft_vocab=``: its output layer computes those rows
                             only; the ids are the tokenizer's specials and its lowest ids, BPE merge order:
                             no corpus, so neither prompt set is favoured).
+* ``ours_k1_int8``, ``ours_dyntree_int8``, ``ours_dyntree_vocab_int8``, ``hf_assisted_int8`` -- the same
+                            modes with a copy of the draft whose linear layers are int8 (``use_int8_linears``,
+                            ``--int8-keep``): cheaper draft forwards, the same output law.
 * ``ours_prompt_lookup`` -- ``speculative_generate(drafter="prompt_lookup")``: n-gram drafts from the
                             request's own tokens, no draft model.
 * ``hf_prompt_lookup``   -- (not run by default) ``target.generate(prompt_lookup_num_tokens=G)``,
@@ -125,6 +128,10 @@ MODES = (
     "ours_dyntree_fixed",
     "ours_k1_vocab",
     "ours_dyntree_vocab",
+    "ours_k1_int8",
+    "ours_dyntree_int8",
+    "ours_dyntree_vocab_int8",
+    "hf_assisted_int8",
     "ours_prompt_lookup",
     "hf_prompt_lookup",
 )
@@ -155,7 +162,7 @@ CSV_COLUMNS = (
     "mean_accepted_length target_forwards draft_forwards time_prefill time_draft time_target time_verify "
     "time_commit time_other drafts_per_step depth_mean "
     "nodes_per_step draft_ms_per_step target_ms_per_step tree_width tree_threshold draft_vocab "
-    "greedy_equal greedy_equal_prompts grammar grammar_valid grammar_complete seed warmup cache compiled "
+    "draft_int8 greedy_equal greedy_equal_prompts grammar grammar_valid grammar_complete seed warmup cache compiled "
     "triton_interpret cuda python"
 ).split()
 TABLE_COLUMNS = (
@@ -206,8 +213,10 @@ def mode_settings(mode: str, args) -> dict:
     """G, K, method and drafter of a mode (G/K 'hf' where Hugging Face chooses)."""
     if mode == "target_only":
         return {"G": None, "K": None, "method": None}
+    int8 = {"int8": True} if mode.endswith("_int8") else {}
+    mode = mode.removesuffix("_int8")
     if mode == "hf_assisted":
-        return {"G": args.hf_assistant_tokens or "hf", "K": 1, "method": "hf"}
+        return {"G": args.hf_assistant_tokens or "hf", "K": 1, "method": "hf", **int8}
     if mode == "hf_prompt_lookup":
         return {"G": args.G, "K": 1, "method": "hf"}
     if mode == "ours_prompt_lookup":
@@ -218,9 +227,9 @@ def mode_settings(mode: str, args) -> dict:
     if mode in ("ours_dyntree", "ours_dyntree_lookup", "ours_dyntree_fixed", "ours_dyntree_vocab"):  # G = nodes
         lookup = mode == "ours_dyntree_lookup"
         tree = {"draft_tree": "dynamic", "lookup": lookup}
-        return {"G": args.G, "K": 1, "method": "rrs_wor", "drafter": "model", **tree, **vocab}
+        return {"G": args.G, "K": 1, "method": "rrs_wor", "drafter": "model", **tree, **vocab, **int8}
     K = int(mode.removeprefix("ours_k").removesuffix("_vocab"))
-    return {"G": args.G, "K": K, "method": args.method if K > 1 else None, "drafter": "model", **vocab}
+    return {"G": args.G, "K": K, "method": args.method if K > 1 else None, "drafter": "model", **vocab, **int8}
 
 
 def sampling_kwargs_hf(temperature: float, args) -> dict:
@@ -233,7 +242,7 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
     """One generate call of ``mode`` on one batch; returns the new tokens, wall time and stats."""
     eos = set(pair.eos_token_id)
     width = ids.shape[1]
-    if mode in ("target_only", "hf_assisted", "hf_prompt_lookup"):
+    if mode in ("target_only", "hf_assisted", "hf_assisted_int8", "hf_prompt_lookup"):
         kwargs = dict(
             input_ids=ids,
             attention_mask=mask,
@@ -243,8 +252,8 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
             repetition_penalty=1.0,
             **sampling_kwargs_hf(temperature, args),
         )
-        if mode == "hf_assisted":
-            kwargs["assistant_model"] = pair.draft
+        if mode in ("hf_assisted", "hf_assisted_int8"):
+            kwargs["assistant_model"] = pair.draft_int8 if mode == "hf_assisted_int8" else pair.draft
         elif mode == "hf_prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = args.G
         if args.compiled_grammar is not None:  # xgrammar's transformers processor (one per call: it keeps state)
@@ -277,7 +286,7 @@ def _timed_ours(pair: Pair, ids, mask, temperature: float, max_new: int, seed: i
     return timed(
         lambda: speculative_generate(
             pair.target,
-            pair.draft if use_draft else None,
+            (pair.draft_int8 if s.get("int8") else pair.draft) if use_draft else None,
             ids,
             mask,
             max_new_tokens=max_new,
@@ -316,18 +325,19 @@ def _timed_ours(pair: Pair, ids, mask, temperature: float, max_new: int, seed: i
 def mode_unavailable(mode: str, pair: Pair, batch_size: int, json_schema: str | None = None) -> str | None:
     if mode in DRAFT_MODES and pair.draft is None:
         return "no draft model (--draft)"
-    if json_schema and mode in ("hf_assisted", "hf_prompt_lookup"):
+    if json_schema and mode in ("hf_assisted", "hf_assisted_int8", "hf_prompt_lookup"):
         # measured: its __call__ asserts on the candidate tokens assisted decoding hands it
         return "xgrammar's transformers processor accepts one token per call; assisted generation passes several"
-    if mode in ("hf_assisted", "hf_prompt_lookup") and batch_size != 1:
+    if mode in ("hf_assisted", "hf_assisted_int8", "hf_prompt_lookup") and batch_size != 1:
         return "Hugging Face assisted generation supports batch size 1 only"
     return None
 
 
 def configure_hf_assistant(pair: Pair, args) -> None:
-    if args.hf_assistant_tokens and pair.draft is not None:
-        pair.draft.generation_config.num_assistant_tokens = args.hf_assistant_tokens
-        pair.draft.generation_config.num_assistant_tokens_schedule = "constant"
+    for draft in (pair.draft, pair.draft_int8):
+        if args.hf_assistant_tokens and draft is not None:
+            draft.generation_config.num_assistant_tokens = args.hf_assistant_tokens
+            draft.generation_config.num_assistant_tokens_schedule = "constant"
 
 
 # --------------------------------------------------------------------------------------------
@@ -492,6 +502,7 @@ def make_rows(
             "cache": args.cache if mode.startswith("ours") else None,
             "compiled": args.compile if mode.startswith("ours") else None,
             "draft_vocab": len(args.draft_vocab_ids) if s.get("draft_vocab") and args.draft_vocab_ids else None,
+            "draft_int8": "keep=" + ",".join(args.int8_keep) if s.get("int8") else None,
         }
         if mode in skipped:
             rows.append({**row, "status": f"skipped: {skipped[mode]}"})
@@ -578,7 +589,7 @@ def compile_schema(pair: Pair, args) -> None:
 def draft_vocab_ids(pair: Pair, args):
     """The DraftVocab of the *_vocab modes (--draft-vocab ids: the specials and the lowest ids), its
     restricted output layer built now (outside the timed calls), or None when no mode asks for it."""
-    if pair.draft is None or not any(m.endswith("_vocab") for m in args.modes):
+    if pair.draft is None or not any("_vocab" in m for m in args.modes):
         return None
     from specdec_kernels.hf.draft_vocab import DraftVocab, frequent_token_ids
 
@@ -586,6 +597,8 @@ def draft_vocab_ids(pair: Pair, args):
     ids = frequent_token_ids(pair.tokenizer, [], args.draft_vocab, include=pair.eos_token_id, vocab_size=vocab)
     vocab_ids = DraftVocab(ids)
     vocab_ids.head_for(pair.draft)
+    if pair.draft_int8 is not None:
+        vocab_ids.head_for(pair.draft_int8)
     return vocab_ids
 
 
@@ -721,6 +734,12 @@ def parse_args(argv=None):
         type=int,
         default=65536,
         help="*_vocab modes: the draft proposes from this many ids (the tokenizer's specials, then its lowest ids)",
+    )
+    p.add_argument(
+        "--int8-keep",
+        nargs="*",
+        default=[],
+        help="*_int8 modes: draft layers whose name contains one of these stay in the draft's dtype (e.g. down_proj)",
     )
     p.add_argument("--method", default="kseq", help="verification method of ours_k2/ours_k4 (kseq, rrs, rrs_wor)")
     p.add_argument(

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .cpu_int8 import Int8Linear
 from .cpu_linear import OneDnnLinear
 
 __all__ = ["OFF_VOCAB_LOGIT", "DraftVocab", "DraftVocabHead", "frequent_token_ids"]
@@ -47,8 +48,8 @@ OFF_VOCAB_LOGIT = -1.0e4
 class DraftVocabHead(nn.Module):
     """An output layer over ``token_ids`` only, returning full-width logits.
 
-    ``kept``: the original layer's rows at ``token_ids`` (an ``nn.Linear``, or an ``OneDnnLinear``
-    where the original was one). Input ``[..., in_features]``; output ``[..., out_features]`` with
+    ``kept``: the original layer's rows at ``token_ids`` (an ``nn.Linear``, or an ``OneDnnLinear`` /
+    ``Int8Linear`` where the original was one). Input ``[..., in_features]``; output ``[..., out_features]`` with
     the kept rows' logits at ``token_ids`` and ``OFF_VOCAB_LOGIT`` elsewhere.
     """
 
@@ -128,11 +129,12 @@ def _restricted_head(model, ids: torch.Tensor) -> DraftVocabHead:
     out = model.get_output_embeddings()
     if isinstance(out, DraftVocabHead):
         raise ValueError("draft_vocab: the draft's output layer is already restricted")
-    if type(out) not in (nn.Linear, OneDnnLinear):
+    if type(out) not in (nn.Linear, OneDnnLinear, Int8Linear):
         raise ValueError(
-            f"draft_vocab needs a draft whose output layer is an nn.Linear (or OneDnnLinear), got {type(out).__name__}"
+            "draft_vocab needs a draft whose output layer is an nn.Linear (or OneDnnLinear, Int8Linear), "
+            f"got {type(out).__name__}"
         )
-    weight = out.weight.detach()  # [V, in_features] (OneDnnLinear: an unpacked copy)
+    weight = out.weight.detach()  # [V, in_features] (OneDnnLinear: an unpacked copy; Int8Linear: dequantised)
     if int(ids[-1]) >= weight.shape[0]:
         raise ValueError(f"draft_vocab has token id {int(ids[-1])} >= the draft's output rows ({weight.shape[0]})")
     index = ids.to(weight.device)
@@ -143,6 +145,8 @@ def _restricted_head(model, ids: torch.Tensor) -> DraftVocabHead:
     kept.requires_grad_(False)
     if isinstance(out, OneDnnLinear):
         kept = OneDnnLinear.from_linear(kept)
+    elif isinstance(out, Int8Linear):  # requantised: the same int8 values, scales to rounding
+        kept = Int8Linear.from_linear(kept)
     return DraftVocabHead(kept, index, weight.shape[0])
 
 
