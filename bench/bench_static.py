@@ -335,6 +335,8 @@ def _loop_model(launch: Launch, loops: list[dict], total: int = 0) -> tuple[list
     if name == "_verify_accept_kernel" and kw.get("BLOCK", 0) == 1:  # residual masses: rows 1 .. G - 1 (worst case)
         trips = bound["chunk_size"] / kw["BLOCK_V"] * (bound["G"] - 1)
         return [(reading[-1], trips)], kw["BLOCK_B"] * kw["BLOCK_V"] * tensors
+    if name == "_verify_accept_kernel" and kw.get("WRITE_TOKENS"):  # all greedy: the chunk combine, no race
+        return [(reading[0], bound["stat_chunks"])] if reading else [], kw["BLOCK_B"] * kw["BLOCK_V"] * tensors
     if name == "_verify_accept_kernel":  # (the chunk combine when not merged before,) the race over row j
         race = reading[-1]
         greedy = not kw["PER_REQ_T"] and bound["temperature"] == 0.0  # greedy requests run no race
@@ -402,10 +404,13 @@ _BLOCK_LAUNCHES = ["", " (block masses)", " (block race)"]  # the accept kernel'
 
 def latency_us(launch: Launch) -> float:
     """The launch's latency bound: LAUNCH_FLOOR_US, or its dependent round trips (the chunk merge:
-    one per BLOCK_C chunks of a row) at ROUND_TRIP_US each."""
-    trips = 1
-    if launch.kernel.fn.__name__ == "_combine_row_stats_kernel":
+    one per BLOCK_C chunks of a row; the chain accept kernel's own merge of unmerged records: one
+    per chunk) at ROUND_TRIP_US each."""
+    trips, name = 1, launch.kernel.fn.__name__
+    if name == "_combine_row_stats_kernel":
         trips = math.ceil(launch_arguments(launch)["num_chunks"] / launch.kwargs.get("BLOCK_C", 1))
+    elif name == "_verify_accept_kernel":
+        trips = launch_arguments(launch)["stat_chunks"]
     return max(LAUNCH_FLOOR_US, trips * ROUND_TRIP_US)
 
 

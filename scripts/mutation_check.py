@@ -59,6 +59,7 @@ GROUPS = {
     "chunk_merge": (["tests/ops/test_chunk_merge.py"], []),
     "cpu_linear": (["tests/hf/test_cpu_linear.py"], []),
     "draft_vocab": (["tests/hf/test_draft_vocab.py"], []),
+    "cpu_int8": (["tests/hf/test_cpu_int8.py"], []),
     "draft_length": (["tests/hf/test_draft_length.py"], []),
     "cpu_attention": (["tests/ops/test_tree_attention.py", "tests/hf/test_tree_attention_backend.py"], []),
     "driver": (
@@ -249,6 +250,22 @@ MUTANTS = [
         "frequent_token_ids",
         "torch.sort(-counts, stable=True)",
         "torch.sort(-counts.clamp(max=0), stable=True)",
+    ),
+    # ---- int8 linear layers for CPU drafts (specdec_kernels/hf/cpu_int8.py)
+    Mutant("int8-half-scale", "cpu_int8", "from_linear", "w.abs().amax(dim=1) / 127.0", "w.abs().amax(dim=1) / 254.0"),
+    Mutant("int8-reduce-range", "cpu_int8", "forward", "self.packed, False)", "self.packed, True)"),
+    Mutant("int8-keep-ignored", "cpu_int8", "use_int8_linears", "or any(part in full for part in keep)", "or False"),
+    # ---- all-greedy chain calls: the accept kernel merges the chunks and writes the tokens (triton/chain.py)
+    Mutant(
+        "greedy-inline-one-chunk", "triton", "_accept_launch", "stat_chunks=records.stats.shape[1],", "stat_chunks=1,"
+    ),
+    Mutant(
+        "greedy-inline-too-many",
+        "triton",
+        "launch_verify",
+        "plan.num_chunks > GREEDY_INLINE_CHUNKS",
+        "plan.num_chunks > 2 * GREEDY_INLINE_CHUNKS",
+        equivalent="merging 9-16 chunks inline gives the same records (a slower program, not another token)",
     ),
     # ---- the CPU attention of one or two queries (specdec_kernels/ops/tree_attention.py, hf/attention.py)
     Mutant(

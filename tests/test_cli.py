@@ -115,6 +115,19 @@ def test_generate_with_a_draft_vocab(capsys, tree):
     assert out.startswith(prompt) and "acceptance" in out.lower()
 
 
+def test_generate_with_an_int8_draft(capsys):
+    pytest.importorskip("transformers")
+    from specdec_kernels.hf.cpu_int8 import int8_linear_available
+
+    if not int8_linear_available():
+        pytest.skip("this PyTorch build has no fbgemm int8 linear")
+    prompt = "def add(a, b):\n    return a + b\n"
+    argv = ["generate", "--target", "demo", "--draft-int8", "--prompt", prompt, "--device", "cpu"]
+    assert main([*argv, "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prompt) and "acceptance" in out.lower()
+
+
 @pytest.mark.parametrize("lookup", [[], ["--prompt-lookup"]], ids=["model", "with_lookup"])
 def test_generate_with_a_dynamic_draft_tree(capsys, lookup):
     prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    "
@@ -203,6 +216,10 @@ def test_generate_with_a_json_schema_or_a_grammar(capsys, tmp_path):
         (
             ["generate", "--target", "demo", "--prompt", "x", "--drafter", "prompt_lookup", "--draft-vocab", "9"],
             "--draft-vocab",
+        ),
+        (
+            ["generate", "--target", "demo", "--prompt", "x", "--drafter", "prompt_lookup", "--draft-int8"],
+            "--draft-int8",
         ),
         (["generate", "--target", "demo", "--prompt", "x", "--max-new-tokens", "1000000"], "--max-new-tokens"),
         (["demo", "--max-new-tokens", "5000"], "--max-new-tokens"),

@@ -324,5 +324,9 @@ def test_the_latency_terms_price_the_merge_as_measured():
     serial = bench_static.latency_us(merge(1))
     assert 40 <= serial <= 44, serial
     assert bench_static.latency_us(merge(256)) == bench_static.LAUNCH_FLOOR_US
-    other = bench_static.Launch(SimpleNamespace(fn=SimpleNamespace(__name__="_verify_accept_kernel")), (1,), (), {})
+    # the chain accept kernel reads unmerged records one chunk after the other (all-greedy calls)
+    accept = SimpleNamespace(fn=SimpleNamespace(__name__="_verify_accept_kernel"), arg_names=["stat_chunks"])
+    assert bench_static.latency_us(bench_static.Launch(accept, (1,), (1,), {})) == bench_static.LAUNCH_FLOOR_US
+    assert bench_static.latency_us(bench_static.Launch(accept, (1,), (149,), {})) == serial
+    other = bench_static.Launch(SimpleNamespace(fn=SimpleNamespace(__name__="_verify_finalize_kernel")), (1,), (), {})
     assert bench_static.latency_us(other) == bench_static.LAUNCH_FLOOR_US

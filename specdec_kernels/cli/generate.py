@@ -63,6 +63,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="the draft proposes from this many ids only (the tokenizer's specials, then its lowest ids): "
         "a cheaper draft forward, output unchanged in law",
     )
+    p.add_argument(
+        "--draft-int8",
+        action="store_true",
+        help="on CPU: the draft's linear layers in int8 (fbgemm): a cheaper draft forward, output unchanged in law",
+    )
     p.add_argument("--medusa-heads", default=None, help="directory of MedusaHeads.save_pretrained")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -110,6 +115,21 @@ def _check_heads_path(path: str) -> None:
         )
 
 
+def _check_draft_int8(args: argparse.Namespace) -> None:
+    from ..hf.cpu_int8 import int8_linear_available
+
+    if (args.draft is None and args.target != "demo") or args.drafter in ("prompt_lookup", "medusa"):
+        raise UsageError(
+            "--draft-int8",
+            "set",
+            f"a draft model that drafts (--draft DIR, or --target demo; not --drafter {args.drafter})",
+        )
+    if resolve_device(args.device) != "cpu":
+        raise UsageError("--draft-int8", "set", "a CPU run (--device cpu): the int8 layers are CPU kernels")
+    if not int8_linear_available():
+        raise UsageError("--draft-int8", "set", "a PyTorch build with fbgemm's int8 linear (x86-64)")
+
+
 def validate(args: argparse.Namespace) -> None:
     """What decides what is loaded, before anything loads (the rest is the driver's check)."""
     resolve_device(args.device)
@@ -123,6 +143,8 @@ def validate(args: argparse.Namespace) -> None:
     at_least("--max-new-tokens", args.max_new_tokens, 1)
     if args.draft_vocab is not None:
         at_least("--draft-vocab", args.draft_vocab, 1)
+    if args.draft_int8:
+        _check_draft_int8(args)
     if args.vocab_size is not None:  # the driver checks only the upper end (the models' logit columns)
         at_least("--vocab-size", args.vocab_size, 1)
     if args.drafter == "medusa" and args.medusa_heads is None and args.target != "demo":
@@ -225,6 +247,10 @@ def generate_command(args: argparse.Namespace) -> int:
     target, draft, tok = _load_pair(args.target, args.draft, device, DTYPES[args.dtype])
     if draft is not None and args.draft_dtype:
         draft = draft.to(DTYPES[args.draft_dtype])  # changes acceptance, never the output's distribution
+    if draft is not None and args.draft_int8:
+        from ..hf.cpu_int8 import use_int8_linears
+
+        use_int8_linears(draft)  # as --draft-dtype: acceptance may change, the output's law cannot
     if args.cpu_linear == "onednn" and device == "cpu":
         from ..hf.cpu_linear import use_onednn_linears
 

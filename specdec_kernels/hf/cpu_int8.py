@@ -28,6 +28,7 @@ and returns the input's dtype).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
@@ -55,7 +56,8 @@ def _engine() -> str | None:
 def int8_linear_available() -> bool:
     """Whether this PyTorch build has the fbgemm int8 linear (x86-64 wheels do)."""
     quantized = getattr(torch.ops, "quantized", None)
-    return _engine() is not None and hasattr(quantized, "linear_dynamic") and hasattr(quantized, "linear_prepack")
+    ops = ("linear_dynamic", "linear_prepack", "linear_unpack")
+    return _engine() is not None and hasattr(torch, "quantize_per_channel") and all(hasattr(quantized, o) for o in ops)
 
 
 @contextlib.contextmanager
@@ -94,7 +96,9 @@ class Int8Linear(nn.Module):
         w = weight.float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
         zero = torch.zeros(w.shape[0], dtype=torch.long)
-        qweight = torch.quantize_per_channel(w, scales.double(), zero, 0, torch.qint8)
+        with warnings.catch_warnings():  # quantised tensor creation is deprecated; the packed weight is what we keep
+            warnings.filterwarnings("ignore", message=".*quantize_per_channel.*", category=UserWarning)
+            qweight = torch.quantize_per_channel(w, scales.double(), zero, 0, torch.qint8)
         bias = linear.bias.detach().float() if linear.bias is not None else None
         with _quantized_engine(_engine()):
             packed = torch.ops.quantized.linear_prepack(qweight, bias)

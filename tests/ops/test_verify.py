@@ -5,6 +5,8 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels._dispatch import launch_overrides
+from specdec_kernels.ops.triton import chain
+from specdec_kernels.ops.triton.chain import GREEDY_INLINE_CHUNKS
 from specdec_kernels.reference import verify_reference
 
 from ._inputs import make_problem
@@ -87,6 +89,40 @@ def test_vocab_split_across_programs(mode, num_chunks, device):
     for chunks in (num_chunks, 1):
         with launch_overrides(num_chunks=chunks, block_v=128):
             _assert_same(sk.verify(target, tokens, **kw), ref)
+
+
+@pytest.mark.parametrize("num_chunks", [GREEDY_INLINE_CHUNKS, GREEDY_INLINE_CHUNKS + 1, 16])
+def test_greedy_chunks_merged_inline_or_by_the_merge_kernel(num_chunks, device, monkeypatch):
+    """An all-greedy call: the accept kernel writes the tokens, merging up to GREEDY_INLINE_CHUNKS
+    chunks itself (more go through the merge kernel first). Ties across chunks keep the lowest id,
+    a NaN row flags its request; per-request temperature 0 (a tensor) takes the general kernels:
+    the same tokens."""
+    B, G, V = 5, 3, 1000
+    target, tokens, draft = make_problem(B, G, V, device=device, seed=7)
+    target[1, 2, 600] = target[1, 2, 40] = target[1, 2].max() + 1  # a tie across chunks
+    target[3, 1, 17] = float("nan")
+    tokens[0, :2] = target[0, :2].argmax(-1)  # accepted drafts
+    ref = verify_reference(target, tokens, draft_logits=draft, temperature=0.0)
+    launches = []
+    real = chain._verify_finalize_kernel
+    monkeypatch.setattr(chain, "_verify_finalize_kernel", _Recorder(real, launches))
+    with launch_overrides(num_chunks=num_chunks, block_v=64):
+        _assert_same(sk.verify(target, tokens, draft_logits=draft, temperature=0.0, backend="triton"), ref)
+        assert not launches  # no kernel 3
+        zeros = torch.zeros(B, device=device)
+        _assert_same(sk.verify(target, tokens, draft_logits=draft, temperature=zeros, backend="triton"), ref)
+        assert launches
+
+
+class _Recorder:
+    """A kernel's ``kernel[grid](...)`` that records its launches."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("num_chunks, threshold_chunks", [(1, None), (3, None), (1, 1), (3, 1), (1, 3), (3, 7)])

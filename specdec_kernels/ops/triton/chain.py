@@ -1,7 +1,7 @@
 """Fused chain verification for speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
 
-Three launches (five with top-k / top-p; four in the interpreter, see ``threshold_plan``), no host
-synchronisation, no Python loop over requests:
+Three launches (five with top-k / top-p; four in the interpreter, see ``threshold_plan``; two when
+every request is greedy), no host synchronisation, no Python loop over requests:
 
 1. ``_verify_row_stats_kernel``  grid (row tiles, vocab chunks): one pass over each target row
    (and draft row) computes the online max / sum-exp of the processed logits and the greedy
@@ -21,6 +21,9 @@ synchronisation, no Python loop over requests:
    p, q or the residual to memory. The bonus race lives here rather than in kernel 1 so the row
    pass stays lean (no random numbers, half the registers) and only one row per request races.
 3. ``_verify_finalize_kernel``   grid (request tiles): reduces the chunk races and writes tokens.
+   An all-greedy call (scalar temperature 0, no logprobs) needs no race: kernel 2 runs once per
+   request tile and writes the tokens itself, merging up to ``GREEDY_INLINE_CHUNKS`` chunk records
+   per row on the way (no merge launch).
 
 Block verification (``method="block"``, ``block.py``) launches kernel 2 twice: the residual masses
 of the rows it needs, then tau and the race of row tau in place of j.
@@ -76,6 +79,11 @@ from .row_pass import (
     request_base,
     threshold_plan,
 )
+
+# An all-greedy call merges up to this many chunk records per row inside the accept kernel (one
+# dependent load each, ~0.28 us on an H200) instead of launching the merge kernel (a launch costs
+# 2.4-4.6 us there); more chunks (small batches) keep the merge kernel's tiles. See bench_static.py.
+GREEDY_INLINE_CHUNKS = 8
 
 # Race records of kernel 2, per (request, chunk): key and index of two races.
 RACE_RESIDUAL = tl.constexpr(0)  # over the residual max(p - q, 0) of the rejected row
@@ -187,6 +195,8 @@ def _verify_accept_kernel(
     race_idx_ptr,  # [B, C, 2] int32 out
     mask_ptr,  # [B, G+1, W] int32 (HAS_MASK; flattened: [N+B, W]): grammar words, draft row i uses row i
     mass_ptr,  # [B, G, C] fp64 (BLOCK): residual masses, written by BLOCK_MASS, read by BLOCK_RACE
+    out_tokens_ptr,  # [B, G+1] int64 out (WRITE_TOKENS)
+    out_accepted_ptr,  # [B] int32 out (WRITE_TOKENS)
     # strides
     stride_tb,
     stride_tg,
@@ -195,6 +205,7 @@ def _verify_accept_kernel(
     stride_xb,
     stride_mb,  # in words, as the target's (flattened: row strides)
     stride_mg,
+    stride_ob,  # out_tokens row stride (WRITE_TOKENS)
     # sizes
     B,
     G,
@@ -218,10 +229,12 @@ def _verify_accept_kernel(
     ROWS: tl.constexpr,  # next power of two >= G + 1
     BLOCK_V: tl.constexpr,
     BLOCK: tl.constexpr = BLOCK_TOKEN,  # method="block": BLOCK_MASS, then BLOCK_RACE (``block.py``)
+    WRITE_TOKENS: tl.constexpr = False,  # every request greedy: write the outputs here (no race, no kernel 3)
 ):
     """Combine each row's records, test every draft, and race over row j of each sampled request
     (this program's vocabulary chunk): ``combine_chunk_records``, ``_first_rejection``, ``_race_row_j``.
-    Block verification: row tau instead of row j (``block.py``)."""
+    Block verification: row tau instead of row j (``block.py``). WRITE_TOKENS (an all-greedy call,
+    one program per request tile): the tokens and counts are written here, as kernel 3 would."""
     pid_b = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
@@ -285,6 +298,9 @@ def _verify_accept_kernel(
         tl.store(first_reject_ptr + b, j, mask=b_ok)
         tl.store(token_ptr + b, direct, mask=b_ok)
         tl.store(nonfinite_ptr + b, flagged, mask=b_ok)
+    if WRITE_TOKENS:
+        _store_tokens(x_rows, out_tokens_ptr, out_accepted_ptr, b, b_ok, j, direct, stride_ob, G, V, ROWS)
+        return
 
     # ---- the emitted token of a sampled request: an exponential race over row j, this program's
     # chunk - over the residual max(p - q, 0) after a rejection (j < n_b), over p for the bonus token
@@ -374,14 +390,9 @@ def _verify_finalize_kernel(
     # An empty residual (p == q to fp32 precision) cannot really be hit; fall back to p.
     recovered = tl.where(res_key > float("-inf"), res_idx, p_idx)
     token = tl.where(need, recovered, token)
-    token = tl.minimum(tl.maximum(token, 0), V - 1).to(tl.int64)
-
-    t = tl.arange(0, ROWS)[None, :]
-    drafts = tl.load(x_rows[:, None] + t, mask=b_ok[:, None] & (t < j[:, None]), other=-1)
-    out = tl.where(t < j[:, None], drafts.to(tl.int64), tl.where(t == j[:, None], token[:, None], -1))
-    tl.store(out_tokens_ptr + b[:, None] * stride_ob + t, out, mask=b_ok[:, None] & (t <= G))
-    tl.store(out_accepted_ptr + b, j, mask=b_ok)
+    out = _store_tokens(x_rows, out_tokens_ptr, out_accepted_ptr, b, b_ok, j, token, stride_ob, G, V, ROWS)
     if LOGPROBS:
+        t = tl.arange(0, ROWS)[None, :]
         t_rows = target_ptr + request_base(cu_ptr, b, b_ok, stride_tb, 1, FLAT)[:, None] + t.to(tl.int64) * stride_tg
         m_rows = mask_ptr + request_base(cu_ptr, b, b_ok, stride_mb, 1, FLAT)[:, None] + t.to(tl.int64) * stride_mg
         emitted = b_ok[:, None] & (t <= j[:, None]) & (t <= G)
@@ -391,6 +402,19 @@ def _verify_finalize_kernel(
             HAS_MASK,
         )  # fmt: skip
         tl.store(out_logprobs_ptr + b[:, None] * stride_lb + t, lp, mask=b_ok[:, None] & (t <= G))
+
+
+@triton.jit
+def _store_tokens(x_rows, out_tokens_ptr, out_accepted_ptr, b, b_ok, j, token, stride_ob, G, V, ROWS: tl.constexpr):
+    """Write each request's output row (its j accepted drafts, the emitted token (clamped into
+    [0, V)), -1 after) and j; returns the [BLOCK_B, ROWS] row."""
+    token = tl.minimum(tl.maximum(token, 0), V - 1).to(tl.int64)
+    t = tl.arange(0, ROWS)[None, :]
+    drafts = tl.load(x_rows[:, None] + t, mask=b_ok[:, None] & (t < j[:, None]), other=-1)
+    out = tl.where(t < j[:, None], drafts.to(tl.int64), tl.where(t == j[:, None], token[:, None], -1))
+    tl.store(out_tokens_ptr + b[:, None] * stride_ob + t, out, mask=b_ok[:, None] & (t <= G))
+    tl.store(out_accepted_ptr + b, j, mask=b_ok)
+    return out
 
 
 @triton.jit
@@ -523,9 +547,14 @@ def launch_verify(
     t = args.sampling.temperature  # scalar 0: every request greedy; the accept kernel reads max / argmax only
     # (not with logprobs: greedy rows then score their logprobs from the record's T = 1 normaliser)
     argmax_only = isinstance(t, float) and t == 0.0 and not logprobs
-    records = launch_row_stats(layout, args.sampling, row_plan, logprobs=logprobs, argmax_only=argmax_only)
+    # all greedy: the accept kernel merges a few chunks itself and writes the outputs (2 launches)
+    merge = not argmax_only or plan.num_chunks > GREEDY_INLINE_CHUNKS
+    records = launch_row_stats(layout, args.sampling, row_plan, logprobs, argmax_only, merge)
+    if argmax_only:
+        _launch_accept(args, layout, plan, records, out.nonfinite, out=out)
+        return out
     # Without drafts, and when every request is greedy, both rules are the token rule's kernels.
-    block = method == "block" and G > 0 and not argmax_only
+    block = method == "block" and G > 0
     races = _launch_accept(args, layout, plan, records, out.nonfinite, block)
     _launch_finalize(args, layout, races, out, records)
     return out
@@ -541,10 +570,11 @@ class _Races(NamedTuple):
 
 
 def _launch_accept(
-    args: VerifyArgs, layout: RowPassLayout, plan: ChainPlan, records: RowStats, nonfinite, block: bool = False
+    args: VerifyArgs, layout: RowPassLayout, plan: ChainPlan, records: RowStats, nonfinite, block=False, out=None
 ) -> _Races:
-    """Kernel 2 (block verification: twice, BLOCK_MASS then BLOCK_RACE, with their mass records)."""
-    B, C, dev = args.B, plan.num_chunks, layout.target.device
+    """Kernel 2 (block verification: twice, BLOCK_MASS then BLOCK_RACE, with their mass records;
+    ``out`` given (an all-greedy call): once per request tile, writing the outputs, no races)."""
+    B, C, dev = args.B, 1 if out is not None else plan.num_chunks, layout.target.device
     races = _Races(
         torch.empty((B,), dtype=torch.int32, device=dev),
         torch.empty((B,), dtype=torch.int32, device=dev),
@@ -553,12 +583,12 @@ def _launch_accept(
     )
     mass = torch.empty((B, args.G, C), dtype=torch.float64, device=dev) if block else None
     for phase in (BLOCK_MASS, BLOCK_RACE) if block else (BLOCK_TOKEN,):
-        _accept_launch(args, layout, plan, records, nonfinite, races, mass, phase.value)
+        _accept_launch(args, layout, plan, records, nonfinite, races, mass, phase.value, out)
     return races
 
 
-def _accept_launch(args, layout, plan, records, nonfinite, races: _Races, mass, phase: int) -> None:
-    B, C = args.B, plan.num_chunks
+def _accept_launch(args, layout, plan, records, nonfinite, races: _Races, mass, phase: int, out=None) -> None:
+    B, C = args.B, races.key.shape[1]
     params = args.sampling.kernel_args(layout.target)
     t_ptr, t_val, per_req_t = params["temperature"]
     s_ptr, s_val, per_req_s = params["seed"]
@@ -582,6 +612,8 @@ def _accept_launch(args, layout, plan, records, nonfinite, races: _Races, mass, 
         race_idx_ptr=races.idx,  # [B, C, NUM_RACES] out
         mask_ptr=layout.mask if layout.mask is not None else layout.target,  # [B, G+1, W] (HAS_MASK)
         mass_ptr=mass if mass is not None else layout.target,  # [B, G, C] (BLOCK)
+        out_tokens_ptr=out.tokens if out is not None else races.idx,  # [B, G+1] out (WRITE_TOKENS)
+        out_accepted_ptr=out.num_accepted if out is not None else races.idx,  # [B] out (WRITE_TOKENS)
         # strides
         stride_tb=layout.target_strides[0],
         stride_tg=layout.target_strides[2],
@@ -590,6 +622,7 @@ def _accept_launch(args, layout, plan, records, nonfinite, races: _Races, mass, 
         stride_xb=layout.draft_tokens.stride(0),
         stride_mb=layout.mask_strides[0],
         stride_mg=layout.mask_strides[2],
+        stride_ob=out.tokens.stride(0) if out is not None else 0,
         # sizes
         B=B,
         G=args.G,
@@ -613,6 +646,7 @@ def _accept_launch(args, layout, plan, records, nonfinite, races: _Races, mass, 
         ROWS=next_pow2(args.G + 1),
         BLOCK_V=plan.block_v,
         **({"BLOCK": phase} if phase else {}),  # the token rule: the kernel's default, its launch as before
+        **({"WRITE_TOKENS": True} if out is not None else {}),
         num_warps=plan.num_warps,
     )
 

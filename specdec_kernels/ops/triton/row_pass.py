@@ -533,14 +533,15 @@ class RowStats(NamedTuple):
 
 
 def launch_row_stats(
-    layout: RowPassLayout, sampling: SamplingParams, plan: RowPassPlan, logprobs: bool = False, argmax_only=False
+    layout: RowPassLayout, sampling: SamplingParams, plan: RowPassPlan, logprobs=False, argmax_only=False, merge=True
 ) -> RowStats:
     """The row pass of a call: with top-k / top-p the threshold phases first (candidates per chunk,
     selection per row; ``launch_threshold_phases``), then the statistics pass over ``plan.num_chunks``
     chunks per row, merged into whole-row records when there are several. logprobs (return_logprobs,
     ``chain.launch_verify``): greedy rows get thresholds too, so their records score the logprobs
     at T = 1 with their top-k / top-p (``greedy_logprobs_filter``). argmax_only (all greedy, no
-    logprobs: the consumer reads max / argmax and counts only): no sum-exp, draft row or thresholds."""
+    logprobs: the consumer reads max / argmax and counts only): no sum-exp, draft row or thresholds.
+    merge=False: the chunk records are returned as they are ([rows, C, ...]; the consumer merges)."""
     if argmax_only and logprobs:
         raise ValueError("internal error: argmax_only rows have no normaliser for logprobs")
     rows, V, dev = layout.rows, layout.V, layout.target.device
@@ -629,7 +630,7 @@ def launch_row_stats(
         launch_threshold_phases(row_pass, tplan)
     tiles = plan.tiles
     row_pass(PHASE_STATS.value, tiles.block_r, C, C, plan.chunk_size, tiles.num_warps)
-    if C > 1:  # merge the chunks once, not once per consumer program (each would loop over all C)
+    if C > 1 and merge:  # merge the chunks once, not once per consumer program (each would loop over all C)
         rows_per_request = layout.K * (layout.G + 1)
         stats, idx = merge_chunk_stats(stats, idx, rows, rows_per_request, t_ptr, t_val, per_req_t)
     return RowStats(stats, idx, thr)

@@ -1,0 +1,164 @@
+"""specdec_kernels.hf.cpu_int8: int8 linear layers for CPU drafts. The layer equals an exact
+emulation of its arithmetic; an int8 draft keeps greedy identity and the sampled law, also when the
+rows of one draft forward share their input scale (a batch of different prompts)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from specdec_kernels.hf import cpu_int8, speculative_generate  # noqa: E402
+from specdec_kernels.hf.cpu_int8 import Int8Linear, int8_linear_available, use_int8_linears  # noqa: E402
+from specdec_kernels.hf.cpu_linear import OneDnnLinear, onednn_linear_available  # noqa: E402
+from specdec_kernels.hf.draft_vocab import DraftVocab  # noqa: E402
+
+from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue  # noqa: E402
+from ._models import tiny_model  # noqa: E402
+from .test_generate import PAD, _greedy_reference, _near_copy, _ragged_prompts, _two_token_distribution  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not int8_linear_available(), reason="this PyTorch build has no fbgemm int8 linear")
+
+
+def _emulated(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's arithmetic in float64: int8 weights (round(W / s_row)), the input quantised to
+    uint8 over all its rows (range widened to hold 0; scale (max - min) / 255, zero point
+    round(-min / scale)), exact integer sums, scaled back, plus the bias."""
+    rows = x.reshape(-1, layer.in_features).double()
+    scales = layer.scales.double()
+    q_w = torch.round(layer.weight.double() / scales[:, None])
+    lo, hi = min(float(rows.min()), 0.0), max(float(rows.max()), 0.0)
+    scale = (hi - lo) / 255 if hi > lo else 1.0
+    zero = min(255, max(0, round(-lo / scale))) if hi > lo else 0
+    q_x = torch.clamp(torch.round(rows / scale) + zero, 0, 255) - zero
+    y = (q_x @ q_w.T) * scale * scales
+    if layer.bias is not None:
+        y = y + layer.bias.double()
+    return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_equals_its_emulation_and_stays_near_the_original(dtype, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 37, bias=bias).to(dtype).requires_grad_(False)
+    layer = Int8Linear.from_linear(linear)
+    wide = torch.randn(3, 5, 96).to(dtype)
+    # a 3-D input, a strided view of one, a single row, a shifted and scaled one, no rows at all
+    for x in (wide[..., :48], wide[..., ::2], wide[0, :1, :48], 7 * wide[1, :2, :48] + 3, wide[:, :0, :48]):
+        got = layer(x)
+        assert got.shape == (*x.shape[:-1], 37) and got.dtype == dtype
+        if x.numel() == 0:
+            continue
+        tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
+        torch.testing.assert_close(got.double(), _emulated(layer, x), atol=tol * float(got.abs().max()), rtol=tol)
+        original = linear(x).double()
+        assert float((got.double() - original).norm() / original.norm()) < 0.03  # int8's error, not a bug's
+
+
+def test_weight_reads_back_within_half_a_step_and_a_onednn_layer_quantises_alike():
+    torch.manual_seed(1)
+    linear = nn.Linear(20, 9).requires_grad_(False)
+    layer = Int8Linear.from_linear(linear)
+    step = linear.weight.abs().amax(dim=1, keepdim=True) / 127
+    assert float(((layer.weight - linear.weight) / step).abs().max()) <= 0.5 + 1e-5
+    assert float((layer.weight.abs().amax(dim=1) - linear.weight.abs().amax(dim=1)).abs().max()) < 1e-6
+    if onednn_linear_available():
+        x = torch.randn(4, 20)
+        assert torch.equal(Int8Linear.from_linear(OneDnnLinear.from_linear(linear))(x), layer(x))
+
+
+def test_wrong_width_and_bad_layers_are_clear_errors(monkeypatch):
+    layer = Int8Linear.from_linear(nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="expected 8"):
+        layer(torch.randn(2, 9))
+    with pytest.raises(ValueError, match="fp32/bf16"):
+        Int8Linear.from_linear(nn.Linear(8, 4).half())
+    with pytest.raises(ValueError, match="name parts"):
+        use_int8_linears(nn.Sequential(nn.Linear(8, 4)), keep="down_proj")
+    monkeypatch.setattr(cpu_int8, "int8_linear_available", lambda: False)
+    with pytest.raises(ValueError, match="no fbgemm int8 linear"):
+        use_int8_linears(nn.Sequential(nn.Linear(8, 4)))
+
+
+def test_use_int8_linears_swaps_every_linear_but_the_kept_names():
+    model = tiny_model("llama", seed=1)
+    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    kept = [n for n in linears if "down_proj" in n]
+    assert kept and len(kept) < len(linears)
+    quantized = copy.deepcopy(model)
+    assert use_int8_linears(quantized, keep=("down_proj",)) == len(linears) - len(kept)
+    types = {n: type(m) for n, m in quantized.named_modules()}
+    assert all(types[n] is (nn.Linear if n in kept else Int8Linear) for n in linears)
+    ids = torch.tensor([[5, 9, 11, 3]])
+    with torch.no_grad():
+        a, b = model(ids).logits, quantized(ids).logits
+    assert float((a - b).norm() / a.norm()) < 0.05
+    assert use_int8_linears(quantized) == len(kept)  # the rest, on a second call
+
+
+def _int8_copy(model):
+    quantized = copy.deepcopy(model)
+    use_int8_linears(quantized)
+    return quantized
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(num_draft_tokens=4), dict(draft_tree="dynamic", num_draft_tokens=8, tree_width=3, method="rrs_wor")],
+    ids=["chain", "tree"],
+)
+def test_greedy_with_an_int8_draft_equals_generate(kw):
+    """Batch 3, ragged: the draft's rows share one input scale per forward; the output is the target's."""
+    target = tiny_model("llama", seed=1)
+    draft = _int8_copy(_near_copy(target, 0.3, seed=5))
+    ids, mask = _ragged_prompts()
+    out = speculative_generate(
+        target, draft, ids, mask, max_new_tokens=12, temperature=0.0, eos_token_id=[], pad_token_id=PAD, **kw
+    )
+    assert torch.equal(out.sequences, _greedy_reference(target, ids, mask, 12))
+    assert out.stats.acceptance_rate > 0.2  # the int8 draft still proposes the target's tokens (tree: per node)
+
+
+def test_an_int8_output_layer_can_be_restricted_to_a_draft_vocab():
+    draft = _int8_copy(tiny_model("llama", seed=2))
+    out = draft.get_output_embeddings()
+    assert isinstance(out, Int8Linear)
+    kept = [0, 1, 4, 9, 30, 64, 96]
+    head = DraftVocab(kept).head_for(draft)
+    assert isinstance(head.kept, Int8Linear)
+    x = torch.randn(2, 3, out.in_features)
+    # the kept rows' int8 values and scales are the original's, so the outputs are too (the input
+    # scale is the same: it depends on x only)
+    torch.testing.assert_close(head(x)[..., kept], out(x)[..., kept], rtol=1e-6, atol=1e-6)
+
+
+def test_sampled_output_follows_the_target_with_rows_that_share_an_input_scale():
+    """Chi-square (alpha 1e-6) on the first two tokens (V = 6: 36 cells) of 2 x 1500 requests at
+    T = 1, chain and dynamic tree, with an int8 draft and two different prompts interleaved in one
+    batch (each draft forward quantises all its rows with one scale, so a row's q depends on the
+    other prompt's rows). Each prompt's pairs are tested against its own target law.
+
+    Power, asserted below: the test rejects with probability > 0.99 the draft's own law (a verifier
+    that accepts every draft) for each prompt."""
+    V, n = 6, 1500
+    target = tiny_model("llama", vocab=V, seed=13, init_std=0.1)
+    draft = _int8_copy(tiny_model("llama", vocab=V, seed=14, init_std=0.1, layers=1))
+    prompts = ([3, 4, 5, 0], [1, 1, 2, 5])
+    laws = [_two_token_distribution(target, p, 1.0) for p in prompts]
+    for prompt, law in zip(prompts, laws):
+        assert chi_square_power(law.flatten(), _two_token_distribution(draft, prompt, 1.0).flatten(), n) > 0.99
+    batch = torch.tensor([prompts[k % 2] for k in range(2 * n)])
+    for kw in (dict(num_draft_tokens=2), dict(draft_tree="dynamic", num_draft_tokens=4, tree_width=2)):
+        out = speculative_generate(
+            target, draft, batch, max_new_tokens=2, seed=1, eos_token_id=[], temperature=1.0, **kw
+        )  # fmt: skip
+        pairs = out.sequences[:, len(prompts[0]) :]
+        assert 0.05 < out.stats.acceptance_rate < 0.95  # both accept and reject paths ran
+        for k, law in enumerate(laws):
+            mine = pairs[k::2]
+            assert chi_square_pvalue(mine[:, 0] * V + mine[:, 1], law.flatten()) > ALPHA
