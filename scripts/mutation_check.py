@@ -255,6 +255,7 @@ MUTANTS = [
     Mutant("int8-half-scale", "cpu_int8", "from_linear", "w.abs().amax(dim=1) / 127.0", "w.abs().amax(dim=1) / 254.0"),
     Mutant("int8-reduce-range", "cpu_int8", "forward", "self.packed, False)", "self.packed, True)"),
     Mutant("int8-keep-ignored", "cpu_int8", "use_int8_linears", "or any(part in full for part in keep)", "or False"),
+    Mutant("int8-bytes-uncounted", "cpu_int8", "_streamed", "elif isinstance(m, Int8Linear):", "elif False:"),
     # ---- all-greedy chain calls: the accept kernel merges the chunks and writes the tokens (triton/chain.py)
     Mutant(
         "greedy-inline-one-chunk", "triton", "_accept_launch", "stat_chunks=records.stats.shape[1],", "stat_chunks=1,"

@@ -162,3 +162,19 @@ def test_sampled_output_follows_the_target_with_rows_that_share_an_input_scale()
         for k, law in enumerate(laws):
             mine = pairs[k::2]
             assert chi_square_pvalue(mine[:, 0] * V + mine[:, 1], law.flatten()) > ALPHA
+
+
+def test_the_shape_models_count_an_int8_layers_bytes():
+    """The timing-free cost estimates read the bytes a forward streams: an int8 layer's weight is a
+    byte a weight plus an fp32 scale a row (its packed weight is not a parameter)."""
+    from specdec_kernels.hf.draft_length import _streamed, draft_cost_estimate
+
+    model = tiny_model("llama", seed=3)
+    quantized = _int8_copy(model)
+    layers = [m for m in quantized.modules() if isinstance(m, Int8Linear)]
+    (b_fp32, w_fp32), (b_int8, w_int8) = _streamed(model), _streamed(quantized)
+    assert w_int8 == w_fp32
+    linear_weights = sum(m.in_features * m.out_features for m in layers)
+    rows = sum(m.out_features for m in layers)
+    assert b_fp32 - b_int8 == 3 * linear_weights - 4 * rows
+    assert draft_cost_estimate(model, quantized) < draft_cost_estimate(model, model)
