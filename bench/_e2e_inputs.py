@@ -222,9 +222,9 @@ def load_pair(args, dtype, draft_dtype=None) -> Pair:
         names = (Path(args.target).name, Path(args.draft).name if args.draft else "none")
         eos = _eos_list(getattr(target.generation_config, "eos_token_id", None)) or _eos_list(tok.eos_token_id)
         pad = tok.pad_token_id
+    draft_int8 = int8_draft(draft, args)  # from the draft as loaded, in --int8-dtype
     if draft is not None and draft_dtype is not None:
         draft = draft.to(draft_dtype)  # the draft's precision never changes what is accepted, only how often
-    draft_int8 = int8_draft(draft, args)
     if getattr(args, "cpu_linear", "torch") == "onednn" and str(device).startswith("cpu"):
         from specdec_kernels.hf.cpu_linear import use_onednn_linears
 
@@ -244,13 +244,15 @@ def load_pair(args, dtype, draft_dtype=None) -> Pair:
 
 
 def int8_draft(draft, args):
-    """A copy of the draft with int8 linear layers (``use_int8_linears``, keeping ``--int8-keep``) when
-    a ``*_int8`` mode runs, else None."""
+    """A copy of the draft with int8 linear layers (``use_int8_linears``, keeping ``--int8-keep``), the
+    rest of it in ``--int8-dtype``, when a ``*_int8`` mode runs, else None."""
     if draft is None or not any(m.endswith("_int8") for m in getattr(args, "modes", None) or ()):
         return None
+    from _common import torch_dtype
+
     from specdec_kernels.hf.cpu_int8 import use_int8_linears
 
-    quantized = copy.deepcopy(draft)
+    quantized = copy.deepcopy(draft).to(torch_dtype(getattr(args, "int8_dtype", None) or "fp32"))
     swapped = use_int8_linears(quantized, keep=tuple(getattr(args, "int8_keep", None) or ()))
     print(f"# *_int8 modes: a draft copy with {swapped} int8 linear layers")
     return quantized

@@ -27,7 +27,9 @@ tokens / wall time summed over every prompt of a prompt set. Modes (``--modes``)
                             no corpus, so neither prompt set is favoured).
 * ``ours_k1_int8``, ``ours_dyntree_int8``, ``ours_dyntree_vocab_int8``, ``hf_assisted_int8`` -- the same
                             modes with a copy of the draft whose linear layers are int8 (``use_int8_linears``,
-                            ``--int8-keep``): cheaper draft forwards, the same output law.
+                            ``--int8-keep``) and the rest in ``--int8-dtype`` (default fp32, not
+                            ``--draft-dtype``: bf16 elementwise ops cost more than they save on CPUs
+                            without native bf16 math): cheaper draft forwards, the same output law.
 * ``ours_prompt_lookup`` -- ``speculative_generate(drafter="prompt_lookup")``: n-gram drafts from the
                             request's own tokens, no draft model.
 * ``hf_prompt_lookup``   -- (not run by default) ``target.generate(prompt_lookup_num_tokens=G)``,
@@ -502,7 +504,7 @@ def make_rows(
             "cache": args.cache if mode.startswith("ours") else None,
             "compiled": args.compile if mode.startswith("ours") else None,
             "draft_vocab": len(args.draft_vocab_ids) if s.get("draft_vocab") and args.draft_vocab_ids else None,
-            "draft_int8": "keep=" + ",".join(args.int8_keep) if s.get("int8") else None,
+            "draft_int8": f"{args.int8_dtype} keep={','.join(args.int8_keep)}" if s.get("int8") else None,
         }
         if mode in skipped:
             rows.append({**row, "status": f"skipped: {skipped[mode]}"})
@@ -740,6 +742,12 @@ def parse_args(argv=None):
         nargs="*",
         default=[],
         help="*_int8 modes: draft layers whose name contains one of these stay in the draft's dtype (e.g. down_proj)",
+    )
+    p.add_argument(
+        "--int8-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="*_int8 modes: the int8 draft's other layers (norms, attention, embeddings); its linears compute in fp32",
     )
     p.add_argument("--method", default="kseq", help="verification method of ours_k2/ours_k4 (kseq, rrs, rrs_wor)")
     p.add_argument(
