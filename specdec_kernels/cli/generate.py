@@ -66,7 +66,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--draft-int8",
         action="store_true",
-        help="on CPU: the draft's linear layers in int8 (fbgemm): a cheaper draft forward, output unchanged in law",
+        help="on CPU: the draft's linear layers in int8 (fbgemm): a cheaper draft forward, output unchanged in law "
+        "(fastest with the draft's other layers in fp32: leave --draft-dtype unset)",
     )
     p.add_argument("--medusa-heads", default=None, help="directory of MedusaHeads.save_pretrained")
     p.add_argument("--temperature", type=float, default=0.0)
