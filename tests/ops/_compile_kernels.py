@@ -101,11 +101,15 @@ def verify_kernels():
             nonfinite_ptr="*i1",
             race_idx_ptr="*i32",
             mass_ptr="*fp64",
+            out_tokens_ptr="*i64",
+            out_accepted_ptr="*i32",
         )
         accept = dict(flags, DRAFT_MODE=mode, HAS_FILTER=has_filter, FLAT=per_req, BLOCK_B=block, ROWS=8, BLOCK_V=bv)
         # method="block": the residual-mass and race launches (ops/triton/block.py), bf16 tiles of 2 requests
         for block_launch in (0, 1, 2) if dtype == "*bf16" and block == 2 else (0,):
             yield v._verify_accept_kernel, types2, dict(accept, BLOCK=block_launch)
+        if mode == 0 and not has_filter:  # an all-greedy call: no race, the tokens written here
+            yield v._verify_accept_kernel, types2, dict(accept, WRITE_TOKENS=True)
     types3 = {
         "draft_tokens_ptr": "*i64",
         "cu_ptr": "*i64",
