@@ -250,7 +250,10 @@ def int8_draft(draft, args):
         return None
     from _common import torch_dtype
 
-    from specdec_kernels.hf.cpu_int8 import use_int8_linears
+    from specdec_kernels.hf.cpu_int8 import int8_linear_available, use_int8_linears
+
+    if not int8_linear_available() or next(draft.parameters()).device.type != "cpu":
+        return None
 
     quantized = copy.deepcopy(draft).to(torch_dtype(getattr(args, "int8_dtype", None) or "fp32"))
     swapped = use_int8_linears(quantized, keep=tuple(getattr(args, "int8_keep", None) or ()))

@@ -138,7 +138,7 @@ MODES = (
     "hf_prompt_lookup",
 )
 DEFAULT_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup")
-SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_prompt_lookup")
+SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_k1_int8", "ours_prompt_lookup")
 DRAFT_MODES = tuple(m for m in MODES if m not in ("target_only", "ours_prompt_lookup", "hf_prompt_lookup"))
 PROMPT_SETS = ("code", "prose")
 
@@ -327,6 +327,8 @@ def _timed_ours(pair: Pair, ids, mask, temperature: float, max_new: int, seed: i
 def mode_unavailable(mode: str, pair: Pair, batch_size: int, json_schema: str | None = None) -> str | None:
     if mode in DRAFT_MODES and pair.draft is None:
         return "no draft model (--draft)"
+    if mode.endswith("_int8") and pair.draft_int8 is None:
+        return "no int8 draft (this PyTorch has no fbgemm int8 linear, or the models are not on the CPU)"
     if json_schema and mode in ("hf_assisted", "hf_assisted_int8", "hf_prompt_lookup"):
         # measured: its __call__ asserts on the candidate tokens assisted decoding hands it
         return "xgrammar's transformers processor accepts one token per call; assisted generation passes several"
