@@ -295,9 +295,10 @@ def _verify_accept_kernel(
     flagged = tl.sum(tl.where(used & (bad > 0.0), 1, 0) + empty.to(tl.int32), axis=1) > 0
     direct = select_row(g_idx, i, j)  # sampled requests: replaced by the race below
     if chunk == 0:
-        tl.store(first_reject_ptr + b, j, mask=b_ok)
-        tl.store(token_ptr + b, direct, mask=b_ok)
         tl.store(nonfinite_ptr + b, flagged, mask=b_ok)
+        if not WRITE_TOKENS:  # kernel 3's inputs
+            tl.store(first_reject_ptr + b, j, mask=b_ok)
+            tl.store(token_ptr + b, direct, mask=b_ok)
     if WRITE_TOKENS:
         _store_tokens(x_rows, out_tokens_ptr, out_accepted_ptr, b, b_ok, j, direct, stride_ob, G, V, ROWS)
         return
@@ -574,7 +575,12 @@ def _launch_accept(
 ) -> _Races:
     """Kernel 2 (block verification: twice, BLOCK_MASS then BLOCK_RACE, with their mass records;
     ``out`` given (an all-greedy call): once per request tile, writing the outputs, no races)."""
-    B, C, dev = args.B, 1 if out is not None else plan.num_chunks, layout.target.device
+    B, C, dev = args.B, plan.num_chunks, layout.target.device
+    if out is not None:  # WRITE_TOKENS never touches kernel 3's buffers: placeholders of their dtypes, one chunk
+        unused_i32, unused_f32 = out.num_accepted, records.stats
+        races = _Races(unused_i32, unused_i32, unused_f32.view(-1, 1, 1), unused_i32.view(-1, 1, 1))
+        _accept_launch(args, layout, plan, records, nonfinite, races, None, BLOCK_TOKEN.value, out)
+        return races
     races = _Races(
         torch.empty((B,), dtype=torch.int32, device=dev),
         torch.empty((B,), dtype=torch.int32, device=dev),
@@ -583,7 +589,7 @@ def _launch_accept(
     )
     mass = torch.empty((B, args.G, C), dtype=torch.float64, device=dev) if block else None
     for phase in (BLOCK_MASS, BLOCK_RACE) if block else (BLOCK_TOKEN,):
-        _accept_launch(args, layout, plan, records, nonfinite, races, mass, phase.value, out)
+        _accept_launch(args, layout, plan, records, nonfinite, races, mass, phase.value)
     return races
 
 
