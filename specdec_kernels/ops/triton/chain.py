@@ -296,12 +296,12 @@ def _verify_accept_kernel(
     direct = select_row(g_idx, i, j)  # sampled requests: replaced by the race below
     if chunk == 0:
         tl.store(nonfinite_ptr + b, flagged, mask=b_ok)
-        if not WRITE_TOKENS:  # kernel 3's inputs
-            tl.store(first_reject_ptr + b, j, mask=b_ok)
-            tl.store(token_ptr + b, direct, mask=b_ok)
     if WRITE_TOKENS:
         _store_tokens(x_rows, out_tokens_ptr, out_accepted_ptr, b, b_ok, j, direct, stride_ob, G, V, ROWS)
         return
+    if chunk == 0:  # kernel 3's inputs
+        tl.store(first_reject_ptr + b, j, mask=b_ok)
+        tl.store(token_ptr + b, direct, mask=b_ok)
 
     # ---- the emitted token of a sampled request: an exponential race over row j, this program's
     # chunk - over the residual max(p - q, 0) after a rejection (j < n_b), over p for the bonus token
