@@ -137,6 +137,7 @@ MODES = (
     "ours_prompt_lookup",
     "hf_prompt_lookup",
 )
+HF_MODES = ("hf_assisted", "hf_assisted_int8", "hf_prompt_lookup")  # Hugging Face's generate: batch 1, no grammar
 DEFAULT_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup")
 SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_k1_int8", "ours_prompt_lookup")
 DRAFT_MODES = tuple(m for m in MODES if m not in ("target_only", "ours_prompt_lookup", "hf_prompt_lookup"))
@@ -244,7 +245,7 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
     """One generate call of ``mode`` on one batch; returns the new tokens, wall time and stats."""
     eos = set(pair.eos_token_id)
     width = ids.shape[1]
-    if mode in ("target_only", "hf_assisted", "hf_assisted_int8", "hf_prompt_lookup"):
+    if mode == "target_only" or mode in HF_MODES:
         kwargs = dict(
             input_ids=ids,
             attention_mask=mask,
@@ -329,10 +330,10 @@ def mode_unavailable(mode: str, pair: Pair, batch_size: int, json_schema: str | 
         return "no draft model (--draft)"
     if mode.endswith("_int8") and pair.draft_int8 is None:
         return "no int8 draft (this PyTorch has no fbgemm int8 linear, or the models are not on the CPU)"
-    if json_schema and mode in ("hf_assisted", "hf_assisted_int8", "hf_prompt_lookup"):
+    if json_schema and mode in HF_MODES:
         # measured: its __call__ asserts on the candidate tokens assisted decoding hands it
         return "xgrammar's transformers processor accepts one token per call; assisted generation passes several"
-    if mode in ("hf_assisted", "hf_assisted_int8", "hf_prompt_lookup") and batch_size != 1:
+    if mode in HF_MODES and batch_size != 1:
         return "Hugging Face assisted generation supports batch size 1 only"
     return None
 

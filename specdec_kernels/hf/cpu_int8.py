@@ -156,8 +156,8 @@ def use_int8_linears(model: nn.Module, keep: tuple[str, ...] | list[str] = INT8_
             full = f"{parent_name}.{name}" if parent_name else name
             if type(child) not in _LINEARS or any(part in full for part in keep):
                 continue
-            weight = child.packed_weight if isinstance(child, OneDnnLinear) else child.weight
-            if weight.device.type != "cpu" or (not isinstance(child, OneDnnLinear) and weight.dtype not in _DTYPES):
+            # an OneDnnLinear is a CPU fp32/bf16 layer by construction; an nn.Linear may be neither
+            if type(child) is nn.Linear and (child.weight.device.type != "cpu" or child.weight.dtype not in _DTYPES):
                 continue
             setattr(parent, name, Int8Linear.from_linear(child))
             replaced += 1

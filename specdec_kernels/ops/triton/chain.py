@@ -576,9 +576,8 @@ def _launch_accept(
     """Kernel 2 (block verification: twice, BLOCK_MASS then BLOCK_RACE, with their mass records;
     ``out`` given (an all-greedy call): once per request tile, writing the outputs, no races)."""
     B, C, dev = args.B, plan.num_chunks, layout.target.device
-    if out is not None:  # WRITE_TOKENS never touches kernel 3's buffers: placeholders of their dtypes, one chunk
-        unused_i32, unused_f32 = out.num_accepted, records.stats
-        races = _Races(unused_i32, unused_i32, unused_f32.view(-1, 1, 1), unused_i32.view(-1, 1, 1))
+    if out is not None:  # WRITE_TOKENS never touches kernel 3's buffers: placeholders of their dtypes
+        races = _Races(out.num_accepted, out.num_accepted, records.stats, out.num_accepted)
         _accept_launch(args, layout, plan, records, nonfinite, races, None, BLOCK_TOKEN.value, out)
         return races
     races = _Races(
@@ -594,7 +593,7 @@ def _launch_accept(
 
 
 def _accept_launch(args, layout, plan, records, nonfinite, races: _Races, mass, phase: int, out=None) -> None:
-    B, C = args.B, races.key.shape[1]
+    B, C = args.B, 1 if out is not None else plan.num_chunks  # WRITE_TOKENS: no race, one program per tile
     params = args.sampling.kernel_args(layout.target)
     t_ptr, t_val, per_req_t = params["temperature"]
     s_ptr, s_val, per_req_s = params["seed"]
