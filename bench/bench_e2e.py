@@ -25,8 +25,8 @@ tokens / wall time summed over every prompt of a prompt set. Modes (``--modes``)
                             ``--draft-vocab`` token ids (``draft_vocab=``: its output layer computes those rows
                             only; the ids are the tokenizer's specials and its lowest ids, BPE merge order:
                             no corpus, so neither prompt set is favoured).
-* ``ours_k1_int8``, ``ours_dyntree_int8``, ``ours_dyntree_vocab_int8``, ``hf_assisted_int8`` -- the same
-                            modes with a copy of the draft whose linear layers are int8 (``use_int8_linears``,
+* ``ours_k1_int8``, ``ours_block_int8``, ``ours_dyntree_int8``, ``ours_dyntree_vocab_int8``,
+  ``hf_assisted_int8`` --   the same modes with a copy of the draft whose linear layers are int8 (``use_int8_linears``,
                             ``--int8-keep``) and the rest in ``--int8-dtype`` (default fp32, not
                             ``--draft-dtype``: bf16 elementwise ops cost more than they save on CPUs
                             without native bf16 math): cheaper draft forwards, the same output law.
@@ -131,6 +131,7 @@ MODES = (
     "ours_k1_vocab",
     "ours_dyntree_vocab",
     "ours_k1_int8",
+    "ours_block_int8",
     "ours_dyntree_int8",
     "ours_dyntree_vocab_int8",
     "hf_assisted_int8",
@@ -225,7 +226,7 @@ def mode_settings(mode: str, args) -> dict:
     if mode == "ours_prompt_lookup":
         return {"G": args.G, "K": 1, "method": None, "drafter": "prompt_lookup"}
     if mode == "ours_block":  # the draft model's chain under block verification
-        return {"G": args.G, "K": 1, "method": "block", "drafter": "model", "verification": "block"}
+        return {"G": args.G, "K": 1, "method": "block", "drafter": "model", "verification": "block", **int8}
     vocab = {"draft_vocab": True} if mode.endswith("_vocab") else {}
     if mode in ("ours_dyntree", "ours_dyntree_lookup", "ours_dyntree_fixed", "ours_dyntree_vocab"):  # G = nodes
         lookup = mode == "ours_dyntree_lookup"

@@ -268,7 +268,7 @@ MUTANTS = [
         "plan.num_chunks > 2 * GREEDY_INLINE_CHUNKS",
         equivalent="merging 9-16 chunks inline gives the same records (a slower program, not another token)",
     ),
-    # ---- the CPU attention of one or two queries (specdec_kernels/ops/tree_attention.py, hf/attention.py)
+    # ---- the CPU attention of a few queries (specdec_kernels/ops/tree_attention.py, hf/attention.py)
     Mutant(
         "grouped-heads",
         "cpu_attention",

@@ -42,11 +42,14 @@ from ..ops.tree_attention import (
 from ..ops.tree_metadata import tree_metadata
 
 ATTN_NAME = "specdec_tree"
-# CPU "auto": forwards of at most this many queries (a chain's draft forwards, a target-only step)
-# run tree_attention_grouped, the rest PyTorch's fused SDPA. Measured per layer (2-core AMD EPYC,
-# 1 thread, 400 keys, SDPA / grouped, us): bf16 14 x 64 heads 1 query 606 / 89, 2 queries 187 / 108;
-# fp32 12 x 128 heads 1 query 118 / 96, 2 queries 204 / 124; from 4 queries on, mixed (0.6-1.4x).
-GROUPED_MAX_QUERIES = 2
+# CPU "auto": forwards of at most this many queries (draft forwards, a chain's verification forward
+# of up to 8 drafts + the root, a target-only step) run tree_attention_grouped, the rest PyTorch's
+# fused SDPA. Measured per layer (2-core AMD EPYC, 1 thread, grouped / SDPA, us; 2026-11-27, torch
+# 2.13): fp32 12 x 128 heads, 300 keys: 1 query 95 / 113, 5 queries 202 / 278, 9 queries 307 / 370;
+# 1,200 keys: 5 queries 625 / 1,014; bf16 14 x 64 heads, 300 keys, 1 query 92 / 480. Over B 1-8,
+# 100-1,200 keys, fp32 and bf16, 14 x 64 / 12 x 128 / 32 x 8 x 128 heads, grouped won or tied at
+# <= 9 queries (1.0-2.4x); from 12 on it was mixed (0.5-1.2x).
+GROUPED_MAX_QUERIES = 9
 
 _ACTIVE: contextvars.ContextVar[TreeAttentionMetadata | None] = contextvars.ContextVar("specdec_tree", default=None)
 # Dynamo cannot trace ContextVar.get: while torch.compile traces, the mask builder and the attention
@@ -161,7 +164,7 @@ def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0
         mask = _dense_mask(meta, key.shape[2], window, window_lo)
         if meta.backend == "torch":
             out = tree_attention_torch(*args, tree_slots=meta.tree_slots, window_lo=window_lo, allowed=mask)
-        elif query.shape[2] <= GROUPED_MAX_QUERIES:  # CPU "auto", a draft's one or two queries
+        elif query.shape[2] <= GROUPED_MAX_QUERIES:  # CPU "auto", a few queries (module constant)
             out = tree_attention_grouped(query, key, value, mask, scaling)
         else:  # CPU "auto": SDPA's fused kernel over the dense mask, as transformers' "sdpa" runs
             out = tree_attention_sdpa(query, key, value, mask, scaling)

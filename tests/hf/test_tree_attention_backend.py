@@ -72,8 +72,14 @@ def test_tree_forward_matches_dense_mask(kind, backend):
     assert torch.equal(meta.position_ids[1], torch.arange(9, 15))  # a chain continues its sequence
 
 
+def _chains(n: int) -> list[list[int]]:
+    """Three requests' parents: a chain of n nodes, a root with n - 1 children, n roots."""
+    return [[i - 1 for i in range(n)], [-1] + [0] * (n - 1), [-1] * n]
+
+
 @pytest.mark.parametrize(
-    "parents", [[[-1], [-1], [-1]], [[-1, 0], [-1, 0], [-1, -1]], [[-1, 0, 1], [-1, 0, 0], [-1, -1, 0]]]
+    "parents",
+    [[[-1], [-1], [-1]], [[-1, 0], [-1, 0], [-1, -1]], [[-1, 0, 1], [-1, 0, 0], [-1, -1, 0]], _chains(9), _chains(10)],
 )
 def test_cpu_auto_runs_few_queries_grouped(parents, monkeypatch):
     """On the CPU, "auto" runs forwards of up to GROUPED_MAX_QUERIES queries through
