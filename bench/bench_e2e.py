@@ -26,7 +26,7 @@ tokens / wall time summed over every prompt of a prompt set. Modes (``--modes``)
                             only; the ids are the tokenizer's specials and its lowest ids, BPE merge order:
                             no corpus, so neither prompt set is favoured).
 * ``ours_k1_int8``, ``ours_block_int8``, ``ours_dyntree_int8``, ``ours_dyntree_vocab_int8``,
-  ``hf_assisted_int8`` --   the same modes with a copy of the draft whose linear layers are int8 (``use_int8_linears``,
+  ``hf_assisted_int8`` --  the same modes with a copy of the draft whose linear layers are int8 (``use_int8_linears``,
                             ``--int8-keep``) and the rest in ``--int8-dtype`` (default fp32, not
                             ``--draft-dtype``: bf16 elementwise ops cost more than they save on CPUs
                             without native bf16 math): cheaper draft forwards, the same output law.
