@@ -128,6 +128,25 @@ def test_generate_with_an_int8_draft(capsys):
     assert out.startswith(prompt) and "acceptance" in out.lower()
 
 
+def test_generate_with_block_verification(capsys, monkeypatch):
+    """--verification block reaches the driver (a sampled chain) and runs; with a tree it is the
+    driver's own refusal, naming the flag."""
+    pytest.importorskip("transformers")
+    from specdec_kernels import hf
+
+    seen = []
+    real = hf.speculative_generate
+    monkeypatch.setattr(hf, "speculative_generate", lambda *a, **kw: seen.append(kw["verification"]) or real(*a, **kw))
+    prompt = "def add(a, b):\n    return a + b\n"
+    argv = ["generate", "--target", "demo", "--verification", "block", "--prompt", prompt, "--device", "cpu"]
+    assert main([*argv, "--temperature", "0.7", "--seed", "3", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert seen == ["block"] and out.startswith(prompt) and "acceptance" in out.lower()
+    assert main([*argv, "--num-drafts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--verification='block'" in err and "--num-drafts" in err, err
+
+
 @pytest.mark.parametrize("lookup", [[], ["--prompt-lookup"]], ids=["model", "with_lookup"])
 def test_generate_with_a_dynamic_draft_tree(capsys, lookup):
     prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    "

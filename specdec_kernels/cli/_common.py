@@ -27,6 +27,7 @@ DRIVER_FLAGS = {
     "num_draft_tokens": "--num-draft-tokens",
     "num_drafts": "--num-drafts",
     "method": "--method",
+    "verification": "--verification",
     "drafter": "--drafter",
     "draft_tree": "--draft-tree",
     "tree_width": "--tree-width",

@@ -32,6 +32,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     method_help = "tree method (default kseq; rrs_wor with --drafter medusa)"
     p.add_argument("--method", choices=list(METHODS), default=None, help=method_help)
     p.add_argument(
+        "--verification",
+        choices=["token", "block"],
+        default="token",
+        help="a chain's rule: token (draft by draft) or block (the accepted prefix decided jointly: at least as "
+        "many tokens a step, the same output law)",
+    )
+    p.add_argument(
         "--drafter",
         choices=["model", "prompt_lookup", "medusa"],
         default=None,
@@ -275,6 +282,7 @@ def generate_command(args: argparse.Namespace) -> int:
             num_draft_tokens=args.num_draft_tokens,
             num_drafts=args.num_drafts,
             method=args.method,
+            verification=args.verification,
             drafter=drafter,
             draft_tree=args.draft_tree,
             tree_width=args.tree_width,
