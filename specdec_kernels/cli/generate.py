@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .._types import METHODS
+from .._types import METHODS, VERIFY_METHODS
 from ._common import UsageError, at_least, check_positions, driver_checks, quiet_transformers, resolve_device
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -33,8 +33,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--method", choices=list(METHODS), default=None, help=method_help)
     p.add_argument(
         "--verification",
-        choices=["token", "block"],
-        default="token",
+        choices=list(VERIFY_METHODS),
+        default="token",  # the driver's default
         help="a chain's rule: token (draft by draft) or block (the accepted prefix decided jointly: at least as "
         "many tokens a step, the same output law)",
     )
