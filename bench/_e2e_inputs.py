@@ -134,6 +134,11 @@ class Pair:
     vocab_size: int | None  # passed to speculative_generate when the models' output rows differ
     dropped_generation_settings: dict = field(default_factory=dict)
     draft_int8: object | None = None  # the *_int8 modes' draft: a copy with int8 linear layers
+    draft_int4: object | None = None  # the *_int4 modes' draft: a copy with int4 linear layers
+
+    def quantised(self, quant: str | None):
+        """The draft a mode runs: its int8 / int4 copy, or the draft as loaded (quant None)."""
+        return {None: self.draft, "int8": self.draft_int8, "int4": self.draft_int4}[quant]
 
 
 def smoke_models(device: str, dtype) -> tuple[object, object]:
@@ -223,16 +228,17 @@ def load_pair(args, dtype, draft_dtype=None) -> Pair:
         eos = _eos_list(getattr(target.generation_config, "eos_token_id", None)) or _eos_list(tok.eos_token_id)
         pad = tok.pad_token_id
     draft_int8 = int8_draft(draft, args)  # from the draft as loaded, in --int8-dtype
+    draft_int4 = int8_draft(draft, args, bits=4)
     if draft is not None and draft_dtype is not None:
         draft = draft.to(draft_dtype)  # the draft's precision never changes what is accepted, only how often
     if getattr(args, "cpu_linear", "torch") == "onednn" and str(device).startswith("cpu"):
         from specdec_kernels.hf.cpu_linear import use_onednn_linears
 
-        drafts = [m for m in (draft, draft_int8) if m is not None]
+        drafts = [m for m in (draft, draft_int8, draft_int4) if m is not None]
         swapped = use_onednn_linears(target) + sum(use_onednn_linears(m) for m in drafts)
         print(f"# cpu linear layers: {swapped} nn.Linear -> oneDNN (every mode, baselines included)")
     dropped = neutralize_generation_config(target, eos, pad)
-    for m in (draft, draft_int8):
+    for m in (draft, draft_int8, draft_int4):
         if m is not None:
             neutralize_generation_config(m, eos, pad)
     from specdec_kernels.hf.generate import _vocab_rows
@@ -240,24 +246,30 @@ def load_pair(args, dtype, draft_dtype=None) -> Pair:
     vocab = args.vocab_size
     if vocab is None and draft is not None and _vocab_rows(target) != _vocab_rows(draft):
         vocab = len(tok)  # the models pad their embedding matrices differently: compare real tokens only
-    return Pair(target, draft, tok, names[0], names[1], eos, pad, vocab, dropped, draft_int8)
+    return Pair(target, draft, tok, names[0], names[1], eos, pad, vocab, dropped, draft_int8, draft_int4)
 
 
-def int8_draft(draft, args):
-    """A copy of the draft with int8 linear layers (``use_int8_linears``, keeping ``--int8-keep``), the
-    rest of it in ``--int8-dtype``, when a ``*_int8`` mode runs, else None."""
-    if draft is None or not any(m.endswith("_int8") for m in getattr(args, "modes", None) or ()):
+def int8_draft(draft, args, bits: int = 8):
+    """A copy of the draft with int8 (``bits=4``: int4) linear layers (``use_int8_linears`` /
+    ``use_int4_linears``, keeping ``--int8-keep``), the rest of it in ``--int8-dtype``, when a
+    ``*_int8`` (``*_int4``) mode runs, else None."""
+    suffix = f"_int{bits}"
+    if draft is None or not any(m.endswith(suffix) for m in getattr(args, "modes", None) or ()):
         return None
     from _common import torch_dtype
 
-    from specdec_kernels.hf.cpu_int8 import int8_linear_available, use_int8_linears
+    from specdec_kernels.hf import cpu_int4, cpu_int8
 
-    if not int8_linear_available() or next(draft.parameters()).device.type != "cpu":
+    if bits == 8:
+        available, swap = cpu_int8.int8_linear_available, cpu_int8.use_int8_linears
+    else:
+        available, swap = cpu_int4.int4_linear_available, cpu_int4.use_int4_linears
+    if not available() or next(draft.parameters()).device.type != "cpu":
         return None
 
     quantized = copy.deepcopy(draft).to(torch_dtype(getattr(args, "int8_dtype", None) or "fp32"))
-    swapped = use_int8_linears(quantized, keep=tuple(getattr(args, "int8_keep", None) or ()))
-    print(f"# *_int8 modes: a draft copy with {swapped} int8 linear layers")
+    swapped = swap(quantized, keep=tuple(getattr(args, "int8_keep", None) or ()))
+    print(f"# *{suffix} modes: a draft copy with {swapped} int{bits} linear layers")
     return quantized
 
 

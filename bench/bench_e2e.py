@@ -30,6 +30,10 @@ tokens / wall time summed over every prompt of a prompt set. Modes (``--modes``)
                             ``--int8-keep``) and the rest in ``--int8-dtype`` (default fp32, not
                             ``--draft-dtype``: bf16 elementwise ops cost more than they save on CPUs
                             without native bf16 math): cheaper draft forwards, the same output law.
+* ``ours_k1_int4``, ``ours_block_int4``, ``ours_dyntree_int4``, ``hf_assisted_int4`` -- the same with int4
+                            linear layers (``use_int4_linears``: our W4A8 kernel, half int8's bytes), same
+                            ``--int8-keep`` / ``--int8-dtype``; the rows' ``draft_int8`` column reads
+                            ``int4 <dtype> keep=...``.
 * ``ours_prompt_lookup`` -- ``speculative_generate(drafter="prompt_lookup")``: n-gram drafts from the
                             request's own tokens, no draft model.
 * ``hf_prompt_lookup``   -- (not run by default) ``target.generate(prompt_lookup_num_tokens=G)``,
@@ -135,14 +139,20 @@ MODES = (
     "ours_dyntree_int8",
     "ours_dyntree_vocab_int8",
     "hf_assisted_int8",
+    "ours_k1_int4",
+    "ours_block_int4",
+    "ours_dyntree_int4",
+    "hf_assisted_int4",
     "ours_prompt_lookup",
     "hf_prompt_lookup",
 )
-HF_MODES = ("hf_assisted", "hf_assisted_int8", "hf_prompt_lookup")  # Hugging Face's generate: batch 1, no grammar
+# Hugging Face's generate: batch 1, no grammar
+HF_MODES = ("hf_assisted", "hf_assisted_int8", "hf_assisted_int4", "hf_prompt_lookup")
 DEFAULT_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup")
 SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_k1_int8", "ours_prompt_lookup")
 DRAFT_MODES = tuple(m for m in MODES if m not in ("target_only", "ours_prompt_lookup", "hf_prompt_lookup"))
 PROMPT_SETS = ("code", "prose")
+QUANTISED_DRAFTS = ("int8", "int4")  # mode suffixes: which copy of the draft runs (Pair.quantised)
 
 AXES = {
     "G": common.Axis(
@@ -217,8 +227,9 @@ def mode_settings(mode: str, args) -> dict:
     """G, K, method and drafter of a mode (G/K 'hf' where Hugging Face chooses)."""
     if mode == "target_only":
         return {"G": None, "K": None, "method": None}
-    int8 = {"int8": True} if mode.endswith("_int8") else {}
-    mode = mode.removesuffix("_int8")
+    quant = next((q for q in QUANTISED_DRAFTS if mode.endswith("_" + q)), None)
+    int8 = {"quant": quant} if quant else {}  # which quantised copy of the draft (Pair.quantised)
+    mode = mode.removesuffix("_" + quant) if quant else mode
     if mode == "hf_assisted":
         return {"G": args.hf_assistant_tokens or "hf", "K": 1, "method": "hf", **int8}
     if mode == "hf_prompt_lookup":
@@ -234,6 +245,15 @@ def mode_settings(mode: str, args) -> dict:
         return {"G": args.G, "K": 1, "method": "rrs_wor", "drafter": "model", **tree, **vocab, **int8}
     K = int(mode.removeprefix("ours_k").removesuffix("_vocab"))
     return {"G": args.G, "K": K, "method": args.method if K > 1 else None, "drafter": "model", **vocab, **int8}
+
+
+def quantised_label(quant: str | None, args) -> str | None:
+    """The rows' draft_int8 column: the quantised draft's other layers' dtype and kept layers (int4
+    drafts prefixed ``int4``; int8 ones as before), None for the draft as loaded."""
+    if quant is None:
+        return None
+    label = f"{args.int8_dtype} keep={','.join(args.int8_keep)}"
+    return label if quant == "int8" else f"{quant} {label}"
 
 
 def sampling_kwargs_hf(temperature: float, args) -> dict:
@@ -256,8 +276,8 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
             repetition_penalty=1.0,
             **sampling_kwargs_hf(temperature, args),
         )
-        if mode in ("hf_assisted", "hf_assisted_int8"):
-            kwargs["assistant_model"] = pair.draft_int8 if mode == "hf_assisted_int8" else pair.draft
+        if mode in ("hf_assisted", "hf_assisted_int8", "hf_assisted_int4"):
+            kwargs["assistant_model"] = pair.quantised(mode_settings(mode, args).get("quant"))
         elif mode == "hf_prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = args.G
         if args.compiled_grammar is not None:  # xgrammar's transformers processor (one per call: it keeps state)
@@ -290,7 +310,7 @@ def _timed_ours(pair: Pair, ids, mask, temperature: float, max_new: int, seed: i
     return timed(
         lambda: speculative_generate(
             pair.target,
-            (pair.draft_int8 if s.get("int8") else pair.draft) if use_draft else None,
+            pair.quantised(s.get("quant")) if use_draft else None,
             ids,
             mask,
             max_new_tokens=max_new,
@@ -331,6 +351,8 @@ def mode_unavailable(mode: str, pair: Pair, batch_size: int, json_schema: str | 
         return "no draft model (--draft)"
     if mode.endswith("_int8") and pair.draft_int8 is None:
         return "no int8 draft (this PyTorch has no fbgemm int8 linear, or the models are not on the CPU)"
+    if mode.endswith("_int4") and pair.draft_int4 is None:
+        return "no int4 draft (the native CPU build does not load, or the models are not on the CPU)"
     if json_schema and mode in HF_MODES:
         # measured: its __call__ asserts on the candidate tokens assisted decoding hands it
         return "xgrammar's transformers processor accepts one token per call; assisted generation passes several"
@@ -340,7 +362,7 @@ def mode_unavailable(mode: str, pair: Pair, batch_size: int, json_schema: str | 
 
 
 def configure_hf_assistant(pair: Pair, args) -> None:
-    for draft in (pair.draft, pair.draft_int8):
+    for draft in (pair.draft, pair.draft_int8, pair.draft_int4):
         if args.hf_assistant_tokens and draft is not None:
             draft.generation_config.num_assistant_tokens = args.hf_assistant_tokens
             draft.generation_config.num_assistant_tokens_schedule = "constant"
@@ -508,7 +530,7 @@ def make_rows(
             "cache": args.cache if mode.startswith("ours") else None,
             "compiled": args.compile if mode.startswith("ours") else None,
             "draft_vocab": len(args.draft_vocab_ids) if s.get("draft_vocab") and args.draft_vocab_ids else None,
-            "draft_int8": f"{args.int8_dtype} keep={','.join(args.int8_keep)}" if s.get("int8") else None,
+            "draft_int8": quantised_label(s.get("quant"), args),
         }
         if mode in skipped:
             rows.append({**row, "status": f"skipped: {skipped[mode]}"})
@@ -603,8 +625,9 @@ def draft_vocab_ids(pair: Pair, args):
     ids = frequent_token_ids(pair.tokenizer, [], args.draft_vocab, include=pair.eos_token_id, vocab_size=vocab)
     vocab_ids = DraftVocab(ids)
     vocab_ids.head_for(pair.draft)
-    if pair.draft_int8 is not None:
-        vocab_ids.head_for(pair.draft_int8)
+    for quantised in (pair.draft_int8, pair.draft_int4):
+        if quantised is not None:
+            vocab_ids.head_for(quantised)
     return vocab_ids
 
 

@@ -21,6 +21,7 @@
 
 #include <memory>
 
+#include "int4_linear.h"
 #include "verify_api.h"
 
 namespace {
@@ -438,6 +439,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("filter_threshold_program", &filter_threshold_program, "The GPU programs' top-k/top-p threshold, on the CPU");
   m.def("kseq_rho_program", &kseq_rho_program, "The core's K-SEQ rho search on one position, on the CPU");
   m.def("row_softmax_program", &row_softmax_program, "The CPU row pass's merged (max, z) of rows [R, V]");
+  m.def("w4a8_linear", &w4a8_linear, "Int4-weight linear of CPU draft models (csrc/int4_linear.cpp)");
+  m.def("w4a8_fast_path", &w4a8_fast_path, "Whether w4a8_linear runs its AVX-512 VNNI path here");
 #ifdef SPECDEC_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

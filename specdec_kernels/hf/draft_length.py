@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .cpu_int4 import Int4Linear
 from .cpu_int8 import Int8Linear
 from .cpu_linear import MIN_ROWS
 
@@ -138,8 +139,9 @@ def _streamed_bytes(model) -> int:
 def _streamed(model) -> tuple[int, int]:
     """(Bytes, weights) a one-token forward reads: every parameter but the input embedding (of which
     it reads one row) unless that matrix is also the output layer (tied), plus the weights of linear
-    layers swapped for oneDNN or int8 ones (``hf/cpu_linear.py``, ``hf/cpu_int8.py``), which are not
-    parameters (int8: a byte a weight and an fp32 scale a row)."""
+    layers swapped for oneDNN, int8 or int4 ones (``hf/cpu_linear.py``, ``hf/cpu_int8.py``,
+    ``hf/cpu_int4.py``), which are not parameters (int8: a byte a weight and an fp32 scale a row;
+    int4: half a byte a weight and an fp16 scale per 32)."""
     embedding = model.get_input_embeddings()
     output = model.get_output_embeddings()
     tied = embedding is not None and isinstance(output, nn.Linear) and output.weight is embedding.weight
@@ -153,6 +155,9 @@ def _streamed(model) -> tuple[int, int]:
             weights += m.in_features * m.out_features
         elif isinstance(m, Int8Linear):
             nbytes += m.in_features * m.out_features + 4 * m.out_features
+            weights += m.in_features * m.out_features
+        elif isinstance(m, Int4Linear):
+            nbytes += m.wq.numel() + m.ws.numel() * m.ws.element_size()
             weights += m.in_features * m.out_features
     return nbytes, weights
 

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .cpu_int4 import Int4Linear
 from .cpu_int8 import Int8Linear
 from .cpu_linear import OneDnnLinear
 
@@ -49,8 +50,8 @@ class DraftVocabHead(nn.Module):
     """An output layer over ``token_ids`` only, returning full-width logits.
 
     ``kept``: the original layer's rows at ``token_ids`` (an ``nn.Linear``, or an ``OneDnnLinear`` /
-    ``Int8Linear`` where the original was one). Input ``[..., in_features]``; output ``[..., out_features]`` with
-    the kept rows' logits at ``token_ids`` and ``OFF_VOCAB_LOGIT`` elsewhere.
+    ``Int8Linear`` / ``Int4Linear`` where the original was one). Input ``[..., in_features]``; output
+    ``[..., out_features]`` with the kept rows' logits at ``token_ids`` and ``OFF_VOCAB_LOGIT`` elsewhere.
     """
 
     def __init__(self, kept: nn.Module, token_ids: torch.Tensor, out_features: int):
@@ -129,11 +130,18 @@ def _restricted_head(model, ids: torch.Tensor) -> DraftVocabHead:
     out = model.get_output_embeddings()
     if isinstance(out, DraftVocabHead):
         raise ValueError("draft_vocab: the draft's output layer is already restricted")
-    if type(out) not in (nn.Linear, OneDnnLinear, Int8Linear):
+    if type(out) not in (nn.Linear, OneDnnLinear, Int8Linear, Int4Linear):
         raise ValueError(
-            "draft_vocab needs a draft whose output layer is an nn.Linear (or OneDnnLinear, Int8Linear), "
-            f"got {type(out).__name__}"
+            "draft_vocab needs a draft whose output layer is an nn.Linear (or OneDnnLinear, Int8Linear, "
+            f"Int4Linear), got {type(out).__name__}"
         )
+    if isinstance(out, Int4Linear):  # the kept rows of the packed weight as they are: the same int4 values
+        if int(ids[-1]) >= out.out_features:
+            raise ValueError(f"draft_vocab has token id {int(ids[-1])} >= the draft's output rows ({out.out_features})")
+        bias = out.bias.detach().index_select(0, ids) if out.bias is not None else None
+        kept4 = Int4Linear(out.wq.index_select(0, ids).contiguous(), out.ws.index_select(0, ids).contiguous(), bias,
+                           out.in_features, ids.numel())  # fmt: skip
+        return DraftVocabHead(kept4, ids, out.out_features)
     weight = out.weight.detach()  # [V, in_features] (OneDnnLinear: an unpacked copy; Int8Linear: dequantised)
     if int(ids[-1]) >= weight.shape[0]:
         raise ValueError(f"draft_vocab has token id {int(ids[-1])} >= the draft's output rows ({weight.shape[0]})")
