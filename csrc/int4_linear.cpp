@@ -4,13 +4,15 @@
 // arithmetic far below the bandwidth (AVX-512 VNNI: 64 multiply-adds an instruction).
 //
 // Weights (packed in Python, cpu_int4.pack_int4): symmetric, one fp16 scale per group of GROUP = 32
-// inputs of an output row, values q in [-8, 7] stored as q + 8 in a nibble. A row's groups are laid
-// out in blocks of four (BLOCK = 128 inputs, 64 bytes): byte 16 w + i of a block holds element i of
-// its group w in the low nibble and element 16 + i in the high nibble, so one 64-byte load gives, by
-// mask and shift, the four groups' first and second halves as two 64-byte vectors.
+// inputs of an output row, values q in [-8, 7] stored as q + 8 in a nibble: byte 16 g + i of a row
+// holds element i of its group g in the low nibble and element 16 + i in the high nibble. So one
+// 64-byte load covers a block of four groups (BLOCK = 128 inputs) and gives, by mask and shift, their
+// first and second halves as two vectors. A row's last block may hold 1-3 groups (K % 32 == 0): it is
+// loaded under a mask.
 //
 // Activations: quantised per call, per row and group of 32: int8 in [-127, 127] with scale
-// amax / 127 (round to nearest even), in the same block layout. A group's dot product is
+// amax / 127 (round to nearest even), per block the four groups' first halves (64 bytes), then their
+// second halves; rows padded with zeros to whole blocks. A group's dot product is
 //   s_w s_a sum_i (q_i + 8) a_i  -  8 s_w s_a sum_i a_i,
 // the first sum by vpdpbusd (unsigned nibbles times signed activations, exact in int32), the second a
 // per-call constant of the group (its activation sum). Accumulation is in fp32.
@@ -40,6 +42,8 @@ constexpr int64_t BLOCK = 128;  // inputs per 64-byte block of a packed row (fou
 constexpr int LANES = 4;        // int32 lanes of a vpdpbusd result per group (16 bytes each)
 constexpr int64_t TILE_N = 16;  // output rows a parallel task takes (parallel_for's grain)
 
+inline int64_t padded(int64_t K) { return (K + BLOCK - 1) / BLOCK * BLOCK; }
+
 inline float half_to_float(uint16_t h) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
@@ -49,8 +53,10 @@ inline float half_to_float(uint16_t h) {
 // quarter of the offset term), each written `spread` times in a row (LANES for the vector path, which
 // loads them spread over the group's result lanes; 1 for the portable one). A group with a non-finite
 // entry gets s_a = NaN: its rows' outputs are NaN.
+// aq [M, Kp] and sa, cc [M, Gp * spread] (Kp = K rounded up to BLOCK, Gp = Kp / GROUP) arrive zeroed
+// where K ends before Kp: the padding stays zero.
 void quantize_rows(const float* x, int64_t M, int64_t K, int spread, int8_t* aq, float* sa, float* cc) {
-  const int64_t G = K / GROUP;
+  const int64_t G = K / GROUP, Kp = padded(K), Gp = Kp / GROUP;
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     for (int64_t g = 0; g < G; ++g) {
@@ -64,7 +70,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int spread, int8_t* aq,
       const float s = finite ? amax / 127.f : NAN;
       const float inv = (finite && amax > 0.f) ? 127.f / amax : 0.f;
       int32_t sum = 0;
-      int8_t* block = aq + m * K + (g / 4) * BLOCK + (g % 4) * 16;
+      int8_t* block = aq + m * Kp + (g / 4) * BLOCK + (g % 4) * 16;
       for (int64_t i = 0; i < GROUP; ++i) {
         const float v = finite ? std::nearbyint(xr[g * GROUP + i] * inv) : 0.f;
         const int q = static_cast<int>(std::min(127.f, std::max(-127.f, v)));
@@ -72,8 +78,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int spread, int8_t* aq,
         block[(i < 16 ? 0 : 64) + (i & 15)] = static_cast<int8_t>(q);
       }
       for (int l = 0; l < spread; ++l) {
-        sa[(m * G + g) * spread + l] = s;
-        cc[(m * G + g) * spread + l] = -8.f * s * static_cast<float>(sum) / LANES;
+        sa[(m * Gp + g) * spread + l] = s;
+        cc[(m * Gp + g) * spread + l] = -8.f * s * static_cast<float>(sum) / LANES;
       }
     }
   }
@@ -82,18 +88,18 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int spread, int8_t* aq,
 // The portable path: the same sums, one group at a time.
 void gemv_scalar(const uint8_t* wq, const uint16_t* ws, const int8_t* aq, const float* sa, const float* cc, float* out,
                  int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t G = K / GROUP;
+  const int64_t G = K / GROUP, Kp = padded(K), Gp = Kp / GROUP;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = wq + n * (K / 2);
     for (int64_t m = 0; m < M; ++m) {
-      const int8_t* ar = aq + m * K;
+      const int8_t* ar = aq + m * Kp;
       float acc = 0.f;
       for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* wb = wr + (g / 4) * (BLOCK / 2) + (g % 4) * 16;
+        const uint8_t* wb = wr + g * 16;
         const int8_t* ab = ar + (g / 4) * BLOCK + (g % 4) * 16;
         int32_t d = 0;
         for (int i = 0; i < 16; ++i) d += (wb[i] & 0x0F) * ab[i] + (wb[i] >> 4) * ab[64 + i];
-        acc += half_to_float(ws[n * G + g]) * (static_cast<float>(d) * sa[m * G + g] + LANES * cc[m * G + g]);
+        acc += half_to_float(ws[n * G + g]) * (static_cast<float>(d) * sa[m * Gp + g] + LANES * cc[m * Gp + g]);
       }
       out[m * N + n] = acc;
     }
@@ -106,7 +112,10 @@ void gemv_scalar(const uint8_t* wq, const uint16_t* ws, const int8_t* aq, const 
 template <int M, int NT>
 SK_AVX512_VNNI void gemv_vnni(const uint8_t* wq, const uint16_t* ws, const int8_t* aq, const float* sa_l,
                               const float* cc_l, float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t B = K / BLOCK, G = K / GROUP;
+  const int64_t Kp = padded(K), B = Kp / BLOCK, G = K / GROUP;
+  const int tail_groups = static_cast<int>(G - (B - 1) * 4);  // groups in the last block: 1-4
+  const __mmask64 tail_bytes = tail_groups == 4 ? ~0ULL : (1ULL << (16 * tail_groups)) - 1;
+  const __mmask8 tail_scales = static_cast<__mmask8>((1u << tail_groups) - 1);
   const __m512i low = _mm512_set1_epi8(0x0F);
   // group w of a block covers result lanes 4w .. 4w + 3: spread four fp32 scales over them
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -118,15 +127,19 @@ SK_AVX512_VNNI void gemv_vnni(const uint8_t* wq, const uint16_t* ws, const int8_
     for (int64_t b = 0; b < B; ++b) {
       __m512i lo[NT], hi[NT];
       __m512 sw[NT];
+      const bool last = b == B - 1;  // a short last block: no byte past the row's end is read
       for (int t = 0; t < NT; ++t) {
-        const __m512i v = _mm512_loadu_si512(wq + (n + t) * (K / 2) + b * (BLOCK / 2));
+        const uint8_t* wb = wq + (n + t) * (K / 2) + b * (BLOCK / 2);
+        const uint16_t* sb = ws + (n + t) * G + b * 4;
+        const __m512i v = last ? _mm512_maskz_loadu_epi8(tail_bytes, wb) : _mm512_loadu_si512(wb);
         lo[t] = _mm512_and_si512(v, low);
         hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        const __m128i s16 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ws + (n + t) * G + b * 4));
+        const __m128i s16 = last ? _mm_maskz_loadu_epi16(tail_scales, sb)
+                                 : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb));
         sw[t] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(s16)));
       }
       for (int m = 0; m < M; ++m) {
-        const int8_t* ar = aq + m * K + b * BLOCK;
+        const int8_t* ar = aq + m * Kp + b * BLOCK;
         const __m512i a_first = _mm512_loadu_si512(ar), a_second = _mm512_loadu_si512(ar + 64);
         const __m512 sav = _mm512_loadu_ps(sa_l + (m * B + b) * 16);  // spread over the result lanes
         const __m512 cv = _mm512_loadu_ps(cc_l + (m * B + b) * 16);
@@ -178,7 +191,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   TORCH_CHECK(x.device().is_cpu() && wq.device().is_cpu() && ws.device().is_cpu(), "w4a8_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "w4a8_linear: x must be [M, K] fp32 contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = wq.size(0);
-  TORCH_CHECK(K % BLOCK == 0, "w4a8_linear: in_features must be a multiple of ", BLOCK, ", got ", K);
+  TORCH_CHECK(K % GROUP == 0 && K > 0, "w4a8_linear: in_features must be a positive multiple of ", GROUP, ", got ", K);
   TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous() && wq.size(1) == K / 2,
               "w4a8_linear: wq must be [N, K / 2] uint8 contiguous");
   TORCH_CHECK(ws.dim() == 2 && ws.scalar_type() == at::kHalf && ws.is_contiguous() && ws.size(0) == N &&
@@ -186,12 +199,15 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
               "w4a8_linear: ws must be [N, K / 32] fp16 contiguous");
   auto out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const int64_t G = K / GROUP;
+  const int64_t Kp = padded(K), Gp = Kp / GROUP;
   const bool fast = w4a8_fast_path();
   const int spread = fast ? LANES : 1;
-  auto aq = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto sa = at::empty({M, G * spread}, x.options());
-  auto cc = at::empty({M, G * spread}, x.options());
+  auto zeros_or_empty = [&](at::IntArrayRef shape, at::ScalarType dtype) {  // padding must read as zero
+    return Kp != K ? at::zeros(shape, x.options().dtype(dtype)) : at::empty(shape, x.options().dtype(dtype));
+  };
+  auto aq = zeros_or_empty({M, Kp}, at::kChar);
+  auto sa = zeros_or_empty({M, Gp * spread}, at::kFloat);
+  auto cc = zeros_or_empty({M, Gp * spread}, at::kFloat);
   quantize_rows(x.data_ptr<float>(), M, K, spread, aq.data_ptr<int8_t>(), sa.data_ptr<float>(), cc.data_ptr<float>());
   const auto* w = wq.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(ws.data_ptr<at::Half>());
@@ -202,13 +218,13 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
       const int64_t rows = std::min<int64_t>(8, M - m0);
 #ifdef SK_HAVE_AVX512_W4
       if (fast) {
-        gemv_vnni_rows(rows, w, s, aq.data_ptr<int8_t>() + m0 * K, sa.data_ptr<float>() + m0 * G * LANES,
-                       cc.data_ptr<float>() + m0 * G * LANES, y + m0 * N, N, K, n0, n1);
+        gemv_vnni_rows(rows, w, s, aq.data_ptr<int8_t>() + m0 * Kp, sa.data_ptr<float>() + m0 * Gp * LANES,
+                       cc.data_ptr<float>() + m0 * Gp * LANES, y + m0 * N, N, K, n0, n1);
         continue;
       }
 #endif
-      gemv_scalar(w, s, aq.data_ptr<int8_t>() + m0 * K, sa.data_ptr<float>() + m0 * G, cc.data_ptr<float>() + m0 * G,
-                  y + m0 * N, rows, N, K, n0, n1);
+      gemv_scalar(w, s, aq.data_ptr<int8_t>() + m0 * Kp, sa.data_ptr<float>() + m0 * Gp,
+                  cc.data_ptr<float>() + m0 * Gp, y + m0 * N, rows, N, K, n0, n1);
     }
   });
   if (bias.has_value() && bias->defined()) {

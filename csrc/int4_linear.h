@@ -4,7 +4,7 @@
 #include <torch/extension.h>
 
 // y [M, N] fp32 = x [M, K] (fp32, contiguous) times the int4 weight (wq [N, K / 2] uint8, ws [N, K / 32]
-// fp16; layout in int4_linear.cpp) + bias [N] fp32 (optional). K % 128 == 0.
+// fp16; layout in int4_linear.cpp) + bias [N] fp32 (optional). K % 32 == 0.
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,
                        const c10::optional<at::Tensor>& bias);
 

@@ -115,17 +115,27 @@ def test_generate_with_a_draft_vocab(capsys, tree):
     assert out.startswith(prompt) and "acceptance" in out.lower()
 
 
-def test_generate_with_an_int8_draft(capsys):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_generate_with_a_quantised_draft(capsys, monkeypatch, bits):
+    """--draft-int8 / --draft-int4 swap the demo draft's layers (every one: the demo's widths are
+    multiples of 32) and generate; both at once is a usage error."""
     pytest.importorskip("transformers")
-    from specdec_kernels.hf.cpu_int8 import int8_linear_available
+    from specdec_kernels.hf import cpu_int4, cpu_int8
 
-    if not int8_linear_available():
-        pytest.skip("this PyTorch build has no fbgemm int8 linear")
+    if not (cpu_int8.int8_linear_available() if bits == 8 else cpu_int4.int4_linear_available()):
+        pytest.skip(f"no int{bits} linear here")
+    swapped = []
+    swap = cpu_int8.use_int8_linears if bits == 8 else cpu_int4.use_int4_linears
+    module = cpu_int8 if bits == 8 else cpu_int4
+    monkeypatch.setattr(module, f"use_int{bits}_linears", lambda model: swapped.append(swap(model)) or swapped[-1])
     prompt = "def add(a, b):\n    return a + b\n"
-    argv = ["generate", "--target", "demo", "--draft-int8", "--prompt", prompt, "--device", "cpu"]
+    argv = ["generate", "--target", "demo", f"--draft-int{bits}", "--prompt", prompt, "--device", "cpu"]
     assert main([*argv, "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(prompt) and "acceptance" in out.lower()
+    assert swapped and swapped[0] > 0
+    assert main([*argv, "--draft-int8", "--draft-int4"]) == 2
+    assert "one of --draft-int8 and --draft-int4" in capsys.readouterr().err
 
 
 def test_generate_with_block_verification(capsys, monkeypatch):

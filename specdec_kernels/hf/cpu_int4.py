@@ -24,7 +24,7 @@ target is another model.
 
 :func:`use_int4_linears` swaps a model's linear layers (``nn.Linear``, :class:`OneDnnLinear`,
 :class:`Int8Linear` is not one) for :class:`Int4Linear` in place; inference only, CPU, fp32 or bf16
-weights whose input width is a multiple of :data:`INT4_BLOCK` (others are left as they are).
+weights whose input width is a multiple of :data:`INT4_GROUP` (others are left as they are).
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ from torch import nn
 
 from .cpu_linear import OneDnnLinear
 
-__all__ = ["INT4_BLOCK", "INT4_GROUP", "Int4Linear", "int4_linear_available", "pack_int4", "use_int4_linears"]
+__all__ = ["INT4_GROUP", "Int4Linear", "int4_linear_available", "pack_int4", "use_int4_linears"]
 
 INT4_GROUP = 32  # inputs per weight scale and per activation scale (csrc/int4_linear.cpp: GROUP)
-INT4_BLOCK = 128  # the kernel's unit along the inputs: four groups in one 64-byte load (csrc: BLOCK)
 INT4_MAX = 7  # symmetric int4: q in [-8, 7], scale = max |w| / 7 per group
 _LINEARS = (nn.Linear, OneDnnLinear)
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -61,11 +60,11 @@ def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(wq [N, K / 2] uint8, ws [N, K / 32] fp16): ``weight`` [N, K] in the kernel's layout.
 
     Per group of 32 inputs of a row: scale s = max |w| / 7 rounded to fp16, q = round(w / s) clamped
-    to [-8, 7], stored as q + 8; group w of each block of four holds element i in the low nibble of
-    byte 16 w + i and element 16 + i in its high nibble. :func:`dequantize_int4` inverts it."""
+    to [-8, 7], stored as q + 8; group g holds element i in the low nibble of byte 16 g + i and
+    element 16 + i in its high nibble. :func:`dequantize_int4` inverts it."""
     N, K = weight.shape
-    if K % INT4_BLOCK:
-        raise ValueError(f"pack_int4: the input width ({K}) must be a multiple of {INT4_BLOCK}")
+    if K % INT4_GROUP or K == 0:
+        raise ValueError(f"pack_int4: the input width ({K}) must be a positive multiple of {INT4_GROUP}")
     w = weight.detach().float().reshape(N, K // INT4_GROUP, INT4_GROUP)
     if not bool(torch.isfinite(w).all()):
         raise ValueError("pack_int4: the weight has NaN or infinite entries")
@@ -132,7 +131,7 @@ def use_int4_linears(model: nn.Module, keep: tuple[str, ...] | list[str] = ()) -
     """Replace the linear layers (``nn.Linear``, :class:`OneDnnLinear`) of a CPU fp32/bf16 *draft*
     ``model`` with :class:`Int4Linear`, in place, except those whose qualified name contains one of
     ``keep`` (e.g. ``("lm_head",)``) and those whose input width is not a multiple of
-    :data:`INT4_BLOCK`. Returns how many were replaced.
+    :data:`INT4_GROUP`. Returns how many were replaced.
 
     Raises ``ValueError`` when the native CPU build cannot be loaded (asked for and not possible is an
     error, not a silent no-op). Layers on a GPU or in other dtypes are left as they are. Inference
@@ -158,7 +157,7 @@ def use_int4_linears(model: nn.Module, keep: tuple[str, ...] | list[str] = ()) -
                 continue
             if type(child) is nn.Linear and (child.weight.device.type != "cpu" or child.weight.dtype not in _DTYPES):
                 continue
-            if child.weight.shape[1] % INT4_BLOCK:
+            if child.weight.shape[1] % INT4_GROUP or child.weight.shape[1] == 0:
                 continue
             setattr(parent, name, Int4Linear.from_linear(child))
             replaced += 1

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from specdec_kernels.hf import cpu_int4, speculative_generate  # noqa: E402
 from specdec_kernels.hf.cpu_int4 import (  # noqa: E402
-    INT4_BLOCK,
+    INT4_GROUP,
     Int4Linear,
     dequantize_int4,
     int4_linear_available,
@@ -40,24 +40,25 @@ def path(request, monkeypatch):
 
 
 def _emulated(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
-    """The layer's arithmetic in float64: the int4 weight (dequantize_int4), the input quantised per
-    row and group of 32 to round(x / s) with s = max |x| / 127 (ties to even, as the kernel), exact
-    products, plus the bias."""
-    rows = x.reshape(-1, layer.in_features).double()
-    groups = rows.reshape(rows.shape[0], -1, 32)
-    s = groups.abs().amax(-1, keepdim=True).float().double() / 127  # the kernel's fp32 amax / 127
-    q = torch.round(groups / torch.where(s > 0, s, 1.0)).clamp(-127, 127) * s
-    y = q.reshape(rows.shape) @ layer.weight.double().T
+    """The layer's arithmetic: the input quantised per row and group of 32 as the kernel does it in
+    fp32 (q = round-half-even(x * (127 / amax)), scale amax / 127), then exact products in float64 with
+    the int4 weight (dequantize_int4), plus the bias."""
+    groups = x.reshape(-1, layer.in_features).float().reshape(-1, layer.in_features // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, 0.0)  # fp32, as the kernel
+    q = torch.round(groups * inv).clamp(-127, 127).double() * (amax / 127).double()
+    y = q.reshape(-1, layer.in_features) @ layer.weight.double().T
     if layer.bias is not None:
         y = y + layer.bias.double()
     return y.reshape(*x.shape[:-1], layer.out_features)
 
 
-@pytest.mark.parametrize("out_features, in_features", [(1, 128), (37, 256), (130, 640)])
+@pytest.mark.parametrize("out_features, in_features", [(1, 128), (37, 256), (130, 640), (9, 32), (5, 96), (66, 320)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
 def test_layer_equals_its_emulation(path, out_features, in_features, rows):
     """Every row count the kernel specialises (1-8 rows a pass, 4 or 2 output rows at a time and
-    the remainder one by one), odd output widths."""
+    the remainder one by one), odd output widths, input widths with a short last block (1-3 groups
+    of 32 past the last 128: read under a mask)."""
     torch.manual_seed(rows)
     layer = Int4Linear.from_linear(nn.Linear(in_features, out_features).requires_grad_(False))
     x = torch.randn(rows, in_features) * torch.logspace(-2, 2, in_features)  # groups of very different scales
@@ -131,8 +132,8 @@ def test_bad_layers_and_inputs_are_clear_errors(monkeypatch):
         layer(torch.randn(2, 129))
     with pytest.raises(ValueError, match="fp32/bf16"):
         Int4Linear.from_linear(nn.Linear(128, 4).half())
-    with pytest.raises(ValueError, match=f"multiple of {INT4_BLOCK}"):
-        Int4Linear.from_linear(nn.Linear(96, 4))
+    with pytest.raises(ValueError, match=f"multiple of {INT4_GROUP}"):
+        Int4Linear.from_linear(nn.Linear(80, 4))
     bad = nn.Linear(128, 4)
     bad.weight.data[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
@@ -162,8 +163,8 @@ def test_use_int4_linears_swaps_every_wide_enough_linear_but_the_kept_names():
     assert use_int4_linears(quantized, keep=("down_proj",)) == len(linears) - len(kept)
     swapped = {n for n, m in quantized.named_modules() if isinstance(m, Int4Linear)}
     assert swapped == set(linears) - set(kept)
-    narrow = nn.Sequential(nn.Linear(96, 4), nn.Linear(4, 128), nn.Linear(128, 3))
-    assert use_int4_linears(narrow) == 1 and isinstance(narrow[2], Int4Linear)  # inputs of 96 and 4: left
+    narrow = nn.Sequential(nn.Linear(96, 4), nn.Linear(4, 160), nn.Linear(160, 3))
+    assert use_int4_linears(narrow) == 2 and isinstance(narrow[1], nn.Linear)  # an input of 4: left
 
 
 @pytest.mark.parametrize(
