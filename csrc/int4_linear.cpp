@@ -50,12 +50,10 @@ inline float half_to_float(uint16_t h) {
 
 // Activations of rows [M, K] -> int8 in block layout, and per group: the scale s_a, and
 // c = -8 s_a (sum of the group's int8 values) / LANES (each of a group's LANES result lanes adds a
-// quarter of the offset term), each written `spread` times in a row (LANES for the vector path, which
-// loads them spread over the group's result lanes; 1 for the portable one). A group with a non-finite
-// entry gets s_a = NaN: its rows' outputs are NaN.
-// aq [M, Kp] and sa, cc [M, Gp * spread] (Kp = K rounded up to BLOCK, Gp = Kp / GROUP) arrive zeroed
-// where K ends before Kp: the padding stays zero.
-void quantize_rows(const float* x, int64_t M, int64_t K, int spread, int8_t* aq, float* sa, float* cc) {
+// quarter of the offset term). A group with a non-finite entry gets s_a = NaN: its rows' outputs are
+// NaN. aq [M, Kp] and sa, cc [M, Gp] (Kp = K rounded up to BLOCK, Gp = Kp / GROUP) arrive zeroed where
+// K ends before Kp: the padding stays zero.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* aq, float* sa, float* cc) {
   const int64_t G = K / GROUP, Kp = padded(K), Gp = Kp / GROUP;
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
@@ -77,10 +75,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int spread, int8_t* aq,
         sum += q;
         block[(i < 16 ? 0 : 64) + (i & 15)] = static_cast<int8_t>(q);
       }
-      for (int l = 0; l < spread; ++l) {
-        sa[(m * Gp + g) * spread + l] = s;
-        cc[(m * Gp + g) * spread + l] = -8.f * s * static_cast<float>(sum) / LANES;
-      }
+      sa[m * Gp + g] = s;
+      cc[m * Gp + g] = -8.f * s * static_cast<float>(sum) / LANES;
     }
   }
 }
@@ -110,8 +106,8 @@ void gemv_scalar(const uint8_t* wq, const uint16_t* ws, const int8_t* aq, const 
 // M activation rows times NT weight rows at a time (the activations' vectors are loaded once for the
 // NT rows; M and NT fixed at compile time keep the M x NT accumulators in registers).
 template <int M, int NT>
-SK_AVX512_VNNI void gemv_vnni(const uint8_t* wq, const uint16_t* ws, const int8_t* aq, const float* sa_l,
-                              const float* cc_l, float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+SK_AVX512_VNNI void gemv_vnni(const uint8_t* wq, const uint16_t* ws, const int8_t* aq, const float* sa,
+                              const float* cc, float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   const int64_t Kp = padded(K), B = Kp / BLOCK, G = K / GROUP;
   const int tail_groups = static_cast<int>(G - (B - 1) * 4);  // groups in the last block: 1-4
   const __mmask64 tail_bytes = tail_groups == 4 ? ~0ULL : (1ULL << (16 * tail_groups)) - 1;
@@ -141,8 +137,8 @@ SK_AVX512_VNNI void gemv_vnni(const uint8_t* wq, const uint16_t* ws, const int8_
       for (int m = 0; m < M; ++m) {
         const int8_t* ar = aq + m * Kp + b * BLOCK;
         const __m512i a_first = _mm512_loadu_si512(ar), a_second = _mm512_loadu_si512(ar + 64);
-        const __m512 sav = _mm512_loadu_ps(sa_l + (m * B + b) * 16);  // spread over the result lanes
-        const __m512 cv = _mm512_loadu_ps(cc_l + (m * B + b) * 16);
+        const __m512 sav = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sa + (m * B + b) * 4)));
+        const __m512 cv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(cc + (m * B + b) * 4)));
         for (int t = 0; t < NT; ++t) {
           __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[t], a_first);
           d = _mm512_dpbusd_epi32(d, hi[t], a_second);
@@ -153,21 +149,21 @@ SK_AVX512_VNNI void gemv_vnni(const uint8_t* wq, const uint16_t* ws, const int8_
     for (int m = 0; m < M; ++m)
       for (int t = 0; t < NT; ++t) out[m * N + n + t] = _mm512_reduce_add_ps(acc[m][t]);
   }
-  if (NT > 1 && n < n1) gemv_vnni<M, 1>(wq, ws, aq, sa_l, cc_l, out, N, K, n, n1);
+  if (NT > 1 && n < n1) gemv_vnni<M, 1>(wq, ws, aq, sa, cc, out, N, K, n, n1);
 }
 
 // Up to 8 activation rows per pass: NT = 4 weight rows for 1-2 (24 vector registers), 2 beyond.
-void gemv_vnni_rows(int64_t M, const uint8_t* wq, const uint16_t* ws, const int8_t* aq, const float* sa_l,
-                    const float* cc_l, float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+void gemv_vnni_rows(int64_t M, const uint8_t* wq, const uint16_t* ws, const int8_t* aq, const float* sa,
+                    const float* cc, float* out, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   switch (M) {
-    case 1: return gemv_vnni<1, 4>(wq, ws, aq, sa_l, cc_l, out, N, K, n0, n1);
-    case 2: return gemv_vnni<2, 4>(wq, ws, aq, sa_l, cc_l, out, N, K, n0, n1);
-    case 3: return gemv_vnni<3, 2>(wq, ws, aq, sa_l, cc_l, out, N, K, n0, n1);
-    case 4: return gemv_vnni<4, 2>(wq, ws, aq, sa_l, cc_l, out, N, K, n0, n1);
-    case 5: return gemv_vnni<5, 2>(wq, ws, aq, sa_l, cc_l, out, N, K, n0, n1);
-    case 6: return gemv_vnni<6, 2>(wq, ws, aq, sa_l, cc_l, out, N, K, n0, n1);
-    case 7: return gemv_vnni<7, 2>(wq, ws, aq, sa_l, cc_l, out, N, K, n0, n1);
-    default: return gemv_vnni<8, 2>(wq, ws, aq, sa_l, cc_l, out, N, K, n0, n1);
+    case 1: return gemv_vnni<1, 4>(wq, ws, aq, sa, cc, out, N, K, n0, n1);
+    case 2: return gemv_vnni<2, 4>(wq, ws, aq, sa, cc, out, N, K, n0, n1);
+    case 3: return gemv_vnni<3, 2>(wq, ws, aq, sa, cc, out, N, K, n0, n1);
+    case 4: return gemv_vnni<4, 2>(wq, ws, aq, sa, cc, out, N, K, n0, n1);
+    case 5: return gemv_vnni<5, 2>(wq, ws, aq, sa, cc, out, N, K, n0, n1);
+    case 6: return gemv_vnni<6, 2>(wq, ws, aq, sa, cc, out, N, K, n0, n1);
+    case 7: return gemv_vnni<7, 2>(wq, ws, aq, sa, cc, out, N, K, n0, n1);
+    default: return gemv_vnni<8, 2>(wq, ws, aq, sa, cc, out, N, K, n0, n1);
   }
 }
 #endif
@@ -201,14 +197,13 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   if (M == 0 || N == 0) return out;
   const int64_t Kp = padded(K), Gp = Kp / GROUP;
   const bool fast = w4a8_fast_path();
-  const int spread = fast ? LANES : 1;
   auto zeros_or_empty = [&](at::IntArrayRef shape, at::ScalarType dtype) {  // padding must read as zero
     return Kp != K ? at::zeros(shape, x.options().dtype(dtype)) : at::empty(shape, x.options().dtype(dtype));
   };
   auto aq = zeros_or_empty({M, Kp}, at::kChar);
-  auto sa = zeros_or_empty({M, Gp * spread}, at::kFloat);
-  auto cc = zeros_or_empty({M, Gp * spread}, at::kFloat);
-  quantize_rows(x.data_ptr<float>(), M, K, spread, aq.data_ptr<int8_t>(), sa.data_ptr<float>(), cc.data_ptr<float>());
+  auto sa = zeros_or_empty({M, Gp}, at::kFloat);
+  auto cc = zeros_or_empty({M, Gp}, at::kFloat);
+  quantize_rows(x.data_ptr<float>(), M, K, aq.data_ptr<int8_t>(), sa.data_ptr<float>(), cc.data_ptr<float>());
   const auto* w = wq.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(ws.data_ptr<at::Half>());
   float* y = out.data_ptr<float>();
@@ -218,8 +213,8 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
       const int64_t rows = std::min<int64_t>(8, M - m0);
 #ifdef SK_HAVE_AVX512_W4
       if (fast) {
-        gemv_vnni_rows(rows, w, s, aq.data_ptr<int8_t>() + m0 * Kp, sa.data_ptr<float>() + m0 * Gp * LANES,
-                       cc.data_ptr<float>() + m0 * Gp * LANES, y + m0 * N, N, K, n0, n1);
+        gemv_vnni_rows(rows, w, s, aq.data_ptr<int8_t>() + m0 * Kp, sa.data_ptr<float>() + m0 * Gp,
+                       cc.data_ptr<float>() + m0 * Gp, y + m0 * N, N, K, n0, n1);
         continue;
       }
 #endif

@@ -60,6 +60,7 @@ GROUPS = {
     "cpu_linear": (["tests/hf/test_cpu_linear.py"], []),
     "draft_vocab": (["tests/hf/test_draft_vocab.py"], []),
     "cpu_int8": (["tests/hf/test_cpu_int8.py"], []),
+    "cpu_int4": (["tests/hf/test_cpu_int4.py"], []),
     "draft_length": (["tests/hf/test_draft_length.py"], []),
     "cpu_attention": (["tests/ops/test_tree_attention.py", "tests/hf/test_tree_attention_backend.py"], []),
     "driver": (
@@ -256,6 +257,39 @@ MUTANTS = [
     Mutant("int8-reduce-range", "cpu_int8", "forward", "self.packed, False)", "self.packed, True)"),
     Mutant("int8-keep-ignored", "cpu_int8", "use_int8_linears", "or any(part in full for part in keep)", "or False"),
     Mutant("int8-bytes-uncounted", "cpu_int8", "_streamed", "elif isinstance(m, Int8Linear):", "elif False:"),
+    # ---- int4 linear layers for CPU drafts (specdec_kernels/hf/cpu_int4.py, csrc/int4_linear.cpp)
+    Mutant(
+        "int4-offset",
+        "cpu_int4",
+        "quantize_rows",
+        "-8.f * s * static_cast<float>(sum)",
+        "-7.f * s * static_cast<float>(sum)",
+    ),
+    Mutant("int4-rounding", "cpu_int4", "quantize_rows", "std::nearbyint(", "std::trunc("),
+    Mutant(
+        "int4-scale-spread",
+        "cpu_int4",
+        "gemv_vnni",
+        "_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)",
+        "_mm512_set_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)",
+    ),
+    Mutant(
+        "int4-vector-halves",
+        "cpu_int4",
+        "gemv_vnni",
+        "d = _mm512_dpbusd_epi32(d, hi[t], a_second);",
+        "d = _mm512_dpbusd_epi32(d, hi[t], a_first);",
+    ),
+    Mutant("int4-portable-halves", "cpu_int4", "gemv_scalar", "(wb[i] >> 4) * ab[64 + i]", "(wb[i] >> 4) * ab[i]"),
+    Mutant(
+        "int4-nibble-order",
+        "cpu_int4",
+        "pack_int4",
+        "(q[..., :16] | (q[..., 16:] << 4))",
+        "(q[..., 16:] | (q[..., :16] << 4))",
+    ),
+    Mutant("int4-keep-ignored", "cpu_int4", "use_int4_linears", "or any(part in full for part in keep)", "or False"),
+    Mutant("int4-bytes-uncounted", "cpu_int4", "_streamed", "elif isinstance(m, Int4Linear):", "elif False:"),
     # ---- all-greedy chain calls: the accept kernel merges the chunks and writes the tokens (triton/chain.py)
     Mutant(
         "greedy-inline-one-chunk", "triton", "_accept_launch", "stat_chunks=records.stats.shape[1],", "stat_chunks=1,"

@@ -226,3 +226,20 @@ def test_the_shape_models_count_an_int4_layers_bytes():
     linear_weights = sum(m.in_features * m.out_features for m in layers)
     assert b_fp32 - b_int4 == 4 * linear_weights - linear_weights // 2 - 2 * (linear_weights // 32)
     assert draft_cost_estimate(model, quantized) < draft_cost_estimate(model, model)
+
+
+def test_threads_split_the_output_rows_without_changing_them():
+    """at::parallel_for splits the output rows into tiles: each output is computed by one thread in
+    the same order, so 2 threads give the same bits as 1."""
+    torch.manual_seed(5)
+    layer = Int4Linear.from_linear(nn.Linear(320, 203))
+    x = torch.randn(3, 320)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        two = layer(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
