@@ -255,7 +255,7 @@ MUTANTS = [
     # ---- int8 linear layers for CPU drafts (specdec_kernels/hf/cpu_int8.py)
     Mutant("int8-half-scale", "cpu_int8", "from_linear", "w.abs().amax(dim=1) / 127.0", "w.abs().amax(dim=1) / 254.0"),
     Mutant("int8-reduce-range", "cpu_int8", "forward", "self.packed, False)", "self.packed, True)"),
-    Mutant("int8-keep-ignored", "cpu_int8", "use_int8_linears", "or any(part in full for part in keep)", "or False"),
+    Mutant("int8-keep-ignored", "cpu_int8", "replace_cpu_linears", "or any(part in full for part in keep)", "or False"),
     Mutant("int8-bytes-uncounted", "cpu_int8", "_streamed", "elif isinstance(m, Int8Linear):", "elif False:"),
     # ---- int4 linear layers for CPU drafts (specdec_kernels/hf/cpu_int4.py, csrc/int4_linear.cpp)
     Mutant(
@@ -288,7 +288,7 @@ MUTANTS = [
         "(q[..., :16] | (q[..., 16:] << 4))",
         "(q[..., 16:] | (q[..., :16] << 4))",
     ),
-    Mutant("int4-keep-ignored", "cpu_int4", "use_int4_linears", "or any(part in full for part in keep)", "or False"),
+    Mutant("int4-narrow-taken", "cpu_int4", "use_int4_linears", "% INT4_GROUP == 0 and", "% 1 == 0 and"),
     Mutant("int4-bytes-uncounted", "cpu_int4", "_streamed", "elif isinstance(m, Int4Linear):", "elif False:"),
     # ---- all-greedy chain calls: the accept kernel merges the chunks and writes the tokens (triton/chain.py)
     Mutant(

@@ -8,13 +8,18 @@ layer runs our own kernel (``csrc/int4_linear.cpp``, in the native CPU build): i
 fp16 scale per group of 32 inputs, the input quantised per call to int8 per row and group of 32,
 multiplied with AVX-512 VNNI (a portable loop elsewhere). Per layer, 1 row, weights streamed
 (1 thread, same machine; ms, int4 / fbgemm int8): 896 x 4864 0.10-0.14 / 0.21-0.30, 4864 x 896
-0.13 / 0.15-0.22, the 896 x 151,936 output layer 4.2-4.8 / 7.0-8.4. At 4 rows it is about even with
-int8 (0.9-1.3x), slower for the 4864-wide down projection (~0.6x).
+0.13 / 0.15-0.22, the 896 x 151,936 output layer 4.2-4.8 / 7.0-8.4. The per-group scales cost a
+float step per group and row that fbgemm's one scale per row does not, so more rows cost more: the
+whole 0.5B draft's forward (300 cached tokens, CPU time, int8 / int4) took 39.7 / 32.2 ms for one
+query, 44.4 / 42.2 for two, 49.6 / 58.5 for four. Use it for chains (one query a forward, two for the
+first of a step); a tree's 2-4-node frontiers run faster on the int8 layers.
 
 Quality. Per-group activation scales make up for most of what the weights lose: teacher-forced on
 the Qwen pair (6 code / 4 prose passages, 400 tokens each), the draft's top-1 agreement with the
 target was 0.749 / 0.617 (code / prose) with every layer int4, 0.758 / 0.623 with fbgemm int8, 0.775 /
-0.641 in fp32; its overlap sum min(p, q) at T = 0.7 0.772 / 0.602 against int8's 0.771 / 0.582.
+0.641 in fp32; its overlap sum min(p, q) at T = 0.7 0.772 / 0.602 against int8's 0.771 / 0.582. In
+generation (bench_e2e, two runs) its drafts were accepted 4-8% less often than int8's, which took back
+most of the faster forward: end to end within a few % of the int8 draft (docs/performance.md).
 
 Exactness. As for any draft: the driver samples the drafts from the logits of the draft forward it
 hands the verifier, so the output law is the target's whatever the layers compute (greedy: identical
@@ -32,13 +37,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cpu_linear import OneDnnLinear
+from .cpu_linear import replace_cpu_linears
 
 __all__ = ["INT4_GROUP", "Int4Linear", "int4_linear_available", "pack_int4", "use_int4_linears"]
 
 INT4_GROUP = 32  # inputs per weight scale and per activation scale (csrc/int4_linear.cpp: GROUP)
 INT4_MAX = 7  # symmetric int4: q in [-8, 7], scale = max |w| / 7 per group
-_LINEARS = (nn.Linear, OneDnnLinear)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -149,16 +153,5 @@ def use_int4_linears(model: nn.Module, keep: tuple[str, ...] | list[str] = ()) -
         from ..ops.csrc import cpu_failure
 
         raise ValueError(f"use_int4_linears: the native CPU build does not load ({cpu_failure()})")
-    replaced = 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
-            if type(child) not in _LINEARS or any(part in full for part in keep):
-                continue
-            if type(child) is nn.Linear and (child.weight.device.type != "cpu" or child.weight.dtype not in _DTYPES):
-                continue
-            if child.weight.shape[1] % INT4_GROUP or child.weight.shape[1] == 0:
-                continue
-            setattr(parent, name, Int4Linear.from_linear(child))
-            replaced += 1
-    return replaced
+    width_ok = lambda layer: layer.weight.shape[1] % INT4_GROUP == 0 and layer.weight.shape[1] > 0  # noqa: E731
+    return replace_cpu_linears(model, keep, Int4Linear.from_linear, width_ok)

@@ -36,13 +36,12 @@ import warnings
 import torch
 from torch import nn
 
-from .cpu_linear import OneDnnLinear
+from .cpu_linear import replace_cpu_linears
 
 __all__ = ["INT8_KEEP", "Int8Linear", "int8_linear_available", "use_int8_linears"]
 
 # fbgemm-backed quantised engines, in order of preference ("x86" picks fbgemm or oneDNN per shape)
 _ENGINES = ("x86", "fbgemm")
-_LINEARS = (nn.Linear, OneDnnLinear)
 _DTYPES = (torch.float32, torch.bfloat16)
 # Layers left in their dtype by default: none. Measured on the Qwen2.5-Coder pair (teacher-forced
 # top-1 agreement with the target, 500 tokens): quantising the output layer too changed it by < 0.01
@@ -153,15 +152,4 @@ def use_int8_linears(model: nn.Module, keep: tuple[str, ...] | list[str] = INT8_
         raise ValueError("use_int8_linears: this PyTorch build has no fbgemm int8 linear (torch.ops.quantized)")
     if isinstance(keep, str):
         raise ValueError(f"use_int8_linears: keep must be a list of name parts, got the string {keep!r}")
-    replaced = 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
-            if type(child) not in _LINEARS or any(part in full for part in keep):
-                continue
-            # an OneDnnLinear is a CPU fp32/bf16 layer by construction; an nn.Linear may be neither
-            if type(child) is nn.Linear and (child.weight.device.type != "cpu" or child.weight.dtype not in _DTYPES):
-                continue
-            setattr(parent, name, Int8Linear.from_linear(child))
-            replaced += 1
-    return replaced
+    return replace_cpu_linears(model, keep, Int8Linear.from_linear)

@@ -120,3 +120,23 @@ def use_onednn_linears(model: nn.Module) -> int:
                 setattr(parent, name, OneDnnLinear.from_linear(child))
                 replaced += 1
     return replaced
+
+
+def replace_cpu_linears(model: nn.Module, keep, make, takes=lambda layer: True) -> int:
+    """The walk of the quantised-draft swaps (``use_int8_linears``, ``use_int4_linears``): replace each
+    ``nn.Linear`` / :class:`OneDnnLinear` of ``model`` whose qualified name contains no part of ``keep``,
+    that is a CPU fp32/bf16 layer and that ``takes`` accepts, by ``make(layer)``, in place. Returns how
+    many were replaced."""
+    replaced = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if type(child) not in (nn.Linear, OneDnnLinear) or any(part in full for part in keep):
+                continue
+            # an OneDnnLinear is a CPU fp32/bf16 layer by construction; an nn.Linear may be neither
+            if type(child) is nn.Linear and (child.weight.device.type != "cpu" or child.weight.dtype not in _DTYPES):
+                continue
+            if takes(child):
+                setattr(parent, name, make(child))
+                replaced += 1
+    return replaced
