@@ -1,7 +1,8 @@
 // Int4 weights times int8 activations (W4A8) for the linear layers of a CPU *draft* model
 // (specdec_kernels/hf/cpu_int4.py). A decoding draft forward streams its weights from memory: int4
-// halves the bytes of fbgemm's int8 layers, and the 1-4 rows a draft forward has leave the
-// arithmetic far below the bandwidth (AVX-512 VNNI: 64 multiply-adds an instruction).
+// halves the bytes of fbgemm's int8 layers, and at one row the arithmetic (AVX-512 VNNI: 64
+// multiply-adds an instruction) keeps up with the bandwidth. Each group's float step (scales) is per
+// row, so at 3-4 rows this is slower than fbgemm's int8 layer with its one scale per row.
 //
 // Weights (packed in Python, cpu_int4.pack_int4): symmetric, one fp16 scale per group of GROUP = 32
 // inputs of an output row, values q in [-8, 7] stored as q + 8 in a nibble: byte 16 g + i of a row

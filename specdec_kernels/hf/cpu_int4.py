@@ -1,4 +1,4 @@
-"""Int4 linear layers for a CPU *draft* model: a cheaper draft forward than int8, the same exact output law.
+"""Int4 linear layers for a CPU *draft* model: a cheaper one-query draft forward than int8, the same output law.
 
 Why this exists. On a CPU a decoding draft forward streams the draft's weights from memory, and with
 the int8 layers of :mod:`.cpu_int8` those linears were still ~25 of the 0.5B Qwen2.5-Coder draft's
@@ -27,9 +27,9 @@ to ``generate``). The per-row activation scales also keep a row's logits indepen
 rows of the forward (fbgemm's int8 layer shares one scale over them). Apply it to drafts only: an int4
 target is another model.
 
-:func:`use_int4_linears` swaps a model's linear layers (``nn.Linear``, :class:`OneDnnLinear`,
-:class:`Int8Linear` is not one) for :class:`Int4Linear` in place; inference only, CPU, fp32 or bf16
-weights whose input width is a multiple of :data:`INT4_GROUP` (others are left as they are).
+:func:`use_int4_linears` swaps a model's ``nn.Linear`` / :class:`OneDnnLinear` layers (not
+:class:`Int8Linear` ones) for :class:`Int4Linear` in place; inference only, CPU, fp32 or bf16 weights
+whose input width is a multiple of :data:`INT4_GROUP` (others are left as they are).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch import nn
 
 from .cpu_linear import replace_cpu_linears
 
-__all__ = ["INT4_GROUP", "Int4Linear", "int4_linear_available", "pack_int4", "use_int4_linears"]
+__all__ = ["INT4_GROUP", "Int4Linear", "dequantize_int4", "int4_linear_available", "pack_int4", "use_int4_linears"]
 
 INT4_GROUP = 32  # inputs per weight scale and per activation scale (csrc/int4_linear.cpp: GROUP)
 INT4_MAX = 7  # symmetric int4: q in [-8, 7], scale = max |w| / 7 per group
@@ -144,7 +144,7 @@ def use_int4_linears(model: nn.Module, keep: tuple[str, ...] | list[str] = ()) -
     Example::
 
         draft = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        use_int4_linears(draft)  # cheaper draft forwards on CPU than int8 (use_int8_linears)
+        use_int4_linears(draft)  # half int8's weight bytes; faster one-query forwards (chains)
         speculative_generate(target, draft, input_ids, ...)
     """
     if isinstance(keep, str):
