@@ -149,7 +149,16 @@ MODES = (
 # Hugging Face's generate: batch 1, no grammar
 HF_MODES = ("hf_assisted", "hf_assisted_int8", "hf_assisted_int4", "hf_prompt_lookup")
 DEFAULT_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup")
-SMOKE_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_block", "ours_k2", "ours_k1_int8", "ours_prompt_lookup")
+SMOKE_MODES = (
+    "target_only",
+    "hf_assisted",
+    "ours_k1",
+    "ours_block",
+    "ours_k2",
+    "ours_k1_int8",
+    "ours_k1_int4",
+    "ours_prompt_lookup",
+)
 DRAFT_MODES = tuple(m for m in MODES if m not in ("target_only", "ours_prompt_lookup", "hf_prompt_lookup"))
 PROMPT_SETS = ("code", "prose")
 QUANTISED_DRAFTS = ("int8", "int4")  # mode suffixes: which copy of the draft runs (Pair.quantised)
