@@ -227,8 +227,8 @@ def load_pair(args, dtype, draft_dtype=None) -> Pair:
         names = (Path(args.target).name, Path(args.draft).name if args.draft else "none")
         eos = _eos_list(getattr(target.generation_config, "eos_token_id", None)) or _eos_list(tok.eos_token_id)
         pad = tok.pad_token_id
-    draft_int8 = int8_draft(draft, args)  # from the draft as loaded, in --int8-dtype
-    draft_int4 = int8_draft(draft, args, bits=4)
+    draft_int8 = quantised_draft(draft, args, bits=8)  # from the draft as loaded, in --int8-dtype
+    draft_int4 = quantised_draft(draft, args, bits=4)
     if draft is not None and draft_dtype is not None:
         draft = draft.to(draft_dtype)  # the draft's precision never changes what is accepted, only how often
     if getattr(args, "cpu_linear", "torch") == "onednn" and str(device).startswith("cpu"):
@@ -249,7 +249,7 @@ def load_pair(args, dtype, draft_dtype=None) -> Pair:
     return Pair(target, draft, tok, names[0], names[1], eos, pad, vocab, dropped, draft_int8, draft_int4)
 
 
-def int8_draft(draft, args, bits: int = 8):
+def quantised_draft(draft, args, bits: int):
     """A copy of the draft with int8 (``bits=4``: int4) linear layers (``use_int8_linears`` /
     ``use_int4_linears``, keeping ``--int8-keep``), the rest of it in ``--int8-dtype``, when a
     ``*_int8`` (``*_int4``) mode runs, else None."""

@@ -237,23 +237,23 @@ def mode_settings(mode: str, args) -> dict:
     if mode == "target_only":
         return {"G": None, "K": None, "method": None}
     quant = next((q for q in QUANTISED_DRAFTS if mode.endswith("_" + q)), None)
-    int8 = {"quant": quant} if quant else {}  # which quantised copy of the draft (Pair.quantised)
+    quantised = {"quant": quant} if quant else {}  # which quantised copy of the draft (Pair.quantised)
     mode = mode.removesuffix("_" + quant) if quant else mode
     if mode == "hf_assisted":
-        return {"G": args.hf_assistant_tokens or "hf", "K": 1, "method": "hf", **int8}
+        return {"G": args.hf_assistant_tokens or "hf", "K": 1, "method": "hf", **quantised}
     if mode == "hf_prompt_lookup":
         return {"G": args.G, "K": 1, "method": "hf"}
     if mode == "ours_prompt_lookup":
         return {"G": args.G, "K": 1, "method": None, "drafter": "prompt_lookup"}
     if mode == "ours_block":  # the draft model's chain under block verification
-        return {"G": args.G, "K": 1, "method": "block", "drafter": "model", "verification": "block", **int8}
+        return {"G": args.G, "K": 1, "method": "block", "drafter": "model", "verification": "block", **quantised}
     vocab = {"draft_vocab": True} if mode.endswith("_vocab") else {}
     if mode in ("ours_dyntree", "ours_dyntree_lookup", "ours_dyntree_fixed", "ours_dyntree_vocab"):  # G = nodes
         lookup = mode == "ours_dyntree_lookup"
         tree = {"draft_tree": "dynamic", "lookup": lookup}
-        return {"G": args.G, "K": 1, "method": "rrs_wor", "drafter": "model", **tree, **vocab, **int8}
+        return {"G": args.G, "K": 1, "method": "rrs_wor", "drafter": "model", **tree, **vocab, **quantised}
     K = int(mode.removeprefix("ours_k").removesuffix("_vocab"))
-    return {"G": args.G, "K": K, "method": args.method if K > 1 else None, "drafter": "model", **vocab, **int8}
+    return {"G": args.G, "K": K, "method": args.method if K > 1 else None, "drafter": "model", **vocab, **quantised}
 
 
 def quantised_label(quant: str | None, args) -> str | None:

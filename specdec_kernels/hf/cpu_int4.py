@@ -37,13 +37,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cpu_linear import replace_cpu_linears
+from .cpu_linear import _DTYPES, replace_cpu_linears
 
 __all__ = ["INT4_GROUP", "Int4Linear", "dequantize_int4", "int4_linear_available", "pack_int4", "use_int4_linears"]
 
 INT4_GROUP = 32  # inputs per weight scale and per activation scale (csrc/int4_linear.cpp: GROUP)
 INT4_MAX = 7  # symmetric int4: q in [-8, 7], scale = max |w| / 7 per group
-_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _core():
@@ -112,6 +111,13 @@ class Int4Linear(nn.Module):
             raise ValueError(f"Int4Linear needs a CPU fp32/bf16 weight, got {weight.dtype} on {weight.device}")
         wq, ws = pack_int4(weight)
         return cls(wq, ws, linear.bias, weight.shape[1], weight.shape[0])
+
+    def select_rows(self, ids: torch.Tensor) -> Int4Linear:
+        """A layer of the output rows ``ids`` [R] int64 (CPU) only: their packed int4 values and scales
+        (and bias) as they are."""
+        bias = self.bias.detach().index_select(0, ids) if self.bias is not None else None
+        wq, ws = self.wq.index_select(0, ids).contiguous(), self.ws.index_select(0, ids).contiguous()
+        return Int4Linear(wq, ws, bias, self.in_features, ids.numel())
 
     @property
     def weight(self) -> torch.Tensor:

@@ -36,13 +36,12 @@ import warnings
 import torch
 from torch import nn
 
-from .cpu_linear import replace_cpu_linears
+from .cpu_linear import _DTYPES, replace_cpu_linears
 
 __all__ = ["INT8_KEEP", "Int8Linear", "int8_linear_available", "use_int8_linears"]
 
 # fbgemm-backed quantised engines, in order of preference ("x86" picks fbgemm or oneDNN per shape)
 _ENGINES = ("x86", "fbgemm")
-_DTYPES = (torch.float32, torch.bfloat16)
 # Layers left in their dtype by default: none. Measured on the Qwen2.5-Coder pair (teacher-forced
 # top-1 agreement with the target, 500 tokens): quantising the output layer too changed it by < 0.01
 # on code and prose and saves its ~8 ms of a 57 ms forward; keeping the MLP's down projection in bf16

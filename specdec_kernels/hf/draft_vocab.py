@@ -135,16 +135,11 @@ def _restricted_head(model, ids: torch.Tensor) -> DraftVocabHead:
             "draft_vocab needs a draft whose output layer is an nn.Linear (or OneDnnLinear, Int8Linear, "
             f"Int4Linear), got {type(out).__name__}"
         )
-    if isinstance(out, Int4Linear):  # the kept rows of the packed weight as they are: the same int4 values
-        if int(ids[-1]) >= out.out_features:
-            raise ValueError(f"draft_vocab has token id {int(ids[-1])} >= the draft's output rows ({out.out_features})")
-        bias = out.bias.detach().index_select(0, ids) if out.bias is not None else None
-        kept4 = Int4Linear(out.wq.index_select(0, ids).contiguous(), out.ws.index_select(0, ids).contiguous(), bias,
-                           out.in_features, ids.numel())  # fmt: skip
-        return DraftVocabHead(kept4, ids, out.out_features)
+    if int(ids[-1]) >= out.out_features:
+        raise ValueError(f"draft_vocab has token id {int(ids[-1])} >= the draft's output rows ({out.out_features})")
+    if isinstance(out, Int4Linear):  # the packed rows themselves: the same int4 values, nothing dequantised
+        return DraftVocabHead(out.select_rows(ids), ids, out.out_features)
     weight = out.weight.detach()  # [V, in_features] (OneDnnLinear: an unpacked copy; Int8Linear: dequantised)
-    if int(ids[-1]) >= weight.shape[0]:
-        raise ValueError(f"draft_vocab has token id {int(ids[-1])} >= the draft's output rows ({weight.shape[0]})")
     index = ids.to(weight.device)
     kept = nn.Linear(weight.shape[1], ids.numel(), bias=out.bias is not None, device=weight.device, dtype=weight.dtype)
     kept.weight.copy_(weight.index_select(0, index))

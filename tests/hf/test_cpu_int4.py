@@ -192,6 +192,8 @@ def test_an_int4_output_layer_can_be_restricted_to_a_draft_vocab():
     assert isinstance(head.kept, Int4Linear)
     x = torch.randn(2, 3, out.in_features)
     torch.testing.assert_close(head(x)[..., kept], out(x)[..., kept], rtol=0, atol=0)  # the same int4 rows
+    with pytest.raises(ValueError, match="97 >= the draft's output rows"):
+        DraftVocab([0, 97]).head_for(draft)
 
 
 def test_sampled_output_follows_the_target_with_an_int4_draft():
