@@ -5,6 +5,7 @@ configs so that every mode decodes the same distribution."""
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -135,10 +136,14 @@ class Pair:
     dropped_generation_settings: dict = field(default_factory=dict)
     draft_int8: object | None = None  # the *_int8 modes' draft: a copy with int8 linear layers
     draft_int4: object | None = None  # the *_int4 modes' draft: a copy with int4 linear layers
+    draft_int8fb: object | None = None  # the *_int8fb modes' draft: int8 layers on fbgemm's kernel
 
     def quantised(self, quant: str | None):
         """The draft a mode runs: its int8 / int4 copy, or the draft as loaded (quant None)."""
-        return {None: self.draft, "int8": self.draft_int8, "int4": self.draft_int4}[quant]
+        return {None: self.draft, "int8": self.draft_int8, "int8fb": self.draft_int8fb, "int4": self.draft_int4}[quant]
+
+    def quantised_drafts(self) -> list:
+        return [m for m in (self.draft_int8, self.draft_int8fb, self.draft_int4) if m is not None]
 
 
 def smoke_models(device: str, dtype) -> tuple[object, object]:
@@ -229,16 +234,17 @@ def load_pair(args, dtype, draft_dtype=None) -> Pair:
         pad = tok.pad_token_id
     draft_int8 = quantised_draft(draft, args, bits=8)  # from the draft as loaded, in --int8-dtype
     draft_int4 = quantised_draft(draft, args, bits=4)
+    draft_int8fb = quantised_draft(draft, args, bits=8, kernel="fbgemm")
     if draft is not None and draft_dtype is not None:
         draft = draft.to(draft_dtype)  # the draft's precision never changes what is accepted, only how often
     if getattr(args, "cpu_linear", "torch") == "onednn" and str(device).startswith("cpu"):
         from specdec_kernels.hf.cpu_linear import use_onednn_linears
 
-        drafts = [m for m in (draft, draft_int8, draft_int4) if m is not None]
+        drafts = [m for m in (draft, draft_int8, draft_int4, draft_int8fb) if m is not None]
         swapped = use_onednn_linears(target) + sum(use_onednn_linears(m) for m in drafts)
         print(f"# cpu linear layers: {swapped} nn.Linear -> oneDNN (every mode, baselines included)")
     dropped = neutralize_generation_config(target, eos, pad)
-    for m in (draft, draft_int8, draft_int4):
+    for m in (draft, draft_int8, draft_int4, draft_int8fb):
         if m is not None:
             neutralize_generation_config(m, eos, pad)
     from specdec_kernels.hf.generate import _vocab_rows
@@ -246,21 +252,24 @@ def load_pair(args, dtype, draft_dtype=None) -> Pair:
     vocab = args.vocab_size
     if vocab is None and draft is not None and _vocab_rows(target) != _vocab_rows(draft):
         vocab = len(tok)  # the models pad their embedding matrices differently: compare real tokens only
-    return Pair(target, draft, tok, names[0], names[1], eos, pad, vocab, dropped, draft_int8, draft_int4)
+    return Pair(target, draft, tok, names[0], names[1], eos, pad, vocab, dropped, draft_int8, draft_int4, draft_int8fb)
 
 
-def quantised_draft(draft, args, bits: int):
+def quantised_draft(draft, args, bits: int, kernel: str | None = None):
     """A copy of the draft with int8 (``bits=4``: int4) linear layers (``use_int8_linears`` /
-    ``use_int4_linears``, keeping ``--int8-keep``), the rest of it in ``--int8-dtype``, when a
-    ``*_int8`` (``*_int4``) mode runs, else None."""
-    suffix = f"_int{bits}"
+    ``use_int4_linears``, keeping ``--int8-keep``; int8: ``kernel``, None for the default), the rest
+    of it in ``--int8-dtype``, when a ``*_int8`` (``*_int4``; ``kernel="fbgemm"``: ``*_int8fb``) mode
+    runs, else None."""
+    suffix = f"_int{bits}" + ("fb" if kernel == "fbgemm" else "")
     if draft is None or not any(m.endswith(suffix) for m in getattr(args, "modes", None) or ()):
         return None
     from _common import torch_dtype
 
     from specdec_kernels.hf import cpu_int4, cpu_int8
 
-    if bits == 8:
+    if bits == 8 and kernel == "fbgemm":
+        available, swap = cpu_int8._fbgemm_available, functools.partial(cpu_int8.use_int8_linears, kernel=kernel)
+    elif bits == 8:
         available, swap = cpu_int8.int8_linear_available, cpu_int8.use_int8_linears
     else:
         available, swap = cpu_int4.int4_linear_available, cpu_int4.use_int4_linears
@@ -269,7 +278,7 @@ def quantised_draft(draft, args, bits: int):
 
     quantized = copy.deepcopy(draft).to(torch_dtype(getattr(args, "int8_dtype", None) or "fp32"))
     swapped = swap(quantized, keep=tuple(getattr(args, "int8_keep", None) or ()))
-    print(f"# *{suffix} modes: a draft copy with {swapped} int{bits} linear layers")
+    print(f"# *{suffix} modes: a draft copy with {swapped} int{bits} linear layers ({kernel or 'default'} kernel)")
     return quantized
 
 

@@ -30,6 +30,9 @@ tokens / wall time summed over every prompt of a prompt set. Modes (``--modes``)
                             ``--int8-keep``) and the rest in ``--int8-dtype`` (default fp32, not
                             ``--draft-dtype``: bf16 elementwise ops cost more than they save on CPUs
                             without native bf16 math): cheaper draft forwards, the same output law.
+* ``ours_k1_int8fb``, ``ours_block_int8fb``, ``hf_assisted_int8fb`` -- the ``*_int8`` modes on fbgemm's
+                            int8 kernel (``use_int8_linears(kernel="fbgemm")``; ``*_int8`` use the native one
+                            where the native CPU build loads), for the two kernels side by side.
 * ``ours_k1_int4``, ``ours_block_int4``, ``ours_dyntree_int4``, ``hf_assisted_int4`` -- the same with int4
                             linear layers (``use_int4_linears``: our W4A8 kernel, half int8's bytes), same
                             ``--int8-keep`` / ``--int8-dtype``; the rows' ``draft_int8`` column reads
@@ -139,6 +142,9 @@ MODES = (
     "ours_dyntree_int8",
     "ours_dyntree_vocab_int8",
     "hf_assisted_int8",
+    "ours_k1_int8fb",
+    "ours_block_int8fb",
+    "hf_assisted_int8fb",
     "ours_k1_int4",
     "ours_block_int4",
     "ours_dyntree_int4",
@@ -147,7 +153,7 @@ MODES = (
     "hf_prompt_lookup",
 )
 # Hugging Face's generate: batch 1, no grammar
-HF_MODES = ("hf_assisted", "hf_assisted_int8", "hf_assisted_int4", "hf_prompt_lookup")
+HF_MODES = ("hf_assisted", "hf_assisted_int8", "hf_assisted_int8fb", "hf_assisted_int4", "hf_prompt_lookup")
 DEFAULT_MODES = ("target_only", "hf_assisted", "ours_k1", "ours_k2", "ours_k4", "ours_prompt_lookup")
 SMOKE_MODES = (
     "target_only",
@@ -161,7 +167,7 @@ SMOKE_MODES = (
 )
 DRAFT_MODES = tuple(m for m in MODES if m not in ("target_only", "ours_prompt_lookup", "hf_prompt_lookup"))
 PROMPT_SETS = ("code", "prose")
-QUANTISED_DRAFTS = ("int8", "int4")  # mode suffixes: which copy of the draft runs (Pair.quantised)
+QUANTISED_DRAFTS = ("int8", "int8fb", "int4")  # mode suffixes: which copy of the draft runs (Pair.quantised)
 
 AXES = {
     "G": common.Axis(
@@ -257,12 +263,17 @@ def mode_settings(mode: str, args) -> dict:
 
 
 def quantised_label(quant: str | None, args) -> str | None:
-    """The rows' draft_int8 column: the quantised draft's other layers' dtype and kept layers (int4
-    drafts prefixed ``int4``; int8 ones as before), None for the draft as loaded."""
+    """The rows' draft_int8 column: the quantised draft's other layers' dtype and kept layers, int8
+    ones followed by their kernel (``native`` / ``fbgemm``; rows before 2026-11-28 name none: fbgemm),
+    int4 ones prefixed ``int4``; None for the draft as loaded."""
     if quant is None:
         return None
     label = f"{args.int8_dtype} keep={','.join(args.int8_keep)}"
-    return label if quant == "int8" else f"{quant} {label}"
+    if quant == "int4":
+        return f"int4 {label}"
+    from specdec_kernels.hf.cpu_int8 import native_int8_available
+
+    return f"{label} {'native' if quant == 'int8' and native_int8_available() else 'fbgemm'}"
 
 
 def sampling_kwargs_hf(temperature: float, args) -> dict:
@@ -285,7 +296,7 @@ def run_mode(mode: str, pair: Pair, ids, mask, temperature: float, max_new: int,
             repetition_penalty=1.0,
             **sampling_kwargs_hf(temperature, args),
         )
-        if mode in ("hf_assisted", "hf_assisted_int8", "hf_assisted_int4"):
+        if mode in ("hf_assisted", "hf_assisted_int8", "hf_assisted_int8fb", "hf_assisted_int4"):
             kwargs["assistant_model"] = pair.quantised(mode_settings(mode, args).get("quant"))
         elif mode == "hf_prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = args.G
@@ -359,7 +370,9 @@ def mode_unavailable(mode: str, pair: Pair, batch_size: int, json_schema: str | 
     if mode in DRAFT_MODES and pair.draft is None:
         return "no draft model (--draft)"
     if mode.endswith("_int8") and pair.draft_int8 is None:
-        return "no int8 draft (this PyTorch has no fbgemm int8 linear, or the models are not on the CPU)"
+        return "no int8 draft (no int8 kernel here, or the models are not on the CPU)"
+    if mode.endswith("_int8fb") and pair.draft_int8fb is None:
+        return "no fbgemm int8 draft (this PyTorch has no fbgemm int8 linear, or the models are not on the CPU)"
     if mode.endswith("_int4") and pair.draft_int4 is None:
         return "no int4 draft (the native CPU build does not load, or the models are not on the CPU)"
     if json_schema and mode in HF_MODES:
@@ -371,7 +384,7 @@ def mode_unavailable(mode: str, pair: Pair, batch_size: int, json_schema: str | 
 
 
 def configure_hf_assistant(pair: Pair, args) -> None:
-    for draft in (pair.draft, pair.draft_int8, pair.draft_int4):
+    for draft in (pair.draft, *pair.quantised_drafts()):
         if args.hf_assistant_tokens and draft is not None:
             draft.generation_config.num_assistant_tokens = args.hf_assistant_tokens
             draft.generation_config.num_assistant_tokens_schedule = "constant"
@@ -634,9 +647,8 @@ def draft_vocab_ids(pair: Pair, args):
     ids = frequent_token_ids(pair.tokenizer, [], args.draft_vocab, include=pair.eos_token_id, vocab_size=vocab)
     vocab_ids = DraftVocab(ids)
     vocab_ids.head_for(pair.draft)
-    for quantised in (pair.draft_int8, pair.draft_int4):
-        if quantised is not None:
-            vocab_ids.head_for(quantised)
+    for quantised in pair.quantised_drafts():
+        vocab_ids.head_for(quantised)
     return vocab_ids
 
 

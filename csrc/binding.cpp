@@ -22,6 +22,7 @@
 #include <memory>
 
 #include "int4_linear.h"
+#include "int8_linear.h"
 #include "verify_api.h"
 
 namespace {
@@ -441,6 +442,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_softmax_program", &row_softmax_program, "The CPU row pass's merged (max, z) of rows [R, V]");
   m.def("w4a8_linear", &w4a8_linear, "Int4-weight linear of CPU draft models (csrc/int4_linear.cpp)");
   m.def("w4a8_fast_path", &w4a8_fast_path, "Whether w4a8_linear runs its AVX-512 VNNI path here");
+  m.def("w8a8_linear", &w8a8_linear, "Int8-weight linear of CPU draft models (csrc/int8_linear.cpp)");
+  m.def("w8a8_fast_path", &w8a8_fast_path, "Whether w8a8_linear runs its AVX-512 VNNI path here");
 #ifdef SPECDEC_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

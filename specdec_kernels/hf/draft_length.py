@@ -140,8 +140,9 @@ def _streamed(model) -> tuple[int, int]:
     """(Bytes, weights) a one-token forward reads: every parameter but the input embedding (of which
     it reads one row) unless that matrix is also the output layer (tied), plus the weights of linear
     layers swapped for oneDNN, int8 or int4 ones (``hf/cpu_linear.py``, ``hf/cpu_int8.py``,
-    ``hf/cpu_int4.py``), which are not parameters (int8: a byte a weight and an fp32 scale a row;
-    int4: half a byte a weight and an fp16 scale per 32)."""
+    ``hf/cpu_int4.py``), which are not parameters (int8: a byte a weight and an fp32 scale a row; the
+    native kernel's also an int32 row sum and padding; int4: half a byte a weight and an fp16 scale
+    per 32)."""
     embedding = model.get_input_embeddings()
     output = model.get_output_embeddings()
     tied = embedding is not None and isinstance(output, nn.Linear) and output.weight is embedding.weight
@@ -154,7 +155,10 @@ def _streamed(model) -> tuple[int, int]:
             nbytes += m.in_features * m.out_features * packed.element_size()
             weights += m.in_features * m.out_features
         elif isinstance(m, Int8Linear):
-            nbytes += m.in_features * m.out_features + 4 * m.out_features
+            if m.kernel == "native":  # its panels (rows padded to 16, inputs to 4), scales and row sums
+                nbytes += m.wq.numel() + 4 * m.sw.numel() + 4 * m.wsum.numel()
+            else:
+                nbytes += m.in_features * m.out_features + 4 * m.out_features
             weights += m.in_features * m.out_features
         elif isinstance(m, Int4Linear):
             nbytes += m.wq.numel() + m.ws.numel() * m.ws.element_size()

@@ -149,7 +149,7 @@ def _restricted_head(model, ids: torch.Tensor) -> DraftVocabHead:
     if isinstance(out, OneDnnLinear):
         kept = OneDnnLinear.from_linear(kept)
     elif isinstance(out, Int8Linear):  # requantised: the same int8 values, scales to rounding
-        kept = Int8Linear.from_linear(kept)
+        kept = Int8Linear.from_linear(kept, out.kernel)
     return DraftVocabHead(kept, index, weight.shape[0])
 
 

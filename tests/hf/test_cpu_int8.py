@@ -1,6 +1,8 @@
-"""specdec_kernels.hf.cpu_int8: int8 linear layers for CPU drafts. The layer equals an exact
-emulation of its arithmetic; an int8 draft keeps greedy identity and the sampled law, also when the
-rows of one draft forward share their input scale (a batch of different prompts)."""
+"""specdec_kernels.hf.cpu_int8: int8 linear layers for CPU drafts, both kernels (the native one,
+csrc/int8_linear.cpp, and fbgemm's). The layer equals an exact emulation of its arithmetic; an int8
+draft keeps greedy identity and the sampled law, also when the rows of one draft forward share their
+input scale (fbgemm, a batch of different prompts). The native kernel's own cases (every row count,
+both code paths, packing, threads) are in test_cpu_int8_native.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,13 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from specdec_kernels.hf import cpu_int8, speculative_generate  # noqa: E402
-from specdec_kernels.hf.cpu_int8 import Int8Linear, int8_linear_available, use_int8_linears  # noqa: E402
+from specdec_kernels.hf.cpu_int8 import (  # noqa: E402
+    Int8Linear,
+    _fbgemm_available,
+    int8_linear_available,
+    native_int8_available,
+    use_int8_linears,
+)
 from specdec_kernels.hf.cpu_linear import OneDnnLinear, onednn_linear_available  # noqa: E402
 from specdec_kernels.hf.draft_vocab import DraftVocab  # noqa: E402
 
@@ -21,20 +29,49 @@ from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue  # noqa: E40
 from ._models import tiny_model  # noqa: E402
 from .test_generate import PAD, _greedy_reference, _near_copy, _ragged_prompts, _two_token_distribution  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not int8_linear_available(), reason="this PyTorch build has no fbgemm int8 linear")
+pytestmark = pytest.mark.skipif(not int8_linear_available(), reason="no int8 kernel here")
+
+KERNELS = [
+    pytest.param("native", marks=pytest.mark.skipif(not native_int8_available(), reason="no native CPU build")),
+    pytest.param("fbgemm", marks=pytest.mark.skipif(not _fbgemm_available(), reason="no fbgemm int8 linear")),
+]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch):
+    """Every Int8Linear made in the test (use_int8_linears, from_linear) uses this kernel."""
+    monkeypatch.setattr(
+        cpu_int8, "_pick_kernel", lambda asked, pick=cpu_int8._pick_kernel: pick(asked or request.param)
+    )
+    return request.param
+
+
+def _quantised_rows(rows: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q - zero [R, K] float64, scale [R, 1] float64): uint8 with a zero point, the range widened to
+    hold 0, scale (max - min) / 255, zero round(-min / scale); per row (native, in fp32 as the
+    kernel computes it: q = round(x * (1 / scale)) + zero) or over all rows (fbgemm)."""
+    if per_row:
+        x = rows.float()
+        lo, hi = x.amin(1, keepdim=True).clamp_max(0), x.amax(1, keepdim=True).clamp_min(0)
+        scale = (hi - lo) / 255
+        inv = torch.where(hi > lo, 1 / torch.where(hi > lo, scale, 1.0), 0.0)
+        zero = torch.round(-lo * inv).clamp(0, 255)
+        q = (torch.round(x * inv) + zero).clamp(0, 255) - zero
+        return q.double(), scale.double()
+    lo, hi = min(float(rows.min()), 0.0), max(float(rows.max()), 0.0)
+    scale = (hi - lo) / 255 if hi > lo else 1.0
+    zero = min(255, max(0, round(-lo / scale))) if hi > lo else 0
+    q = torch.clamp(torch.round(rows.double() / scale) + zero, 0, 255) - zero
+    return q, torch.full((rows.shape[0], 1), scale, dtype=torch.float64)
 
 
 def _emulated(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     """The layer's arithmetic in float64: int8 weights (round(W / s_row)), the input quantised to
-    uint8 over all its rows (range widened to hold 0; scale (max - min) / 255, zero point
-    round(-min / scale)), exact integer sums, scaled back, plus the bias."""
-    rows = x.reshape(-1, layer.in_features).double()
+    uint8 (:func:`_quantised_rows`), exact integer sums, scaled back, plus the bias."""
+    rows = x.reshape(-1, layer.in_features)
     scales = layer.scales.double()
     q_w = torch.round(layer.weight.double() / scales[:, None])
-    lo, hi = min(float(rows.min()), 0.0), max(float(rows.max()), 0.0)
-    scale = (hi - lo) / 255 if hi > lo else 1.0
-    zero = min(255, max(0, round(-lo / scale))) if hi > lo else 0
-    q_x = torch.clamp(torch.round(rows / scale) + zero, 0, 255) - zero
+    q_x, scale = _quantised_rows(rows, per_row=layer.kernel == "native")
     y = (q_x @ q_w.T) * scale * scales
     if layer.bias is not None:
         y = y + layer.bias.double()
@@ -43,10 +80,11 @@ def _emulated(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
-def test_layer_equals_its_emulation_and_stays_near_the_original(dtype, bias):
+def test_layer_equals_its_emulation_and_stays_near_the_original(kernel, dtype, bias):
     torch.manual_seed(0)
     linear = nn.Linear(48, 37, bias=bias).to(dtype).requires_grad_(False)
     layer = Int8Linear.from_linear(linear)
+    assert layer.kernel == kernel
     wide = torch.randn(3, 5, 96).to(dtype)
     # a 3-D input, a strided view of one, a single row, a shifted and scaled one, no rows at all
     for x in (wide[..., :48], wide[..., ::2], wide[0, :1, :48], 7 * wide[1, :2, :48] + 3, wide[:, :0, :48]):
@@ -60,7 +98,7 @@ def test_layer_equals_its_emulation_and_stays_near_the_original(dtype, bias):
         assert float((got.double() - original).norm() / original.norm()) < 0.03  # int8's error, not a bug's
 
 
-def test_weight_reads_back_within_half_a_step_and_a_onednn_layer_quantises_alike():
+def test_weight_reads_back_within_half_a_step_and_a_onednn_layer_quantises_alike(kernel):
     torch.manual_seed(1)
     linear = nn.Linear(20, 9).requires_grad_(False)
     layer = Int8Linear.from_linear(linear)
@@ -72,7 +110,7 @@ def test_weight_reads_back_within_half_a_step_and_a_onednn_layer_quantises_alike
         assert torch.equal(Int8Linear.from_linear(OneDnnLinear.from_linear(linear))(x), layer(x))
 
 
-def test_wrong_width_and_bad_layers_are_clear_errors(monkeypatch):
+def test_wrong_width_and_bad_layers_are_clear_errors(kernel, monkeypatch):
     layer = Int8Linear.from_linear(nn.Linear(8, 4))
     with pytest.raises(ValueError, match="expected 8"):
         layer(torch.randn(2, 9))
@@ -80,12 +118,14 @@ def test_wrong_width_and_bad_layers_are_clear_errors(monkeypatch):
         Int8Linear.from_linear(nn.Linear(8, 4).half())
     with pytest.raises(ValueError, match="name parts"):
         use_int8_linears(nn.Sequential(nn.Linear(8, 4)), keep="down_proj")
+    with pytest.raises(ValueError, match="kernel must be"):
+        Int8Linear.from_linear(nn.Linear(8, 4), kernel="onednn")
     monkeypatch.setattr(cpu_int8, "int8_linear_available", lambda: False)
-    with pytest.raises(ValueError, match="no fbgemm int8 linear"):
+    with pytest.raises(ValueError, match="no int8 kernel"):
         use_int8_linears(nn.Sequential(nn.Linear(8, 4)))
 
 
-def test_use_int8_linears_swaps_every_linear_but_the_kept_names():
+def test_use_int8_linears_swaps_every_linear_but_the_kept_names(kernel):
     model = tiny_model("llama", seed=1)
     linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     kept = [n for n in linears if "down_proj" in n]
@@ -112,7 +152,7 @@ def _int8_copy(model):
     [dict(num_draft_tokens=4), dict(draft_tree="dynamic", num_draft_tokens=8, tree_width=3, method="rrs_wor")],
     ids=["chain", "tree"],
 )
-def test_greedy_with_an_int8_draft_equals_generate(kw):
+def test_greedy_with_an_int8_draft_equals_generate(kernel, kw):
     """Batch 3, ragged: the draft's rows share one input scale per forward; the output is the target's."""
     target = tiny_model("llama", seed=1)
     draft = _int8_copy(_near_copy(target, 0.3, seed=5))
@@ -124,24 +164,24 @@ def test_greedy_with_an_int8_draft_equals_generate(kw):
     assert out.stats.acceptance_rate > 0.2  # the int8 draft still proposes the target's tokens (tree: per node)
 
 
-def test_an_int8_output_layer_can_be_restricted_to_a_draft_vocab():
+def test_an_int8_output_layer_can_be_restricted_to_a_draft_vocab(kernel):
     draft = _int8_copy(tiny_model("llama", seed=2))
     out = draft.get_output_embeddings()
     assert isinstance(out, Int8Linear)
     kept = [0, 1, 4, 9, 30, 64, 96]
     head = DraftVocab(kept).head_for(draft)
-    assert isinstance(head.kept, Int8Linear)
+    assert isinstance(head.kept, Int8Linear) and head.kept.kernel == kernel
     x = torch.randn(2, 3, out.in_features)
     # the kept rows' int8 values and scales are the original's, so the outputs are too (the input
     # scale is the same: it depends on x only)
     torch.testing.assert_close(head(x)[..., kept], out(x)[..., kept], rtol=1e-6, atol=1e-6)
 
 
-def test_sampled_output_follows_the_target_with_rows_that_share_an_input_scale():
+def test_sampled_output_follows_the_target_with_rows_that_share_an_input_scale(kernel):
     """Chi-square (alpha 1e-6) on the first two tokens (V = 6: 36 cells) of 2 x 1500 requests at
     T = 1, chain and dynamic tree, with an int8 draft and two different prompts interleaved in one
-    batch (each draft forward quantises all its rows with one scale, so a row's q depends on the
-    other prompt's rows). Each prompt's pairs are tested against its own target law.
+    batch (fbgemm: each draft forward quantises all its rows with one scale, so a row's q depends on
+    the other prompt's rows; native: per row). Each prompt's pairs are tested against its own target law.
 
     Power, asserted below: the test rejects with probability > 0.99 the draft's own law (a verifier
     that accepts every draft) for each prompt."""
@@ -164,9 +204,10 @@ def test_sampled_output_follows_the_target_with_rows_that_share_an_input_scale()
             assert chi_square_pvalue(mine[:, 0] * V + mine[:, 1], law.flatten()) > ALPHA
 
 
-def test_the_shape_models_count_an_int8_layers_bytes():
+def test_the_shape_models_count_an_int8_layers_bytes(kernel):
     """The timing-free cost estimates read the bytes a forward streams: an int8 layer's weight is a
-    byte a weight plus an fp32 scale a row (its packed weight is not a parameter)."""
+    byte a weight plus an fp32 scale a row (its packed weight is not a parameter); the native
+    kernel's panels pad rows to 16 and inputs to 4 and add an int32 row sum."""
     from specdec_kernels.hf.draft_length import _streamed, draft_cost_estimate
 
     model = tiny_model("llama", seed=3)
@@ -175,6 +216,11 @@ def test_the_shape_models_count_an_int8_layers_bytes():
     (b_fp32, w_fp32), (b_int8, w_int8) = _streamed(model), _streamed(quantized)
     assert w_int8 == w_fp32
     linear_weights = sum(m.in_features * m.out_features for m in layers)
-    rows = sum(m.out_features for m in layers)
-    assert b_fp32 - b_int8 == 3 * linear_weights - 4 * rows
+    if kernel == "native":
+        padded = sum(-(-m.in_features // 4) * 4 * -(-m.out_features // 16) * 16 for m in layers)
+        rows = sum(-(-m.out_features // 16) * 16 for m in layers)
+        assert b_fp32 - b_int8 == 4 * linear_weights - padded - 8 * rows
+    else:
+        rows = sum(m.out_features for m in layers)
+        assert b_fp32 - b_int8 == 3 * linear_weights - 4 * rows
     assert draft_cost_estimate(model, quantized) < draft_cost_estimate(model, model)

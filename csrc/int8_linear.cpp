@@ -1,0 +1,215 @@
+// Int8 weights times uint8 activations (W8A8) for the linear layers of a CPU *draft* model
+// (specdec_kernels/hf/cpu_int8.py). A decoding draft forward streams its weights from memory; this
+// kernel keeps that stream at the machine's read bandwidth at 1-8 rows (AVX-512 VNNI: one 64-byte
+// weight load feeds one vpdpbusd per row, and the sums stay in int32 to the end of the row).
+//
+// Weights (packed in Python, cpu_int8.pack_int8): symmetric per output row, q = round(w / s_w) in
+// [-127, 127] with s_w = max |w| / 127; wsum holds each row's sum of q. Rows are interleaved in panels
+// of PANEL = 16 (zero rows past N): panel p is [Kp / 4][16][4], so one 64-byte vector holds four
+// consecutive inputs (zero past K) of each of its 16 rows, and a panel is read front to back.
+//
+// Activations: quantised per call and per row to uint8 with a zero point, as fbgemm's dynamic linear
+// does per call (so at one row the two quantise alike): lo = min(x, 0), hi = max(x, 0),
+// s_a = (hi - lo) / 255, z = round(-lo / s_a) in [0, 255], a = clamp(round(x / s_a) + z, 0, 255).
+// Then y = s_a s_w (sum_k a_k q_k - z wsum) + bias, the sum exact in int32 (|a q| <= 255 * 127, so
+// K <= MAX_K). Per-row scales keep a row's output independent of the other rows of the call.
+//
+// Exactness is not at stake: the driver verifies drafts against the law of the draft's own logits,
+// whatever computed them; this only has to be fast and close to the float layer (tested against the
+// same quantisation in plain PyTorch, tests/hf/test_cpu_int8.py).
+#include "int8_linear.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SK_HAVE_AVX512_W8 1
+#include <immintrin.h>
+#define SK_AVX512_VNNI_W8 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#endif
+
+namespace {
+
+constexpr int64_t QUAD = 4;                     // inputs per int32 lane of vpdpbusd
+constexpr int64_t PANEL = 16;                   // output rows interleaved in a packed panel (one vector's lanes)
+constexpr int64_t MAX_K = (1LL << 31) / 32385;  // 255 * 127 per product: int32 sums stay exact up to here
+constexpr int64_t ROWS = 8;                     // activation rows per pass over a panel's weights
+
+inline int64_t padded(int64_t K) { return (K + QUAD - 1) / QUAD * QUAD; }
+
+// Rows [M, K] -> uint8 [M, Kp] (the padding arrives zeroed), scale s_a and zero point per row. A row
+// with a non-finite entry gets s_a = NaN (its outputs are NaN) and zero codes.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, uint8_t* aq, float* sa, int32_t* za) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float lo = 0.f, hi = 0.f;
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      finite = finite && std::isfinite(xr[k]);
+      lo = std::min(lo, xr[k]);
+      hi = std::max(hi, xr[k]);
+    }
+    uint8_t* ar = aq + m * Kp;
+    if (!finite || hi == lo) {  // all zero (s_a = 0: outputs are the bias) or non-finite
+      std::fill(ar, ar + K, uint8_t{0});
+      sa[m] = finite ? 0.f : NAN;
+      za[m] = 0;
+      continue;
+    }
+    const float s = (hi - lo) / 255.f, inv = 1.f / s;
+    const int32_t z = static_cast<int32_t>(std::min(255.f, std::max(0.f, std::nearbyint(-lo * inv))));
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::nearbyint(xr[k] * inv) + static_cast<float>(z);
+      ar[k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, v)));
+    }
+    sa[m] = s;
+    za[m] = z;
+  }
+}
+
+// (sum_k a_k q_k - z wsum) exact in int32 (|a - z| <= 255), then scaled.
+inline float finish(int32_t dot, float sa, int32_t za, float sw, int32_t wsum) {
+  return sa * sw * static_cast<float>(dot - za * wsum);
+}
+
+// The portable path over panels [p0, p1): the same integer sums.
+void gemv_scalar(const int8_t* wq, const float* sw, const int32_t* wsum, const uint8_t* aq, const float* sa,
+                 const int32_t* za, float* out, int64_t M, int64_t N, int64_t Kp, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* panel = wq + p * Kp * PANEL;
+    for (int64_t j = 0; j < PANEL && p * PANEL + j < N; ++j) {
+      const int64_t n = p * PANEL + j;
+      for (int64_t m = 0; m < M; ++m) {
+        const uint8_t* ar = aq + m * Kp;
+        int32_t d = 0;
+        for (int64_t q = 0; q < Kp / QUAD; ++q)
+          for (int64_t i = 0; i < QUAD; ++i) d += static_cast<int32_t>(ar[q * QUAD + i]) * panel[(q * PANEL + j) * QUAD + i];
+        out[m * N + n] = finish(d, sa[m], za[m], sw[n], wsum[n]);
+      }
+    }
+  }
+}
+
+#ifdef SK_HAVE_AVX512_W8
+// M activation rows times NP panels (16 output rows each) at a time: a panel's vector holds its 16 rows'
+// weights for 4 inputs, the activation's 4 bytes are broadcast, and vpdpbusd adds the 16 rows' partial
+// sums lane by lane (no horizontal sums; each panel one sequential stream).
+template <int M, int NP>
+SK_AVX512_VNNI_W8 void gemv_vnni(const int8_t* wq, const float* sw, const int32_t* wsum, const uint8_t* aq,
+                                 const float* sa, const int32_t* za, float* out, int64_t N, int64_t Kp, int64_t p0,
+                                 int64_t p1) {
+  int64_t p = p0;
+  const int64_t Q = Kp / QUAD;
+  for (; p + NP <= p1; p += NP) {
+    __m512i acc[M][NP];
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < NP; ++t) acc[m][t] = _mm512_setzero_si512();
+    const int8_t* panel = wq + p * Kp * PANEL;
+    for (int64_t q = 0; q < Q; ++q) {
+      __m512i w[NP];
+      for (int t = 0; t < NP; ++t) w[t] = _mm512_loadu_si512(panel + (t * Q + q) * PANEL * QUAD);
+      for (int m = 0; m < M; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, aq + m * Kp + q * QUAD, sizeof(quad));
+        const __m512i a = _mm512_set1_epi32(quad);
+        for (int t = 0; t < NP; ++t) acc[m][t] = _mm512_dpbusd_epi32(acc[m][t], a, w[t]);
+      }
+    }
+    for (int t = 0; t < NP; ++t) {
+      const int64_t n = (p + t) * PANEL;
+      const __mmask16 real = n + PANEL <= N ? static_cast<__mmask16>(0xFFFF)
+                                            : static_cast<__mmask16>((1u << (N - n)) - 1);
+      const __m512 swv = _mm512_loadu_ps(sw + n);
+      const __m512i wsv = _mm512_loadu_si512(wsum + n);
+      for (int m = 0; m < M; ++m) {
+        const __m512i d = _mm512_sub_epi32(acc[m][t], _mm512_mullo_epi32(_mm512_set1_epi32(za[m]), wsv));
+        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(sa[m]), swv), _mm512_cvtepi32_ps(d));
+        _mm512_mask_storeu_ps(out + m * N + n, real, y);
+      }
+    }
+  }
+  if (NP > 1 && p < p1) gemv_vnni<M, 1>(wq, sw, wsum, aq, sa, za, out, N, Kp, p, p1);
+}
+
+// Up to ROWS activation rows per pass: NP panels so that M x NP accumulators + NP weights + 1 fit in 32.
+void gemv_vnni_rows(int64_t M, const int8_t* wq, const float* sw, const int32_t* wsum, const uint8_t* aq,
+                    const float* sa, const int32_t* za, float* out, int64_t N, int64_t Kp, int64_t p0, int64_t p1) {
+  switch (M) {
+    case 1: return gemv_vnni<1, 4>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 2: return gemv_vnni<2, 4>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 3: return gemv_vnni<3, 4>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 4: return gemv_vnni<4, 4>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 5: return gemv_vnni<5, 2>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 6: return gemv_vnni<6, 2>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 7: return gemv_vnni<7, 2>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    default: return gemv_vnni<8, 2>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+  }
+}
+#endif
+
+}  // namespace
+
+bool w8a8_fast_path() {
+#ifdef SK_HAVE_AVX512_W8
+  static const bool cpu_ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  const char* env = std::getenv("SPECDEC_CPU_SIMD");
+  return cpu_ok && !(env != nullptr && env[0] == '0');
+#else
+  return false;
+#endif
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sw, const at::Tensor& wsum,
+                       const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.device().is_cpu() && wq.device().is_cpu() && sw.device().is_cpu() && wsum.device().is_cpu(),
+              "w8a8_linear: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "w8a8_linear: x must be [M, K] fp32 contiguous");
+  const int64_t M = x.size(0), K = x.size(1), Kp = padded(K), P = (N + PANEL - 1) / PANEL;
+  TORCH_CHECK(K > 0 && K <= MAX_K, "w8a8_linear: in_features must be in [1, ", MAX_K, "], got ", K);
+  TORCH_CHECK(N >= 0, "w8a8_linear: out_features must be >= 0");
+  TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kChar && wq.is_contiguous() && wq.size(0) == P &&
+                  wq.size(1) == Kp * PANEL,
+              "w8a8_linear: wq must be [", P, ", ", Kp * PANEL, "] int8 contiguous (cpu_int8.pack_int8's panels)");
+  TORCH_CHECK(sw.dim() == 1 && sw.scalar_type() == at::kFloat && sw.is_contiguous() && sw.size(0) == P * PANEL,
+              "w8a8_linear: sw must be [", P * PANEL, "] fp32 contiguous");
+  TORCH_CHECK(wsum.dim() == 1 && wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.size(0) == P * PANEL,
+              "w8a8_linear: wsum must be [", P * PANEL, "] int32 contiguous");
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "w8a8_linear: bias must be [N]");
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  auto byte = x.options().dtype(at::kByte);
+  auto aq = Kp != K ? at::zeros({M, Kp}, byte) : at::empty({M, Kp}, byte);
+  auto sa = at::empty({M}, x.options());
+  auto za = at::empty({M}, x.options().dtype(at::kInt));
+  quantize_rows(x.data_ptr<float>(), M, K, Kp, aq.data_ptr<uint8_t>(), sa.data_ptr<float>(), za.data_ptr<int32_t>());
+  const bool fast = w8a8_fast_path();
+  const int8_t* w = wq.data_ptr<int8_t>();
+  const float* s = sw.data_ptr<float>();
+  const int32_t* ws = wsum.data_ptr<int32_t>();
+  const uint8_t* a = aq.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS) {  // a task's panels stay in cache over the row passes
+      const int64_t rows = std::min<int64_t>(ROWS, M - m0);
+#ifdef SK_HAVE_AVX512_W8
+      if (fast) {
+        gemv_vnni_rows(rows, w, s, ws, a + m0 * Kp, sa.data_ptr<float>() + m0, za.data_ptr<int32_t>() + m0,
+                       y + m0 * N, N, Kp, p0, p1);
+        continue;
+      }
+#endif
+      gemv_scalar(w, s, ws, a + m0 * Kp, sa.data_ptr<float>() + m0, za.data_ptr<int32_t>() + m0, y + m0 * N, rows, N,
+                  Kp, p0, p1);
+    }
+  });
+  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
+  return out;
+}
