@@ -309,7 +309,13 @@ MUTANTS = [
         "-8.f * s * static_cast<float>(sum)",
         "-7.f * s * static_cast<float>(sum)",
     ),
-    Mutant("int4-rounding", "cpu_int4", "quantize_rows", "std::nearbyint(", "std::trunc("),
+    Mutant(
+        "int4-rounding",
+        "cpu_int4",
+        "quantize_rows",
+        "std::nearbyint(xr[g * GROUP + i] * inv)",
+        "std::trunc(xr[g * GROUP + i] * inv)",
+    ),
     Mutant(
         "int4-scale-spread",
         "cpu_int4",
