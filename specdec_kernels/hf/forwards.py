@@ -9,6 +9,7 @@ import torch
 
 from .attention import TreeAttentionMetadata, tree_attention_context
 from .cache import cache_kwargs
+from .lean_forward import lean_forward, lean_forward_applies
 
 
 def prefill(model, prompts: list[list[int]], device, static_len: int | None = None, every_position: bool = False):
@@ -55,6 +56,9 @@ def forward(
     ``keep_last`` when the model can restrict its output layer (else [A, N, V] all the same: callers
     index from the end)."""
     with tree_attention_context(meta):
+        if compiled is None and lean_forward_applies(model, cache, ids.device):  # bit-identical, less Python
+            keep = int(keep_last) if keep_last and _takes_logits_to_keep(type(model)) else 0
+            return lean_forward(model, cache, ids, meta.position_ids, keep)[..., :V]
         if compiled is None:
             kw = last_logits_only(model, int(keep_last)) if keep_last else {}
             kw.update(cache_kwargs(model, cache))
