@@ -45,10 +45,15 @@ INT4_GROUP = 32  # inputs per weight scale and per activation scale (csrc/int4_l
 INT4_MAX = 7  # symmetric int4: q in [-8, 7], scale = max |w| / 7 per group
 
 
-def _core():
-    from ..ops.csrc import load_cpu_core
+_CORE: list = []  # the loaded native CPU build, once (an import per layer call costs ~4 us)
 
-    return load_cpu_core()
+
+def _core():
+    if not _CORE:
+        from ..ops.csrc import load_cpu_core
+
+        _CORE.append(load_cpu_core())
+    return _CORE[0]
 
 
 def int4_linear_available() -> bool:

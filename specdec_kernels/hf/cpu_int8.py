@@ -83,10 +83,15 @@ def _quantized_engine(name: str):
         torch.backends.quantized.engine = before
 
 
-def _core():
-    from ..ops.csrc import load_cpu_core
+_CORE: list = []  # the loaded native CPU build, once (an import per layer call costs ~4 us)
 
-    return load_cpu_core()
+
+def _core():
+    if not _CORE:
+        from ..ops.csrc import load_cpu_core
+
+        _CORE.append(load_cpu_core())
+    return _CORE[0]
 
 
 def native_int8_available() -> bool:
