@@ -61,6 +61,7 @@ GROUPS = {
     "draft_vocab": (["tests/hf/test_draft_vocab.py"], []),
     "cpu_int8": (["tests/hf/test_cpu_int8.py", "tests/hf/test_cpu_int8_native.py"], []),
     "cpu_int4": (["tests/hf/test_cpu_int4.py"], []),
+    "lean_forward": (["tests/hf/test_lean_forward.py"], []),
     "draft_length": (["tests/hf/test_draft_length.py"], []),
     "cpu_attention": (["tests/ops/test_tree_attention.py", "tests/hf/test_tree_attention_backend.py"], []),
     "driver": (
@@ -300,6 +301,25 @@ MUTANTS = [
         "_streamed",
         "m.wq.numel() + 4 * m.sw.numel() + 4 * m.wsum.numel()",
         "m.in_features * m.out_features + 4 * m.out_features",
+    ),
+    # ---- the lean CPU forward (specdec_kernels/hf/lean_forward.py)
+    Mutant(
+        "lean-rope-sin",
+        "lean_forward",
+        "lean_forward",
+        "k = (k * cos) + (_rotate_half(k) * sin)",
+        "k = (k * cos) + (_rotate_half(k) * cos)",
+    ),
+    Mutant("lean-keep-ignored", "lean_forward", "lean_forward", "hidden[:, -keep:, :] if keep else hidden", "hidden"),
+    Mutant(
+        "lean-hooks-ignored", "lean_forward", "_any_hooks", "if m._forward_hooks or m._forward_pre_hooks:", "if False:"
+    ),
+    Mutant(
+        "lean-window-ignored",
+        "lean_forward",
+        "_structure_fits",
+        'getattr(att, "sliding_window", None) is not None',
+        "False",
     ),
     # ---- int4 linear layers for CPU drafts (specdec_kernels/hf/cpu_int4.py, csrc/int4_linear.cpp)
     Mutant(

@@ -112,9 +112,12 @@ def test_it_applies_only_where_it_replays_the_model():
         assert not lean_forward_applies(model, cache, "cpu")  # grad enabled
     with torch.no_grad():
         assert not lean_forward_applies(model, cache, "cpu")  # not the tree-attention implementation
-        windowed = tiny_model("mistral", seed=6)  # sliding_window 4096
-        with using_tree_attention(windowed):
-            assert not lean_forward_applies(windowed, _prefilled(windowed, PROMPTS), "cpu")
+        for windowed in (
+            tiny_model("mistral", seed=6),  # sliding_window 4096
+            tiny_model("qwen2", seed=6, use_sliding_window=True, sliding_window=4, max_window_layers=0),
+        ):
+            with using_tree_attention(windowed):
+                assert not lean_forward_applies(windowed, _prefilled(windowed, PROMPTS), "cpu")
 
 
 def test_the_environment_switch_turns_it_off(monkeypatch):
