@@ -25,6 +25,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "cpu_simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -176,8 +178,7 @@ bool w4a8_fast_path() {
   static const bool cpu_ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
                              __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
-  const char* env = std::getenv("SPECDEC_CPU_SIMD");
-  return cpu_ok && !(env != nullptr && env[0] == '0');
+  return cpu_ok && sk::simd::env_allows();
 #else
   return false;
 #endif

@@ -21,6 +21,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "cpu_simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -158,8 +160,7 @@ bool w8a8_fast_path() {
 #ifdef SK_HAVE_AVX512_W8
   static const bool cpu_ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  const char* env = std::getenv("SPECDEC_CPU_SIMD");
-  return cpu_ok && !(env != nullptr && env[0] == '0');
+  return cpu_ok && sk::simd::env_allows();
 #else
   return false;
 #endif

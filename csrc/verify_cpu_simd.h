@@ -19,33 +19,14 @@
 // SPECDEC_CPU_SIMD=0 in the environment turns these paths off (read per call).
 #pragma once
 
-#include <cstdlib>
-
 #include "verify_core.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define SK_HAVE_AVX2_PATH 1
-#include <immintrin.h>
+#include "cpu_simd.h"
 
-extern "C" {
-// SLEEF's dispatching entry points, exported by libtorch_cpu (declared here: sleef.h hides the
-// __m256 overloads from a translation unit compiled without -mavx).
-__m256 Sleef_expf8_u10(__m256);
-__m256 Sleef_logf8_u10(__m256);
-}
-
-#define SK_AVX2 __attribute__((target("avx2,fma,f16c")))
+#ifdef SK_HAVE_AVX2_PATH
 
 namespace sk {
 namespace simd {
-
-// Whether the AVX2 paths run: the CPU has the instructions and SPECDEC_CPU_SIMD is not "0".
-inline bool enabled() {
-  static const bool cpu_ok =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  const char* env = std::getenv("SPECDEC_CPU_SIMD");
-  return cpu_ok && !(env != nullptr && env[0] == '0');
-}
 
 SK_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 SK_AVX2 inline __m256 load8(const bf16* p) {

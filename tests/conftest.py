@@ -44,6 +44,14 @@ def _torch_threads_unchanged():
         pytest.fail(f"the test left torch at {after} threads (it started at {before})")
 
 
+@pytest.fixture(params=["vector", "portable"])
+def simd_path(request, monkeypatch):
+    """Both code paths of a native CPU kernel with a SIMD path: "portable" sets SPECDEC_CPU_SIMD=0."""
+    if request.param == "portable":
+        monkeypatch.setenv("SPECDEC_CPU_SIMD", "0")
+    return request.param
+
+
 @pytest.fixture
 def device():
     return DEVICE

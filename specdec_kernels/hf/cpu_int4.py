@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.csrc import cpu_backend_ready, cpu_failure, load_cpu_core
 from .cpu_linear import _DTYPES, replace_cpu_linears
 
 __all__ = ["INT4_GROUP", "Int4Linear", "dequantize_int4", "int4_linear_available", "pack_int4", "use_int4_linears"]
@@ -45,21 +46,8 @@ INT4_GROUP = 32  # inputs per weight scale and per activation scale (csrc/int4_l
 INT4_MAX = 7  # symmetric int4: q in [-8, 7], scale = max |w| / 7 per group
 
 
-_CORE: list = []  # the loaded native CPU build, once (an import per layer call costs ~4 us)
-
-
-def _core():
-    if not _CORE:
-        from ..ops.csrc import load_cpu_core
-
-        _CORE.append(load_cpu_core())
-    return _CORE[0]
-
-
 def int4_linear_available() -> bool:
     """Whether the native CPU build (which holds the int4 kernel) loads here (compiling it on first use)."""
-    from ..ops.csrc import cpu_backend_ready
-
     return cpu_backend_ready()
 
 
@@ -135,7 +123,7 @@ class Int4Linear(nn.Module):
             raise ValueError(f"Int4Linear: input's last dimension is {x.shape[-1]}, expected {self.in_features}")
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).float().contiguous()
-        y = _core().w4a8_linear(rows, self.wq, self.ws, self._bias32)
+        y = load_cpu_core().w4a8_linear(rows, self.wq, self.ws, self._bias32)
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -161,8 +149,6 @@ def use_int4_linears(model: nn.Module, keep: tuple[str, ...] | list[str] = ()) -
     if isinstance(keep, str):
         raise ValueError(f"use_int4_linears: keep must be a list of name parts, got the string {keep!r}")
     if not int4_linear_available():
-        from ..ops.csrc import cpu_failure
-
         raise ValueError(f"use_int4_linears: the native CPU build does not load ({cpu_failure()})")
     width_ok = lambda layer: layer.weight.shape[1] % INT4_GROUP == 0 and layer.weight.shape[1] > 0  # noqa: E731
     return replace_cpu_linears(model, keep, Int4Linear.from_linear, width_ok)

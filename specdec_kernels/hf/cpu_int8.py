@@ -46,6 +46,7 @@ import warnings
 import torch
 from torch import nn
 
+from ..ops.csrc import cpu_backend_ready, cpu_failure, load_cpu_core
 from .cpu_linear import _DTYPES, replace_cpu_linears
 
 __all__ = ["INT8_KEEP", "Int8Linear", "int8_linear_available", "pack_int8", "unpack_int8", "use_int8_linears"]
@@ -83,21 +84,8 @@ def _quantized_engine(name: str):
         torch.backends.quantized.engine = before
 
 
-_CORE: list = []  # the loaded native CPU build, once (an import per layer call costs ~4 us)
-
-
-def _core():
-    if not _CORE:
-        from ..ops.csrc import load_cpu_core
-
-        _CORE.append(load_cpu_core())
-    return _CORE[0]
-
-
 def native_int8_available() -> bool:
     """Whether the native CPU build (which holds our int8 kernel) loads here (compiling it on first use)."""
-    from ..ops.csrc import cpu_backend_ready
-
     return cpu_backend_ready()
 
 
@@ -201,7 +189,7 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).float().contiguous()
         if self.kernel == "native":
-            y = _core().w8a8_linear(rows, self.wq, self.sw, self.wsum, self._bias32, self.out_features)
+            y = load_cpu_core().w8a8_linear(rows, self.wq, self.sw, self.wsum, self._bias32, self.out_features)
             return y.to(x.dtype).reshape(*lead, self.out_features)
         if rows.shape[0] == 0:
             return x.new_zeros(*lead, self.out_features)
@@ -230,8 +218,6 @@ def _pick_kernel(kernel: str | None) -> str:
     if kernel is None:
         kernel = "native" if native_int8_available() else "fbgemm"
     if kernel == "native" and not native_int8_available():
-        from ..ops.csrc import cpu_failure
-
         raise ValueError(f"Int8Linear: kernel='native': the native CPU build does not load ({cpu_failure()})")
     if kernel == "fbgemm" and not _fbgemm_available():
         raise ValueError("Int8Linear: kernel='fbgemm' needs PyTorch's fbgemm int8 linear (torch.ops.quantized, x86-64)")

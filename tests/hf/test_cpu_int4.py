@@ -29,15 +29,6 @@ from .test_generate import PAD, _greedy_reference, _near_copy, _ragged_prompts, 
 
 pytestmark = pytest.mark.skipif(not int4_linear_available(), reason="the native CPU build does not load here")
 
-PATHS = ["vector", "portable"]  # SPECDEC_CPU_SIMD=0 runs the portable loop
-
-
-@pytest.fixture(params=PATHS)
-def path(request, monkeypatch):
-    if request.param == "portable":
-        monkeypatch.setenv("SPECDEC_CPU_SIMD", "0")
-    return request.param
-
 
 def _emulated(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     """The layer's arithmetic: the input quantised per row and group of 32 as the kernel does it in
@@ -55,7 +46,7 @@ def _emulated(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("out_features, in_features", [(1, 128), (37, 256), (130, 640), (9, 32), (5, 96), (66, 320)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
-def test_layer_equals_its_emulation(path, out_features, in_features, rows):
+def test_layer_equals_its_emulation(simd_path, out_features, in_features, rows):
     """Every row count the kernel specialises (1-8 rows a pass, 4 or 2 output rows at a time and
     the remainder one by one), odd output widths, input widths with a short last block (1-3 groups
     of 32 past the last 128: read under a mask)."""

@@ -23,15 +23,6 @@ from .test_cpu_int8 import _emulated
 
 pytestmark = pytest.mark.skipif(not native_int8_available(), reason="the native CPU build does not load here")
 
-PATHS = ["vector", "portable"]  # SPECDEC_CPU_SIMD=0 runs the portable loop
-
-
-@pytest.fixture(params=PATHS)
-def path(request, monkeypatch):
-    if request.param == "portable":
-        monkeypatch.setenv("SPECDEC_CPU_SIMD", "0")
-    return request.param
-
 
 def _layer(in_features: int, out_features: int, bias: bool = True) -> Int8Linear:
     linear = nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
@@ -40,7 +31,7 @@ def _layer(in_features: int, out_features: int, bias: bool = True) -> Int8Linear
 
 @pytest.mark.parametrize("out_features, in_features", [(1, 4), (37, 50), (130, 96), (16, 3), (64, 257), (81, 640)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
-def test_layer_equals_its_emulation(path, out_features, in_features, rows):
+def test_layer_equals_its_emulation(simd_path, out_features, in_features, rows):
     """Every row count the kernel specialises (1-8 rows a pass: 4 or 2 panels of 16 output rows at a
     time, the remainder one panel at a time), output widths that end inside a panel, input widths
     that end inside a group of 4 (padded with zeros)."""
