@@ -73,7 +73,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--draft-int8",
         action="store_true",
-        help="on CPU: the draft's linear layers in int8 (fbgemm): a cheaper draft forward, output unchanged in law "
+        help="on CPU: the draft's linear layers in int8 (our kernel; fbgemm's without the native build): a cheaper "
+        "draft forward, output unchanged in law "
         "(fastest with the draft's other layers in fp32: leave --draft-dtype unset)",
     )
     p.add_argument(
@@ -145,7 +146,7 @@ def _check_quantised_draft(args: argparse.Namespace, bits: int) -> None:
     if resolve_device(args.device) != "cpu":
         raise UsageError(flag, "set", f"a CPU run (--device cpu): the int{bits} layers are CPU kernels")
     if bits == 8 and not int8_linear_available():
-        raise UsageError(flag, "set", "a PyTorch build with fbgemm's int8 linear (x86-64)")
+        raise UsageError(flag, "set", "the native CPU build or a PyTorch build with fbgemm's int8 linear (x86-64)")
     if bits == 4 and not int4_linear_available():
         raise UsageError(flag, "set", "the native CPU build (a C++ compiler and ninja the first time)")
 
