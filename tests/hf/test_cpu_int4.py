@@ -23,6 +23,7 @@ from specdec_kernels.hf.cpu_int4 import (  # noqa: E402
 )
 from specdec_kernels.hf.draft_vocab import DraftVocab  # noqa: E402
 
+from .._threads import under_threads  # noqa: E402
 from ..ops._stats import ALPHA, chi_square_power, chi_square_pvalue  # noqa: E402
 from ._models import tiny_model  # noqa: E402
 from .test_generate import PAD, _greedy_reference, _near_copy, _ragged_prompts, _two_token_distribution  # noqa: E402
@@ -227,12 +228,5 @@ def test_threads_split_the_output_rows_without_changing_them():
     torch.manual_seed(5)
     layer = Int4Linear.from_linear(nn.Linear(320, 203))
     x = torch.randn(3, 320)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = layer(x)
-        torch.set_num_threads(2)
-        two = layer(x)
-    finally:
-        torch.set_num_threads(before)
+    one, two = under_threads(lambda: layer(x), 1, 2)
     assert torch.equal(one, two)

@@ -19,6 +19,7 @@ from specdec_kernels.hf.cpu_int8 import (
     unpack_int8,
 )
 
+from .._threads import under_threads
 from .test_cpu_int8 import _emulated
 
 pytestmark = pytest.mark.skipif(not native_int8_available(), reason="the native CPU build does not load here")
@@ -111,12 +112,5 @@ def test_threads_split_the_panels_without_changing_them():
     torch.manual_seed(5)
     layer = _layer(320, 203)
     x = torch.randn(3, 320)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = layer(x)
-        torch.set_num_threads(2)
-        two = layer(x)
-    finally:
-        torch.set_num_threads(before)
+    one, two = under_threads(lambda: layer(x), 1, 2)
     assert torch.equal(one, two)
