@@ -89,6 +89,13 @@ def native_int8_available() -> bool:
     return cpu_backend_ready()
 
 
+def _row_scales(w: torch.Tensor) -> torch.Tensor:
+    """[N] fp32: each output row's symmetric int8 scale max |w| / 127 (a tiny positive one for an
+    all-zero or empty row, so that q = round(w / s) stays 0)."""
+    amax = w.abs().amax(dim=1) if w.shape[1] else w.new_zeros(w.shape[0])
+    return (amax / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+
+
 @torch.no_grad()
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(wq [P, 16 Kp] int8, sw [16 P] fp32, wsum [16 P] int32): ``weight`` [N, K] in the native
@@ -101,7 +108,7 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     w = weight.detach().float()
     if not bool(torch.isfinite(w).all()):
         raise ValueError("pack_int8: the weight has NaN or infinite entries")
-    scale = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = _row_scales(w)
     q = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     P, Kp = -(-N // INT8_PANEL), -(-K // 4) * 4
     full = torch.zeros(P * INT8_PANEL, Kp, dtype=torch.int8)
@@ -164,7 +171,7 @@ class Int8Linear(nn.Module):
         if kernel == "native":
             wq, sw, wsum = pack_int8(w)
             return cls(kernel, (wq, sw, wsum), sw[:N].clone(), linear.bias, K, N)
-        scales = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        scales = _row_scales(w)
         zero = torch.zeros(N, dtype=torch.long)
         with warnings.catch_warnings():  # quantised tensor creation is deprecated; the packed weight is what we keep
             warnings.filterwarnings("ignore", message=".*quantize_per_channel.*", category=UserWarning)
@@ -187,7 +194,7 @@ class Int8Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Int8Linear: input's last dimension is {x.shape[-1]}, expected {self.in_features}")
         lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features).float().contiguous()
+        rows = x.reshape(lead.numel(), self.in_features).float().contiguous()  # (-1 is ambiguous at 0 inputs)
         if self.kernel == "native":
             y = load_cpu_core().w8a8_linear(rows, self.wq, self.sw, self.wsum, self._bias32, self.out_features)
             return y.to(x.dtype).reshape(*lead, self.out_features)

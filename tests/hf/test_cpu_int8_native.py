@@ -92,6 +92,14 @@ def test_non_finite_inputs_give_nan_rows_and_zero_rows_give_the_bias():
     torch.testing.assert_close(y[3], layer.bias.float(), rtol=0, atol=0)
 
 
+def test_zero_sized_layers_and_inputs():
+    """No inputs: the outputs are the bias; no outputs or no rows: empty results."""
+    no_inputs = _layer(0, 5)
+    torch.testing.assert_close(no_inputs(torch.randn(3, 0)), no_inputs.bias.float().expand(3, 5), rtol=0, atol=0)
+    assert _layer(7, 0)(torch.randn(2, 7)).shape == (2, 0)
+    assert _layer(7, 3)(torch.randn(4, 0, 7)).shape == (4, 0, 3)
+
+
 def test_bad_layers_and_inputs_are_clear_errors():
     bad = nn.Linear(8, 4)
     bad.weight.data[0, 0] = float("inf")
