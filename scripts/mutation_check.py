@@ -297,11 +297,7 @@ MUTANTS = [
     ),
     # ---- the lean CPU forward (specdec_kernels/hf/lean_forward.py)
     Mutant(
-        "lean-rope-sin",
-        "lean_forward",
-        "lean_forward",
-        "k = (k * cos) + (_rotate_half(k) * sin)",
-        "k = (k * cos) + (_rotate_half(k) * cos)",
+        "lean-rope-sin", "lean_forward", "lean_forward", "apply_rotary(q, k, cos, sin)", "apply_rotary(q, k, cos, cos)"
     ),
     Mutant("lean-keep-ignored", "lean_forward", "lean_forward", "hidden[:, -keep:, :] if keep else hidden", "hidden"),
     Mutant(

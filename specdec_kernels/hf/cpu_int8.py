@@ -166,11 +166,11 @@ class Int8Linear(nn.Module):
             raise ValueError(f"Int8Linear needs a CPU fp32/bf16 weight, got {weight.dtype} on {weight.device}")
         w = weight.float()
         N, K = w.shape
-        if kernel == "native" and K > INT8_MAX_K:
-            raise ValueError(f"Int8Linear: the native kernel takes <= {INT8_MAX_K} inputs, got {K} (fbgemm's does)")
         if kernel == "native":
+            if K > INT8_MAX_K:
+                raise ValueError(f"Int8Linear: the native kernel takes <= {INT8_MAX_K} inputs, got {K} (fbgemm's does)")
             wq, sw, wsum = pack_int8(w)
-            return cls(kernel, (wq, sw, wsum), sw[:N].clone(), linear.bias, K, N)
+            return cls(kernel, (wq, sw, wsum), sw[:N], linear.bias, K, N)  # scales: a view of the panels' own
         scales = _row_scales(w)
         zero = torch.zeros(N, dtype=torch.long)
         with warnings.catch_warnings():  # quantised tensor creation is deprecated; the packed weight is what we keep

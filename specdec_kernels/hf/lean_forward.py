@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 
@@ -46,14 +47,9 @@ def lean_forward_applies(model, cache, device) -> bool:
     return all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
 
 
-@functools.lru_cache(maxsize=16)
-def _fits_type(model_type: type) -> bool:
-    return model_type.__name__ in _MODELS
-
-
 def _model_fits(model) -> bool:
     """The model's structure is the replayed one and nothing hooks into it (hooks would be skipped)."""
-    if not _fits_type(type(model)):
+    if type(model).__name__ not in _MODELS:
         return False
     cached = getattr(model, "_specdec_lean_fits", None)
     if cached is None:
@@ -97,9 +93,9 @@ def lean_forward(model, cache, ids: torch.Tensor, position_ids: torch.Tensor, ke
     called); ``keep`` > 0: the last ``keep`` positions only (``logits_to_keep``). Call only where
     :func:`lean_forward_applies`."""
     body = model.model
+    apply_rotary = _modeling_module(type(model)).apply_rotary_pos_emb  # the model's own function
     hidden = body.embed_tokens.forward(ids)
     cos, sin = body.rotary_emb.forward(hidden, position_ids)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # apply_rotary_pos_emb's unsqueeze_dim = 1
     B, N = ids.shape
     for layer, kv in zip(body.layers, cache.layers, strict=True):
         att, mlp = layer.self_attn, layer.mlp
@@ -109,11 +105,9 @@ def lean_forward(model, cache, ids: torch.Tensor, position_ids: torch.Tensor, ke
         q = att.q_proj.forward(x).view(shape).transpose(1, 2)
         k = att.k_proj.forward(x).view(shape).transpose(1, 2)
         v = att.v_proj.forward(x).view(shape).transpose(1, 2)
-        q = (q * cos) + (_rotate_half(q) * sin)
-        k = (k * cos) + (_rotate_half(k) * sin)
-        kv.keys = torch.cat([kv.keys, k], dim=-2)
-        kv.values = torch.cat([kv.values, v], dim=-2)
-        out, _ = _tree_attention_forward(att, q, kv.keys, kv.values, None, dropout=0.0, scaling=att.scaling)
+        q, k = apply_rotary(q, k, cos, sin)
+        keys, values = kv.update(k, v)  # the cache layer's own append
+        out, _ = _tree_attention_forward(att, q, keys, values, None, dropout=0.0, scaling=att.scaling)
         hidden = residual + att.o_proj.forward(out.reshape(B, N, -1).contiguous())
         residual = hidden
         x = layer.post_attention_layernorm.forward(hidden)
@@ -122,7 +116,7 @@ def lean_forward(model, cache, ids: torch.Tensor, position_ids: torch.Tensor, ke
     return model.lm_head.forward(hidden[:, -keep:, :] if keep else hidden)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
+@functools.lru_cache(maxsize=8)
+def _modeling_module(model_type: type):
+    """The ``transformers`` module that defines the model class (its ``apply_rotary_pos_emb``)."""
+    return sys.modules[model_type.__module__]
