@@ -237,12 +237,13 @@ def load_pair(args, dtype, draft_dtype=None) -> Pair:
     draft_int8fb = quantised_draft(draft, args, bits=8, kernel="fbgemm")
     if draft is not None and draft_dtype is not None:
         draft = draft.to(draft_dtype)  # the draft's precision never changes what is accepted, only how often
-    if getattr(args, "cpu_linear", "torch") == "onednn" and str(device).startswith("cpu"):
-        from specdec_kernels.hf.cpu_linear import use_onednn_linears
+    kind = getattr(args, "cpu_linear", "torch")
+    if kind != "torch" and str(device).startswith("cpu"):
+        from specdec_kernels.hf.cpu_linear import use_cpu_linears
 
-        drafts = [m for m in (draft, draft_int8, draft_int4, draft_int8fb) if m is not None]
-        swapped = use_onednn_linears(target) + sum(use_onednn_linears(m) for m in drafts)
-        print(f"# cpu linear layers: {swapped} nn.Linear -> oneDNN (every mode, baselines included)")
+        models = [m for m in (target, draft, draft_int8, draft_int4, draft_int8fb) if m is not None]
+        native, onednn = (sum(n) for n in zip(*(use_cpu_linears(m, kind) for m in models), strict=True))
+        print(f"# cpu linear layers: {native} -> native fp32, {onednn} -> oneDNN (every mode, baselines included)")
     dropped = neutralize_generation_config(target, eos, pad)
     for m in (draft, draft_int8, draft_int4, draft_int8fb):
         if m is not None:

@@ -767,10 +767,11 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--cpu-linear",
-        choices=["onednn", "torch"],
+        choices=["native", "onednn", "torch"],  # specdec_kernels.hf.cpu_linear.CPU_LINEARS
         default="onednn",
-        help="CPU runs: nn.Linear layers of both models (every mode) run oneDNN on packed weights "
-        "(specdec_kernels.hf.cpu_linear), or PyTorch's default (MKL in fp32)",
+        help="CPU runs: nn.Linear layers of every model (every mode, baselines included) run oneDNN on "
+        "packed weights (specdec_kernels.hf.cpu_linear), our fp32 kernel (native: fp32 layers; oneDNN for "
+        "bf16 ones; specdec_kernels.hf.cpu_f32), or PyTorch's default (MKL in fp32)",
     )
     p.add_argument("--tree-width", type=int, default=4, help="ours_dyntree: children per tree node")
     p.add_argument(

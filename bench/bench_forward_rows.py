@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--draft", help="the draft's Hugging Face directory")
     p.add_argument("--dtype", default="fp32", choices=tuple(common.DTYPES))
     p.add_argument("--draft-dtype", default=None, choices=tuple(common.DTYPES))
-    p.add_argument("--cpu-linear", default="onednn", choices=("onednn", "torch"))
+    p.add_argument("--cpu-linear", default="onednn", choices=("native", "onednn", "torch"))  # hf.cpu_linear.CPU_LINEARS
     p.add_argument("--threads", type=int, default=1, help="torch threads (pinned)")
     p.add_argument("--prefix", type=int, default=256, help="cached prompt tokens before the timed rows")
     p.add_argument("--rows", type=int, nargs="+", default=None, help=f"row counts (default {DEFAULT_ROWS})")
@@ -86,10 +86,9 @@ def _models(args):
     out = []
     for role, name, model in models:
         model = model.to(getattr(torch, common.DTYPES[dtypes[role]]))
-        if args.cpu_linear == "onednn":
-            from specdec_kernels.hf.cpu_linear import use_onednn_linears
+        from specdec_kernels.hf.cpu_linear import use_cpu_linears
 
-            use_onednn_linears(model)
+        use_cpu_linears(model, args.cpu_linear)
         out.append((role, name, model, dtypes[role]))
     return out
 

@@ -21,6 +21,7 @@
 
 #include <memory>
 
+#include "f32_linear.h"
 #include "int4_linear.h"
 #include "int8_linear.h"
 #include "verify_api.h"
@@ -440,6 +441,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("filter_threshold_program", &filter_threshold_program, "The GPU programs' top-k/top-p threshold, on the CPU");
   m.def("kseq_rho_program", &kseq_rho_program, "The core's K-SEQ rho search on one position, on the CPU");
   m.def("row_softmax_program", &row_softmax_program, "The CPU row pass's merged (max, z) of rows [R, V]");
+  m.def("f32_linear", &f32_linear, "fp32 linear of CPU models in packed panels (csrc/f32_linear.cpp)");
+  m.def("f32_linear_fast_path", &f32_linear_fast_path, "Whether f32_linear runs its AVX-512 path here");
   m.def("w4a8_linear", &w4a8_linear, "Int4-weight linear of CPU draft models (csrc/int4_linear.cpp)");
   m.def("w4a8_fast_path", &w4a8_fast_path, "Whether w4a8_linear runs its AVX-512 VNNI path here");
   m.def("w8a8_linear", &w8a8_linear, "Int8-weight linear of CPU draft models (csrc/int8_linear.cpp)");

@@ -61,6 +61,7 @@ GROUPS = {
     "draft_vocab": (["tests/hf/test_draft_vocab.py"], []),
     "cpu_int8": (["tests/hf/test_cpu_int8.py", "tests/hf/test_cpu_int8_native.py"], []),
     "cpu_int4": (["tests/hf/test_cpu_int4.py"], []),
+    "cpu_f32": (["tests/hf/test_cpu_f32.py"], []),
     "lean_forward": (["tests/hf/test_lean_forward.py"], []),
     "draft_length": (["tests/hf/test_draft_length.py"], []),
     "cpu_attention": (["tests/ops/test_tree_attention.py", "tests/hf/test_tree_attention_backend.py"], []),
@@ -295,6 +296,33 @@ MUTANTS = [
         "m.wq.numel() + 4 * m.sw.numel() + 4 * m.wsum.numel()",
         "m.in_features * m.out_features + 4 * m.out_features",
     ),
+    # ---- the native fp32 linear of CPU models (csrc/f32_linear.cpp, specdec_kernels/hf/cpu_f32.py)
+    Mutant(
+        "f32-bias-inside",
+        "cpu_f32",
+        "panels_avx512",
+        "_mm512_setzero_ps();\n  const float* panel",
+        "_mm512_set1_ps(1e-3f);\n  const float* panel",
+    ),
+    Mutant(
+        "f32-scalar-no-fma",
+        "cpu_f32",
+        "panels_scalar",
+        "acc = std::fma(panel[k * PANEL + j], x[m * K + k], acc)",
+        "acc += panel[k * PANEL + j] * x[m * K + k]",
+    ),
+    Mutant("f32-panel-stride", "cpu_f32", "panels_avx512", "panel + (t * K + k) * PANEL", "panel + (t + k) * PANEL"),
+    Mutant("f32-tail-mask", "cpu_f32", "panels_avx512", "(1u << (N - n)) - 1", "(1u << (N - n + 1)) - 1"),
+    Mutant("f32-tail-panels", "cpu_f32", "f32_linear", "int64_t{2}, int64_t{1}}", "int64_t{2}}"),
+    Mutant("f32-pass-rows", "cpu_f32", "f32_linear", "m0 < M; m0 += per_pass)", "m0 < M; m0 += ROWS)"),
+    Mutant(
+        "f32-pack-order",
+        "cpu_f32",
+        "pack_f32",
+        "K).transpose(1, 2).reshape(P, K * F32_PANEL)",
+        "K).reshape(P, K * F32_PANEL)",
+    ),
+    Mutant("f32-keep-bf16", "cpu_f32", "use_native_linears", "child.weight.dtype == torch.float32 and", "True and"),
     # ---- the lean CPU forward (specdec_kernels/hf/lean_forward.py)
     Mutant(
         "lean-rope-sin", "lean_forward", "lean_forward", "apply_rotary(q, k, cos, sin)", "apply_rotary(q, k, cos, cos)"

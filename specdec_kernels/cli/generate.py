@@ -94,9 +94,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--draft-dtype", choices=list(DTYPES), default=None)
     p.add_argument(
         "--cpu-linear",
-        choices=["onednn", "torch"],
+        choices=["native", "onednn", "torch"],  # hf.cpu_linear.CPU_LINEARS
         default="onednn",
-        help="on CPU: linear layers by oneDNN on packed weights (multi-token forwards near one token's cost)",
+        help="on CPU: linear layers by oneDNN on packed weights (multi-token forwards near one token's cost), "
+        "by our fp32 kernel (native: fp32 layers at the read bandwidth, oneDNN for the others), or PyTorch's",
     )
     p.add_argument("--cache", choices=["dynamic", "static"], default="dynamic", help="KV cache of both models")
     p.add_argument(
@@ -277,12 +278,12 @@ def generate_command(args: argparse.Namespace) -> int:
         from ..hf.cpu_int4 import use_int4_linears
 
         use_int4_linears(draft)  # likewise
-    if args.cpu_linear == "onednn" and device == "cpu":
-        from ..hf.cpu_linear import use_onednn_linears
+    if args.cpu_linear != "torch" and device == "cpu":
+        from ..hf.cpu_linear import use_cpu_linears
 
         for model in (target, draft):
             if model is not None:
-                use_onednn_linears(model)
+                use_cpu_linears(model, args.cpu_linear)
     drafter = args.drafter or ("model" if draft is not None else "prompt_lookup")
     heads = _load_heads(args, device) if drafter == "medusa" else None
     batch = tok([args.prompt], return_tensors="pt")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["OneDnnLinear", "onednn_linear_available", "use_onednn_linears"]
+__all__ = ["CPU_LINEARS", "OneDnnLinear", "onednn_linear_available", "use_cpu_linears", "use_onednn_linears"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN's inner product picks its kernel by the number of rows, and below 4 rows it picks worse ones:
@@ -120,6 +120,27 @@ def use_onednn_linears(model: nn.Module) -> int:
                 setattr(parent, name, OneDnnLinear.from_linear(child))
                 replaced += 1
     return replaced
+
+
+# The CPU linear kernels a run may pick (bench --cpu-linear, specdec generate --cpu-linear):
+# "native": the fp32 layers by our kernel (cpu_f32.NativeLinear), the others (bf16) by oneDNN;
+# "onednn": every fp32/bf16 layer by oneDNN; "torch": PyTorch's own (MKL in fp32).
+CPU_LINEARS = ("native", "onednn", "torch")
+
+
+def use_cpu_linears(model: nn.Module, kind: str) -> tuple[int, int]:
+    """Swap ``model``'s CPU linear layers for the kernels ``kind`` names (:data:`CPU_LINEARS`), in place.
+    Returns (layers on the native fp32 kernel, layers on oneDNN). "native" where the native kernel has
+    no fast path here (no native build, no AVX-512) is oneDNN for every layer (first return value 0)."""
+    if kind not in CPU_LINEARS:
+        raise ValueError(f"cpu linear kind must be one of {CPU_LINEARS}, got {kind!r}")
+    native = 0
+    if kind == "native":
+        from .cpu_f32 import use_native_linears
+
+        native = use_native_linears(model)
+    onednn = use_onednn_linears(model) if kind in ("native", "onednn") else 0
+    return native, onednn
 
 
 def replace_cpu_linears(model: nn.Module, keep, make, takes=lambda layer: True) -> int:

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .cpu_f32 import NativeLinear
 from .cpu_int4 import Int4Linear
 from .cpu_int8 import Int8Linear
 from .cpu_linear import OneDnnLinear
@@ -130,16 +131,16 @@ def _restricted_head(model, ids: torch.Tensor) -> DraftVocabHead:
     out = model.get_output_embeddings()
     if isinstance(out, DraftVocabHead):
         raise ValueError("draft_vocab: the draft's output layer is already restricted")
-    if type(out) not in (nn.Linear, OneDnnLinear, Int8Linear, Int4Linear):
+    if type(out) not in (nn.Linear, OneDnnLinear, NativeLinear, Int8Linear, Int4Linear):
         raise ValueError(
-            "draft_vocab needs a draft whose output layer is an nn.Linear (or OneDnnLinear, Int8Linear, "
-            f"Int4Linear), got {type(out).__name__}"
+            "draft_vocab needs a draft whose output layer is an nn.Linear (or OneDnnLinear, NativeLinear, "
+            f"Int8Linear, Int4Linear), got {type(out).__name__}"
         )
     if int(ids[-1]) >= out.out_features:
         raise ValueError(f"draft_vocab has token id {int(ids[-1])} >= the draft's output rows ({out.out_features})")
     if isinstance(out, Int4Linear):  # the packed rows themselves: the same int4 values, nothing dequantised
         return DraftVocabHead(out.select_rows(ids), ids, out.out_features)
-    weight = out.weight.detach()  # [V, in_features] (OneDnnLinear: an unpacked copy; Int8Linear: dequantised)
+    weight = out.weight.detach()  # [V, in_features] (OneDnnLinear, NativeLinear: unpacked; Int8Linear: dequantised)
     index = ids.to(weight.device)
     kept = nn.Linear(weight.shape[1], ids.numel(), bias=out.bias is not None, device=weight.device, dtype=weight.dtype)
     kept.weight.copy_(weight.index_select(0, index))
@@ -148,6 +149,8 @@ def _restricted_head(model, ids: torch.Tensor) -> DraftVocabHead:
     kept.requires_grad_(False)
     if isinstance(out, OneDnnLinear):
         kept = OneDnnLinear.from_linear(kept)
+    elif isinstance(out, NativeLinear):
+        kept = NativeLinear.from_linear(kept)
     elif isinstance(out, Int8Linear):  # requantised: the same int8 values, scales to rounding
         kept = Int8Linear.from_linear(kept, out.kernel)
     return DraftVocabHead(kept, index, weight.shape[0])

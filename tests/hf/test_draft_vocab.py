@@ -55,14 +55,19 @@ def test_head_keeps_the_rows_and_fills_the_rest(ids, bias):
     assert bool((got[..., ~kept] == OFF_VOCAB_LOGIT).all())
 
 
-@pytest.mark.skipif(not onednn_linear_available(), reason="this PyTorch has no oneDNN linear ops")
-def test_head_of_a_onednn_output_layer():
+@pytest.mark.parametrize("kind", ["onednn", "native"])
+def test_head_of_a_packed_output_layer(kind):
+    """An output layer on oneDNN or on the native fp32 kernel keeps its kind when restricted."""
+    from specdec_kernels.hf.cpu_f32 import NativeLinear, native_linear_available, use_native_linears
+
+    if not (onednn_linear_available() if kind == "onednn" else native_linear_available()):
+        pytest.skip(f"no {kind} linear here")
     model = tiny_model("llama", seed=2)
-    use_onednn_linears(model)
+    (use_onednn_linears if kind == "onednn" else use_native_linears)(model)
     x = torch.randn(5, 64)
     full = model.lm_head(x)
     with DraftVocab(KEPT).installed(model) as head:
-        assert isinstance(head.kept, OneDnnLinear)
+        assert isinstance(head.kept, OneDnnLinear if kind == "onednn" else NativeLinear)
         got = model.lm_head(x)
     torch.testing.assert_close(got[:, KEPT], full[:, KEPT], rtol=1e-5, atol=1e-5)
 

@@ -1,0 +1,171 @@
+// fp32 linear layers of CPU models at the machine's read bandwidth (specdec_kernels/hf/cpu_f32.py).
+// A decoding or verification forward of an fp32 target streams every weight once for a few rows;
+// oneDNN's inner product reads them at ~70% of the bandwidth a plain stream gets on the 2-core AMD
+// EPYC (AVX-512), and its row blocking makes 9 rows cost ~1.5x one. Here one 64-byte weight load feeds
+// one FMA per row: memory-bound up to ~8 rows, then the FMA port's limit.
+//
+// Weights (packed in Python, cpu_f32.pack_f32): output rows in panels of PANEL = 16 (zero rows past N);
+// panel p is [K][16]: for each input k the 16 rows' weights, one vector, read front to back.
+//
+// Sums: output (m, n) is acc = 0; for k = 0 .. K-1: acc = fma(w[n, k], x[m, k], acc); then acc + b[n].
+// That order is the same for every row count, panel grouping, thread split and path (the AVX-512 lanes
+// and the portable loop's std::fma round alike), so a row's result never depends on the other rows
+// of the call: a verification forward's row is bit-identical to the one-token forward's.
+#include "f32_linear.h"
+
+#include <ATen/Parallel.h>
+
+#include "cpu_simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SK_HAVE_AVX512_F32 1
+#include <immintrin.h>
+#define SK_AVX512_F32 __attribute__((target("avx512f")))
+#endif
+
+namespace {
+
+constexpr int64_t PANEL = 16;  // output rows interleaved in a packed panel (one fp32 vector's lanes)
+constexpr int64_t ROWS = 12;   // input rows per pass: 12 x 2 accumulators + 2 weights + 1 broadcast <= 32
+constexpr int64_t WIDE = 4;    // panels a pass reads side by side when it has at most WIDE_ROWS rows
+constexpr int64_t WIDE_ROWS = 4;  // (4 rows x 4 panels = 16 accumulators); more rows read 2 panels
+
+// The portable path for panels [p, p + np), rows [0, M): the same sums, lane by lane.
+void panels_scalar(const float* w, int64_t K, const float* x, float* y, int64_t M, int64_t N, int64_t p, int64_t np,
+                   const float* bias) {
+  for (int64_t t = 0; t < np; ++t) {
+    const float* panel = w + (p + t) * K * PANEL;
+    for (int64_t j = 0; j < PANEL; ++j) {
+      const int64_t n = (p + t) * PANEL + j;
+      if (n >= N) break;
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; ++k) acc = std::fma(panel[k * PANEL + j], x[m * K + k], acc);
+        y[m * N + n] = bias != nullptr ? acc + bias[n] : acc;
+      }
+    }
+  }
+}
+
+#ifdef SK_HAVE_AVX512_F32
+// M rows times NP panels (p .. p + NP - 1, all < P): one weight vector per panel and input, the input
+// broadcast, one FMA per row and panel; the accumulators stay in registers to the end of K.
+template <int M, int NP>
+SK_AVX512_F32 void panels_avx512(const float* w, int64_t K, const float* x, float* y, int64_t N, int64_t p,
+                                 const float* bias) {
+  __m512 acc[M][NP];
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < NP; ++t) acc[m][t] = _mm512_setzero_ps();
+  const float* panel = w + p * K * PANEL;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NP];
+    for (int t = 0; t < NP; ++t) wv[t] = _mm512_loadu_ps(panel + (t * K + k) * PANEL);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+      for (int t = 0; t < NP; ++t) acc[m][t] = _mm512_fmadd_ps(wv[t], xb, acc[m][t]);
+    }
+  }
+  for (int t = 0; t < NP; ++t) {
+    const int64_t n = (p + t) * PANEL;
+    const __mmask16 real =
+        n + PANEL <= N ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n)) - 1);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(real, bias + n) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) {
+      const __m512 out = bias != nullptr ? _mm512_add_ps(acc[m][t], b) : acc[m][t];
+      _mm512_mask_storeu_ps(y + m * N + n, real, out);
+    }
+  }
+}
+
+template <int M>
+void panels_avx512_np(int64_t np, const float* w, int64_t K, const float* x, float* y, int64_t N, int64_t p,
+                      const float* bias) {
+  if constexpr (M <= WIDE_ROWS) {
+    if (np == WIDE) return panels_avx512<M, WIDE>(w, K, x, y, N, p, bias);
+  }
+  if (np == 2) return panels_avx512<M, 2>(w, K, x, y, N, p, bias);
+  return panels_avx512<M, 1>(w, K, x, y, N, p, bias);
+}
+
+// rows (1 .. ROWS) x np (1, 2 or 4; 4 only with rows <= WIDE_ROWS) panels from p.
+void panels_fast(int64_t rows, int64_t np, const float* w, int64_t K, const float* x, float* y, int64_t N, int64_t p,
+                 const float* bias) {
+  switch (rows) {
+    case 1: return panels_avx512_np<1>(np, w, K, x, y, N, p, bias);
+    case 2: return panels_avx512_np<2>(np, w, K, x, y, N, p, bias);
+    case 3: return panels_avx512_np<3>(np, w, K, x, y, N, p, bias);
+    case 4: return panels_avx512_np<4>(np, w, K, x, y, N, p, bias);
+    case 5: return panels_avx512_np<5>(np, w, K, x, y, N, p, bias);
+    case 6: return panels_avx512_np<6>(np, w, K, x, y, N, p, bias);
+    case 7: return panels_avx512_np<7>(np, w, K, x, y, N, p, bias);
+    case 8: return panels_avx512_np<8>(np, w, K, x, y, N, p, bias);
+    case 9: return panels_avx512_np<9>(np, w, K, x, y, N, p, bias);
+    case 10: return panels_avx512_np<10>(np, w, K, x, y, N, p, bias);
+    case 11: return panels_avx512_np<11>(np, w, K, x, y, N, p, bias);
+    default: return panels_avx512_np<12>(np, w, K, x, y, N, p, bias);
+  }
+}
+#endif
+
+}  // namespace
+
+bool f32_linear_fast_path() {
+#ifdef SK_HAVE_AVX512_F32
+  static const bool cpu_ok = __builtin_cpu_supports("avx512f");
+  return cpu_ok && sk::simd::env_allows();
+#else
+  return false;
+#endif
+}
+
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "f32_linear: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "f32_linear: x must be [M, K] fp32 contiguous");
+  TORCH_CHECK(N >= 0, "f32_linear: out_features must be >= 0");
+  const int64_t M = x.size(0), K = x.size(1), P = (N + PANEL - 1) / PANEL;
+  TORCH_CHECK(wp.dim() == 2 && wp.scalar_type() == at::kFloat && wp.is_contiguous() && wp.size(0) == P &&
+                  wp.size(1) == K * PANEL,
+              "f32_linear: wp must be [", P, ", ", K * PANEL, "] fp32 contiguous (cpu_f32.pack_f32's panels)");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "f32_linear: bias must be [N] fp32 contiguous");
+    TORCH_CHECK(bias->device().is_cpu(), "f32_linear: CPU tensors only");
+    b = bias->data_ptr<float>();
+  }
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const bool fast = f32_linear_fast_path();
+  const float* w = wp.data_ptr<float>();
+  const float* xs = x.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  // Row passes of at most ROWS rows, as even as they come; a group of panels is read by every pass
+  // in turn (from cache after the first) before the next group.
+  const int64_t passes = (M + ROWS - 1) / ROWS, per_pass = (M + passes - 1) / passes;
+  const int64_t group = per_pass <= WIDE_ROWS ? WIDE : 2;
+  at::parallel_for(0, (P + group - 1) / group, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p = g * group, np = std::min(group, P - p);
+      for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
+        const int64_t rows = std::min(per_pass, M - m0);
+#ifdef SK_HAVE_AVX512_F32
+        if (fast) {
+          int64_t done = 0;  // the group's panels in widths 4 / 2 / 1 (a tail group may be short)
+          for (const int64_t width : {group, int64_t{2}, int64_t{1}}) {
+            for (; done + width <= np; done += width)
+              panels_fast(rows, width, w, K, xs + m0 * K, y + m0 * N, N, p + done, b);
+          }
+          continue;
+        }
+#endif
+        panels_scalar(w, K, xs + m0 * K, y + m0 * N, rows, N, p, np, b);
+      }
+    }
+  });
+  return out;
+}

@@ -1,0 +1,197 @@
+"""The native fp32 linear of CPU models (csrc/f32_linear.cpp, hf/cpu_f32.py): the layer equals an
+emulation of its arithmetic bit for bit (each output: fused multiply-adds over the inputs in order,
+then the bias) on every row count and panel remainder it specialises, on both code paths; a row's
+result never depends on the call's other rows or the thread count; packing layout; non-finite and
+zero-size inputs; clear errors; and a swapped model keeps greedy identity with ``generate``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from specdec_kernels.hf import speculative_generate  # noqa: E402
+from specdec_kernels.hf.cpu_f32 import (  # noqa: E402
+    F32_PANEL,
+    NativeLinear,
+    native_linear_available,
+    pack_f32,
+    unpack_f32,
+    use_native_linears,
+)
+from specdec_kernels.hf.cpu_linear import CPU_LINEARS, OneDnnLinear, onednn_linear_available, use_cpu_linears  # noqa: E402
+from specdec_kernels.ops.csrc import cpu_backend_ready  # noqa: E402
+
+from .._threads import under_threads  # noqa: E402
+from ._models import tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not cpu_backend_ready(), reason="the native CPU build does not load here")
+
+PAD = 2
+
+
+def _layer(in_features: int, out_features: int, bias: bool = True) -> NativeLinear:
+    linear = nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
+    return NativeLinear.from_linear(linear)
+
+
+def _emulated(layer: NativeLinear, x: torch.Tensor) -> torch.Tensor:
+    """acc = 0; acc = fma(w[n, k], x[m, k], acc) for k in order; acc + b[n]: each fp32 x fp32 product is
+    exact in float64 and so is its sum with an fp32 accumulator of these magnitudes, so rounding the
+    float64 sum to fp32 is the fused multiply-add's one rounding."""
+    w = layer.weight.double()
+    acc = torch.zeros(x.shape[0], layer.out_features, dtype=torch.float32)
+    for k in range(layer.in_features):
+        acc = (acc.double() + x[:, k : k + 1].double() * w[None, :, k]).float()
+    return acc + layer.bias if layer.bias is not None else acc
+
+
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (15, 7), (16, 64), (17, 33), (70, 130), (100, 3)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13, 25])
+def test_layer_equals_its_emulation(simd_path, out_features, in_features, rows):
+    """Every row count the kernel specialises (up to 12 rows a pass, 4 panels of 16 output rows at a
+    time up to 4 rows, else 2, tails one panel; 13 and 25 rows: balanced passes), output widths that
+    end inside a panel; bit for bit."""
+    torch.manual_seed(rows * 7 + in_features)
+    layer = _layer(in_features, out_features, bias=out_features % 2 == 0)
+    x = torch.randn(rows, in_features) * torch.logspace(-2, 2, in_features)  # inputs of very different scales
+    assert torch.equal(layer(x), _emulated(layer, x))
+
+
+def test_agrees_with_nn_linear_on_views_and_shapes():
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 37)
+    fast = NativeLinear.from_linear(linear)
+    wide = torch.randn(3, 5, 96)
+    for x in (wide[..., :48], wide[..., ::2], wide[0, :1, :48], wide[:, :0, :48]):  # views, one row, no rows
+        got = fast(x)
+        assert got.shape == linear(x).shape and got.dtype == torch.float32
+        torch.testing.assert_close(got, linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_rows_do_not_depend_on_each_other_threads_or_the_path(monkeypatch):
+    """One order of sums whatever the call: each row alone equals its row of a 14-row call (two
+    passes), 2 threads equal 1, and the portable loop equals the AVX-512 path."""
+    torch.manual_seed(2)
+    layer = _layer(384, 203)
+    x = torch.randn(14, 384)
+    x[3] *= 1e3
+    batch = layer(x)
+    for r in range(14):
+        assert torch.equal(layer(x[r : r + 1])[0], batch[r])
+    one, two = under_threads(lambda: layer(x), 1, 2)
+    assert torch.equal(one, batch) and torch.equal(two, batch)
+    monkeypatch.setenv("SPECDEC_CPU_SIMD", "0")
+    assert torch.equal(layer(x), batch)
+
+
+def test_packing_layout_and_round_trip():
+    """Panel p is [K][16]: for input k the weights of rows 16 p .. 16 p + 15; rows past N are zero."""
+    N, K = 20, 3
+    w = torch.arange(N * K, dtype=torch.float32).reshape(N, K)
+    packed = pack_f32(w)
+    assert packed.shape == (2, K * F32_PANEL) and packed.is_contiguous()
+    panels = packed.reshape(2, K, F32_PANEL)
+    assert torch.equal(panels[0, 1], w[:16, 1]) and torch.equal(panels[1, 2, :4], w[16:, 2])
+    assert panels[1, :, 4:].eq(0).all()
+    assert torch.equal(unpack_f32(packed, N, K), w)
+    linear = nn.Linear(12, 5)
+    fast = NativeLinear.from_linear(linear)
+    assert torch.equal(fast.weight, linear.weight.detach()) and fast.bias is linear.bias
+
+
+def test_non_finite_and_subnormal_inputs():
+    """A NaN or inf in a row reaches that row's outputs as nn.Linear's do; subnormals are kept."""
+    torch.manual_seed(1)
+    linear = nn.Linear(16, 8)
+    fast = NativeLinear.from_linear(linear)
+    x = torch.randn(4, 16)
+    x[0, 3], x[1, 5], x[2] = float("nan"), float("inf"), 1e-40
+    torch.testing.assert_close(fast(x), linear(x), equal_nan=True, atol=1e-5, rtol=1e-5)
+    assert torch.isnan(fast(x)[0]).all() and torch.isfinite(fast(x)[3]).all()
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_zero_sized_layers_and_inputs():
+    """No inputs: the outputs are the bias; no outputs or no rows: empty results."""
+    no_inputs = _layer(0, 5)
+    assert torch.equal(no_inputs(torch.randn(3, 0)), no_inputs.bias.detach().expand(3, 5))
+    assert torch.equal(_layer(0, 5, bias=False)(torch.randn(2, 0)), torch.zeros(2, 5))
+    assert _layer(7, 0)(torch.randn(2, 7)).shape == (2, 0)
+    assert _layer(7, 3)(torch.randn(4, 0, 7)).shape == (4, 0, 3)
+
+
+def test_bad_layers_and_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match="CPU fp32 weight"):
+        NativeLinear.from_linear(nn.Linear(8, 4).to(torch.bfloat16))
+    fast = _layer(8, 4)
+    with pytest.raises(ValueError, match="expected 8"):
+        fast(torch.randn(2, 9))
+    with pytest.raises(ValueError, match="fp32 on the CPU"):
+        fast(torch.randn(2, 8, dtype=torch.bfloat16))
+    from specdec_kernels.ops.csrc import load_cpu_core
+
+    with pytest.raises(RuntimeError, match="wp must be"):  # the kernel checks its arguments too
+        load_cpu_core().f32_linear(torch.randn(2, 8), fast.packed[:, :-1].contiguous(), None, 4)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        load_cpu_core().f32_linear(torch.randn(2, 8), fast.packed, torch.zeros(3), 4)
+    with pytest.raises(ValueError, match="cpu linear kind"):
+        use_cpu_linears(nn.Linear(2, 2), "mkl")
+
+
+@pytest.mark.skipif(not native_linear_available(), reason="no AVX-512 path here (the swap is a no-op)")
+def test_greedy_identity_after_the_swap():
+    """Every fp32 nn.Linear is swapped (the output layer included), logits stay within rounding, and
+    speculative_generate equals target.generate token for token when both run the swapped models."""
+    target = tiny_model("qwen2", seed=3)  # qwen2: q/k/v projections with biases
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.2 * p.std() * torch.randn_like(p))
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(0))
+    logits_before = target(ids).logits
+    n_linear = sum(type(m) is nn.Linear for m in target.modules())
+    assert use_native_linears(target) == n_linear > 0
+    use_native_linears(draft)
+    assert not any(type(m) is nn.Linear for m in target.modules())
+    torch.testing.assert_close(target(ids).logits, logits_before, atol=1e-4, rtol=1e-4)
+    expected = target.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
+    out = speculative_generate(
+        target, draft, ids, max_new_tokens=12, num_draft_tokens=4, eos_token_id=[], pad_token_id=PAD,
+        adaptive_draft=False,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.accepted > 0
+
+
+@pytest.mark.skipif(not (native_linear_available() and onednn_linear_available()), reason="needs both kernels")
+def test_cpu_linear_kinds():
+    """native: fp32 layers on the native kernel, the others on oneDNN; onednn: all on oneDNN; torch: none.
+    The command line and the benches offer exactly these kinds."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8).half())
+    assert use_cpu_linears(copy.deepcopy(model), "torch") == (0, 0)
+    assert use_cpu_linears(copy.deepcopy(model), "onednn") == (0, 2)
+    swapped = copy.deepcopy(model)
+    assert use_cpu_linears(swapped, "native") == (1, 1)
+    assert [type(m) for m in swapped] == [NativeLinear, OneDnnLinear, nn.Linear]
+    import sys
+    from pathlib import Path
+
+    from specdec_kernels.cli.parser import build_parser
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        import bench_e2e
+        import bench_forward_rows
+    finally:
+        sys.path.remove(str(bench))
+    args = ["generate", "--target", "t", "--prompt", "p", "--cpu-linear"]
+    for kind in CPU_LINEARS:
+        assert build_parser().parse_args([*args, kind]).cpu_linear == kind
+        assert bench_forward_rows.parse_args(["--smoke", "--cpu-linear", kind]).cpu_linear == kind
+        assert bench_e2e.parse_args(["--smoke", "--cpu-linear", kind]).cpu_linear == kind
