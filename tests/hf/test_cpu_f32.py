@@ -172,12 +172,14 @@ def test_greedy_identity_after_the_swap():
 def test_cpu_linear_kinds():
     """native: fp32 layers on the native kernel, the others on oneDNN; onednn: all on oneDNN; torch: none.
     The command line and the benches offer exactly these kinds."""
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8).half())
+    bf16 = torch.bfloat16
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(bf16), nn.Linear(8, 8, bias=False).to(bf16))
+    model.append(nn.Linear(8, 8).half())
     assert use_cpu_linears(copy.deepcopy(model), "torch") == (0, 0)
-    assert use_cpu_linears(copy.deepcopy(model), "onednn") == (0, 2)
+    assert use_cpu_linears(copy.deepcopy(model), "onednn") == (0, 3)
     swapped = copy.deepcopy(model)
-    assert use_cpu_linears(swapped, "native") == (1, 1)
-    assert [type(m) for m in swapped] == [NativeLinear, OneDnnLinear, nn.Linear]
+    assert use_cpu_linears(swapped, "native") == (1, 2)
+    assert [type(m) for m in swapped] == [NativeLinear, OneDnnLinear, OneDnnLinear, nn.Linear]
     import sys
     from pathlib import Path
 
