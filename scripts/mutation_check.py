@@ -322,6 +322,7 @@ MUTANTS = [
         "K).transpose(1, 2).reshape(P, K * F32_PANEL)",
         "K).reshape(P, K * F32_PANEL)",
     ),
+    Mutant("f32-bytes-uncounted", "draft_length", "_streamed", "elif isinstance(m, NativeLinear):", "elif False:"),
     Mutant("f32-keep-bf16", "cpu_f32", "use_native_linears", "child.weight.dtype == torch.float32 and", "True and"),
     # ---- the lean CPU forward (specdec_kernels/hf/lean_forward.py)
     Mutant(

@@ -145,16 +145,18 @@ def use_cpu_linears(model: nn.Module, kind: str) -> tuple[int, int]:
 
 def replace_cpu_linears(model: nn.Module, keep, make, takes=lambda layer: True) -> int:
     """The walk of the quantised-draft swaps (``use_int8_linears``, ``use_int4_linears``): replace each
-    ``nn.Linear`` / :class:`OneDnnLinear` of ``model`` whose qualified name contains no part of ``keep``,
-    that is a CPU fp32/bf16 layer and that ``takes`` accepts, by ``make(layer)``, in place. Returns how
-    many were replaced."""
+    ``nn.Linear`` / :class:`OneDnnLinear` / ``cpu_f32.NativeLinear`` of ``model`` whose qualified name
+    contains no part of ``keep``, that is a CPU fp32/bf16 layer and that ``takes`` accepts, by
+    ``make(layer)``, in place. Returns how many were replaced."""
+    from .cpu_f32 import NativeLinear
+
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
-            if type(child) not in (nn.Linear, OneDnnLinear) or any(part in full for part in keep):
+            if type(child) not in (nn.Linear, OneDnnLinear, NativeLinear) or any(part in full for part in keep):
                 continue
-            # an OneDnnLinear is a CPU fp32/bf16 layer by construction; an nn.Linear may be neither
+            # OneDnnLinear / NativeLinear are CPU fp32/bf16 layers by construction; an nn.Linear may be neither
             if type(child) is nn.Linear and (child.weight.device.type != "cpu" or child.weight.dtype not in _DTYPES):
                 continue
             if takes(child):

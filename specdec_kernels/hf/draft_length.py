@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .cpu_f32 import NativeLinear
 from .cpu_int4 import Int4Linear
 from .cpu_int8 import Int8Linear
 from .cpu_linear import MIN_ROWS
@@ -139,10 +140,10 @@ def _streamed_bytes(model) -> int:
 def _streamed(model) -> tuple[int, int]:
     """(Bytes, weights) a one-token forward reads: every parameter but the input embedding (of which
     it reads one row) unless that matrix is also the output layer (tied), plus the weights of linear
-    layers swapped for oneDNN, int8 or int4 ones (``hf/cpu_linear.py``, ``hf/cpu_int8.py``,
-    ``hf/cpu_int4.py``), which are not parameters (int8: a byte a weight and an fp32 scale a row; the
-    native kernel's also an int32 row sum and padding; int4: half a byte a weight and an fp16 scale
-    per 32)."""
+    layers swapped for oneDNN, native fp32, int8 or int4 ones (``hf/cpu_linear.py``, ``hf/cpu_f32.py``,
+    ``hf/cpu_int8.py``, ``hf/cpu_int4.py``), which are not parameters (native fp32: its panels, rows
+    padded to 16; int8: a byte a weight and an fp32 scale a row; the native kernel's also an int32 row
+    sum and padding; int4: half a byte a weight and an fp16 scale per 32)."""
     embedding = model.get_input_embeddings()
     output = model.get_output_embeddings()
     tied = embedding is not None and isinstance(output, nn.Linear) and output.weight is embedding.weight
@@ -153,6 +154,9 @@ def _streamed(model) -> tuple[int, int]:
         packed = getattr(m, "packed_weight", None)
         if packed is not None:
             nbytes += m.in_features * m.out_features * packed.element_size()
+            weights += m.in_features * m.out_features
+        elif isinstance(m, NativeLinear):
+            nbytes += m.packed.numel() * m.packed.element_size()
             weights += m.in_features * m.out_features
         elif isinstance(m, Int8Linear):
             if m.kernel == "native":  # its panels (rows padded to 16, inputs to 4), scales and row sums

@@ -197,3 +197,15 @@ def test_cpu_linear_kinds():
         assert build_parser().parse_args([*args, kind]).cpu_linear == kind
         assert bench_forward_rows.parse_args(["--smoke", "--cpu-linear", kind]).cpu_linear == kind
         assert bench_e2e.parse_args(["--smoke", "--cpu-linear", kind]).cpu_linear == kind
+
+
+def test_a_native_draft_can_still_be_quantised():
+    """use_int8_linears takes NativeLinear layers as it takes nn.Linear ones (their unpacked weight)."""
+    from specdec_kernels.hf.cpu_int8 import Int8Linear, use_int8_linears
+
+    model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))
+    if use_native_linears(model) == 0:
+        pytest.skip("no AVX-512 path here (the swap is a no-op)")
+    assert use_int8_linears(model) == 2
+    assert [type(m) for m in model] == [Int8Linear, nn.ReLU, Int8Linear]
+

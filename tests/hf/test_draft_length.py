@@ -73,6 +73,13 @@ def test_cpu_cost_estimate_counts_streamed_bytes_and_layers():
         use_onednn_linears(swapped_t), use_onednn_linears(swapped_d)
         assert _streamed_bytes(swapped_t) == _streamed_bytes(target)
         assert draft_cost_estimate(swapped_t, swapped_d) == pytest.approx(expected)
+    from specdec_kernels.hf.cpu_f32 import native_linear_available, use_native_linears
+
+    if native_linear_available():  # its panels: output rows padded to 16
+        pad = sum(4 * (-m.out_features % 16) * m.in_features for m in target.modules() if type(m) is torch.nn.Linear)
+        swapped_t = copy.deepcopy(target)
+        assert use_native_linears(swapped_t) > 0
+        assert _streamed_bytes(swapped_t) == _streamed_bytes(target) + pad > _streamed_bytes(target)
 
 
 def test_shapes_model_drafts_more_when_drafts_are_cheap_or_accepted():
