@@ -7,8 +7,9 @@ on a CPU the linears leave that regime after a few rows, so a 16-node tree can c
 what a 4-draft chain costs, and no acceptance gain recovers that. This script measures it for a
 model pair, side by side in one run: for each model and each row count r, the forward of r new tokens
 after a cached prompt of ``--prefix`` tokens (the cache cut back to the prompt after each call), with
-the linears the e2e bench uses (oneDNN on packed weights by default, ``--cpu-linear``) and the
-driver's causal SDPA path (a tree's mask costs the same: the linears dominate).
+the linears the e2e bench uses (oneDNN on packed weights by default, ``--cpu-linear``; several kinds,
+e.g. ``--cpu-linear native onednn``, time one copy of each model per kind, call by call in turn) and
+the driver's causal SDPA path (a tree's mask costs the same: the linears dominate).
 
 Columns: ``rows``, ``wall_ms`` / ``cpu_ms`` (median of ``--rep`` calls, process CPU time beside wall
 time), ``vs_one_row`` (wall over the model's 1-row forward), ``ms_per_extra_row`` (the marginal cost
@@ -46,7 +47,13 @@ def parse_args(argv=None):
     p.add_argument("--draft", help="the draft's Hugging Face directory")
     p.add_argument("--dtype", default="fp32", choices=tuple(common.DTYPES))
     p.add_argument("--draft-dtype", default=None, choices=tuple(common.DTYPES))
-    p.add_argument("--cpu-linear", default="onednn", choices=("native", "onednn", "torch"))  # hf.cpu_linear.CPU_LINEARS
+    p.add_argument(
+        "--cpu-linear",
+        nargs="+",
+        default=["onednn"],
+        choices=("native", "onednn", "torch"),  # hf.cpu_linear.CPU_LINEARS
+        help="linear kernels; several: one copy of each model per kind, timed alternately (side by side)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (pinned)")
     p.add_argument("--prefix", type=int, default=256, help="cached prompt tokens before the timed rows")
     p.add_argument("--rows", type=int, nargs="+", default=None, help=f"row counts (default {DEFAULT_ROWS})")
@@ -82,46 +89,55 @@ def _models(args):
             if path:
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, common.DTYPES[args.dtype]))
                 models.append((role, Path(path).name, model.eval()))
+    import copy
+
+    from specdec_kernels.hf.cpu_linear import use_cpu_linears
+
     dtypes = {"target": args.dtype, "draft": args.draft_dtype or args.dtype}
     out = []
     for role, name, model in models:
         model = model.to(getattr(torch, common.DTYPES[dtypes[role]]))
-        from specdec_kernels.hf.cpu_linear import use_cpu_linears
-
-        use_cpu_linears(model, args.cpu_linear)
-        out.append((role, name, model, dtypes[role]))
+        for i, kind in enumerate(args.cpu_linear):
+            swapped = model if i == len(args.cpu_linear) - 1 else copy.deepcopy(model)
+            use_cpu_linears(swapped, kind)
+            out.append((role, name, kind, swapped, dtypes[role]))
     return out
 
 
-def time_rows(model, prefix: int, rows: list[int], rep: int) -> dict[int, tuple[float, float]]:
-    """rows -> (median wall ms, median process CPU ms) of a forward of that many new tokens."""
+def time_rows(models: list, prefix: int, rows: list[int], rep: int) -> list[dict[int, tuple[float, float]]]:
+    """Per model: rows -> (median wall ms, median process CPU ms) of a forward of that many new tokens
+    after ``prefix`` cached ones; the models take turns call by call (side by side)."""
     import torch
     from transformers import DynamicCache
 
     from specdec_kernels.hf.cache import cache_kwargs
     from specdec_kernels.hf.forwards import last_logits_only
 
-    V = model.config.get_text_config(decoder=True).vocab_size
+    V = models[0].config.get_text_config(decoder=True).vocab_size
     gen = torch.Generator().manual_seed(0)
-    cache = DynamicCache()
+    caches = [DynamicCache() for _ in models]
+    prompt = torch.randint(0, V, (1, prefix), generator=gen)
     with torch.no_grad():
-        model(input_ids=torch.randint(0, V, (1, prefix), generator=gen), use_cache=True, **cache_kwargs(model, cache))
-        out = {}
+        for model, cache in zip(models, caches, strict=True):
+            model(input_ids=prompt, use_cache=True, **cache_kwargs(model, cache))
+        out = [{} for _ in models]
         for r in rows:
             ids = torch.randint(0, V, (1, r), generator=gen)
             positions = torch.arange(prefix, prefix + r)[None]
-            walls, cpus = [], []
+            walls, cpus = [[] for _ in models], [[] for _ in models]
             for i in range(rep + 1):  # the first call is untimed (allocations, oneDNN primitive caches)
-                w0, c0 = time.perf_counter(), time.process_time()
-                # every row's logits: a verification scores them all
-                kw = dict(last_logits_only(model, r), **cache_kwargs(model, cache))
-                model(input_ids=ids, position_ids=positions, use_cache=True, **kw)
-                w1, c1 = time.perf_counter(), time.process_time()
-                cache.crop(-r)  # back to the prompt
-                if i:
-                    walls.append((w1 - w0) * 1e3)
-                    cpus.append((c1 - c0) * 1e3)
-            out[r] = (sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2])
+                for m, (model, cache) in enumerate(zip(models, caches, strict=True)):
+                    # every row's logits: a verification scores them all
+                    kw = dict(last_logits_only(model, r), **cache_kwargs(model, cache))
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    model(input_ids=ids, position_ids=positions, use_cache=True, **kw)
+                    w1, c1 = time.perf_counter(), time.process_time()
+                    cache.crop(-r)  # back to the prompt
+                    if i:
+                        walls[m].append((w1 - w0) * 1e3)
+                        cpus[m].append((c1 - c0) * 1e3)
+            for m in range(len(models)):
+                out[m][r] = (sorted(walls[m])[len(walls[m]) // 2], sorted(cpus[m])[len(cpus[m]) // 2])
     return out
 
 
@@ -133,13 +149,15 @@ def summary(times: dict[str, dict[int, tuple[float, float]]]) -> list[str]:
         for k in (2, 4):
             if k in t:
                 lines.append(f"{role}: a {k}-row forward costs {t[k][0] / one:.2f}x a 1-row forward")
-    target = times.get("target", {})
-    for tree, chain in ((9, 5), (17, 5), (17, 9), (33, 9)):
-        if tree in target and chain in target:
-            lines.append(
-                f"target: 1 + {tree - 1} tree rows cost {target[tree][0] / target[chain][0]:.2f}x "
-                f"1 + {chain - 1} chain rows"
-            )
+    for label, target in times.items():
+        if not label.startswith("target"):
+            continue
+        for tree, chain in ((9, 5), (17, 5), (17, 9), (33, 9)):
+            if tree in target and chain in target:
+                lines.append(
+                    f"{label}: 1 + {tree - 1} tree rows cost {target[tree][0] / target[chain][0]:.2f}x "
+                    f"1 + {chain - 1} chain rows"
+                )
     return lines
 
 
@@ -152,36 +170,45 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     meta = common.environment_metadata("cpu")
     rows, times = [], {}
-    for role, name, model, dtype in _models(args):
-        t = time_rows(model, args.prefix, sorted(set(args.rows)), args.rep)
-        times[role] = t
-        one = t[min(t)][0]
-        for r, (wall, cpu) in t.items():
-            rows.append(
-                dict(
-                    meta,
-                    model=name,
-                    role=role,
-                    model_dtype=dtype,
-                    cpu_linear=args.cpu_linear,
-                    threads=args.threads,
-                    prefix=args.prefix,
-                    rows=r,
-                    wall_ms=wall,
-                    cpu_ms=cpu,
-                    vs_one_row=wall / one,
-                    ms_per_extra_row=(wall - one) / (r - 1) if r > 1 else None,
-                    warmup=1,
-                    rep=args.rep,
-                )
-            )
-    common.print_table(rows, ["role", "rows", "wall_ms", "cpu_ms", "vs_one_row", "ms_per_extra_row"])
+    models = _models(args)
+    for role in dict.fromkeys(m[0] for m in models):  # each role's copies side by side
+        mine = [m for m in models if m[0] == role]
+        timed = time_rows([m[3] for m in mine], args.prefix, sorted(set(args.rows)), args.rep)
+        for (_, name, kind, _, dtype), t in zip(mine, timed, strict=True):
+            times[role if len(mine) == 1 else f"{role} ({kind})"] = t
+            rows += _rows(meta, args, name, role, kind, dtype, t)
+    common.print_table(rows, ["role", "cpu_linear", "rows", "wall_ms", "cpu_ms", "vs_one_row", "ms_per_extra_row"])
     for line in summary(times):
         print("#", line)
     if not args.no_save and not args.smoke:
         common.append_rows_csv(args.out, rows, COLUMNS)
         print(f"# rows appended to {args.out}")
     return 0
+
+
+def _rows(meta, args, name, role, kind, dtype, t) -> list[dict]:
+    one = t[min(t)][0]
+    rows = []
+    for r, (wall, cpu) in t.items():
+        rows.append(
+            dict(
+                meta,
+                model=name,
+                role=role,
+                model_dtype=dtype,
+                cpu_linear=kind,
+                threads=args.threads,
+                prefix=args.prefix,
+                rows=r,
+                wall_ms=wall,
+                cpu_ms=cpu,
+                vs_one_row=wall / one,
+                ms_per_extra_row=(wall - one) / (r - 1) if r > 1 else None,
+                warmup=1,
+                rep=args.rep,
+            )
+        )
+    return rows
 
 
 if __name__ == "__main__":
