@@ -35,17 +35,28 @@ def test_matches_nn_linear(dtype, atol, bias):
         torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
 
 
-def test_weight_reads_back_the_original():
+def _packed_kinds():
+    """OneDnnLinear, and cpu_f32.NativeLinear where the native CPU build loads."""
+    from specdec_kernels.hf.cpu_f32 import NativeLinear
+    from specdec_kernels.ops.csrc import cpu_backend_ready
+
+    native = pytest.mark.skipif(not cpu_backend_ready(), reason="the native CPU build does not load here")
+    return [OneDnnLinear, pytest.param(NativeLinear, marks=native, id="NativeLinear")]
+
+
+@pytest.mark.parametrize("kind", _packed_kinds())
+def test_weight_reads_back_the_original(kind):
     linear = nn.Linear(12, 5)
-    fast = OneDnnLinear.from_linear(linear)
+    fast = kind.from_linear(linear)
     assert torch.equal(fast.weight, linear.weight.detach()) and fast.bias is linear.bias
 
 
-def test_nan_inf_and_subnormal_inputs_match_nn_linear():
+@pytest.mark.parametrize("kind", _packed_kinds())
+def test_nan_inf_and_subnormal_inputs_match_nn_linear(kind):
     """A NaN or inf in a row reaches that row's outputs as nn.Linear's do; subnormals are kept."""
     torch.manual_seed(1)
     linear = nn.Linear(16, 8)
-    fast = OneDnnLinear.from_linear(linear)
+    fast = kind.from_linear(linear)
     x = torch.randn(4, 16)
     x[0, 3], x[1, 5], x[2] = float("nan"), float("inf"), 1e-40
     torch.testing.assert_close(fast(x), linear(x), equal_nan=True, atol=1e-5, rtol=1e-5)
