@@ -120,14 +120,18 @@ def test_bad_layers_and_inputs_are_clear_errors():
         fast(torch.randn(2, 9))
     with pytest.raises(ValueError, match="fp32 on the CPU"):
         fast(torch.randn(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cpu linear kind"):
+        use_cpu_linears(nn.Linear(2, 2), "mkl")
+
+
+def test_the_kernel_checks_its_arguments():
     from specdec_kernels.ops.csrc import load_cpu_core
 
-    with pytest.raises(RuntimeError, match="wp must be"):  # the kernel checks its arguments too
+    fast = _layer(8, 4)
+    with pytest.raises(RuntimeError, match="wp must be"):
         load_cpu_core().f32_linear(torch.randn(2, 8), fast.packed[:, :-1].contiguous(), None, 4)
     with pytest.raises(RuntimeError, match="bias must be"):
         load_cpu_core().f32_linear(torch.randn(2, 8), fast.packed, torch.zeros(3), 4)
-    with pytest.raises(ValueError, match="cpu linear kind"):
-        use_cpu_linears(nn.Linear(2, 2), "mkl")
 
 
 @pytest.mark.skipif(not native_linear_available(), reason="no AVX-512 path here (the swap is a no-op)")

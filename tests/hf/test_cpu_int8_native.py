@@ -107,10 +107,13 @@ def test_bad_layers_and_inputs_are_clear_errors():
         Int8Linear.from_linear(bad, kernel="native")
     with pytest.raises(ValueError, match=f"<= {INT8_MAX_K} inputs"):
         Int8Linear.from_linear(nn.Linear(INT8_MAX_K + 1, 1), kernel="native")
+
+
+def test_the_kernel_checks_its_arguments():
     from specdec_kernels.ops.csrc import load_cpu_core
 
     layer = _layer(8, 4)
-    with pytest.raises(RuntimeError, match="wq must be"):  # the kernel checks its arguments too
+    with pytest.raises(RuntimeError, match="wq must be"):
         load_cpu_core().w8a8_linear(torch.randn(2, 12), layer.wq, layer.sw, layer.wsum, None, 4)
 
 
