@@ -14,7 +14,6 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from specdec_kernels.hf import speculative_generate  # noqa: E402
 from specdec_kernels.hf.cpu_f32 import (  # noqa: E402
     F32_PANEL,
     NativeLinear,
@@ -27,11 +26,8 @@ from specdec_kernels.hf.cpu_linear import CPU_LINEARS, OneDnnLinear, onednn_line
 from specdec_kernels.ops.csrc import cpu_backend_ready  # noqa: E402
 
 from .._threads import under_threads  # noqa: E402
-from ._models import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_backend_ready(), reason="the native CPU build does not load here")
-
-PAD = 2
 
 
 def _layer(in_features: int, out_features: int, bias: bool = True) -> NativeLinear:
@@ -134,29 +130,7 @@ def test_the_kernel_checks_its_arguments():
         load_cpu_core().f32_linear(torch.randn(2, 8), fast.packed, torch.zeros(3), 4)
 
 
-@pytest.mark.skipif(not native_linear_available(), reason="no AVX-512 path here (the swap is a no-op)")
-def test_greedy_identity_after_the_swap():
-    """Every fp32 nn.Linear is swapped (the output layer included), logits stay within rounding, and
-    speculative_generate equals target.generate token for token when both run the swapped models."""
-    target = tiny_model("qwen2", seed=3)  # qwen2: q/k/v projections with biases
-    draft = copy.deepcopy(target)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.2 * p.std() * torch.randn_like(p))
-    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(0))
-    logits_before = target(ids).logits
-    n_linear = sum(type(m) is nn.Linear for m in target.modules())
-    assert use_native_linears(target) == n_linear > 0
-    use_native_linears(draft)
-    assert not any(type(m) is nn.Linear for m in target.modules())
-    torch.testing.assert_close(target(ids).logits, logits_before, atol=1e-4, rtol=1e-4)
-    expected = target.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
-    out = speculative_generate(
-        target, draft, ids, max_new_tokens=12, num_draft_tokens=4, eos_token_id=[], pad_token_id=PAD,
-        adaptive_draft=False,
-    )  # fmt: skip
-    assert torch.equal(out.sequences, expected)
-    assert out.stats.accepted > 0
+# (greedy identity after the swap: test_cpu_linear.py, for both packed kinds)
 
 
 @pytest.mark.skipif(not (native_linear_available() and onednn_linear_available()), reason="needs both kernels")

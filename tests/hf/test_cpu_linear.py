@@ -75,7 +75,16 @@ def test_models_it_cannot_speed_up_are_left_alone():
     assert type(model[0]) is nn.Linear
 
 
-def test_greedy_identity_after_the_swap():
+def _swaps():
+    """use_onednn_linears, and cpu_f32.use_native_linears where it has its AVX-512 path."""
+    from specdec_kernels.hf.cpu_f32 import native_linear_available, use_native_linears
+
+    native = pytest.mark.skipif(not native_linear_available(), reason="no AVX-512 path here (a no-op swap)")
+    return [use_onednn_linears, pytest.param(use_native_linears, marks=native, id="use_native_linears")]
+
+
+@pytest.mark.parametrize("swap", _swaps())
+def test_greedy_identity_after_the_swap(swap):
     """Every nn.Linear is swapped (the output layer included) and speculative_generate still equals
     target.generate token for token when both run the swapped models."""
     target = tiny_model("qwen2", seed=3)  # qwen2: q/k/v projections with biases
@@ -86,8 +95,8 @@ def test_greedy_identity_after_the_swap():
     ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(0))
     logits_before = target(ids).logits
     n_linear = sum(type(m) is nn.Linear for m in target.modules())
-    assert use_onednn_linears(target) == n_linear > 0
-    use_onednn_linears(draft)
+    assert swap(target) == n_linear > 0
+    swap(draft)
     assert not any(type(m) is nn.Linear for m in target.modules())
     torch.testing.assert_close(target(ids).logits, logits_before, atol=1e-4, rtol=1e-4)
     expected = target.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
