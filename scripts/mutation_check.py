@@ -323,7 +323,7 @@ MUTANTS = [
         "K).reshape(P, K * F32_PANEL)",
     ),
     Mutant("f32-bytes-uncounted", "draft_length", "_streamed", "elif isinstance(m, NativeLinear):", "elif False:"),
-    Mutant("f32-keep-bf16", "cpu_f32", "use_native_linears", "child.weight.dtype == torch.float32 and", "True and"),
+    Mutant("f32-keep-bf16", "cpu_f32", "_plain_fp32", "layer.weight.dtype == fp32 and", "True and"),
     # ---- the lean CPU forward (specdec_kernels/hf/lean_forward.py)
     Mutant(
         "lean-rope-sin", "lean_forward", "lean_forward", "apply_rotary(q, k, cos, sin)", "apply_rotary(q, k, cos, cos)"

@@ -120,13 +120,13 @@ def use_native_linears(model: nn.Module) -> int:
     """
     if not native_linear_available():
         return 0
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            # exactly nn.Linear: a subclass may change forward (quantised, LoRA) and must keep it
-            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
-                continue
-            if child.weight.dtype == torch.float32 and (child.bias is None or child.bias.dtype == torch.float32):
-                setattr(parent, name, NativeLinear.from_linear(child))
-                replaced += 1
-    return replaced
+    from .cpu_linear import replace_cpu_linears  # (it knows NativeLinear: imported here, not at the top)
+
+    return replace_cpu_linears(model, (), NativeLinear.from_linear, _plain_fp32)
+
+
+def _plain_fp32(layer: nn.Module) -> bool:
+    """Exactly an fp32 nn.Linear (a subclass may change forward, quantised or LoRA, and must keep it;
+    OneDnnLinear / NativeLinear layers stay as they are)."""
+    fp32 = torch.float32
+    return type(layer) is nn.Linear and layer.weight.dtype == fp32 and (layer.bias is None or layer.bias.dtype == fp32)
