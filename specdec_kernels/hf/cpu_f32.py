@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..ops.csrc import cpu_backend_ready, cpu_failure, load_cpu_core
+from .layer_swap import swap_children
 
 __all__ = ["F32_PANEL", "NativeLinear", "native_linear_available", "pack_f32", "unpack_f32", "use_native_linears"]
 
@@ -120,13 +121,13 @@ def use_native_linears(model: nn.Module) -> int:
     """
     if not native_linear_available():
         return 0
-    from .cpu_linear import replace_cpu_linears  # (it knows NativeLinear: imported here, not at the top)
-
-    return replace_cpu_linears(model, (), NativeLinear.from_linear, _plain_fp32)
+    return swap_children(model, lambda _name, layer: NativeLinear.from_linear(layer) if _plain_fp32(layer) else None)
 
 
 def _plain_fp32(layer: nn.Module) -> bool:
-    """Exactly an fp32 nn.Linear (a subclass may change forward, quantised or LoRA, and must keep it;
-    OneDnnLinear / NativeLinear layers stay as they are)."""
+    """Exactly an fp32 nn.Linear on the CPU (a subclass may change forward, quantised or LoRA, and must
+    keep it; OneDnnLinear / NativeLinear layers stay as they are)."""
     fp32 = torch.float32
-    return type(layer) is nn.Linear and layer.weight.dtype == fp32 and (layer.bias is None or layer.bias.dtype == fp32)
+    if type(layer) is not nn.Linear or layer.weight.device.type != "cpu":
+        return False
+    return layer.weight.dtype == fp32 and (layer.bias is None or layer.bias.dtype == fp32)

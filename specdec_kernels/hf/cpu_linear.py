@@ -26,6 +26,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .cpu_f32 import NativeLinear, use_native_linears
+from .layer_swap import swap_children
+
 __all__ = ["CPU_LINEARS", "OneDnnLinear", "onednn_linear_available", "use_cpu_linears", "use_onednn_linears"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -112,14 +115,14 @@ def use_onednn_linears(model: nn.Module) -> int:
     """
     if not onednn_linear_available():
         return 0
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            # exactly nn.Linear: a subclass may change forward (quantised, LoRA) and must keep it
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in _DTYPES:
-                setattr(parent, name, OneDnnLinear.from_linear(child))
-                replaced += 1
-    return replaced
+
+    def replacement(_name: str, child: nn.Module):
+        # exactly nn.Linear: a subclass may change forward (quantised, LoRA) and must keep it
+        if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in _DTYPES:
+            return OneDnnLinear.from_linear(child)
+        return None
+
+    return swap_children(model, replacement)
 
 
 # The CPU linear kernels a run may pick (bench --cpu-linear, specdec generate --cpu-linear):
@@ -136,8 +139,6 @@ def use_cpu_linears(model: nn.Module, kind: str) -> tuple[int, int]:
         raise ValueError(f"cpu linear kind must be one of {CPU_LINEARS}, got {kind!r}")
     native = 0
     if kind == "native":
-        from .cpu_f32 import use_native_linears
-
         native = use_native_linears(model)
     onednn = use_onednn_linears(model) if kind in ("native", "onednn") else 0
     return native, onednn
@@ -148,18 +149,13 @@ def replace_cpu_linears(model: nn.Module, keep, make, takes=lambda layer: True) 
     ``nn.Linear`` / :class:`OneDnnLinear` / ``cpu_f32.NativeLinear`` of ``model`` whose qualified name
     contains no part of ``keep``, that is a CPU fp32/bf16 layer and that ``takes`` accepts, by
     ``make(layer)``, in place. Returns how many were replaced."""
-    from .cpu_f32 import NativeLinear
 
-    replaced = 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
-            if type(child) not in (nn.Linear, OneDnnLinear, NativeLinear) or any(part in full for part in keep):
-                continue
-            # OneDnnLinear / NativeLinear are CPU fp32/bf16 layers by construction; an nn.Linear may be neither
-            if type(child) is nn.Linear and (child.weight.device.type != "cpu" or child.weight.dtype not in _DTYPES):
-                continue
-            if takes(child):
-                setattr(parent, name, make(child))
-                replaced += 1
-    return replaced
+    def replacement(full: str, child: nn.Module):
+        if type(child) not in (nn.Linear, OneDnnLinear, NativeLinear) or any(part in full for part in keep):
+            return None
+        # OneDnnLinear / NativeLinear are CPU fp32/bf16 layers by construction; an nn.Linear may be neither
+        if type(child) is nn.Linear and (child.weight.device.type != "cpu" or child.weight.dtype not in _DTYPES):
+            return None
+        return make(child) if takes(child) else None
+
+    return swap_children(model, replacement)

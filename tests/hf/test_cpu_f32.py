@@ -140,11 +140,12 @@ def test_cpu_linear_kinds():
     bf16 = torch.bfloat16
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(bf16), nn.Linear(8, 8, bias=False).to(bf16))
     model.append(nn.Linear(8, 8).half())
+    model.append(nn.Linear(8, 8, device="meta"))  # not on the CPU: left alone by every kind
     assert use_cpu_linears(copy.deepcopy(model), "torch") == (0, 0)
     assert use_cpu_linears(copy.deepcopy(model), "onednn") == (0, 3)
     swapped = copy.deepcopy(model)
     assert use_cpu_linears(swapped, "native") == (1, 2)
-    assert [type(m) for m in swapped] == [NativeLinear, OneDnnLinear, OneDnnLinear, nn.Linear]
+    assert [type(m) for m in swapped] == [NativeLinear, OneDnnLinear, OneDnnLinear, nn.Linear, nn.Linear]
     import sys
     from pathlib import Path
 
