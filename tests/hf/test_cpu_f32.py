@@ -47,11 +47,11 @@ def _emulated(layer: NativeLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("out_features, in_features", [(1, 1), (15, 7), (16, 64), (17, 33), (70, 130), (100, 3)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13, 25])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 25])
 def test_layer_equals_its_emulation(simd_path, out_features, in_features, rows):
-    """Every row count the kernel specialises (up to 12 rows a pass, 4 panels of 16 output rows at a
-    time up to 4 rows, else 2, tails one panel; 13 and 25 rows: balanced passes), output widths that
-    end inside a panel; bit for bit."""
+    """Every row count the kernel specialises (up to 12 rows a pass; 4 panels of 16 output rows at a
+    time up to 6 rows, 3 up to 9, else 2, tails 2 and 1 panels; prefetching past 4 rows; 13 and 25
+    rows: balanced passes), output widths that end inside a panel; bit for bit."""
     torch.manual_seed(rows * 7 + in_features)
     layer = _layer(in_features, out_features, bias=out_features % 2 == 0)
     x = torch.randn(rows, in_features) * torch.logspace(-2, 2, in_features)  # inputs of very different scales
