@@ -53,6 +53,9 @@ weights (``--cpu-linear onednn``, the default; ``specdec_kernels.hf.cpu_linear``
 ``nn.Linear`` (MKL) can cost 2-3x a one-token forward for 2-4 tokens, which no verification forward
 recovers. ``--draft-dtype bf16`` runs the draft in bf16 (acceptance may change, outputs cannot);
 ``--threads`` pins torch's thread count. Rows record ``draft_dtype``, ``cpu_linear`` and ``threads``.
+Several kinds (``--cpu-linear native onednn``) load one copy of the models per kind and run the kinds in
+turn on each prompt set and temperature: side by side in one run, each kind's speedups over its own
+baselines.
 
 Prompts: ``code`` -- the opening of the first top-level ``def``/``class`` of a fixed list of
 standard-library modules (``sysconfig.get_paths()["stdlib"]``), cut at a line boundary after
@@ -652,51 +655,61 @@ def draft_vocab_ids(pair: Pair, args):
     return vocab_ids
 
 
-def run_pair(pair: Pair, sets: dict[str, list[str]], run: common.Run) -> list[dict]:
+def run_pairs(pairs: dict[str, Pair], sets: dict[str, list[str]], run: common.Run) -> list[dict]:
+    """Every mode on every prompt set and temperature, for each linear kind's copy of the models
+    (``--cpu-linear``: one or several) in turn on each set; speedups and greedy comparisons within a
+    kind (its own target_only and HF assisted)."""
     args, meta = run.args, run.meta
-    compile_schema(pair, args)
-    args.draft_vocab_ids = draft_vocab_ids(pair, args)
-    skipped = {m: why for m in args.modes if (why := mode_unavailable(m, pair, args.batch_size, args.json_schema))}
+    skipped, modes = {}, list(args.modes)
+    for pair in pairs.values():
+        compile_schema(pair, args)
+        args.draft_vocab_ids = draft_vocab_ids(pair, args)  # the same ids; each pair's drafts get its heads
+        skipped = {m: why for m in args.modes if (why := mode_unavailable(m, pair, args.batch_size, args.json_schema))}
+        modes = [m for m in args.modes if m not in skipped]
+        if args.warmup:
+            warm_up(pair, modes, next(iter(sets.values())), run)
     for mode, why in skipped.items():
         print(f"[skip] {mode}: {why}", file=sys.stderr)
-    modes = [m for m in args.modes if m not in skipped]
-    first = next(iter(sets.values()))
-    if args.warmup:
-        warm_up(pair, modes, first, run)
-    draft_name = pair.draft_name if pair.draft is not None else "none"
-    base = {
-        **meta,
-        "target_model": pair.target_name,
-        "draft_model": draft_name,
-        "model_dtype": args.dtype,
-        "draft_dtype": args.draft_dtype or args.dtype,
-        "cpu_linear": args.cpu_linear if args.device.startswith("cpu") else "",
-        "threads": torch.get_num_threads(),
-    }
-    rows = []
-    sweep = list(args.G_sweep)
+    bases = {kind: _base_row(pair, meta, kind, args) for kind, pair in pairs.items()}
+    rows: dict[str, list[dict]] = {kind: [] for kind in pairs}
     for temperature in args.temperature:
         for set_name, prompts in sets.items():
-            lengths = [int(m.sum()) for t in prompts for m in encode(pair.tokenizer, [t], "cpu")[1]]
-            baselines: dict[str, dict] = {}
-            references: dict = {}  # target_only's outputs, for the greedy comparison at every G
-            for gi, g in enumerate(sweep):  # baselines once (first G); ours at every G of the sweep
-                args.G = g
-                run_modes = modes if gi == 0 else [m for m in modes if m.startswith("ours")]
-                totals = measure_set(pair, set_name, prompts, temperature, run_modes, run, references)
-                mode_args = argparse.Namespace(
-                    **{**vars(args), "modes": [m for m in args.modes if m in run_modes or m in skipped]}
-                )
-                new = make_rows(
-                    totals, set_name, prompts, sum(lengths) / len(lengths), temperature, skipped, mode_args, base
-                )
-                if gi == 0:
-                    baselines = {
-                        r["mode"]: r for r in new if r.get("tokens_per_s") and not r["mode"].startswith("ours")
-                    }
-                fill_speedups(new, {**baselines, **{r["mode"]: r for r in new if r.get("tokens_per_s")}})
-                rows += new
-            report_best_g(rows, set_name, temperature)
+            for kind, pair in pairs.items():
+                rows[kind] += _measure_sweep(pair, set_name, prompts, temperature, modes, skipped, bases[kind], run)
+                report_best_g(rows[kind], set_name, temperature)
+    return [row for kind in pairs for row in rows[kind]]
+
+
+def _base_row(pair: Pair, meta: dict, kind: str, args) -> dict:
+    return {
+        **meta,
+        "target_model": pair.target_name,
+        "draft_model": pair.draft_name if pair.draft is not None else "none",
+        "model_dtype": args.dtype,
+        "draft_dtype": args.draft_dtype or args.dtype,
+        "cpu_linear": kind if args.device.startswith("cpu") else "",
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _measure_sweep(pair: Pair, set_name, prompts, temperature, modes, skipped, base, run) -> list[dict]:
+    """One prompt set at one temperature: the baselines once (first G), ours at every G of the sweep."""
+    args, rows = run.args, []
+    lengths = [int(m.sum()) for t in prompts for m in encode(pair.tokenizer, [t], "cpu")[1]]
+    baselines: dict[str, dict] = {}
+    references: dict = {}  # target_only's outputs, for the greedy comparison at every G
+    for gi, g in enumerate(args.G_sweep):
+        args.G = g
+        run_modes = modes if gi == 0 else [m for m in modes if m.startswith("ours")]
+        totals = measure_set(pair, set_name, prompts, temperature, run_modes, run, references)
+        mode_args = argparse.Namespace(
+            **{**vars(args), "modes": [m for m in args.modes if m in run_modes or m in skipped]}
+        )
+        new = make_rows(totals, set_name, prompts, sum(lengths) / len(lengths), temperature, skipped, mode_args, base)
+        if gi == 0:
+            baselines = {r["mode"]: r for r in new if r.get("tokens_per_s") and not r["mode"].startswith("ours")}
+        fill_speedups(new, {**baselines, **{r["mode"]: r for r in new if r.get("tokens_per_s")}})
+        rows += new
     return rows
 
 
@@ -767,11 +780,13 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--cpu-linear",
+        nargs="+",
         choices=["native", "onednn", "torch"],  # specdec_kernels.hf.cpu_linear.CPU_LINEARS
-        default="onednn",
+        default=["onednn"],
         help="CPU runs: nn.Linear layers of every model (every mode, baselines included) run oneDNN on "
         "packed weights (specdec_kernels.hf.cpu_linear), our fp32 kernel (native: fp32 layers; oneDNN for "
-        "bf16 ones; specdec_kernels.hf.cpu_f32), or PyTorch's default (MKL in fp32)",
+        "bf16 ones; specdec_kernels.hf.cpu_f32), or PyTorch's default (MKL in fp32); several: one copy of "
+        "the models per kind, the kinds in turn on each prompt set (side by side in one run)",
     )
     p.add_argument("--tree-width", type=int, default=4, help="ours_dyntree: children per tree node")
     p.add_argument(
@@ -860,10 +875,18 @@ def sweep(run: common.Run) -> list[dict]:
     args = run.args
     try:
         draft_dtype = common.torch_dtype(args.draft_dtype) if args.draft_dtype else None
-        pair = load_pair(args, common.torch_dtype(args.dtype), draft_dtype)
+        kinds = args.cpu_linear if args.device.startswith("cpu") else args.cpu_linear[:1]
+        pairs = {
+            kind: load_pair(
+                argparse.Namespace(**{**vars(args), "cpu_linear": kind}), common.torch_dtype(args.dtype), draft_dtype
+            )
+            for kind in dict.fromkeys(kinds)
+        }
     except (OSError, ValueError, ImportError) as e:
         raise common.SetupError(f"could not load the models: {e}") from e
-    configure_hf_assistant(pair, args)
+    for loaded in pairs.values():
+        configure_hf_assistant(loaded, args)
+    pair = next(iter(pairs.values()))
     sets = prompt_sets(args)
     if not sets:
         raise common.SetupError("no prompts selected")
@@ -879,7 +902,7 @@ def sweep(run: common.Run) -> list[dict]:
     if pair.dropped_generation_settings:
         print(f"# target generation config reset to neutral; dropped: {pair.dropped_generation_settings}")
     sys.stdout.flush()
-    return run_pair(pair, sets, run)
+    return run_pairs(pairs, sets, run)
 
 
 def transformers_version() -> dict:

@@ -162,7 +162,7 @@ def test_cpu_linear_kinds():
     for kind in CPU_LINEARS:
         assert build_parser().parse_args([*args, kind]).cpu_linear == kind
         assert bench_forward_rows.parse_args(["--smoke", "--cpu-linear", kind]).cpu_linear == [kind]
-        assert bench_e2e.parse_args(["--smoke", "--cpu-linear", kind]).cpu_linear == kind
+        assert bench_e2e.parse_args(["--smoke", "--cpu-linear", kind]).cpu_linear == [kind]
 
 
 def test_a_native_draft_can_still_be_quantised():
