@@ -4,7 +4,9 @@ configs so that every mode decodes the same distribution."""
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import functools
 import sys
 import sysconfig
@@ -237,13 +239,7 @@ def load_pair(args, dtype, draft_dtype=None) -> Pair:
     draft_int8fb = quantised_draft(draft, args, bits=8, kernel="fbgemm")
     if draft is not None and draft_dtype is not None:
         draft = draft.to(draft_dtype)  # the draft's precision never changes what is accepted, only how often
-    kind = getattr(args, "cpu_linear", "torch")
-    if kind != "torch" and str(device).startswith("cpu"):
-        from specdec_kernels.hf.cpu_linear import use_cpu_linears
-
-        models = [m for m in (target, draft, draft_int8, draft_int4, draft_int8fb) if m is not None]
-        native, onednn = (sum(n) for n in zip(*(use_cpu_linears(m, kind) for m in models), strict=True))
-        print(f"# cpu linear layers: {native} -> native fp32, {onednn} -> oneDNN (every mode, baselines included)")
+    _swap_linears([target, draft, draft_int8, draft_int4, draft_int8fb], getattr(args, "cpu_linear", "torch"), device)
     dropped = neutralize_generation_config(target, eos, pad)
     for m in (draft, draft_int8, draft_int4, draft_int8fb):
         if m is not None:
@@ -254,6 +250,36 @@ def load_pair(args, dtype, draft_dtype=None) -> Pair:
     if vocab is None and draft is not None and _vocab_rows(target) != _vocab_rows(draft):
         vocab = len(tok)  # the models pad their embedding matrices differently: compare real tokens only
     return Pair(target, draft, tok, names[0], names[1], eos, pad, vocab, dropped, draft_int8, draft_int4, draft_int8fb)
+
+
+def _swap_linears(models: list, kind: str, device, what: str = "every model") -> None:
+    """``use_cpu_linears(model, kind)`` on each CPU model given (None: skipped), with a summary line."""
+    if kind == "torch" or not str(device).startswith("cpu"):
+        return
+    from specdec_kernels.hf.cpu_linear import use_cpu_linears
+
+    counts = [use_cpu_linears(m, kind) for m in models if m is not None]
+    native, onednn = (sum(n) for n in zip(*counts, strict=True))
+    print(
+        f"# {kind} linears, {what}: {native} layers -> native fp32, {onednn} -> oneDNN (every mode, baselines included)"
+    )
+
+
+def load_pairs(args, dtype, draft_dtype, kinds: list[str]) -> dict[str, Pair]:
+    """One Pair per CPU linear kind (``--cpu-linear`` with several kinds): the models load once; each
+    kind but the last gets a copy of the target, the last the target itself, each swapped to its
+    kind. The drafts are shared and run the first kind's kernels (a bf16 or int8 draft runs the same
+    ones under "native" and "onednn": only fp32 layers differ)."""
+    if len(kinds) == 1 or not str(args.device).startswith("cpu"):
+        return {kinds[0]: load_pair(argparse.Namespace(**{**vars(args), "cpu_linear": kinds[0]}), dtype, draft_dtype)}
+    base = load_pair(argparse.Namespace(**{**vars(args), "cpu_linear": "torch"}), dtype, draft_dtype)
+    _swap_linears([base.draft, *base.quantised_drafts()], kinds[0], args.device, "the drafts (shared by every kind)")
+    targets = [copy.deepcopy(base.target) for _ in kinds[1:]] + [base.target]
+    pairs = {}
+    for kind, target in zip(kinds, targets, strict=True):
+        _swap_linears([target], kind, args.device, "its copy of the target")
+        pairs[kind] = dataclasses.replace(base, target=target)
+    return pairs
 
 
 def quantised_draft(draft, args, bits: int, kernel: str | None = None):

@@ -126,7 +126,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import _common` when run or imported
 import _common as common  # noqa: E402
-from _e2e_inputs import PROSE_PROMPTS, Pair, encode, load_pair, prompt_sets  # noqa: E402
+from _e2e_inputs import PROSE_PROMPTS, Pair, encode, load_pairs, prompt_sets  # noqa: E402
 
 MODES = (
     "target_only",
@@ -875,13 +875,8 @@ def sweep(run: common.Run) -> list[dict]:
     args = run.args
     try:
         draft_dtype = common.torch_dtype(args.draft_dtype) if args.draft_dtype else None
-        kinds = args.cpu_linear if args.device.startswith("cpu") else args.cpu_linear[:1]
-        pairs = {
-            kind: load_pair(
-                argparse.Namespace(**{**vars(args), "cpu_linear": kind}), common.torch_dtype(args.dtype), draft_dtype
-            )
-            for kind in dict.fromkeys(kinds)
-        }
+        kinds = list(dict.fromkeys(args.cpu_linear))
+        pairs = load_pairs(args, common.torch_dtype(args.dtype), draft_dtype, kinds)
     except (OSError, ValueError, ImportError) as e:
         raise common.SetupError(f"could not load the models: {e}") from e
     for loaded in pairs.values():
