@@ -95,9 +95,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--cpu-linear",
         choices=["native", "onednn", "torch"],  # hf.cpu_linear.CPU_LINEARS
-        default="onednn",
-        help="on CPU: linear layers by oneDNN on packed weights (multi-token forwards near one token's cost), "
-        "by our fp32 kernel (native: fp32 layers at the read bandwidth, oneDNN for the others), or PyTorch's",
+        default="native",  # side by side (docs/performance.md): ours 6-19% faster than with "onednn"
+        help="on CPU: linear layers by our fp32 kernel (native, the default: fp32 layers at the read bandwidth, "
+        "oneDNN for the others and wherever the CPU lacks AVX-512), by oneDNN on packed weights (multi-token "
+        "forwards near one token's cost), or PyTorch's",
     )
     p.add_argument("--cache", choices=["dynamic", "static"], default="dynamic", help="KV cache of both models")
     p.add_argument(

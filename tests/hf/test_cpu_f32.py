@@ -159,6 +159,7 @@ def test_cpu_linear_kinds():
     finally:
         sys.path.remove(str(bench))
     args = ["generate", "--target", "t", "--prompt", "p", "--cpu-linear"]
+    assert build_parser().parse_args(args[:-1]).cpu_linear == "native"  # the fastest, measured side by side
     for kind in CPU_LINEARS:
         assert build_parser().parse_args([*args, kind]).cpu_linear == kind
         assert bench_forward_rows.parse_args(["--smoke", "--cpu-linear", kind]).cpu_linear == [kind]
