@@ -261,6 +261,8 @@ def _swap_linears(models: list, kind: str, device, what: str = "every model") ->
     from specdec_kernels.hf.cpu_linear import use_cpu_linears
 
     counts = [use_cpu_linears(m, kind) for m in models if m is not None]
+    if not counts:  # e.g. the drafts of a run without one
+        return
     native, onednn = (sum(n) for n in zip(*counts, strict=True))
     print(
         f"# {kind} linears, {what}: {native} layers -> native fp32, {onednn} -> oneDNN (every mode, baselines included)"

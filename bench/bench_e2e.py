@@ -660,16 +660,17 @@ def run_pairs(pairs: dict[str, Pair], sets: dict[str, list[str]], run: common.Ru
     (``--cpu-linear``: one or several) in turn on each set; speedups and greedy comparisons within a
     kind (its own target_only and HF assisted)."""
     args, meta = run.args, run.meta
-    skipped, modes = {}, list(args.modes)
-    for pair in pairs.values():
-        compile_schema(pair, args)
-        args.draft_vocab_ids = draft_vocab_ids(pair, args)  # the same ids; each pair's drafts get its heads
-        skipped = {m: why for m in args.modes if (why := mode_unavailable(m, pair, args.batch_size, args.json_schema))}
-        modes = [m for m in args.modes if m not in skipped]
-        if args.warmup:
-            warm_up(pair, modes, next(iter(sets.values())), run)
+    # the pairs share their tokenizer and drafts (load_pairs): the schema, the draft-vocabulary heads
+    # and which modes can run are decided once; each pair's target is warmed up
+    first = next(iter(pairs.values()))
+    compile_schema(first, args)
+    args.draft_vocab_ids = draft_vocab_ids(first, args)
+    skipped = {m: why for m in args.modes if (why := mode_unavailable(m, first, args.batch_size, args.json_schema))}
     for mode, why in skipped.items():
         print(f"[skip] {mode}: {why}", file=sys.stderr)
+    modes = [m for m in args.modes if m not in skipped]
+    for pair in pairs.values() if args.warmup else ():
+        warm_up(pair, modes, next(iter(sets.values())), run)
     bases = {kind: _base_row(pair, meta, kind, args) for kind, pair in pairs.items()}
     rows: dict[str, list[dict]] = {kind: [] for kind in pairs}
     for temperature in args.temperature:

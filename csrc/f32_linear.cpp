@@ -39,8 +39,9 @@ constexpr int64_t ROWS = 12;   // input rows per pass: 12 x 2 accumulators + 2 w
 // layers streamed: 5-6 rows 15-19% faster with 4 panels than 2, 7-9 rows 5-14% with 3.
 constexpr int64_t panels_for(int64_t rows) { return rows <= 6 ? 4 : rows <= 9 ? 3 : 2; }
 // Passes of more than PREFETCH_ROWS rows prefetch each panel PREFETCH inputs (64-byte vectors) ahead:
-// at 5-12 rows the FMAs between two loads of a panel leave the hardware prefetcher behind (8-15%
-// faster at 8-12 rows there); at 1-4 rows it keeps up and a prefetch is only one more instruction.
+// at 5-12 rows the FMAs between two loads of a panel leave the hardware prefetcher behind (4-10%
+// faster at 8-9 rows there, 10-16% at 10-12); at 1-4 rows it keeps up and a prefetch is only one
+// more instruction.
 constexpr int64_t PREFETCH = 8;
 constexpr int PREFETCH_ROWS = 4;
 
