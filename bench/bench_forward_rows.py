@@ -48,6 +48,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="fp32", choices=tuple(common.DTYPES))
     p.add_argument("--draft-dtype", default=None, choices=tuple(common.DTYPES))
     p.add_argument(
+        "--draft-int8",
+        action="store_true",
+        help="also time a copy of the draft with int8 linears (the rest fp32), as bench_e2e's *_int8 modes run it",
+    )
+    p.add_argument(
         "--cpu-linear",
         nargs="+",
         default=["onednn"],
@@ -61,8 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(common.REPO_ROOT / "bench" / "results" / "forward_rows_cpu.csv"))
     p.add_argument("--no-save", action="store_true", help="print the table only")
     args = p.parse_args(argv)
-    if not args.smoke and not args.target:
-        p.error("--target (and usually --draft) is required unless --smoke")
+    if not args.smoke and not (args.target or args.draft):
+        p.error("--target and/or --draft is required unless --smoke")
     args.rows = args.rows or ((1, 2, 4, 9) if args.smoke else DEFAULT_ROWS)
     args.rep = args.rep or (2 if args.smoke else 5)
     if args.smoke:
@@ -97,11 +102,28 @@ def _models(args):
     out = []
     for role, name, model in models:
         model = model.to(getattr(torch, common.DTYPES[dtypes[role]]))
+        int8 = _int8_copy(model) if role == "draft" and args.draft_int8 else None  # before the swaps below
         for i, kind in enumerate(args.cpu_linear):
             swapped = model if i == len(args.cpu_linear) - 1 else copy.deepcopy(model)
             use_cpu_linears(swapped, kind)
             out.append((role, name, kind, swapped, dtypes[role]))
+        if int8 is not None:
+            out.append(("draft_int8", name, "int8", int8, "fp32"))
     return out
+
+
+def _int8_copy(draft):
+    import copy
+
+    import torch
+
+    from specdec_kernels.hf.cpu_int8 import int8_linear_available, use_int8_linears
+
+    if not int8_linear_available():
+        raise SystemExit("--draft-int8: no int8 kernel on this machine")
+    quantized = copy.deepcopy(draft).to(torch.float32)
+    use_int8_linears(quantized)
+    return quantized
 
 
 def time_rows(models: list, prefix: int, rows: list[int], rep: int) -> list[dict[int, tuple[float, float]]]:

@@ -41,6 +41,14 @@ constexpr int64_t QUAD = 4;                     // inputs per int32 lane of vpdp
 constexpr int64_t PANEL = 16;                   // output rows interleaved in a packed panel (one vector's lanes)
 constexpr int64_t MAX_K = (1LL << 31) / 32385;  // 255 * 127 per product: int32 sums stay exact up to here
 constexpr int64_t ROWS = 8;                     // activation rows per pass over a panel's weights
+// Panels of at most this many padded inputs (16 KB) are read one at a time, front to back: with
+// in_features = 896 (the 0.5B draft's every layer but its MLP's down projection) one stream beat 2
+// or 4 side by side at 1-8 rows by 15-35% (e.g. its 151,936-row head at 4 rows: 5.1 against 7.6 ms,
+// 1 thread, Zen 4; notes in docs/performance.md). Longer panels keep 4 (1-4 rows) or 2 side by side.
+constexpr int64_t SHORT_PANEL_KP = 1024;
+// Passes of more than 4 rows over short panels prefetch each panel this many quads (4 KB) ahead:
+// their extra vpdpbusd per load leave the stream too slow for the hardware prefetcher alone.
+constexpr int PREFETCH_QUADS = 64;
 
 inline int64_t padded(int64_t K) { return (K + QUAD - 1) / QUAD * QUAD; }
 
@@ -101,7 +109,7 @@ void gemv_scalar(const int8_t* wq, const float* sw, const int32_t* wsum, const u
 // M activation rows times NP panels (16 output rows each) at a time: a panel's vector holds its 16 rows'
 // weights for 4 inputs, the activation's 4 bytes are broadcast, and vpdpbusd adds the 16 rows' partial
 // sums lane by lane (no horizontal sums; each panel one sequential stream).
-template <int M, int NP>
+template <int M, int NP, int PF>
 SK_AVX512_VNNI_W8 void gemv_vnni(const int8_t* wq, const float* sw, const int32_t* wsum, const uint8_t* aq,
                                  const float* sa, const int32_t* za, float* out, int64_t N, int64_t Kp, int64_t p0,
                                  int64_t p1) {
@@ -115,6 +123,9 @@ SK_AVX512_VNNI_W8 void gemv_vnni(const int8_t* wq, const float* sw, const int32_
     for (int64_t q = 0; q < Q; ++q) {
       __m512i w[NP];
       for (int t = 0; t < NP; ++t) w[t] = _mm512_loadu_si512(panel + (t * Q + q) * PANEL * QUAD);
+      if constexpr (PF > 0)  // past the weights' end is harmless: a prefetch never faults
+        for (int t = 0; t < NP; ++t)
+          _mm_prefetch(reinterpret_cast<const char*>(panel + (t * Q + q + PF) * PANEL * QUAD), _MM_HINT_T0);
       for (int m = 0; m < M; ++m) {
         int32_t quad;
         std::memcpy(&quad, aq + m * Kp + q * QUAD, sizeof(quad));
@@ -135,21 +146,34 @@ SK_AVX512_VNNI_W8 void gemv_vnni(const int8_t* wq, const float* sw, const int32_
       }
     }
   }
-  if (NP > 1 && p < p1) gemv_vnni<M, 1>(wq, sw, wsum, aq, sa, za, out, N, Kp, p, p1);
+  if (NP > 1 && p < p1) gemv_vnni<M, 1, PF>(wq, sw, wsum, aq, sa, za, out, N, Kp, p, p1);
 }
 
-// Up to ROWS activation rows per pass: NP panels so that M x NP accumulators + NP weights + 1 fit in 32.
+// Up to ROWS activation rows per pass: NP panels so that M x NP accumulators + NP weights + 1 fit in 32;
+// short panels one at a time (SHORT_PANEL_KP).
 void gemv_vnni_rows(int64_t M, const int8_t* wq, const float* sw, const int32_t* wsum, const uint8_t* aq,
                     const float* sa, const int32_t* za, float* out, int64_t N, int64_t Kp, int64_t p0, int64_t p1) {
+  if (Kp <= SHORT_PANEL_KP) {
+    switch (M) {
+      case 1: return gemv_vnni<1, 1, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+      case 2: return gemv_vnni<2, 1, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+      case 3: return gemv_vnni<3, 1, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+      case 4: return gemv_vnni<4, 1, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+      case 5: return gemv_vnni<5, 1, PREFETCH_QUADS>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+      case 6: return gemv_vnni<6, 1, PREFETCH_QUADS>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+      case 7: return gemv_vnni<7, 1, PREFETCH_QUADS>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+      default: return gemv_vnni<8, 1, PREFETCH_QUADS>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    }
+  }
   switch (M) {
-    case 1: return gemv_vnni<1, 4>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    case 2: return gemv_vnni<2, 4>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    case 3: return gemv_vnni<3, 4>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    case 4: return gemv_vnni<4, 4>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    case 5: return gemv_vnni<5, 2>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    case 6: return gemv_vnni<6, 2>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    case 7: return gemv_vnni<7, 2>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    default: return gemv_vnni<8, 2>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 1: return gemv_vnni<1, 4, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 2: return gemv_vnni<2, 4, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 3: return gemv_vnni<3, 4, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 4: return gemv_vnni<4, 4, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 5: return gemv_vnni<5, 2, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 6: return gemv_vnni<6, 2, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 7: return gemv_vnni<7, 2, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    default: return gemv_vnni<8, 2, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
   }
 }
 #endif

@@ -30,12 +30,16 @@ def _layer(in_features: int, out_features: int, bias: bool = True) -> Int8Linear
     return Int8Linear.from_linear(linear, kernel="native")
 
 
-@pytest.mark.parametrize("out_features, in_features", [(1, 4), (37, 50), (130, 96), (16, 3), (64, 257), (81, 640)])
+@pytest.mark.parametrize(
+    "out_features, in_features",
+    [(1, 4), (37, 50), (130, 96), (16, 3), (64, 257), (81, 640), (70, 1031)],
+)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
 def test_layer_equals_its_emulation(simd_path, out_features, in_features, rows):
-    """Every row count the kernel specialises (1-8 rows a pass: 4 or 2 panels of 16 output rows at a
-    time, the remainder one panel at a time), output widths that end inside a panel, input widths
-    that end inside a group of 4 (padded with zeros)."""
+    """Every row count the kernel specialises (1-8 rows a pass), both panel plans (up to 1,024 padded
+    inputs one panel of 16 output rows at a time; longer panels 4 or 2 at a time, the remainder one at
+    a time: 1,031 inputs), output widths that end inside a panel, input widths that end inside a group
+    of 4 (padded with zeros)."""
     torch.manual_seed(rows)
     layer = _layer(in_features, out_features)
     x = torch.randn(rows, in_features) * torch.logspace(-2, 2, in_features)  # inputs of very different scales
