@@ -212,7 +212,27 @@ MUTANTS = [
     Mutant("chain-eq-run", "tree_policy", "chain_equivalent", "on_path.long().cumprod(dim=1)", "on_path.long()"),
     Mutant("chain-observe", "tree_policy", "observe_chain", 'self.counts["chain"][0] += accepted', "pass"),
     # ---- the shape models' price of the target's rows (specdec_kernels/hf/draft_length.py, tree_budget.py)
-    Mutant("tree-rows-unpriced", "tree_policy", "_seconds", "shape_cost(arm[1], 1 + arm[2],", "shape_cost(arm[1], 1,"),
+    Mutant(
+        "tree-rows-unpriced",
+        "tree_policy",
+        "_shape",
+        "1 + nodes, self.cost, self.row_cost",
+        "1, self.cost, self.row_cost",
+    ),
+    Mutant(
+        "tree-draft-rows-unpriced",
+        "tree_policy",
+        "_shape",
+        "max(0, min(nodes, width * (depth - 1)) - (depth - 1))",
+        "0",
+    ),
+    Mutant(
+        "draft-row-cost-layers",
+        "draft_length",
+        "draft_row_cost_estimate",
+        "layers * CPU_LAYER_ROW_BYTES /",
+        "CPU_LAYER_ROW_BYTES /",
+    ),
     Mutant(
         "chain-rows-unpriced",
         "draft_length",

@@ -87,6 +87,12 @@ CPU_LAYER_BYTES = 25e6
 # EPYC (1 thread): each row past 4 of the Qwen2.5-Coder 1.5B fp32 target's forward cost 20-25 ms of a
 # 341 ms one-row forward (bench/bench_forward_rows.py), r = 0.065 by row_cost_estimate.
 CPU_FLOPS_PER_BYTE = 6.9
+# What each row past the first adds to a CPU draft forward that feeds several tree nodes, per decoder
+# layer, in bytes of weights it could have read instead: the per-row work around the linears (attention
+# over the cache, norms, rotary, activation quantisation), ~0.24 ms a layer-row at ~25 GB/s. Measured
+# on the 2-core AMD EPYC (1 thread, 256 cached tokens): the 0.5B int8 draft's 4-row forward cost
+# 1.44-1.50x its 1-row one (30-32 ms), 0.13-0.17 a row; this gives 0.13 (draft_row_cost_estimate).
+CPU_LAYER_ROW_BYTES = 6e6
 # Rows a forward scores at about a one-row forward's cost: oneDNN's linears pad 1-3 rows to 4
 # (hf/cpu_linear.MIN_ROWS), and a GPU's 64 (the shape model prices no row there: r = 0).
 FREE_ROWS = MIN_ROWS
@@ -118,6 +124,17 @@ def row_cost_estimate(target) -> float:
     return 2.0 * weights / CPU_FLOPS_PER_BYTE / max(nbytes + layers * CPU_LAYER_BYTES, 1.0)
 
 
+def draft_row_cost_estimate(draft) -> float:
+    """What each row past the first adds to a draft forward, relative to its one-row forward, from its
+    shape (timing-free, as :func:`draft_cost_estimate`): on the CPU ``CPU_LAYER_ROW_BYTES`` per layer
+    over the one-row forward's bytes and layer costs (the 0.5B int8 draft: 0.13); 0 on a GPU. A tree
+    step's draft forwards feed up to k nodes each, a chain's one."""
+    _, nbytes, _, layers, device = _shape(draft)
+    if device != "cpu":
+        return 0.0
+    return layers * CPU_LAYER_ROW_BYTES / max(nbytes + layers * CPU_LAYER_BYTES, 1.0)
+
+
 def _shape(model) -> tuple[int, int, int, int, str]:
     """What the shape models read of a model: (parameters, streamed bytes, streamed weights
     (``_streamed``), decoder layers, device type; "cpu" for a model without parameters)."""
@@ -127,9 +144,10 @@ def _shape(model) -> tuple[int, int, int, int, str]:
     return (sum(p.numel() for p in params), *_streamed(model), layers, device)
 
 
-def shape_cost(forwards: int, rows: int, cost: float, row_cost: float) -> float:
-    """The shape model's step, in target forwards: ``forwards`` draft forwards at ``cost`` each and
-    a target forward over ``rows`` rows (``row_cost`` for each past ``FREE_ROWS``)."""
+def shape_cost(forwards: float, rows: int, cost: float, row_cost: float) -> float:
+    """The shape model's step, in target forwards: ``forwards`` one-row draft forwards at ``cost``
+    each (a tree's wider forwards count more: ``tree_budget``) and a target forward over ``rows`` rows
+    (``row_cost`` for each past ``FREE_ROWS``)."""
     return 1.0 + forwards * cost + row_cost * max(0, rows - FREE_ROWS)
 
 

@@ -12,8 +12,9 @@ Expected tokens per step and request follow the chain policy's geometric model
 each estimated from the steps that used that kind (accepted drafts over drafts tested). The cost of a
 step is, as for chains, either measured (the wall times of this call's own steps per arm and number
 of active requests; the default when greedy) or the shape model (``draft_length.shape_cost``: d draft
-forwards at c, and the target's rows past ``FREE_ROWS`` at r each, r > 0 on a CPU; the default when
-sampling, so a seeded call is reproducible). Measured times are remembered per (target, draft) pair
+forwards at c, each node a tree's forward feeds past its first at c * e more, and the target's rows
+past ``FREE_ROWS`` at r each; e, r > 0 on a CPU; the default when sampling, so a seeded call is
+reproducible). Measured times are remembered per (target, draft) pair
 and tree settings for the process, as the chain policy's are (``draft_length.pair_step_times``): the
 first call explores the arms, later calls start informed (up to 8 tree and 8 chain arms: a short
 call that starts from nothing spends many of its steps trying them). The arm is decided on the host
@@ -115,13 +116,18 @@ class TreeBudgetPolicy:
         chain_times=None,
         row_costs=None,
         row_cost: float = 0.0,
+        draft_row_cost: float = 0.0,
     ):
         """times: where measured step times live (``pair_tree_times``; default: this policy only).
         chain_times: active -> the chain policy's measured step seconds per draft length for this pair
         (``draft_length.pair_step_times``), the first guess for a chain arm this policy has not timed.
         row_costs: where the node-cost fits live per number of active requests (default: this policy).
-        row_cost: the shape model's target row past FREE_ROWS (``draft_length.row_cost_estimate``)."""
+        row_cost: the shape model's target row past FREE_ROWS (``draft_length.row_cost_estimate``).
+        draft_row_cost: the shape model's draft row past a forward's first, in draft forwards
+        (``draft_length.draft_row_cost_estimate``): a tree's forwards at depths 1 .. d - 1 feed up to
+        k nodes each."""
         self.cost, self.measured, self.row_cost = cost, measured, row_cost
+        self.draft_row_cost = draft_row_cost
         depths = max_depth or math.ceil(nodes / width)  # a shaped tree (tree_threshold) may go deeper
         self.arms = [("tree", d, min(nodes, width * d), width) for d in range(1, depths + 1)]
         if width > 1:
@@ -148,7 +154,7 @@ class TreeBudgetPolicy:
         target's rows (1 + nodes) past FREE_ROWS at ``row_cost`` each: on a CPU a tree step over 4x the
         rows cost 2.1x the chain's (Qwen pair, 2026-11-27); without it a tree and a chain of one depth
         cost alike and a chain never looked worth a try until measured."""
-        shape = shape_cost(arm[1], 1 + arm[2], self.cost, self.row_cost)
+        shape = self._shape(arm)
         if not times:
             return shape
         if arm in times:
@@ -156,7 +162,15 @@ class TreeBudgetPolicy:
         if arm[0] == "chain" and arm[1] in chain:
             return chain[arm[1]]
         near = min(times, key=lambda m: (m[0] != arm[0], abs(m[1] - arm[1]), m[1]))
-        return times[near] * shape / shape_cost(near[1], 1 + near[2], self.cost, self.row_cost)
+        return times[near] * shape / self._shape(near)
+
+    def _shape(self, arm) -> float:
+        """The shape model's step of ``arm`` in target forwards. Depth d means d draft forwards: the
+        first feeds the committed tokens, the one at depth j < d that depth's nodes (at most k); the
+        rows past one a forward cost ``draft_row_cost`` each (a chain feeds one node a forward)."""
+        _, depth, nodes, width = arm
+        extra_rows = max(0, min(nodes, width * (depth - 1)) - (depth - 1))
+        return shape_cost(depth + self.draft_row_cost * extra_rows, 1 + nodes, self.cost, self.row_cost)
 
     def choose(self, accepted: int, rejections: int, active: int) -> int:
         kind = self.arm[0]

@@ -115,6 +115,20 @@ def test_row_cost_estimate_from_the_targets_shape():
     assert row_cost_estimate(copy.deepcopy(target).to(torch.bfloat16)) > row_cost_estimate(target)
 
 
+def test_draft_row_cost_estimate_from_the_drafts_shape():
+    """On the CPU: CPU_LAYER_ROW_BYTES per layer over the one-row forward's bytes and layer costs; a
+    deeper draft of the same width pays more per row of its forward, a GPU draft nothing."""
+    from specdec_kernels.hf.draft_length import CPU_LAYER_ROW_BYTES, _streamed, draft_row_cost_estimate
+
+    draft = tiny_model("qwen2", layers=4, hidden=128, vocab=997)
+    nbytes, _ = _streamed(draft)
+    expected = 4 * CPU_LAYER_ROW_BYTES / (nbytes + 4 * CPU_LAYER_BYTES)
+    assert draft_row_cost_estimate(draft) == pytest.approx(expected)
+    assert draft_row_cost_estimate(tiny_model("qwen2", layers=8, hidden=128, vocab=997)) > expected
+    on_meta = tiny_model("qwen2", layers=4, hidden=128, vocab=997).to("meta")  # no CPU: priced as a GPU
+    assert draft_row_cost_estimate(on_meta) == 0.0
+
+
 def test_measured_model_finds_the_verification_forwards_cliff():
     """The CPU measurement that motivated it: target forwards of 1-3 tokens cost the same, 4+ tokens
     1.8x (another BLAS kernel); a draft forward 0.37 of a target's. The shape model (cost 0.59 from

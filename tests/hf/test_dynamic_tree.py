@@ -155,6 +155,22 @@ def test_shape_model_prices_the_targets_rows():
     assert {a[0] for a in _simulate(TreeBudgetPolicy(16, 4, 0.2, False, row_cost=0.01), flat)[-20:]} == {"tree"}
 
 
+def test_shape_model_prices_the_drafts_tree_rows():
+    """Sampling: a tree's draft forward at depth j < d feeds that depth's nodes (up to k), a chain's
+    one node. With those rows priced (a CPU, ``draft_row_cost``) deep trees cost more and the policy
+    settles on shallower ones; the chain arms' price does not change."""
+    flat = lambda arm: 1.0  # noqa: E731  (never read: the shape model is timing-free)
+    free = TreeBudgetPolicy(16, 4, 0.2, False, draft_row_cost=0.0)
+    priced = TreeBudgetPolicy(16, 4, 0.2, False, draft_row_cost=1.0)
+    assert priced._shape(("tree", 3, 12, 4)) == pytest.approx(free._shape(("tree", 3, 12, 4)) + 0.2 * 6)
+    assert priced._shape(("tree", 4, 16, 4)) == pytest.approx(free._shape(("tree", 4, 16, 4)) + 0.2 * 9)
+    assert priced._shape(("tree", 1, 4, 4)) == free._shape(("tree", 1, 4, 4))  # one forward, over the root
+    assert priced._shape(("chain", 5, 5, 1)) == free._shape(("chain", 5, 5, 1))
+    deep = {a[1] for a in _simulate(free, flat)[-20:] if a[0] == "tree"}
+    shallow = {a[1] for a in _simulate(priced, flat)[-20:] if a[0] == "tree"}
+    assert shallow and deep and max(shallow) < min(deep)
+
+
 def test_budget_policy_prices_untimed_chains_with_the_chain_policys_times():
     """A chain arm the tree policy has not timed takes the chain drafter's measured step of that
     length for the pair (``chain_times``) instead of a tree step's time scaled by depth: on a CPU a

@@ -73,7 +73,7 @@ import torch
 from .. import drafting
 from ..attention import TreeAttentionMetadata
 from ..config import is_number
-from ..draft_length import draft_cost_estimate, pair_step_times, row_cost_estimate
+from ..draft_length import draft_cost_estimate, draft_row_cost_estimate, pair_step_times, row_cost_estimate
 from ..forwards import forward, gen_for
 from ..medusa import MIN_RANK_PROB, candidate_tokens
 from ..tree_budget import MAX_CHAIN, TreeBudgetPolicy, learned_threshold_on, pair_row_costs, pair_tree_times
@@ -127,6 +127,7 @@ class DynamicTreeDrafter(ModelDrafter):
             chain_times=None if self.prompt_lookup else partial(pair_step_times, session.target, self.cost_key),
             row_costs=pair_row_costs(session.target, self.cost_key, settings) if measured else None,
             row_cost=row_cost_estimate(session.target),
+            draft_row_cost=draft_row_cost_estimate(self.model),
         )
         return self.policy
 
