@@ -109,7 +109,7 @@ def draft_cost_estimate(target, draft) -> float:
 
     (n_t, b_t, _, l_t, device), (n_d, b_d, _, l_d, _) = _shape(target), _shape(draft)
     if device == "cpu":
-        return (b_d + l_d * CPU_LAYER_BYTES) / max(b_t + l_t * CPU_LAYER_BYTES, 1.0)
+        return _one_row_bytes(b_d, l_d) / max(_one_row_bytes(b_t, l_t), 1.0)
     return 0.5 * (n_d / max(n_t, 1)) + 0.5 * (l_d / l_t)
 
 
@@ -121,7 +121,7 @@ def row_cost_estimate(target) -> float:
     _, nbytes, weights, layers, device = _shape(target)
     if device != "cpu":
         return 0.0
-    return 2.0 * weights / CPU_FLOPS_PER_BYTE / max(nbytes + layers * CPU_LAYER_BYTES, 1.0)
+    return 2.0 * weights / CPU_FLOPS_PER_BYTE / max(_one_row_bytes(nbytes, layers), 1.0)
 
 
 def draft_row_cost_estimate(draft) -> float:
@@ -132,7 +132,12 @@ def draft_row_cost_estimate(draft) -> float:
     _, nbytes, _, layers, device = _shape(draft)
     if device != "cpu":
         return 0.0
-    return layers * CPU_LAYER_ROW_BYTES / max(nbytes + layers * CPU_LAYER_BYTES, 1.0)
+    return layers * CPU_LAYER_ROW_BYTES / max(_one_row_bytes(nbytes, layers), 1.0)
+
+
+def _one_row_bytes(nbytes: int, layers: int) -> float:
+    """A one-row CPU forward's cost in bytes of weights: what it streams plus ``CPU_LAYER_BYTES`` a layer."""
+    return nbytes + layers * CPU_LAYER_BYTES
 
 
 def _shape(model) -> tuple[int, int, int, int, str]:
