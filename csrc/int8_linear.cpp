@@ -149,32 +149,29 @@ SK_AVX512_VNNI_W8 void gemv_vnni(const int8_t* wq, const float* sw, const int32_
   if (NP > 1 && p < p1) gemv_vnni<M, 1, PF>(wq, sw, wsum, aq, sa, za, out, N, Kp, p, p1);
 }
 
-// Up to ROWS activation rows per pass: NP panels so that M x NP accumulators + NP weights + 1 fit in 32;
-// short panels one at a time (SHORT_PANEL_KP).
+// M (1..ROWS) activation rows a pass: NP_FEW panels side by side up to 4 rows, NP_MANY (prefetching
+// PF_MANY quads ahead) beyond, so that M x NP accumulators + NP weights + 1 fit in 32 registers.
+template <int NP_FEW, int NP_MANY, int PF_MANY>
+void gemv_vnni_plan(int64_t M, const int8_t* wq, const float* sw, const int32_t* wsum, const uint8_t* aq,
+                    const float* sa, const int32_t* za, float* out, int64_t N, int64_t Kp, int64_t p0, int64_t p1) {
+  switch (M) {
+    case 1: return gemv_vnni<1, NP_FEW, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 2: return gemv_vnni<2, NP_FEW, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 3: return gemv_vnni<3, NP_FEW, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 4: return gemv_vnni<4, NP_FEW, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 5: return gemv_vnni<5, NP_MANY, PF_MANY>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 6: return gemv_vnni<6, NP_MANY, PF_MANY>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    case 7: return gemv_vnni<7, NP_MANY, PF_MANY>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+    default: return gemv_vnni<8, NP_MANY, PF_MANY>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+  }
+}
+
+// Short panels (SHORT_PANEL_KP) one at a time, longer ones 4 or 2 side by side.
 void gemv_vnni_rows(int64_t M, const int8_t* wq, const float* sw, const int32_t* wsum, const uint8_t* aq,
                     const float* sa, const int32_t* za, float* out, int64_t N, int64_t Kp, int64_t p0, int64_t p1) {
-  if (Kp <= SHORT_PANEL_KP) {
-    switch (M) {
-      case 1: return gemv_vnni<1, 1, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-      case 2: return gemv_vnni<2, 1, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-      case 3: return gemv_vnni<3, 1, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-      case 4: return gemv_vnni<4, 1, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-      case 5: return gemv_vnni<5, 1, PREFETCH_QUADS>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-      case 6: return gemv_vnni<6, 1, PREFETCH_QUADS>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-      case 7: return gemv_vnni<7, 1, PREFETCH_QUADS>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-      default: return gemv_vnni<8, 1, PREFETCH_QUADS>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    }
-  }
-  switch (M) {
-    case 1: return gemv_vnni<1, 4, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    case 2: return gemv_vnni<2, 4, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    case 3: return gemv_vnni<3, 4, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    case 4: return gemv_vnni<4, 4, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    case 5: return gemv_vnni<5, 2, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    case 6: return gemv_vnni<6, 2, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    case 7: return gemv_vnni<7, 2, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-    default: return gemv_vnni<8, 2, 0>(wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
-  }
+  if (Kp <= SHORT_PANEL_KP)
+    return gemv_vnni_plan<1, 1, PREFETCH_QUADS>(M, wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
+  gemv_vnni_plan<4, 2, 0>(M, wq, sw, wsum, aq, sa, za, out, N, Kp, p0, p1);
 }
 #endif
 
