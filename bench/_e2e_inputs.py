@@ -298,13 +298,30 @@ def _release_freed_memory() -> None:
 
 
 def quantised_draft(draft, args, bits: int, kernel: str | None = None):
-    """A copy of the draft with int8 (``bits=4``: int4) linear layers (``use_int8_linears`` /
-    ``use_int4_linears``, keeping ``--int8-keep``; int8: ``kernel``, None for the default), the rest
-    of it in ``--int8-dtype``, when a ``*_int8`` (``*_int4``; ``kernel="fbgemm"``: ``*_int8fb``) mode
-    runs, else None."""
+    """A copy of the draft with int8 (``bits=4``: int4) linear layers (:func:`quantised_copy`, keeping
+    ``--int8-keep``; int8: ``kernel``, None for the default), the rest of it in ``--int8-dtype``, when
+    a ``*_int8`` (``*_int4``; ``kernel="fbgemm"``: ``*_int8fb``) mode runs, else None."""
     suffix = f"_int{bits}" + ("fb" if kernel == "fbgemm" else "")
     if draft is None or not any(m.endswith(suffix) for m in getattr(args, "modes", None) or ()):
         return None
+    made = quantised_copy(
+        draft,
+        bits,
+        kernel,
+        dtype=getattr(args, "int8_dtype", None) or "fp32",
+        keep=tuple(getattr(args, "int8_keep", None) or ()),
+    )
+    if made is None:
+        return None
+    quantized, swapped = made
+    print(f"# *{suffix} modes: a draft copy with {swapped} int{bits} linear layers ({kernel or 'default'} kernel)")
+    return quantized
+
+
+def quantised_copy(draft, bits: int = 8, kernel: str | None = None, dtype: str = "fp32", keep: tuple = ()):
+    """(A copy of ``draft`` in ``dtype`` with int8 (``bits=4``: int4) linear layers but those whose name
+    contains one of ``keep``, how many were swapped); None where that kernel does not load or the
+    draft is not on the CPU. int8: ``kernel`` "fbgemm", or None for the default."""
     from _common import torch_dtype
 
     from specdec_kernels.hf import cpu_int4, cpu_int8
@@ -317,11 +334,8 @@ def quantised_draft(draft, args, bits: int, kernel: str | None = None):
         available, swap = cpu_int4.int4_linear_available, cpu_int4.use_int4_linears
     if not available() or next(draft.parameters()).device.type != "cpu":
         return None
-
-    quantized = copy.deepcopy(draft).to(torch_dtype(getattr(args, "int8_dtype", None) or "fp32"))
-    swapped = swap(quantized, keep=tuple(getattr(args, "int8_keep", None) or ()))
-    print(f"# *{suffix} modes: a draft copy with {swapped} int{bits} linear layers ({kernel or 'default'} kernel)")
-    return quantized
+    quantized = copy.deepcopy(draft).to(torch_dtype(dtype))
+    return quantized, swap(quantized, keep=keep)
 
 
 def encode(tokenizer, texts: list[str], device: str) -> tuple[torch.Tensor, torch.Tensor]:

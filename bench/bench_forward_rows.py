@@ -113,18 +113,15 @@ def _models(args):
 
 
 def _int8_copy(draft):
-    import copy
+    """The draft with int8 linears, the rest fp32, as bench_e2e's ``*_int8`` modes run it (None, with a
+    note, where no int8 kernel loads)."""
+    from _e2e_inputs import quantised_copy
 
-    import torch
-
-    from specdec_kernels.hf.cpu_int8 import int8_linear_available, use_int8_linears
-
-    if not int8_linear_available():
+    made = quantised_copy(draft, 8)
+    if made is None:
         print("# --draft-int8: no int8 kernel on this machine; its rows are skipped")
         return None
-    quantized = copy.deepcopy(draft).to(torch.float32)
-    use_int8_linears(quantized)
-    return quantized
+    return made[0]
 
 
 def time_rows(models: list, prefix: int, rows: list[int], rep: int) -> list[dict[int, tuple[float, float]]]:
