@@ -669,8 +669,9 @@ def run_pairs(pairs: dict[str, Pair], sets: dict[str, list[str]], run: common.Ru
     for mode, why in skipped.items():
         print(f"[skip] {mode}: {why}", file=sys.stderr)
     modes = [m for m in args.modes if m not in skipped]
-    for pair in pairs.values() if args.warmup else ():
-        warm_up(pair, modes, next(iter(sets.values())), run)
+    if args.warmup:
+        for pair in pairs.values():
+            warm_up(pair, modes, next(iter(sets.values())), run)
     bases = {kind: _base_row(pair, meta, kind, args) for kind, pair in pairs.items()}
     rows: dict[str, list[dict]] = {kind: [] for kind in pairs}
     for temperature in args.temperature:
