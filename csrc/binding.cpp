@@ -442,11 +442,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kseq_rho_program", &kseq_rho_program, "The core's K-SEQ rho search on one position, on the CPU");
   m.def("row_softmax_program", &row_softmax_program, "The CPU row pass's merged (max, z) of rows [R, V]");
   m.def("f32_linear", &f32_linear, "fp32 linear of CPU models in packed panels (csrc/f32_linear.cpp)");
-  m.def("f32_linear_fast_path", &f32_linear_fast_path, "Whether f32_linear runs its AVX-512 path here");
+  m.def("f32_linear_fast_path", &f32_linear_fast_path, "Whether f32_linear runs a SIMD path here (AVX-512 or AVX2)");
+  m.def("f32_linear_path", [] { return std::string(f32_linear_path()); }, "The path f32_linear runs here");
   m.def("w4a8_linear", &w4a8_linear, "Int4-weight linear of CPU draft models (csrc/int4_linear.cpp)");
   m.def("w4a8_fast_path", &w4a8_fast_path, "Whether w4a8_linear runs its AVX-512 VNNI path here");
   m.def("w8a8_linear", &w8a8_linear, "Int8-weight linear of CPU draft models (csrc/int8_linear.cpp)");
-  m.def("w8a8_fast_path", &w8a8_fast_path, "Whether w8a8_linear runs its AVX-512 VNNI path here");
+  m.def("w8a8_fast_path", &w8a8_fast_path, "Whether w8a8_linear runs a SIMD path here (AVX-512 VNNI or AVX2)");
+  m.def("w8a8_path", [] { return std::string(w8a8_path()); }, "The path w8a8_linear runs here");
 #ifdef SPECDEC_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdlib>
+#include <cstring>
 
 namespace sk {
 namespace simd {
@@ -13,6 +14,13 @@ namespace simd {
 inline bool env_allows() {
   const char* env = std::getenv("SPECDEC_CPU_SIMD");
   return !(env != nullptr && env[0] == '0');
+}
+
+// SPECDEC_CPU_SIMD is neither "0" nor "avx2": a kernel with an AVX-512 path and an AVX2 one may take
+// the AVX-512 path ("avx2" runs the AVX2 path on a CPU that has both: tests check all three paths).
+inline bool env_allows_avx512() {
+  const char* env = std::getenv("SPECDEC_CPU_SIMD");
+  return env_allows() && !(env != nullptr && std::strcmp(env, "avx2") == 0);
 }
 
 }  // namespace simd

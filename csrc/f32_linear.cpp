@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SK_HAVE_AVX512_F32 1
@@ -129,16 +130,103 @@ void panels_fast(int64_t rows, int64_t np, const float* w, int64_t K, const floa
 }
 #endif
 
+#ifdef SK_HAVE_AVX2_PATH
+// The AVX2 path (CPUs without AVX-512): a panel's 16 rows are two 8-lane vectors per input, each
+// lane the same FMA chain as above. M x NP x 2 accumulators + 2 NP weights + 1 broadcast fit the 16
+// vector registers: up to 6 rows a sub-pass, two panels side by side up to 2 rows (AVX2_ROWS).
+constexpr int64_t AVX2_ROWS = 6;
+
+template <int M, int NP>
+SK_AVX2 void panels_avx2(const float* w, int64_t K, const float* x, float* y, int64_t N, int64_t p,
+                         const float* bias) {
+  __m256 acc[M][NP][2];
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < NP; ++t) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
+  const float* panel = w + p * K * PANEL;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[NP][2];
+    for (int t = 0; t < NP; ++t) {
+      wv[t][0] = _mm256_loadu_ps(panel + (t * K + k) * PANEL);
+      wv[t][1] = _mm256_loadu_ps(panel + (t * K + k) * PANEL + PANEL / 2);
+    }
+    if constexpr (M > PREFETCH_ROWS) {
+      for (int t = 0; t < NP; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(panel + (t * K + k + PREFETCH) * PANEL), _MM_HINT_T0);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256 xb = _mm256_set1_ps(x[m * K + k]);
+      for (int t = 0; t < NP; ++t) {
+        acc[m][t][0] = _mm256_fmadd_ps(wv[t][0], xb, acc[m][t][0]);
+        acc[m][t][1] = _mm256_fmadd_ps(wv[t][1], xb, acc[m][t][1]);
+      }
+    }
+  }
+  for (int t = 0; t < NP; ++t) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = (p + t) * PANEL + h * (PANEL / 2);
+      if (n >= N) break;
+      const int64_t real = std::min<int64_t>(PANEL / 2, N - n);
+      float b[PANEL / 2] = {}, tail[PANEL / 2];
+      if (bias != nullptr) std::copy(bias + n, bias + n + real, b);
+      const __m256 bv = _mm256_loadu_ps(b);
+      for (int m = 0; m < M; ++m) {
+        const __m256 out = bias != nullptr ? _mm256_add_ps(acc[m][t][h], bv) : acc[m][t][h];
+        if (real == PANEL / 2) {
+          _mm256_storeu_ps(y + m * N + n, out);
+        } else {
+          _mm256_storeu_ps(tail, out);
+          std::copy(tail, tail + real, y + m * N + n);
+        }
+      }
+    }
+  }
+}
+
+template <int M>
+void panels_avx2_np(int64_t np, const float* w, int64_t K, const float* x, float* y, int64_t N, int64_t p,
+                    const float* bias) {
+  int64_t t = 0;
+  if constexpr (M <= 2) {
+    for (; t + 2 <= np; t += 2) panels_avx2<M, 2>(w, K, x, y, N, p + t, bias);
+  }
+  for (; t < np; ++t) panels_avx2<M, 1>(w, K, x, y, N, p + t, bias);
+}
+
+// rows (1 .. ROWS) x np panels from p, in sub-passes of at most AVX2_ROWS rows (as even as they come).
+void panels_avx2_rows(int64_t rows, int64_t np, const float* w, int64_t K, const float* x, float* y, int64_t N,
+                      int64_t p, const float* bias) {
+  const int64_t subs = (rows + AVX2_ROWS - 1) / AVX2_ROWS, per = (rows + subs - 1) / subs;
+  for (int64_t m0 = 0; m0 < rows; m0 += per) {
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * N;
+    switch (std::min(per, rows - m0)) {
+      case 1: panels_avx2_np<1>(np, w, K, xm, ym, N, p, bias); break;
+      case 2: panels_avx2_np<2>(np, w, K, xm, ym, N, p, bias); break;
+      case 3: panels_avx2_np<3>(np, w, K, xm, ym, N, p, bias); break;
+      case 4: panels_avx2_np<4>(np, w, K, xm, ym, N, p, bias); break;
+      case 5: panels_avx2_np<5>(np, w, K, xm, ym, N, p, bias); break;
+      default: panels_avx2_np<6>(np, w, K, xm, ym, N, p, bias); break;
+    }
+  }
+}
+#endif
+
 }  // namespace
 
-bool f32_linear_fast_path() {
+// Which path f32_linear runs here: AVX-512, else AVX2 (with FMA), else the portable loop
+// (SPECDEC_CPU_SIMD: "0" the portable loop, "avx2" at most AVX2).
+const char* f32_linear_path() {
 #ifdef SK_HAVE_AVX512_F32
-  static const bool cpu_ok = __builtin_cpu_supports("avx512f");
-  return cpu_ok && sk::simd::env_allows();
-#else
-  return false;
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512 && sk::simd::env_allows_avx512()) return "avx512";
 #endif
+#ifdef SK_HAVE_AVX2_PATH
+  if (sk::simd::enabled()) return "avx2";
+#endif
+  return "portable";
 }
+
+bool f32_linear_fast_path() { return std::strcmp(f32_linear_path(), "portable") != 0; }
 
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N) {
   TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "f32_linear: CPU tensors only");
@@ -158,7 +246,8 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& wp, const c10::opti
   }
   auto out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const bool fast = f32_linear_fast_path();
+  const char* path = f32_linear_path();
+  const bool avx512 = std::strcmp(path, "avx512") == 0, avx2 = std::strcmp(path, "avx2") == 0;
   const float* w = wp.data_ptr<float>();
   const float* xs = x.data_ptr<float>();
   float* y = out.data_ptr<float>();
@@ -172,12 +261,18 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& wp, const c10::opti
       for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
         const int64_t rows = std::min(per_pass, M - m0);
 #ifdef SK_HAVE_AVX512_F32
-        if (fast) {
+        if (avx512) {
           int64_t done = 0;  // the group's panels in widths group / 2 / 1 (a tail group may be short)
           for (const int64_t width : {group, int64_t{2}, int64_t{1}}) {
             for (; done + width <= np; done += width)
               panels_fast(rows, width, w, K, xs + m0 * K, y + m0 * N, N, p + done, b);
           }
+          continue;
+        }
+#endif
+#ifdef SK_HAVE_AVX2_PATH
+        if (avx2) {
+          panels_avx2_rows(rows, np, w, K, xs + m0 * K, y + m0 * N, N, p, b);
           continue;
         }
 #endif

@@ -8,5 +8,7 @@
 // k in order, whatever M: a row's result does not depend on the other rows.
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N);
 
-// Whether f32_linear runs its AVX-512 path on this CPU (SPECDEC_CPU_SIMD=0 turns it off).
+// The path f32_linear runs on this CPU: "avx512", "avx2" or "portable" (SPECDEC_CPU_SIMD: "0" the
+// portable loop, "avx2" at most AVX2); fast path: not the portable loop.
+const char* f32_linear_path();
 bool f32_linear_fast_path();

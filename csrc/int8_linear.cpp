@@ -175,17 +175,97 @@ void gemv_vnni_rows(int64_t M, const int8_t* wq, const float* sw, const int32_t*
 }
 #endif
 
+#ifdef SK_HAVE_AVX2_PATH
+// The AVX2 path (no vpdpbusd on these CPUs; vpmaddubsw's int16 pair sums would saturate at 255 x 127
+// x 2): the same packed panels, weights widened to int16 on the fly and the activations widened once
+// per call, so vpmaddwd adds each pair of products exactly into an int32 lane. One 16-byte chunk of a
+// panel's 64-byte quad holds 4 inputs of 4 output rows; widened and multiplied by the row's 4 inputs
+// (broadcast), its 8 lanes are 2 partial sums per output row, added pairwise at the end. The same
+// int32 sums as the other paths, so the same outputs, bit for bit.
+// A sweep over the panel covers C of its 4 chunks (16 vector registers: M x C accumulators + C
+// weights + 1 broadcast), the later sweeps reading the panel from cache.
+template <int M, int C>
+SK_AVX2 void gemv_avx2(const int8_t* wq, const float* sw, const int32_t* wsum, const int16_t* a16, const float* sa,
+                       const int32_t* za, float* out, int64_t N, int64_t Kp, int64_t p0, int64_t p1) {
+  const int64_t Q = Kp / QUAD;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* panel = wq + p * Kp * PANEL;
+    for (int c0 = 0; c0 < PANEL / QUAD; c0 += C) {
+      __m256i acc[M][C];
+      for (int m = 0; m < M; ++m)
+        for (int t = 0; t < C; ++t) acc[m][t] = _mm256_setzero_si256();
+      for (int64_t q = 0; q < Q; ++q) {
+        const int8_t* block = panel + (q * PANEL + c0 * QUAD) * QUAD;  // chunk c0 of quad q
+        __m256i w[C];
+        for (int t = 0; t < C; ++t)
+          w[t] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + t * QUAD * QUAD)));
+        for (int m = 0; m < M; ++m) {
+          int64_t four;  // the row's 4 inputs of this quad, int16
+          std::memcpy(&four, a16 + m * Kp + q * QUAD, sizeof(four));
+          const __m256i a = _mm256_set1_epi64x(four);
+          for (int t = 0; t < C; ++t) acc[m][t] = _mm256_add_epi32(acc[m][t], _mm256_madd_epi16(w[t], a));
+        }
+      }
+      for (int t = 0; t < C; ++t) {
+        const int64_t n = p * PANEL + (c0 + t) * QUAD;  // the chunk's 4 output rows
+        if (n >= N) break;
+        const int64_t real = std::min<int64_t>(QUAD, N - n);
+        float tail_sw[QUAD] = {}, tail_y[QUAD];
+        int32_t tail_ws[QUAD] = {};
+        std::memcpy(tail_sw, sw + n, real * sizeof(float));  // (sw and wsum hold 16 P entries: n + 4 <= 16 P)
+        std::memcpy(tail_ws, wsum + n, real * sizeof(int32_t));
+        const __m128 swv = _mm_loadu_ps(tail_sw);
+        const __m128i wsv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tail_ws));
+        for (int m = 0; m < M; ++m) {
+          const __m256i h = _mm256_hadd_epi32(acc[m][t], acc[m][t]);  // [r0 r1 r0 r1 | r2 r3 r2 r3]
+          const __m128i dot = _mm_unpacklo_epi64(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+          const __m128i d = _mm_sub_epi32(dot, _mm_mullo_epi32(_mm_set1_epi32(za[m]), wsv));
+          const __m128 y = _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(sa[m]), swv), _mm_cvtepi32_ps(d));
+          if (real == QUAD) {
+            _mm_storeu_ps(out + m * N + n, y);
+          } else {
+            _mm_storeu_ps(tail_y, y);
+            std::memcpy(out + m * N + n, tail_y, real * sizeof(float));
+          }
+        }
+      }
+    }
+  }
+}
+
+// M (1..ROWS) activation rows a pass: all 4 chunks of a panel in one sweep up to 2 rows, 2 up to 4.
+void gemv_avx2_rows(int64_t M, const int8_t* wq, const float* sw, const int32_t* wsum, const int16_t* a16,
+                    const float* sa, const int32_t* za, float* out, int64_t N, int64_t Kp, int64_t p0, int64_t p1) {
+  switch (M) {
+    case 1: return gemv_avx2<1, 4>(wq, sw, wsum, a16, sa, za, out, N, Kp, p0, p1);
+    case 2: return gemv_avx2<2, 4>(wq, sw, wsum, a16, sa, za, out, N, Kp, p0, p1);
+    case 3: return gemv_avx2<3, 2>(wq, sw, wsum, a16, sa, za, out, N, Kp, p0, p1);
+    case 4: return gemv_avx2<4, 2>(wq, sw, wsum, a16, sa, za, out, N, Kp, p0, p1);
+    case 5: return gemv_avx2<5, 1>(wq, sw, wsum, a16, sa, za, out, N, Kp, p0, p1);
+    case 6: return gemv_avx2<6, 1>(wq, sw, wsum, a16, sa, za, out, N, Kp, p0, p1);
+    case 7: return gemv_avx2<7, 1>(wq, sw, wsum, a16, sa, za, out, N, Kp, p0, p1);
+    default: return gemv_avx2<8, 1>(wq, sw, wsum, a16, sa, za, out, N, Kp, p0, p1);
+  }
+}
+#endif
+
 }  // namespace
 
-bool w8a8_fast_path() {
+// Which path w8a8_linear takes here: AVX-512 VNNI, else AVX2, else the portable loop (SPECDEC_CPU_SIMD:
+// "0" the portable loop, "avx2" at most AVX2).
+const char* w8a8_path() {
 #ifdef SK_HAVE_AVX512_W8
-  static const bool cpu_ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  return cpu_ok && sk::simd::env_allows();
-#else
-  return false;
+  static const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  if (vnni && sk::simd::env_allows_avx512()) return "avx512-vnni";
 #endif
+#ifdef SK_HAVE_AVX2_PATH
+  if (sk::simd::enabled()) return "avx2";
+#endif
+  return "portable";
 }
+
+bool w8a8_fast_path() { return std::strcmp(w8a8_path(), "portable") != 0; }
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sw, const at::Tensor& wsum,
                        const c10::optional<at::Tensor>& bias, int64_t N) {
@@ -212,7 +292,10 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   auto sa = at::empty({M}, x.options());
   auto za = at::empty({M}, x.options().dtype(at::kInt));
   quantize_rows(x.data_ptr<float>(), M, K, Kp, aq.data_ptr<uint8_t>(), sa.data_ptr<float>(), za.data_ptr<int32_t>());
-  const bool fast = w8a8_fast_path();
+  const char* path = w8a8_path();
+  const bool vnni = std::strcmp(path, "avx512-vnni") == 0, avx2 = std::strcmp(path, "avx2") == 0;
+  at::Tensor a16;  // the AVX2 path's activations widened to int16 [M, Kp]
+  if (avx2) a16 = aq.to(at::kShort);
   const int8_t* w = wq.data_ptr<int8_t>();
   const float* s = sw.data_ptr<float>();
   const int32_t* ws = wsum.data_ptr<int32_t>();
@@ -221,15 +304,21 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {  // a task's panels stay in cache over the row passes
       const int64_t rows = std::min<int64_t>(ROWS, M - m0);
+      const float* sa_m = sa.data_ptr<float>() + m0;
+      const int32_t* za_m = za.data_ptr<int32_t>() + m0;
 #ifdef SK_HAVE_AVX512_W8
-      if (fast) {
-        gemv_vnni_rows(rows, w, s, ws, a + m0 * Kp, sa.data_ptr<float>() + m0, za.data_ptr<int32_t>() + m0,
-                       y + m0 * N, N, Kp, p0, p1);
+      if (vnni) {
+        gemv_vnni_rows(rows, w, s, ws, a + m0 * Kp, sa_m, za_m, y + m0 * N, N, Kp, p0, p1);
         continue;
       }
 #endif
-      gemv_scalar(w, s, ws, a + m0 * Kp, sa.data_ptr<float>() + m0, za.data_ptr<int32_t>() + m0, y + m0 * N, rows, N,
-                  Kp, p0, p1);
+#ifdef SK_HAVE_AVX2_PATH
+      if (avx2) {
+        gemv_avx2_rows(rows, w, s, ws, a16.data_ptr<int16_t>() + m0 * Kp, sa_m, za_m, y + m0 * N, N, Kp, p0, p1);
+        continue;
+      }
+#endif
+      gemv_scalar(w, s, ws, a + m0 * Kp, sa_m, za_m, y + m0 * N, rows, N, Kp, p0, p1);
     }
   });
   if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));

@@ -9,5 +9,7 @@
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sw, const at::Tensor& wsum,
                        const c10::optional<at::Tensor>& bias, int64_t N);
 
-// Whether w8a8_linear runs its AVX-512 VNNI path on this CPU (SPECDEC_CPU_SIMD=0 turns it off).
+// The path w8a8_linear runs on this CPU: "avx512-vnni", "avx2" or "portable" (SPECDEC_CPU_SIMD: "0"
+// the portable loop, "avx2" at most AVX2); fast path: not the portable loop.
+const char* w8a8_path();
 bool w8a8_fast_path();

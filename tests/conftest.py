@@ -44,11 +44,13 @@ def _torch_threads_unchanged():
         pytest.fail(f"the test left torch at {after} threads (it started at {before})")
 
 
-@pytest.fixture(params=["vector", "portable"])
+@pytest.fixture(params=["vector", "avx2", "portable"])
 def simd_path(request, monkeypatch):
-    """Both code paths of a native CPU kernel with a SIMD path: "portable" sets SPECDEC_CPU_SIMD=0."""
-    if request.param == "portable":
-        monkeypatch.setenv("SPECDEC_CPU_SIMD", "0")
+    """Every code path of a native CPU kernel with SIMD paths: "vector" the widest this CPU has, "avx2"
+    at most AVX2 (SPECDEC_CPU_SIMD=avx2: a kernel's AVX2 path on a CPU with AVX-512 too), "portable"
+    the plain loops (SPECDEC_CPU_SIMD=0)."""
+    if request.param != "vector":
+        monkeypatch.setenv("SPECDEC_CPU_SIMD", "0" if request.param == "portable" else "avx2")
     return request.param
 
 

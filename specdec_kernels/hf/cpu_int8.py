@@ -13,9 +13,9 @@ with oneDNN linears, 59 ms with int8 linears and the rest in bf16, **42 ms with 
 rest in fp32** (the layer computes in fp32; bf16 norms and attention cost more in conversions than
 they save on a CPU without native bf16 math). So quantise an fp32 draft.
 
-The native kernel (``kernel="native"``, the default where the native CPU build loads;
-``csrc/int8_linear.cpp``). fbgemm streamed those weights at 10-19 GB/s of the machine's ~26 GB/s
-(a one-thread sum): short rows (896 inputs) cost it most. Ours keeps 16 output rows interleaved in a
+The native kernel (``kernel="native"``, the default where the native CPU build loads and runs one of
+its SIMD paths, AVX-512 VNNI or AVX2; ``csrc/int8_linear.cpp``). fbgemm streamed those weights at
+10-19 GB/s of the machine's ~26 GB/s (a one-thread sum): short rows (896 inputs) cost it most. Ours keeps 16 output rows interleaved in a
 panel, so each 64-byte load is four inputs of 16 rows and feeds one vpdpbusd per input row with no
 horizontal sums; the input is quantised per row (as fbgemm per call: at one row alike). Same machine,
 weights streamed, ms (ours / fbgemm), 1 row: 896 x 896 0.043-0.049 / 0.074-0.080, 4864 x 896
@@ -41,6 +41,7 @@ and returns the input's dtype).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -136,7 +137,7 @@ class Int8Linear(nn.Module):
     than fbgemm at 1-4 rows, module docstring) and "fbgemm" (PyTorch's dynamic-quantised linear: one
     scale over the call's rows). At one row the two quantise the input alike. Made from an
     ``nn.Linear`` or an :class:`OneDnnLinear` (:meth:`from_linear`; default: native where the build
-    loads). Inputs: any shape ``[..., in_features]`` and strides, fp32 or bf16, on the CPU; the output
+    loads and runs a SIMD path). Inputs: any shape ``[..., in_features]`` and strides, fp32 or bf16, on the CPU; the output
     has the input's dtype.
     """
 
@@ -148,6 +149,7 @@ class Int8Linear(nn.Module):
         self.bias = bias  # [out_features] or None: the original's, as given
         self._bias32 = None if bias is None else bias.detach().float().contiguous()
         self.packed = None  # fbgemm: its packed int8 weight and fp32 bias (an opaque object)
+        self.reduce_range = kernel == "fbgemm" and not _fbgemm_sums_exact()  # fbgemm: 7-bit inputs (see forward)
         if kernel == "fbgemm":
             (self.packed,) = weights
         else:  # native: pack_int8's panels [P, 16 Kp] int8, scales and row sums [16 P]
@@ -159,7 +161,7 @@ class Int8Linear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Module, kernel: str | None = None) -> Int8Linear:
-        """``kernel``: "native", "fbgemm" or None (native where the native CPU build loads, else fbgemm)."""
+        """``kernel``: "native", "fbgemm" or None (see :func:`_pick_kernel`)."""
         kernel = _pick_kernel(kernel)
         weight = linear.weight.detach()  # [out, in] (OneDnnLinear: an unpacked copy)
         if weight.device.type != "cpu" or weight.dtype not in _DTYPES:
@@ -200,17 +202,31 @@ class Int8Linear(nn.Module):
             return y.to(x.dtype).reshape(*lead, self.out_features)
         if rows.shape[0] == 0:
             return x.new_zeros(*lead, self.out_features)
-        # reduce_range=False: the full uint8 range (VNNI sums without the 16-bit saturation
-        # reduce_range guards against on older AVX2 parts; there it costs accuracy, never exactness).
+        # reduce_range: where fbgemm has VNNI its int32 sums are exact over the full uint8 range; on
+        # other CPUs (AVX2, AVX-512 without VNNI) its vpmaddubsw adds pairs of products in saturating
+        # int16 (2 x 255 x 127 overflows), so there it quantises the input to 7 bits (0..127) instead.
+        # (Measured on a Zen 3 EPYC without VNNI, full range: 61% of a test layer's outputs off its
+        # exact emulation by up to 30x, and a draft's greedy acceptance 0.17 against 0.5 or more.)
         # The op's one overload, called directly: the packet's per-call scan of its arguments for
         # Python-dispatched objects cost ~7 us a call (measured on the 0.5B draft's one-token
         # forward of ~40 ms: 0.3-1.2 ms less, bit-identical outputs).
-        y = torch.ops.quantized.linear_dynamic.default(rows, self.packed, False)
+        y = torch.ops.quantized.linear_dynamic.default(rows, self.packed, self.reduce_range)
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}, kernel={self.kernel}"
+
+
+@functools.cache
+def _fbgemm_sums_exact() -> bool:
+    """Whether fbgemm's int8 sums are exact over the full uint8 input range here: the CPU has AVX-512
+    VNNI (read from /proc/cpuinfo's flags; elsewhere assumed not, the safe side)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "avx512_vnni" in line.split() for line in f)
+    except OSError:
+        return False
 
 
 def _fbgemm_available() -> bool:
@@ -222,8 +238,9 @@ def _fbgemm_available() -> bool:
 def _pick_kernel(kernel: str | None) -> str:
     if kernel not in (None, "native", "fbgemm"):
         raise ValueError(f"Int8Linear: kernel must be 'native', 'fbgemm' or None, got {kernel!r}")
-    if kernel is None:
-        kernel = "native" if native_int8_available() else "fbgemm"
+    if kernel is None:  # native where its SIMD path runs; else fbgemm's where it exists; else native's loop
+        fast = native_int8_available() and bool(load_cpu_core().w8a8_fast_path())
+        kernel = "native" if fast or (native_int8_available() and not _fbgemm_available()) else "fbgemm"
     if kernel == "native" and not native_int8_available():
         raise ValueError(f"Int8Linear: kernel='native': the native CPU build does not load ({cpu_failure()})")
     if kernel == "fbgemm" and not _fbgemm_available():
@@ -235,7 +252,7 @@ def use_int8_linears(model: nn.Module, keep: tuple[str, ...] | list[str] = INT8_
     """Replace the linear layers (``nn.Linear``, :class:`OneDnnLinear`) of a CPU fp32/bf16 *draft*
     ``model`` with :class:`Int8Linear`, in place, except those whose qualified name contains one of
     ``keep`` (e.g. ``("down_proj",)``). Returns how many were replaced. ``kernel``: see
-    :class:`Int8Linear` (None: native where the native CPU build loads, else fbgemm).
+    :class:`Int8Linear` (None: native where the native CPU build runs a SIMD path, else fbgemm).
 
     Raises ``ValueError`` when no int8 kernel (or not the one asked for) is available here (asked for
     and not possible is an error, not a silent no-op). Layers on a GPU or in other dtypes are left as

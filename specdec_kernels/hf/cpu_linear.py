@@ -52,6 +52,17 @@ def onednn_linear_available() -> bool:
     )
 
 
+def _onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 linears on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: on an
+    AVX2-only CPU such as a Zen 3 EPYC its weight reorder raises)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
+
+
+def _onednn_takes(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _onednn_bf16())
+
+
 class OneDnnLinear(nn.Module):
     """``y = x @ W^T + b`` by oneDNN on a weight packed once into its blocked layout.
 
@@ -72,6 +83,8 @@ class OneDnnLinear(nn.Module):
         weight = linear.weight.detach()
         if weight.device.type != "cpu" or weight.dtype not in _DTYPES:
             raise ValueError(f"OneDnnLinear needs a CPU fp32/bf16 weight, got {weight.dtype} on {weight.device}")
+        if not _onednn_takes(weight.dtype):
+            raise ValueError("OneDnnLinear: oneDNN has no bf16 linear on this CPU (it needs AVX-512 or AVX-NE-CONVERT)")
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         return cls(packed, linear.bias, linear.in_features, linear.out_features)
 
@@ -103,7 +116,8 @@ def use_onednn_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of a CPU fp32/bf16 ``model`` with an :class:`OneDnnLinear`, in place.
 
     Returns how many were replaced (0 when this PyTorch has no oneDNN, or the model is on a GPU or
-    in another dtype: nothing to gain there, and the model is left as it was). Inference only: the
+    in another dtype, or bf16 on a CPU where oneDNN has no bf16 linear: nothing to gain there, and
+    those layers are left as they were). Inference only: the
     packed weights are not parameters, so ``state_dict()``, ``.to(device)`` and training no longer see
     them (save or move the model before the swap). A tied output layer gets its own packed copy (the
     input embedding keeps the original weight).
@@ -118,7 +132,7 @@ def use_onednn_linears(model: nn.Module) -> int:
 
     def replacement(_name: str, child: nn.Module):
         # exactly nn.Linear: a subclass may change forward (quantised, LoRA) and must keep it
-        if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in _DTYPES:
+        if type(child) is nn.Linear and child.weight.device.type == "cpu" and _onednn_takes(child.weight.dtype):
             return OneDnnLinear.from_linear(child)
         return None
 

@@ -11,16 +11,23 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from specdec_kernels.hf import speculative_generate  # noqa: E402
-from specdec_kernels.hf.cpu_linear import OneDnnLinear, onednn_linear_available, use_onednn_linears  # noqa: E402
+from specdec_kernels.hf.cpu_linear import (  # noqa: E402
+    OneDnnLinear,
+    _onednn_bf16,
+    onednn_linear_available,
+    use_onednn_linears,
+)
 
 from ._models import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this PyTorch build has no oneDNN")
 
 PAD = 2
+# oneDNN's bf16 linear needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT (not on an AVX2-only CPU)
+NO_BF16 = pytest.mark.skipif(not _onednn_bf16(), reason="oneDNN has no bf16 linear on this CPU")
 
 
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), pytest.param(torch.bfloat16, 0.1, marks=NO_BF16)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_matches_nn_linear(dtype, atol, bias):
     torch.manual_seed(0)
@@ -114,7 +121,7 @@ def test_greedy_identity_after_the_swap(swap):
     assert out.stats.accepted > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=NO_BF16)])
 def test_short_inputs_are_padded_and_agree(dtype, monkeypatch):
     """1 to MIN_ROWS - 1 rows run oneDNN on MIN_ROWS rows (its short-input kernels are slow, and a bf16
     one with a bias is a reference path); the real rows' outputs are those of nn.Linear, any leading shape."""
@@ -134,3 +141,16 @@ def test_short_inputs_are_padded_and_agree(dtype, monkeypatch):
         assert got.shape == (*shape[:-1], 23)
         assert seen == ([cpu_linear.MIN_ROWS] if rows < cpu_linear.MIN_ROWS else [shape[0]])
         torch.testing.assert_close(got.float(), linear(x).float(), atol=atol, rtol=atol)
+
+
+def test_bf16_layers_where_onednn_has_no_bf16_linear_are_left_or_refused(monkeypatch):
+    """On a CPU without oneDNN's bf16 linear (AVX2 only) the swap leaves bf16 layers as they are and
+    from_linear says why, instead of oneDNN's error from inside its weight reorder."""
+    from specdec_kernels.hf import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_onednn_bf16", lambda: False)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
+    assert use_onednn_linears(model) == 1
+    assert [type(m) for m in model] == [OneDnnLinear, nn.Linear]
+    with pytest.raises(ValueError, match="no bf16 linear on this CPU"):
+        OneDnnLinear.from_linear(nn.Linear(8, 8).to(torch.bfloat16))
