@@ -196,6 +196,7 @@ SK_AVX2 void gemv_avx2(const int8_t* wq, const float* sw, const int32_t* wsum, c
         for (int t = 0; t < C; ++t) acc[m][t] = _mm256_setzero_si256();
       for (int64_t q = 0; q < Q; ++q) {
         const int8_t* block = panel + (q * PANEL + c0 * QUAD) * QUAD;  // chunk c0 of quad q
+        if (c0 == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + (q + PREFETCH_QUADS) * PANEL * QUAD), _MM_HINT_T0);
         __m256i w[C];
         for (int t = 0; t < C; ++t)
           w[t] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + t * QUAD * QUAD)));
