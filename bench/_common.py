@@ -151,7 +151,9 @@ def device_name(device: str | None = None) -> str:
     device = device or default_device()
     if str(device).startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
-    return f"{_cpu_model_name()} cpu"
+    # the vector ISA PyTorch dispatches to ("AVX2", "AVX512", ...): VMs report one "AMD EPYC" name for
+    # a Zen 3 (AVX2) and a Zen 4 (AVX-512 VNNI), whose kernels and figures differ
+    return f"{_cpu_model_name()} cpu ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def _triton_version() -> str:

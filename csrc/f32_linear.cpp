@@ -8,8 +8,8 @@
 // panel p is [K][16]: for each input k the 16 rows' weights, one vector, read front to back.
 //
 // Sums: output (m, n) is acc = 0; for k = 0 .. K-1: acc = fma(w[n, k], x[m, k], acc); then acc + b[n].
-// That order is the same for every row count, panel grouping, thread split and path (the AVX-512 lanes
-// and the portable loop's std::fma round alike), so a row's result never depends on the other rows
+// That order is the same for every row count, panel grouping, thread split and path (the AVX-512 and
+// AVX2 lanes and the portable loop's std::fma round alike), so a row's result never depends on the other rows
 // of the call: a verification forward's row is bit-identical to the one-token forward's.
 #include "f32_linear.h"
 

@@ -1,7 +1,9 @@
 // Int8 weights times uint8 activations (W8A8) for the linear layers of a CPU *draft* model
 // (specdec_kernels/hf/cpu_int8.py). A decoding draft forward streams its weights from memory; this
 // kernel keeps that stream at the machine's read bandwidth at 1-8 rows (AVX-512 VNNI: one 64-byte
-// weight load feeds one vpdpbusd per row, and the sums stay in int32 to the end of the row).
+// weight load feeds one vpdpbusd per row, and the sums stay in int32 to the end of the row). CPUs
+// without VNNI run an AVX2 path with the same int32 sums (gemv_avx2): at the read bandwidth at one row,
+// compute-bound from ~4 rows.
 //
 // Weights (packed in Python, cpu_int8.pack_int8): symmetric per output row, q = round(w / s_w) in
 // [-127, 127] with s_w = max |w| / 127; wsum holds each row's sum of q. Rows are interleaved in panels

@@ -301,6 +301,16 @@ MUTANTS = [
         "panel + (t * Q + q) * PANEL * QUAD",
         "panel + (t + q) * PANEL * QUAD",
     ),
+    Mutant(
+        "int8n-avx2-zero-point",
+        "cpu_int8",
+        "gemv_avx2",
+        "_mm_sub_epi32(dot, _mm_mullo_epi32(_mm_set1_epi32(za[m]), wsv))",
+        "dot",
+    ),
+    Mutant("int8n-avx2-chunk", "cpu_int8", "gemv_avx2", "block + t * QUAD * QUAD", "block + t * QUAD"),
+    Mutant("int8n-avx2-tail", "cpu_int8", "gemv_avx2", "std::min<int64_t>(QUAD, N - n)", "int64_t{QUAD}"),
+    Mutant("int8-fbgemm-full-range", "cpu_int8", "__init__", "and not _fbgemm_sums_exact()", "and False"),
     Mutant("int8n-rounding", "cpu_int8", "quantize_rows", "std::nearbyint(xr[k] * inv)", "std::trunc(xr[k] * inv)"),
     Mutant(
         "int8n-pack-order",
@@ -333,6 +343,14 @@ MUTANTS = [
     ),
     Mutant("f32-panel-stride", "cpu_f32", "panels_avx512", "panel + (t * K + k) * PANEL", "panel + (t + k) * PANEL"),
     Mutant("f32-tail-mask", "cpu_f32", "panels_avx512", "(1u << (N - n)) - 1", "(1u << (N - n + 1)) - 1"),
+    Mutant(
+        "f32-avx2-upper-half",
+        "cpu_f32",
+        "panels_avx2",
+        "panel + (t * K + k) * PANEL + PANEL / 2",
+        "panel + (t * K + k) * PANEL",
+    ),
+    Mutant("f32-avx2-sub-rows", "cpu_f32", "panels_avx2_rows", "m0 < rows; m0 += per)", "m0 < rows; m0 += AVX2_ROWS)"),
     Mutant("f32-tail-panels", "cpu_f32", "f32_linear", "int64_t{2}, int64_t{1}}", "int64_t{2}}"),
     Mutant("f32-pass-rows", "cpu_f32", "f32_linear", "m0 < M; m0 += per_pass)", "m0 < M; m0 += ROWS)"),
     Mutant(

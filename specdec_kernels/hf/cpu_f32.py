@@ -5,11 +5,13 @@ step does the same for a few more rows. oneDNN's inner product (``cpu_linear.One
 them at ~70% of what a plain stream gets on the 2-core AMD EPYC (AVX-512, 1 thread), and its row
 blocking makes 9 rows cost ~1.4x one. The native kernel (``csrc/f32_linear.cpp``, in the native CPU
 build) packs the weight in panels of 16 output rows and feeds each 64-byte weight load to one FMA
-per input row: memory-bound up to ~8 rows, then the FMA port's limit. Measured side by side per layer
-and for the Qwen2.5-Coder 1.5B target's forward: docs/performance.md.
+per input row: memory-bound up to ~8 rows, then the FMA port's limit. CPUs without AVX-512 run an
+AVX2 path (two 8-lane vectors a panel row; on a Zen 3 EPYC, 1 thread, 2.1-2.4x oneDNN's speed at one
+row and 1.3-1.7x at 4-9). Measured side by side per layer and for the Qwen2.5-Coder 1.5B target's
+forward: docs/performance.md.
 
 Results. Each output is the sum over the inputs *in order* (one fused multiply-add each) plus the
-bias, whatever the number of rows, the thread split or the path (AVX-512 or the portable loop): a row
+bias, whatever the number of rows, the thread split or the path (AVX-512, AVX2 or the portable loop): a row
 of a multi-row forward is bit-identical to the same row alone, so a verification forward scores a
 token exactly as the one-token forward of ``generate`` does (oneDNN does not promise that). Against
 ``nn.Linear`` the results agree to rounding, not bit for bit (another summation order).
@@ -34,7 +36,7 @@ F32_PANEL = 16  # output rows a packed panel interleaves (csrc/f32_linear.cpp: P
 
 def native_linear_available() -> bool:
     """Whether the native fp32 linear runs fast here: the native CPU build loads (compiling it on first
-    use) and this CPU has its AVX-512 path (the portable loop is for checking, not for speed)."""
+    use) and this CPU has its AVX-512 or AVX2 path (the portable loop is for checking, not for speed)."""
     return cpu_backend_ready() and bool(load_cpu_core().f32_linear_fast_path())
 
 

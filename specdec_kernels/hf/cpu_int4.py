@@ -34,6 +34,8 @@ whose input width is a multiple of :data:`INT4_GROUP` (others are left as they a
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -137,7 +139,8 @@ def use_int4_linears(model: nn.Module, keep: tuple[str, ...] | list[str] = ()) -
     :data:`INT4_GROUP`. Returns how many were replaced.
 
     Raises ``ValueError`` when the native CPU build cannot be loaded (asked for and not possible is an
-    error, not a silent no-op). Layers on a GPU or in other dtypes are left as they are. Inference
+    error, not a silent no-op); warns (``RuntimeWarning``) where the kernel has no SIMD path (no
+    AVX-512 VNNI: its portable loop is for checking, not for speed). Layers on a GPU or in other dtypes are left as they are. Inference
     only. Use it on the draft: the output law stays the target's (module docstring).
 
     Example::
@@ -150,5 +153,12 @@ def use_int4_linears(model: nn.Module, keep: tuple[str, ...] | list[str] = ()) -
         raise ValueError(f"use_int4_linears: keep must be a list of name parts, got the string {keep!r}")
     if not int4_linear_available():
         raise ValueError(f"use_int4_linears: the native CPU build does not load ({cpu_failure()})")
+    if not load_cpu_core().w4a8_fast_path():  # the same results, at the portable loop's speed
+        warnings.warn(
+            "use_int4_linears: the int4 kernel has no SIMD path on this CPU (it needs AVX-512 VNNI) and runs "
+            "its portable loop, many times slower than use_int8_linears' kernel here (AVX2 or AVX-512 VNNI)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     width_ok = lambda layer: layer.weight.shape[1] % INT4_GROUP == 0 and layer.weight.shape[1] > 0  # noqa: E731
     return replace_cpu_linears(model, keep, Int4Linear.from_linear, width_ok)

@@ -132,6 +132,9 @@ def test_bad_layers_and_inputs_are_clear_errors(monkeypatch):
         Int4Linear.from_linear(bad)
     with pytest.raises(ValueError, match="keep"):
         use_int4_linears(nn.Sequential(nn.Linear(128, 4)), keep="down_proj")
+    monkeypatch.setenv("SPECDEC_CPU_SIMD", "0")  # as on a CPU without AVX-512 VNNI: works, and says it is slow
+    with pytest.warns(RuntimeWarning, match="no SIMD path"):
+        assert use_int4_linears(nn.Sequential(nn.Linear(128, 4))) == 1
     monkeypatch.setattr(cpu_int4, "int4_linear_available", lambda: False)
     with pytest.raises(ValueError, match="native CPU build"):
         use_int4_linears(nn.Sequential(nn.Linear(128, 4)))
