@@ -132,9 +132,14 @@ void panels_fast(int64_t rows, int64_t np, const float* w, int64_t K, const floa
 
 #ifdef SK_HAVE_AVX2_PATH
 // The AVX2 path (CPUs without AVX-512): a panel's 16 rows are two 8-lane vectors per input, each
-// lane the same FMA chain as above. M x NP x 2 accumulators + 2 NP weights + 1 broadcast fit the 16
-// vector registers: up to 6 rows a sub-pass, two panels side by side up to 2 rows (AVX2_ROWS).
+// lane the same FMA chain as above. M x NP x 2 accumulators + one panel's 2 weights + 1 broadcast fit
+// the 16 vector registers: up to 6 rows a sub-pass (AVX2_ROWS), two panels side by side up to 3 rows.
+// Measured on a Zen 3 EPYC (1 thread, 8960 x 1536 streamed): 3 rows 5.9 -> 4.6 ms with two panels
+// (1 row 4.2); sub-passes of 3 rows, two panels each, were 15-25% slower at 4-12 rows than of 6.
 constexpr int64_t AVX2_ROWS = 6;
+// prefetch distance in inputs (64-byte vectors) of each panel, at every row count: prefetching 8
+// ahead took the 151,936 x 1536 layer at 4 rows from 96 to 78 ms; 32 and 64 were alike at 1-12 rows
+constexpr int64_t AVX2_PREFETCH = 32;
 
 template <int M, int NP>
 SK_AVX2 void panels_avx2(const float* w, int64_t K, const float* x, float* y, int64_t N, int64_t p,
@@ -144,19 +149,15 @@ SK_AVX2 void panels_avx2(const float* w, int64_t K, const float* x, float* y, in
     for (int t = 0; t < NP; ++t) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
   const float* panel = w + p * K * PANEL;
   for (int64_t k = 0; k < K; ++k) {
-    __m256 wv[NP][2];
-    for (int t = 0; t < NP; ++t) {
-      wv[t][0] = _mm256_loadu_ps(panel + (t * K + k) * PANEL);
-      wv[t][1] = _mm256_loadu_ps(panel + (t * K + k) * PANEL + PANEL / 2);
-    }
-    // at every row count here: the 151,936 x 1536 layer at 4 rows 96 -> 78 ms (Zen 3, 1 thread)
     for (int t = 0; t < NP; ++t)
-      _mm_prefetch(reinterpret_cast<const char*>(panel + (t * K + k + PREFETCH) * PANEL), _MM_HINT_T0);
-    for (int m = 0; m < M; ++m) {
-      const __m256 xb = _mm256_set1_ps(x[m * K + k]);
-      for (int t = 0; t < NP; ++t) {
-        acc[m][t][0] = _mm256_fmadd_ps(wv[t][0], xb, acc[m][t][0]);
-        acc[m][t][1] = _mm256_fmadd_ps(wv[t][1], xb, acc[m][t][1]);
+      _mm_prefetch(reinterpret_cast<const char*>(panel + (t * K + k + AVX2_PREFETCH) * PANEL), _MM_HINT_T0);
+    for (int t = 0; t < NP; ++t) {  // one panel's two weight vectors live at a time
+      const __m256 w0 = _mm256_loadu_ps(panel + (t * K + k) * PANEL);
+      const __m256 w1 = _mm256_loadu_ps(panel + (t * K + k) * PANEL + PANEL / 2);
+      for (int m = 0; m < M; ++m) {
+        const __m256 xb = _mm256_set1_ps(x[m * K + k]);
+        acc[m][t][0] = _mm256_fmadd_ps(w0, xb, acc[m][t][0]);
+        acc[m][t][1] = _mm256_fmadd_ps(w1, xb, acc[m][t][1]);
       }
     }
   }
@@ -185,7 +186,7 @@ template <int M>
 void panels_avx2_np(int64_t np, const float* w, int64_t K, const float* x, float* y, int64_t N, int64_t p,
                     const float* bias) {
   int64_t t = 0;
-  if constexpr (M <= 2) {
+  if constexpr (M <= 3) {
     for (; t + 2 <= np; t += 2) panels_avx2<M, 2>(w, K, x, y, N, p + t, bias);
   }
   for (; t < np; ++t) panels_avx2<M, 1>(w, K, x, y, N, p + t, bias);
