@@ -276,7 +276,13 @@ MUTANTS = [
     ),
     # ---- int8 linear layers for CPU drafts (specdec_kernels/hf/cpu_int8.py)
     Mutant("int8-half-scale", "cpu_int8", "_row_scales", "(amax / INT8_MAX)", "(amax / 254.0)"),
-    Mutant("int8-reduce-range", "cpu_int8", "forward", "self.packed, self.reduce_range)", "self.packed, not self.reduce_range)"),
+    Mutant(
+        "int8-reduce-range",
+        "cpu_int8",
+        "forward",
+        "self.packed, self.reduce_range)",
+        "self.packed, not self.reduce_range)",
+    ),
     Mutant("int8-keep-ignored", "cpu_int8", "replace_cpu_linears", "or any(part in full for part in keep)", "or False"),
     Mutant("int8-bytes-uncounted", "cpu_int8", "_streamed", "elif isinstance(m, Int8Linear):", "elif False:"),
     # (the native kernel, csrc/int8_linear.cpp)

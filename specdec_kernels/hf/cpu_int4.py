@@ -140,8 +140,9 @@ def use_int4_linears(model: nn.Module, keep: tuple[str, ...] | list[str] = ()) -
 
     Raises ``ValueError`` when the native CPU build cannot be loaded (asked for and not possible is an
     error, not a silent no-op); warns (``RuntimeWarning``) where the kernel has no SIMD path (no
-    AVX-512 VNNI: its portable loop is for checking, not for speed). Layers on a GPU or in other dtypes are left as they are. Inference
-    only. Use it on the draft: the output law stays the target's (module docstring).
+    AVX-512 VNNI: its portable loop is for checking, not for speed). Layers on a GPU or in other
+    dtypes are left as they are. Inference only. Use it on the draft: the output law stays the
+    target's (module docstring).
 
     Example::
 

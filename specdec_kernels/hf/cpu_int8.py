@@ -15,13 +15,14 @@ they save on a CPU without native bf16 math). So quantise an fp32 draft.
 
 The native kernel (``kernel="native"``, the default where the native CPU build loads and runs one of
 its SIMD paths, AVX-512 VNNI or AVX2; ``csrc/int8_linear.cpp``). fbgemm streamed those weights at
-10-19 GB/s of the machine's ~26 GB/s (a one-thread sum): short rows (896 inputs) cost it most. Ours keeps 16 output rows interleaved in a
-panel, so each 64-byte load is four inputs of 16 rows and feeds one vpdpbusd per input row with no
-horizontal sums; the input is quantised per row (as fbgemm per call: at one row alike). Same machine,
-weights streamed, ms (ours / fbgemm), 1 row: 896 x 896 0.043-0.049 / 0.074-0.080, 4864 x 896
-0.22 / 0.28, 896 x 4864 0.19-0.21 / 0.23-0.24, the 151,936 x 896 output layer 6.1-6.4 / 7.5-8.8; at 4
-rows 1.1-1.5x faster too. The whole 0.5B draft's forward (300 cached tokens, median of 25
-interleaved, CPU time): 35.9 / 41.9 ms at one query, 42.3 / 48.4 at two, 47.7 / 51.2 at four.
+10-19 GB/s of the machine's ~26 GB/s (a one-thread sum): short rows (896 inputs) cost it most. Ours
+keeps 16 output rows interleaved in a panel, so each 64-byte load is four inputs of 16 rows and
+feeds one vpdpbusd per input row with no horizontal sums; the input is quantised per row (as fbgemm
+per call: at one row alike). Same machine, weights streamed, ms (ours / fbgemm), 1 row: 896 x 896
+0.043-0.049 / 0.074-0.080, 4864 x 896 0.22 / 0.28, 896 x 4864 0.19-0.21 / 0.23-0.24, the 151,936 x
+896 output layer 6.1-6.4 / 7.5-8.8; at 4 rows 1.1-1.5x faster too. The whole 0.5B draft's forward
+(300 cached tokens, median of 25 interleaved, CPU time): 35.9 / 41.9 ms at one query, 42.3 / 48.4 at
+two, 47.7 / 51.2 at four.
 
 Exactness. A speculative decoder's output law is the target's whatever the draft proposes, as long
 as the verifier is told the law the drafts were drawn from; the driver samples drafts from the
@@ -137,8 +138,8 @@ class Int8Linear(nn.Module):
     than fbgemm at 1-4 rows, module docstring) and "fbgemm" (PyTorch's dynamic-quantised linear: one
     scale over the call's rows). At one row the two quantise the input alike. Made from an
     ``nn.Linear`` or an :class:`OneDnnLinear` (:meth:`from_linear`; default: native where the build
-    loads and runs a SIMD path). Inputs: any shape ``[..., in_features]`` and strides, fp32 or bf16, on the CPU; the output
-    has the input's dtype.
+    loads and runs a SIMD path). Inputs: any shape ``[..., in_features]`` and strides, fp32 or bf16,
+    on the CPU; the output has the input's dtype.
     """
 
     def __init__(self, kernel: str, weights: tuple, scales: torch.Tensor, bias, in_features: int, out_features: int):
