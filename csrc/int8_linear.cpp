@@ -198,7 +198,8 @@ SK_AVX2 void gemv_avx2(const int8_t* wq, const float* sw, const int32_t* wsum, c
         for (int t = 0; t < C; ++t) acc[m][t] = _mm256_setzero_si256();
       for (int64_t q = 0; q < Q; ++q) {
         const int8_t* block = panel + (q * PANEL + c0 * QUAD) * QUAD;  // chunk c0 of quad q
-        if (c0 == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + (q + PREFETCH_QUADS) * PANEL * QUAD), _MM_HINT_T0);
+        if (c0 == 0)  // the first sweep streams the panel from memory, the later ones read it from cache
+          _mm_prefetch(reinterpret_cast<const char*>(panel + (q + PREFETCH_QUADS) * PANEL * QUAD), _MM_HINT_T0);
         __m256i w[C];
         for (int t = 0; t < C; ++t)
           w[t] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + t * QUAD * QUAD)));
@@ -215,7 +216,7 @@ SK_AVX2 void gemv_avx2(const int8_t* wq, const float* sw, const int32_t* wsum, c
         const int64_t real = std::min<int64_t>(QUAD, N - n);
         float tail_sw[QUAD] = {}, tail_y[QUAD];
         int32_t tail_ws[QUAD] = {};
-        std::memcpy(tail_sw, sw + n, real * sizeof(float));  // (sw and wsum hold 16 P entries: n + 4 <= 16 P)
+        std::memcpy(tail_sw, sw + n, real * sizeof(float));  // the chunk's real rows (zero past N)
         std::memcpy(tail_ws, wsum + n, real * sizeof(int32_t));
         const __m128 swv = _mm_loadu_ps(tail_sw);
         const __m128i wsv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tail_ws));
@@ -236,7 +237,7 @@ SK_AVX2 void gemv_avx2(const int8_t* wq, const float* sw, const int32_t* wsum, c
   }
 }
 
-// M (1..ROWS) activation rows a pass: all 4 chunks of a panel in one sweep up to 2 rows, 2 up to 4.
+// M (1..ROWS) activation rows a pass: all 4 chunks of a panel in one sweep up to 2 rows, 2 up to 4, then 1.
 void gemv_avx2_rows(int64_t M, const int8_t* wq, const float* sw, const int32_t* wsum, const int16_t* a16,
                     const float* sa, const int32_t* za, float* out, int64_t N, int64_t Kp, int64_t p0, int64_t p1) {
   switch (M) {
