@@ -49,7 +49,8 @@ constexpr int64_t ROWS = 8;                     // activation rows per pass over
 // 1 thread, Zen 4; notes in docs/performance.md). Longer panels keep 4 (1-4 rows) or 2 side by side.
 constexpr int64_t SHORT_PANEL_KP = 1024;
 // Passes of more than 4 rows over short panels prefetch each panel this many quads (4 KB) ahead:
-// their extra vpdpbusd per load leave the stream too slow for the hardware prefetcher alone.
+// their extra vpdpbusd per load leave the stream too slow for the hardware prefetcher alone. (The
+// AVX2 path's first sweep over a panel prefetches as far at every row count.)
 constexpr int PREFETCH_QUADS = 64;
 
 inline int64_t padded(int64_t K) { return (K + QUAD - 1) / QUAD * QUAD; }
