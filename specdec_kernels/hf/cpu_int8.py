@@ -240,8 +240,9 @@ def _pick_kernel(kernel: str | None) -> str:
     if kernel not in (None, "native", "fbgemm"):
         raise ValueError(f"Int8Linear: kernel must be 'native', 'fbgemm' or None, got {kernel!r}")
     if kernel is None:  # native where its SIMD path runs; else fbgemm's where it exists; else native's loop
-        fast = native_int8_available() and bool(load_cpu_core().w8a8_fast_path())
-        kernel = "native" if fast or (native_int8_available() and not _fbgemm_available()) else "fbgemm"
+        native = native_int8_available()
+        fast = native and bool(load_cpu_core().w8a8_fast_path())
+        kernel = "native" if fast or (native and not _fbgemm_available()) else "fbgemm"
     if kernel == "native" and not native_int8_available():
         raise ValueError(f"Int8Linear: kernel='native': the native CPU build does not load ({cpu_failure()})")
     if kernel == "fbgemm" and not _fbgemm_available():

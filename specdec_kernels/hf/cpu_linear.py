@@ -117,10 +117,10 @@ def use_onednn_linears(model: nn.Module) -> int:
 
     Returns how many were replaced (0 when this PyTorch has no oneDNN, or the model is on a GPU or
     in another dtype, or bf16 on a CPU where oneDNN has no bf16 linear: nothing to gain there, and
-    those layers are left as they were). Inference only: the
-    packed weights are not parameters, so ``state_dict()``, ``.to(device)`` and training no longer see
-    them (save or move the model before the swap). A tied output layer gets its own packed copy (the
-    input embedding keeps the original weight).
+    those layers are left as they were). Inference only: the packed weights are not parameters, so
+    ``state_dict()``, ``.to(device)`` and training no longer see them (save or move the model before
+    the swap). A tied output layer gets its own packed copy (the input embedding keeps the original
+    weight).
 
     Example::
 
